@@ -1,0 +1,23 @@
+"""fullshard: Fully Sharded Data Parallel training for PyTorch, on CPU (gloo) and CUDA (NCCL).
+
+Speaks ``torch.distributed.fsdp``'s API: replace
+``from torch.distributed.fsdp import FullyShardedDataParallel as FSDP`` with
+``from fullshard import FullyShardedDataParallel as FSDP``.
+"""
+
+from fullshard.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from fullshard.fully_sharded_data_parallel import FSDP, FullyShardedDataParallel
+from fullshard.memory import model_state_bytes, peak_rss_bytes
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackwardPrefetch",
+    "CPUOffload",
+    "FSDP",
+    "FullyShardedDataParallel",
+    "MixedPrecision",
+    "ShardingStrategy",
+    "model_state_bytes",
+    "peak_rss_bytes",
+]

@@ -1,0 +1,234 @@
+"""Collectives over flat 1-D buffers: the only module that calls torch.distributed.
+
+Every function takes the process group explicitly and works on contiguous 1-D tensors.
+It hides what differs between backends and torch versions:
+
+- gloo has no ``ReduceOp.AVG``: averages are a sum followed by a division.
+- gloo has no native reduce-scatter (torch emulates it with a full all-reduce). Here a
+  reduce-scatter on gloo is an all-to-all of the N chunks followed by a local sum, which moves
+  half the bytes.
+- torch 2.13 renamed ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` to
+  ``all_gather_single`` / ``reduce_scatter_single``; torch 2.11 has only the old names.
+
+Asynchronous calls return a :class:`Handle`; its ``wait()`` finishes any local work (the sum
+of an emulated reduce-scatter, the division of an average) and is idempotent.
+
+A per-process :data:`STATS` counts calls and bytes sent, for tests and the benchmark.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from collections import Counter
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+ProcessGroup = Any  # torch's ProcessGroup type moves between versions
+
+_all_gather_fn: Callable[..., Any] = getattr(dist, "all_gather_single", None) or getattr(
+    dist, "all_gather_into_tensor"
+)
+_reduce_scatter_fn: Callable[..., Any] = getattr(dist, "reduce_scatter_single", None) or getattr(
+    dist, "reduce_scatter_tensor"
+)
+
+
+@dataclasses.dataclass
+class CollectiveStats:
+    """Counts of collective calls and of bytes each rank put on the wire, per op name."""
+
+    calls: Counter = dataclasses.field(default_factory=Counter)
+    bytes_sent: Counter = dataclasses.field(default_factory=Counter)
+    log: Optional[list] = None  # when a list, each call appends (op, dtype, numel)
+
+    def reset(self, keep_log: bool = False) -> None:
+        self.calls.clear()
+        self.bytes_sent.clear()
+        if self.log is not None:
+            self.log = [] if keep_log else None
+
+    def record(self, op: str, tensor: torch.Tensor, sent_bytes: int) -> None:
+        self.calls[op] += 1
+        self.bytes_sent[op] += sent_bytes
+        if self.log is not None:
+            self.log.append((op, tensor.dtype, tensor.numel()))
+
+
+STATS = CollectiveStats()
+
+
+class Handle:
+    """An in-flight collective. ``wait()`` blocks until it is done and runs its local epilogue."""
+
+    def __init__(self, work: Any, epilogue: Optional[Callable[[], None]] = None) -> None:
+        self._work = work
+        self._epilogue = epilogue
+        self._done = False
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        if self._work is not None:
+            self._work.wait()
+        if self._epilogue is not None:
+            self._epilogue()
+        self._done = True
+
+
+def _finish(work: Any, epilogue: Optional[Callable[[], None]], async_op: bool) -> Optional[Handle]:
+    handle = Handle(work, epilogue)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+def is_initialized() -> bool:
+    """Whether the default process group exists."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def default_group() -> ProcessGroup:
+    """The default (world) process group. Raises RuntimeError if none is initialized."""
+    if not is_initialized():
+        raise RuntimeError(
+            "fullshard needs an initialized process group: call "
+            "torch.distributed.init_process_group(backend='gloo' on CPU or 'nccl' on CUDA) "
+            "before wrapping, or pass process_group="
+        )
+    return dist.group.WORLD
+
+
+def group_size(group: ProcessGroup) -> int:
+    return dist.get_world_size(group)
+
+
+def group_rank(group: ProcessGroup) -> int:
+    return dist.get_rank(group)
+
+
+def backend(group: ProcessGroup) -> str:
+    return str(dist.get_backend(group)).lower()
+
+
+def new_group(ranks: list[int]) -> ProcessGroup:
+    """A subgroup of the default group; every rank must call it with the same ranks."""
+    return dist.new_group(ranks)
+
+
+def all_gather(
+    output: torch.Tensor, input: torch.Tensor, group: ProcessGroup, async_op: bool = False
+) -> Optional[Handle]:
+    """All-gather ``input`` (shape (S,)) from every rank into ``output`` (shape (N*S,)).
+
+    Rank r's input lands in ``output[r*S:(r+1)*S]``. Both tensors are contiguous, same dtype
+    and device. Returns a Handle when ``async_op``, else None after completion.
+    """
+    n = group_size(group)
+    if output.numel() != n * input.numel():
+        raise ValueError(
+            f"all_gather: output has {output.numel()} elements, expected "
+            f"{n} x {input.numel()} (world size x input)"
+        )
+    STATS.record("all_gather", input, input.numel() * input.element_size() * (n - 1))
+    work = _all_gather_fn(output, input, group=group, async_op=async_op)
+    return _finish(work if async_op else None, None, async_op)
+
+
+def reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: ProcessGroup,
+    average: bool = True,
+    async_op: bool = False,
+) -> Optional[Handle]:
+    """Reduce ``input`` (shape (N*S,)) over ranks and keep chunk r on rank r in ``output`` (S,).
+
+    With ``average`` the result is the mean over ranks (sum, then divide by N). ``input`` may
+    be overwritten. On gloo this is an all-to-all of the N chunks plus a local sum.
+    Returns a Handle when ``async_op``, else None after completion.
+    """
+    n = group_size(group)
+    if input.numel() != n * output.numel():
+        raise ValueError(
+            f"reduce_scatter: input has {input.numel()} elements, expected "
+            f"{n} x {output.numel()} (world size x output)"
+        )
+    nbytes = output.numel() * output.element_size() * (n - 1)
+    if backend(group) == "gloo":
+        STATS.record("reduce_scatter", input, nbytes)
+        received = torch.empty_like(input)
+        work = dist.all_to_all_single(received, input, group=group, async_op=async_op)
+
+        def epilogue() -> None:
+            torch.sum(received.view(n, -1), dim=0, out=output)
+            if average:
+                output.div_(n)
+
+        return _finish(work, epilogue, async_op)
+    STATS.record("reduce_scatter", input, nbytes)
+    work = _reduce_scatter_fn(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return _finish(work, (lambda: output.div_(n)) if average else None, async_op)
+
+
+def all_reduce(
+    tensor: torch.Tensor, group: ProcessGroup, average: bool = False, async_op: bool = False
+) -> Optional[Handle]:
+    """Sum ``tensor`` over ranks in place (then divide by N when ``average``)."""
+    n = group_size(group)
+    STATS.record("all_reduce", tensor, 2 * tensor.numel() * tensor.element_size() * (n - 1) // n)
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return _finish(work, (lambda: tensor.div_(n)) if average else None, async_op)
+
+
+def all_reduce_max(tensor: torch.Tensor, group: ProcessGroup) -> None:
+    """Element-wise maximum over ranks, in place, synchronous."""
+    STATS.record("all_reduce", tensor, tensor.numel() * tensor.element_size())
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+
+
+def broadcast(tensor: torch.Tensor, src_rank: int, group: ProcessGroup) -> None:
+    """Copy ``tensor`` from group rank ``src_rank`` to every rank, in place, synchronous."""
+    STATS.record("broadcast", tensor, tensor.numel() * tensor.element_size())
+    dist.broadcast(tensor, src=dist.get_global_rank(group, src_rank), group=group)
+
+
+def all_gather_object(obj: Any, group: ProcessGroup) -> list[Any]:
+    """Gather one picklable object per rank; returns the list in rank order."""
+    out: list[Any] = [None] * group_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def barrier(group: ProcessGroup) -> None:
+    dist.barrier(group=group)
+
+
+def init_process_group(
+    backend_name: str,
+    store: Any,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    device_id: Optional[torch.device] = None,
+) -> None:
+    """Create the default process group on ``store`` (a c10d Store)."""
+    kwargs: dict[str, Any] = {}
+    if device_id is not None:
+        kwargs["device_id"] = device_id
+    dist.init_process_group(
+        backend_name,
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        **kwargs,
+    )
+
+
+def destroy_process_group() -> None:
+    if is_initialized():
+        dist.destroy_process_group()

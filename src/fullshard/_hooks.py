@@ -1,0 +1,162 @@
+"""Hooks: when units gather, free and reduce, driven by forward and autograd.
+
+- pre-forward: all-gather the unit (waiting on a prefetch if one is in flight), put the full
+  parameters in place, and with ``forward_prefetch`` start the next unit's all-gather.
+- post-forward: put the shards back; free the full parameters under FULL_SHARD (or when no
+  backward can follow); hook the outputs so the unit knows when its backward begins.
+- pre-backward (a hook on the unit's outputs): all-gather again if freed; with BACKWARD_PRE
+  start the all-gather of the unit that runs next in backward (the previous one in forward).
+- post-backward (the unit's post-accumulate-grad hook): launch the gradient reduce-scatter,
+  free the full parameters; with BACKWARD_POST start the next all-gather here instead.
+- a callback queued on the autograd engine at the first pre-backward: wait for the reductions,
+  free what is left, and bring every unit back to IDLE.
+
+Hooks call units only; they never touch torch.distributed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten, tree_map
+
+from fullshard.api import BackwardPrefetch
+from fullshard._unit import ShardState, TrainingState, Unit
+
+
+@dataclasses.dataclass
+class RootState:
+    """What the units of one FSDP tree share; owned by the root unit."""
+
+    units: list[Unit]
+    backward_prefetch: Optional[BackwardPrefetch]
+    forward_prefetch: bool
+    forward_order: list[Unit] = dataclasses.field(default_factory=list)
+    last_forward_order: list[Unit] = dataclasses.field(default_factory=list)
+    callback_queued: bool = False
+    sync_grads: bool = True
+    last_reduced: Optional[Unit] = None
+    pre_backward_done: set[int] = dataclasses.field(default_factory=set)
+
+
+@dataclasses.dataclass
+class UnitHooks:
+    """Per-unit hook state: the unit, whether it is the root, and its tree's shared state."""
+
+    unit: Unit
+    is_root: bool = False
+    root: Optional[RootState] = None
+
+
+def _neighbour(order: list[Unit], unit: Unit, step: int) -> Optional[Unit]:
+    """The unit ``step`` places from ``unit`` in ``order``, if any."""
+    try:
+        i = order.index(unit)
+    except ValueError:
+        return None
+    j = i + step
+    return order[j] if 0 <= j < len(order) else None
+
+
+def _prefetch(unit: Optional[Unit]) -> None:
+    if unit is not None and unit.shard_state is ShardState.SHARDED:
+        unit.unshard(async_op=True)
+
+
+def move_to_device(args: Any, device: torch.device) -> Any:
+    """Move every tensor in a nested structure to ``device`` (no-op for CPU units)."""
+    if device.type == "cpu":
+        return args
+    return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, args)
+
+
+def root_pre_forward(hooks: UnitHooks) -> None:
+    """Start of an iteration at the root: finish a backward that never ran its callback."""
+    root = hooks.root
+    assert root is not None
+    if torch.is_grad_enabled():
+        if root.forward_order:
+            root.last_forward_order = root.forward_order
+        root.forward_order = []
+
+
+def pre_forward(hooks: UnitHooks) -> None:
+    unit, root = hooks.unit, hooks.root
+    assert root is not None
+    if hooks.is_root:
+        root_pre_forward(hooks)
+    unit._check_state((TrainingState.IDLE, TrainingState.PRE_BACKWARD), "run forward")
+    if unit.training_state is TrainingState.IDLE:
+        unit.training_state = TrainingState.FORWARD
+    unit.unshard()
+    unit.install_full_params()
+    if torch.is_grad_enabled() and unit not in root.forward_order:
+        root.forward_order.append(unit)
+    if root.forward_prefetch:
+        _prefetch(_neighbour(root.last_forward_order, unit, +1))
+
+
+def post_forward(hooks: UnitHooks, output: Any) -> Any:
+    unit, root = hooks.unit, hooks.root
+    assert root is not None
+    unit.uninstall_full_params()
+    grad = torch.is_grad_enabled()
+    in_recompute = unit.training_state is not TrainingState.FORWARD
+    if not in_recompute:
+        unit.training_state = TrainingState.IDLE
+        if not grad or (unit.reshard_after_forward and not hooks.is_root):
+            unit.reshard()
+    if grad and not in_recompute:
+        _register_pre_backward(hooks, output)
+    return output
+
+
+def _register_pre_backward(hooks: UnitHooks, output: Any) -> None:
+    tensors, _ = tree_flatten(output)
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            t.register_hook(lambda grad, h=hooks: _pre_backward(h, grad))
+
+
+def _pre_backward(hooks: UnitHooks, grad: torch.Tensor) -> torch.Tensor:
+    unit, root = hooks.unit, hooks.root
+    assert root is not None
+    if not root.callback_queued:
+        root.callback_queued = True
+        Variable._execution_engine.queue_callback(lambda: finish_backward(root))
+    if id(unit) in root.pre_backward_done:
+        return grad
+    root.pre_backward_done.add(id(unit))
+    unit.training_state = TrainingState.PRE_BACKWARD
+    unit.unshard()
+    if root.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+        _prefetch(_neighbour(root.forward_order, unit, -1))
+    return grad
+
+
+def post_backward(unit: Unit, root: RootState) -> None:
+    """Called when ``unit``'s full flat gradient has been accumulated."""
+    unit.training_state = TrainingState.POST_BACKWARD
+    if root.sync_grads:
+        if root.last_reduced is not None and root.last_reduced is not unit:
+            root.last_reduced.finish_reduce()  # keep one reduction in flight, not all
+        unit.reduce_grads()
+        root.last_reduced = unit
+    unit.reshard()
+    if root.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+        _prefetch(_neighbour(root.forward_order, unit, -1))
+
+
+def finish_backward(root: RootState) -> None:
+    """End of backward: wait for every reduction, free every unit, all back to IDLE."""
+    for unit in root.units:
+        unit.finish_reduce()
+    for unit in root.units:
+        unit.reshard()
+        unit.training_state = TrainingState.IDLE
+    root.last_reduced = None
+    root.callback_queued = False
+    root.pre_backward_done.clear()

@@ -1,0 +1,156 @@
+"""Sharded parameter: how one original parameter is split across the ranks of a shard group.
+
+Vocabulary (used throughout fullshard):
+
+- **shard**: the rows of a parameter that one rank owns. A parameter of shape (d0, *rest) is
+  split along dim 0 with ``torch.chunk`` semantics over the N ranks of the shard group: every
+  rank gets ``chunk = ceil(d0 / N)`` rows except the last ranks, which may hold fewer rows or
+  none. A 0-dim parameter is treated as shape (1,).
+- **padded shard size**: ``chunk * prod(rest)`` elements, the same on every rank. Padding exists
+  only inside communication buffers, never in the registered shard.
+- **flat buffer**: one 1-D tensor holding several parameters back to back. A unit keeps a local
+  flat buffer of padded shards (its all-gather input) and, while unsharded, a full flat buffer
+  of padded full parameters (its all-gather output after the copy-out).
+
+The registered ``nn.Parameter`` is the local shard: a plain tensor of shape (rows, *rest) in the
+parameter's original dtype, a view into the unit's local flat buffer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import torch
+from torch import nn
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSpec:
+    """Geometry of one parameter sharded over ``world`` ranks; this process is ``rank``.
+
+    Attributes:
+        orig_shape: the full parameter's shape.
+        world: number of ranks in the shard group (N).
+        rank: this process's rank in the shard group.
+    """
+
+    orig_shape: torch.Size
+    world: int
+    rank: int
+
+    @property
+    def rows(self) -> int:
+        """d0, the full number of rows (1 for a 0-dim parameter)."""
+        return self.orig_shape[0] if len(self.orig_shape) > 0 else 1
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        return tuple(self.orig_shape[1:])
+
+    @property
+    def row_numel(self) -> int:
+        return math.prod(self.row_shape)
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.row_numel
+
+    @property
+    def chunk_rows(self) -> int:
+        """Rows per rank before the tail: ceil(d0 / N)."""
+        return -(-self.rows // self.world)
+
+    @property
+    def padded_shard_numel(self) -> int:
+        """Elements of one rank's padded shard (identical on every rank)."""
+        return self.chunk_rows * self.row_numel
+
+    @property
+    def padded_numel(self) -> int:
+        """Elements of the padded full parameter: N x padded shard size."""
+        return self.world * self.padded_shard_numel
+
+    def rows_of(self, rank: int) -> int:
+        """Real (unpadded) rows held by ``rank``; 0 for ranks past the end."""
+        start = rank * self.chunk_rows
+        return max(0, min(self.chunk_rows, self.rows - start))
+
+    @property
+    def local_rows(self) -> int:
+        return self.rows_of(self.rank)
+
+    @property
+    def local_row_start(self) -> int:
+        return min(self.rank * self.chunk_rows, self.rows)
+
+    @property
+    def local_shape(self) -> torch.Size:
+        return torch.Size((self.local_rows, *self.row_shape))
+
+    @property
+    def local_numel(self) -> int:
+        return self.local_rows * self.row_numel
+
+    def local_slice(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a full tensor of ``orig_shape`` (a view, shape ``local_shape``)."""
+        flat_rows = full.reshape(self.rows, *self.row_shape)
+        start = self.local_row_start
+        return flat_rows[start : start + self.local_rows]
+
+
+@dataclasses.dataclass
+class ParamSlot:
+    """Where an original parameter lives in the module tree (one parameter can have several)."""
+
+    module: nn.Module
+    attr: str
+
+
+class ShardedParam:
+    """One original parameter of a unit: its geometry, its registered shard and its places.
+
+    Args:
+        spec: the shard geometry.
+        slots: every (module, attribute) where the original parameter was registered.
+        fqn: the parameter's fully qualified name in the unwrapped model.
+        requires_grad: whether the original parameter required a gradient.
+    """
+
+    def __init__(
+        self, spec: ShardSpec, slots: list[ParamSlot], fqn: str, requires_grad: bool
+    ) -> None:
+        self.spec = spec
+        self.slots = slots
+        self.fqn = fqn
+        self.requires_grad = requires_grad
+        self.shard: Optional[nn.Parameter] = None
+        self.local_offset = 0  # element offset in the unit's local flat buffer
+        self.full_offset = 0  # element offset in the unit's full flat buffer
+
+    def register_shard(self, shard: nn.Parameter) -> None:
+        """Put ``shard`` in place of the original parameter at every slot."""
+        shard._fullshard_param = self  # type: ignore[attr-defined]
+        self.shard = shard
+        for slot in self.slots:
+            slot.module._parameters[slot.attr] = shard
+
+    def install_full(self, full: torch.Tensor) -> None:
+        """Make ``module.attr`` resolve to ``full`` (shape ``orig_shape``) at every slot.
+
+        The full tensor goes into the instance ``__dict__``, which attribute lookup consults
+        before ``nn.Module.__getattr__``; ``_parameters`` keeps the shard, so
+        ``module.parameters()`` still yields shards.
+        """
+        for slot in self.slots:
+            slot.module.__dict__[slot.attr] = full
+
+    def uninstall_full(self) -> None:
+        for slot in self.slots:
+            slot.module.__dict__.pop(slot.attr, None)
+
+
+def is_sharded(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a shard registered by a fullshard unit."""
+    return hasattr(param, "_fullshard_param")

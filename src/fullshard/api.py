@@ -1,0 +1,95 @@
+"""Configuration types with the names and members of ``torch.distributed.fsdp``.
+
+``ShardingStrategy``, ``BackwardPrefetch``, ``MixedPrecision`` and ``CPUOffload`` accept what
+torch's do; :func:`parse_sharding_strategy` also accepts the member names as strings in any
+case ("full_shard"), which the command-line jobs use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Optional, Union
+
+import torch
+
+
+class ShardingStrategy(enum.Enum):
+    """How parameters, gradients and optimizer state are split across ranks.
+
+    FULL_SHARD: shard all three; gather parameters before forward and again before backward,
+        free them after each.
+    SHARD_GRAD_OP: shard gradients and optimizer state; keep parameters gathered from forward
+        through backward (one all-gather per step instead of two).
+    NO_SHARD: replicate everything and all-reduce gradients, like DistributedDataParallel.
+    HYBRID_SHARD / _HYBRID_SHARD_ZERO2: FULL_SHARD / SHARD_GRAD_OP inside a group, replicated
+        across groups.
+    """
+
+    FULL_SHARD = 1
+    SHARD_GRAD_OP = 2
+    NO_SHARD = 3
+    HYBRID_SHARD = 4
+    _HYBRID_SHARD_ZERO2 = 5
+
+
+class BackwardPrefetch(enum.Enum):
+    """When the next unit's all-gather is issued during backward.
+
+    BACKWARD_PRE: when the current unit's backward starts (most overlap, one more unit alive).
+    BACKWARD_POST: after the current unit's gradients are computed.
+    """
+
+    BACKWARD_PRE = 1
+    BACKWARD_POST = 2
+
+
+@dataclasses.dataclass
+class MixedPrecision:
+    """Dtypes for the gathered parameters, the gradient reduction and the buffers.
+
+    Args:
+        param_dtype: dtype of the all-gather and of forward/backward compute.
+        reduce_dtype: dtype of the gradient reduce-scatter.
+        buffer_dtype: dtype of module buffers.
+        keep_low_precision_grads: leave the sharded gradients in the reduce dtype.
+        cast_forward_inputs: cast floating-point forward inputs of every unit to param_dtype.
+        cast_root_forward_inputs: cast the root unit's floating-point inputs to param_dtype.
+    """
+
+    param_dtype: Optional[torch.dtype] = None
+    reduce_dtype: Optional[torch.dtype] = None
+    buffer_dtype: Optional[torch.dtype] = None
+    keep_low_precision_grads: bool = False
+    cast_forward_inputs: bool = False
+    cast_root_forward_inputs: bool = True
+
+
+@dataclasses.dataclass
+class CPUOffload:
+    """Keep parameter shards and their gradients in CPU memory when ``offload_params``."""
+
+    offload_params: bool = False
+
+
+def parse_sharding_strategy(value: Union[None, str, ShardingStrategy]) -> ShardingStrategy:
+    """Turn None, a ShardingStrategy or a member name (any case) into a ShardingStrategy.
+
+    Raises:
+        ValueError: an unknown name, listing the valid ones.
+        TypeError: a value of another type.
+    """
+    if value is None:
+        return ShardingStrategy.FULL_SHARD
+    if isinstance(value, ShardingStrategy):
+        return value
+    if isinstance(value, str):
+        key = value.strip().upper().replace("-", "_")
+        if key in ShardingStrategy.__members__:
+            return ShardingStrategy[key]
+        valid = ", ".join(m.lower() for m in ShardingStrategy.__members__)
+        raise ValueError(f"sharding_strategy={value!r} is not a strategy; use one of: {valid}")
+    raise TypeError(
+        f"sharding_strategy must be a fullshard.ShardingStrategy or its name, "
+        f"got {type(value).__name__}"
+    )

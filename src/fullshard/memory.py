@@ -1,0 +1,51 @@
+"""Memory measurements: exact tensor bytes of model state per rank, and peak RSS."""
+
+from __future__ import annotations
+
+import resource
+import sys
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+
+def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        s = t.untyped_storage()
+        seen[s.data_ptr() if s.nbytes() else id(s)] = s.nbytes()
+    return sum(seen.values())
+
+
+def model_state_bytes(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, int]:
+    """This rank's model-state bytes: parameters, gradients and optimizer state.
+
+    Counts the storages behind the tensors (a shard that is a view of a unit's padded flat
+    buffer counts the whole buffer once, padding included), in bytes.
+
+    Returns:
+        dict with ``params``, ``grads``, ``optim`` and ``total`` (bytes, ints).
+    """
+    params = [p for p in model.parameters()]
+    grads = [p.grad for p in params if p.grad is not None]
+    optim: list[torch.Tensor] = []
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            optim.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+    out = {
+        "params": _storage_bytes(params),
+        "grads": _storage_bytes(grads),
+        "optim": _storage_bytes(optim),
+    }
+    out["total"] = out["params"] + out["grads"] + out["optim"]
+    return out
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far, in bytes (Linux reports KiB)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
