@@ -209,19 +209,22 @@ def barrier(group: ProcessGroup) -> None:
 
 def init_process_group(
     backend_name: str,
-    store: Any,
+    master_addr: str,
+    master_port: int,
     rank: int,
     world_size: int,
+    store_prefix: str,
     timeout_s: float,
     device_id: Optional[torch.device] = None,
 ) -> None:
-    """Create the default process group on ``store`` (a c10d Store)."""
+    """Create the default process group on the launcher's TCPStore under ``store_prefix``."""
+    store = dist.TCPStore(master_addr, master_port, world_size, is_master=False)
     kwargs: dict[str, Any] = {}
     if device_id is not None:
         kwargs["device_id"] = device_id
     dist.init_process_group(
         backend_name,
-        store=store,
+        store=dist.PrefixStore(store_prefix, store),
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),

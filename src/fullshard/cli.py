@@ -1,0 +1,31 @@
+"""The ``fullshard`` command: ``fullshard train JOB [options]``."""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional, Sequence
+
+USAGE = """usage: fullshard COMMAND ...
+
+commands:
+  train JOB [options]   run a training job across processes (jobs: mnist)
+"""
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Dispatch ``fullshard`` subcommands; returns the process exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE, end="")
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    if command == "train":
+        from fullshard.train import main as train_main
+
+        return train_main(rest)
+    print(f"fullshard: unknown command {command!r}\n{USAGE}", file=sys.stderr, end="")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""Starting worker processes: a thin layer over torch.distributed's elastic launcher.
+
+``launch(fn, args, nproc)`` starts ``nproc`` local workers with
+``torch.distributed.launcher.api.elastic_launch`` (what ``torchrun`` uses), so the job runs the
+same under ``torchrun``. If a worker fails, the launcher's agent stops the others (no hang) and
+``launch`` raises :class:`WorkerFailed` with the first failure's message.
+
+Inside a worker, ``init_process_group()`` creates the default process group from the
+launcher's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK): gloo on CPU,
+NCCL when the worker has a GPU. It uses a store prefix per restart attempt: after a restart the
+launcher's store still holds the dead attempt's gloo addresses, and reusing them hangs.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from typing import Any, Callable, Optional
+
+import torch
+
+from fullshard import _collectives as C
+
+
+class WorkerFailed(RuntimeError):
+    """A worker process of a launched job failed; the message holds its error."""
+
+
+def default_nproc() -> int:
+    """The number of CUDA devices, else 2."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch(
+    fn: Callable[..., Any],
+    args: tuple,
+    nproc: int,
+    max_restarts: int = 0,
+) -> dict[int, Any]:
+    """Run ``fn(*args)`` in ``nproc`` local worker processes; return {rank: return value}.
+
+    Args:
+        fn: a module-level function (it is pickled into spawned processes).
+        args: its arguments (picklable).
+        nproc: number of workers, >= 1.
+        max_restarts: how often the whole group is restarted after a worker dies.
+
+    Raises:
+        ValueError: ``nproc`` < 1 or ``max_restarts`` < 0.
+        WorkerFailed: a worker failed (after the restarts ran out).
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if nproc < 1:
+        raise ValueError(f"--nproc must be at least 1, got {nproc}")
+    if max_restarts < 0:
+        raise ValueError(f"--max-restarts must be 0 or more, got {max_restarts}")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"fullshard-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        rdzv_configs={"timeout": 120},
+        max_restarts=max_restarts,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    try:
+        return elastic_launch(config, fn)(*args)
+    except ChildFailedError as e:
+        first = e.get_first_failure()
+        rank, failure = first
+        message = failure.message if isinstance(failure.message, str) else str(failure.message)
+        raise WorkerFailed(f"worker rank {rank} failed (exit code {failure.exitcode}): {message}") from None
+
+
+def init_process_group(timeout_s: float = 300.0) -> torch.device:
+    """Create the default process group from the launcher's environment; return this worker's device.
+
+    gloo on CPU; NCCL when CUDA is available and LOCAL_RANK names a device.
+
+    Raises:
+        RuntimeError: the launcher's variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) are
+            missing: start the job with ``fullshard train`` or ``torchrun``.
+    """
+    need = ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]
+    absent = [k for k in need if k not in os.environ]
+    if absent:
+        raise RuntimeError(
+            f"environment variables {absent} are not set: start workers with `fullshard train ...` "
+            "or `torchrun --nproc-per-node N -m fullshard.train ...`"
+        )
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    if torch.cuda.is_available() and local_rank < torch.cuda.device_count():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    C.init_process_group(
+        backend,
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        rank,
+        world,
+        f"fullshard_attempt_{attempt}",
+        timeout_s,
+        device if backend == "nccl" else None,
+    )
+    return device
+
+
+def destroy_process_group() -> None:
+    """Tear down the default process group if there is one."""
+    C.destroy_process_group()
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def env_world_size() -> Optional[int]:
+    """WORLD_SIZE from the environment, when running under a launcher."""
+    value = os.environ.get("WORLD_SIZE")
+    return int(value) if value else None

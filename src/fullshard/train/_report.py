@@ -1,0 +1,35 @@
+"""Per-epoch reporting shared by the training jobs: one line per epoch and a JSON-lines file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from fullshard import _collectives as C
+from fullshard.memory import peak_rss_bytes
+
+
+def gather_memory(state_bytes: int) -> tuple[list[int], list[int]]:
+    """(peak RSS bytes per rank, model-state bytes per rank), collective over the world group."""
+    rows = C.all_gather_object((peak_rss_bytes(), state_bytes), C.default_group())
+    return [r[0] for r in rows], [r[1] for r in rows]
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+class MetricsFile:
+    """Appends one JSON object per line to ``path`` (rank 0 only); truncates it on open."""
+
+    def __init__(self, path: Optional[str], enabled: bool) -> None:
+        self.path = Path(path) if path and enabled else None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text("")
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.path is not None:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")

@@ -1,0 +1,249 @@
+"""``fullshard train mnist``: the PyTorch FSDP tutorial's MNIST model, sharded by fullshard.
+
+Recipe: parse the config, start the workers, and in each: build the data, build and wrap the
+model, train and test every epoch, report, save, close.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import sys
+import time
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.optim.lr_scheduler import StepLR
+from torch.utils.data import DataLoader, DistributedSampler, Subset
+
+from fullshard import _collectives as C
+from fullshard import launch, mnist_data
+from fullshard.api import ShardingStrategy, parse_sharding_strategy
+from fullshard.fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
+from fullshard.memory import model_state_bytes
+from fullshard.train._report import MetricsFile, gather_memory, mib
+from fullshard.wrap import size_based_auto_wrap_policy
+
+
+class Net(nn.Module):
+    """The tutorial's CNN: conv 1->32, conv 32->64, max-pool, dropout, fc 9216->128->10.
+
+    Input: float32 (batch, 1, 28, 28). Output: log-probabilities, float32 (batch, 10).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 32, 3, 1)
+        self.conv2 = nn.Conv2d(32, 64, 3, 1)
+        self.dropout1 = nn.Dropout(0.25)
+        self.dropout2 = nn.Dropout(0.5)
+        self.fc1 = nn.Linear(9216, 128)
+        self.fc2 = nn.Linear(128, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.conv1(x))
+        x = F.relu(self.conv2(x))
+        x = F.max_pool2d(x, 2)
+        x = self.dropout1(x)
+        x = torch.flatten(x, 1)
+        x = F.relu(self.fc1(x))
+        x = self.dropout2(x)
+        return F.log_softmax(self.fc2(x), dim=1)
+
+
+@dataclasses.dataclass
+class MnistConfig:
+    """Options of the MNIST job (see ``fullshard train mnist --help``)."""
+
+    nproc: int = 2
+    epochs: int = 10
+    batch_size: int = 64
+    test_batch_size: int = 1000
+    lr: float = 1.0
+    gamma: float = 0.7
+    seed: int = 1
+    sharding_strategy: str = "full_shard"
+    min_num_params: int = 20000
+    data_dir: Optional[str] = None
+    save_model: Optional[str] = None
+    metrics_file: Optional[str] = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.nproc < 1:
+            raise ValueError(f"--nproc must be at least 1, got {self.nproc}")
+        for name in ("epochs", "batch_size", "test_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        parse_sharding_strategy(self.sharding_strategy)
+        if self.data_dir is not None:
+            if not os.path.isdir(self.data_dir):
+                raise ValueError(f"--data-dir {self.data_dir} is not a directory")
+            try:
+                mnist_data.find_idx_files(self.data_dir)
+            except FileNotFoundError as e:
+                raise ValueError(str(e)) from None
+
+
+def parse_args(argv: Sequence[str]) -> MnistConfig:
+    """Parse command-line options into a validated MnistConfig (exits with a message on error)."""
+    d = MnistConfig()
+    p = argparse.ArgumentParser(prog="fullshard train mnist", description=__doc__)
+    p.add_argument("--nproc", type=int, default=launch.default_nproc(), help="worker processes (default: GPUs, else 2)")
+    p.add_argument("--epochs", type=int, default=d.epochs)
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="per-rank training batch")
+    p.add_argument("--test-batch-size", type=int, default=d.test_batch_size)
+    p.add_argument("--lr", type=float, default=d.lr, help="Adadelta learning rate")
+    p.add_argument("--gamma", type=float, default=d.gamma, help="StepLR decay per epoch")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--sharding-strategy", default=d.sharding_strategy, help="full_shard, shard_grad_op or no_shard")
+    p.add_argument("--min-num-params", type=int, default=d.min_num_params, help="size-based auto-wrap threshold")
+    p.add_argument("--data-dir", default=None, help="folder with the 4 MNIST IDX files (default: bundled subset)")
+    p.add_argument("--save-model", default=None, metavar="PATH", help="write the full state dict here")
+    p.add_argument("--metrics-file", default=None, metavar="PATH", help="JSON lines, one per epoch")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no tqdm bar")
+    ns = p.parse_args(list(argv))
+    try:
+        return MnistConfig(**vars(ns))
+    except ValueError as e:
+        p.error(str(e))
+        raise  # unreachable: p.error exits
+
+
+def _loaders(cfg: MnistConfig, rank: int, world: int) -> tuple[DataLoader, DataLoader, DistributedSampler]:
+    train_set, test_set = mnist_data.load(cfg.data_dir)
+    sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed)
+    train = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler)
+    # Test on a strided, unpadded share of the test set so every image counts exactly once.
+    test = DataLoader(Subset(test_set, range(rank, len(test_set), world)), batch_size=cfg.test_batch_size)
+    return train, test, sampler
+
+
+def _train_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim.Optimizer, device: torch.device, bar: Any) -> torch.Tensor:
+    model.train()
+    stats = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, samples
+    for data, target in loader:
+        data, target = data.to(device), target.to(device)
+        optimizer.zero_grad()
+        loss = F.nll_loss(model(data), target, reduction="sum")
+        loss.backward()
+        optimizer.step()
+        stats[0] += loss.item()
+        stats[1] += len(data)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss.item() / len(data):.4f}")
+    return stats
+
+
+def _test(model: nn.Module, loader: DataLoader, device: torch.device) -> torch.Tensor:
+    model.eval()
+    stats = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
+    with torch.no_grad():
+        for data, target in loader:
+            data, target = data.to(device), target.to(device)
+            output = model(data)
+            stats[0] += F.nll_loss(output, target, reduction="sum").item()
+            stats[1] += (output.argmax(dim=1) == target).sum().item()
+            stats[2] += len(data)
+    return stats
+
+
+def worker(cfg: MnistConfig) -> Optional[dict[str, Any]]:
+    """One rank of the job. Returns the last epoch's metrics on rank 0, None elsewhere."""
+    device = launch.init_process_group()
+    try:
+        return _run(cfg, device)
+    finally:
+        launch.destroy_process_group()
+
+
+def _run(cfg: MnistConfig, device: torch.device) -> Optional[dict[str, Any]]:
+    group = C.default_group()
+    rank, world = C.group_rank(group), C.group_size(group)
+    torch.manual_seed(cfg.seed)
+    train_loader, test_loader, sampler = _loaders(cfg, rank, world)
+    policy = functools.partial(size_based_auto_wrap_policy, min_num_params=cfg.min_num_params)
+    model = FSDP(Net().to(device), auto_wrap_policy=policy, sharding_strategy=cfg.sharding_strategy)
+    if rank == 0:
+        print(model, flush=True)
+    optimizer = torch.optim.Adadelta(model.parameters(), lr=cfg.lr)
+    scheduler = StepLR(optimizer, step_size=1, gamma=cfg.gamma)
+    metrics = MetricsFile(cfg.metrics_file, rank == 0)
+    bar = _progress(cfg, rank, len(train_loader))
+    record: Optional[dict[str, Any]] = None
+    for epoch in range(1, cfg.epochs + 1):
+        sampler.set_epoch(epoch)
+        start = time.perf_counter()
+        if bar is not None:
+            bar.reset()
+            bar.set_description(f"epoch {epoch}/{cfg.epochs}")
+        train_stats = _train_epoch(model, train_loader, optimizer, device, bar)
+        test_stats = _test(model, test_loader, device)
+        scheduler.step()
+        seconds = time.perf_counter() - start
+        C.all_reduce(train_stats, group)
+        C.all_reduce(test_stats, group)
+        rss, state = gather_memory(model_state_bytes(model, optimizer)["total"])
+        record = {
+            "epoch": epoch,
+            "train_loss": train_stats[0].item() / train_stats[1].item(),
+            "test_loss": test_stats[0].item() / test_stats[2].item(),
+            "test_accuracy": test_stats[1].item() / test_stats[2].item(),
+            "epoch_seconds": seconds,
+            "peak_rss_bytes": rss,
+            "sharded_state_bytes": state,
+        }
+        if rank == 0:
+            _print_epoch(record, cfg.epochs, bar)
+        metrics.write(record)
+    if bar is not None:
+        bar.close()
+    if cfg.save_model:
+        state_dict = model.state_dict()  # collective: every rank gathers, rank 0 writes
+        if rank == 0:
+            torch.save({k: v.cpu() for k, v in state_dict.items()}, cfg.save_model)
+            print(f"saved the full state dict to {cfg.save_model}", flush=True)
+    return record if rank == 0 else None
+
+
+def _progress(cfg: MnistConfig, rank: int, total: int) -> Any:
+    if rank != 0 or not cfg.progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="batch", file=sys.stderr, leave=False, dynamic_ncols=True, disable=None)
+
+
+def _print_epoch(r: dict[str, Any], epochs: int, bar: Any) -> None:
+    line = (
+        f"epoch {r['epoch']}/{epochs}  train loss {r['train_loss']:.4f}  test loss {r['test_loss']:.4f}  "
+        f"accuracy {r['test_accuracy']:.4f}  {r['epoch_seconds']:.1f} s  "
+        f"peak RSS per rank [{', '.join(mib(b) for b in r['peak_rss_bytes'])}]  "
+        f"sharded state per rank [{', '.join(mib(b) for b in r['sharded_state_bytes'])}]"
+    )
+    if bar is not None:
+        bar.write(line)
+    else:
+        print(line, flush=True)
+
+
+def main(argv: Sequence[str]) -> int:
+    """Entry point: run under an existing launcher (torchrun) or start ``--nproc`` workers."""
+    cfg = parse_args(argv)
+    if launch.env_world_size() is not None:
+        worker(cfg)
+        return 0
+    try:
+        result = launch.launch(worker, (cfg,), cfg.nproc)
+    except launch.WorkerFailed as e:
+        print(f"fullshard train mnist: {e}", file=sys.stderr)
+        return 1
+    final = result.get(0)
+    if final is not None:
+        print(f"final test accuracy {final['test_accuracy']:.4f} after {final['epoch']} epochs", flush=True)
+    return 0
