@@ -1,0 +1,196 @@
+"""Engine checks: exact model-state bytes, gathered units at a time, collective counts, and
+results that stay exact when every collective completes late (catches missing waits)."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+
+from dist import run_ranks
+from models import Block, batch, make_stack
+
+
+def _wrap(strategy: str = "FULL_SHARD", **kw):
+    from fullshard import FSDP, ShardingStrategy
+    from fullshard.wrap import ModuleWrapPolicy
+
+    ref = make_stack()
+    model = FSDP(copy.deepcopy(ref), sharding_strategy=ShardingStrategy[strategy], auto_wrap_policy=ModuleWrapPolicy({Block}), **kw)
+    return ref, model
+
+
+def _step(model, opt, rank: int, world: int, step: int = 0) -> None:
+    x, y = batch(step, 12)
+    n = 12 // world
+    loss = torch.nn.functional.mse_loss(model(x[rank * n : (rank + 1) * n]), y[rank * n : (rank + 1) * n])
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+def memory_body(rank: int, world: int) -> dict:
+    from fullshard import model_state_bytes
+    from fullshard._unit import GATHERED
+
+    ref, model = _wrap()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    _step(model, opt, rank, world)
+    _step(ref, ref_opt, 0, 1)
+    got, full = model_state_bytes(model, opt), model_state_bytes(ref, ref_opt)
+    units = [m.unit for m in model.fsdp_modules(model)]
+    n_params = sum(len(u.params) for u in units)
+    local_numel = sum(sp.spec.local_numel for u in units for sp in u.params)
+    # Padding: how far this rank's padded shards exceed an exact 1/N of the parameters.
+    padding = sum(u.sharded_nbytes for u in units) - full["params"] / world
+    step_bytes = 4 * n_params  # AdamW's 0-dim `step` tensor per parameter, not shardable
+    # Exact: shards and gradients are the units' padded local flat buffers; optimizer state
+    # is two fp32 moments per local element plus the step counters.
+    assert got["params"] == sum(u.sharded_nbytes for u in units), got
+    assert got["grads"] == sum(u.sharded_nbytes for u in units), got
+    assert got["optim"] == 2 * 4 * local_numel + step_bytes, got
+    # params, grads and two moments are each at most the padded shard size.
+    bound = (full["total"] - step_bytes) / world + step_bytes + 4 * padding
+    assert got["total"] <= bound, (got, full, bound)
+
+    # Units holding gathered parameters during forward: root + one nested unit at a time.
+    root_bytes = model.unit.full_nbytes
+    nested_max = max(u.full_nbytes for u in units[1:])
+    GATHERED.reset_peak()
+    x, _ = batch(1, 12)
+    out = model(x[: 12 // world])
+    forward_peak, forward_bytes = GATHERED.peak, GATHERED.peak_bytes
+    out.sum().backward()
+    assert forward_peak == 2, forward_peak
+    assert forward_bytes <= root_bytes + nested_max, (forward_bytes, root_bytes, nested_max)
+    return {"got": got, "full": full, "forward_peak": forward_peak}
+
+
+def prefetch_peak_body(rank: int, world: int) -> tuple[int, int]:
+    from fullshard._unit import GATHERED
+
+    _, model = _wrap(forward_prefetch=True)
+    x, _ = batch(0, 12)
+    for _ in range(2):  # the first iteration records the forward order
+        GATHERED.reset_peak()
+        out = model(x[: 12 // world])
+        fwd = GATHERED.peak
+        GATHERED.reset_peak()
+        out.sum().backward()
+        bwd = GATHERED.peak
+    return fwd, bwd
+
+
+@pytest.mark.timeout(200)
+def test_model_state_bytes_and_gathered_units_world4() -> None:
+    results = run_ranks(memory_body, 4, timeout=180)
+    r = results[0]
+    assert r["got"]["total"] < r["full"]["total"] / 2  # a quarter plus this tiny model's padding
+
+
+@pytest.mark.timeout(200)
+def test_prefetch_keeps_at_most_one_more_unit_gathered() -> None:
+    fwd, bwd = run_ranks(prefetch_peak_body, 2, timeout=180)[0]
+    assert fwd == 3  # root + current + the prefetched next unit
+    assert bwd <= 3  # root + current + BACKWARD_PRE's prefetch
+
+
+def count_body(rank: int, world: int, strategy: str) -> dict:
+    from fullshard import _collectives as C
+
+    _, model = _wrap(strategy)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _step(model, opt, rank, world, 0)
+    C.STATS.reset()
+    _step(model, opt, rank, world, 1)
+    return dict(C.STATS.calls)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    "strategy,expected",
+    [
+        # 5 units (root + 4 blocks). FULL_SHARD gathers each nested unit again for backward;
+        # the root stays gathered from forward into backward.
+        ("FULL_SHARD", {"all_gather": 9, "reduce_scatter": 5}),
+        ("SHARD_GRAD_OP", {"all_gather": 5, "reduce_scatter": 5}),
+        ("NO_SHARD", {"all_reduce": 5}),
+    ],
+)
+def test_collectives_per_step(strategy: str, expected: dict) -> None:
+    counts = run_ranks(count_body, 2, strategy, timeout=180)
+    assert counts[0] == expected and counts[1] == expected
+
+
+class _LateWork:
+    """A collective whose result lands in the caller's tensor only at wait(), after a delay."""
+
+    def __init__(self, work, dst: torch.Tensor, tmp: torch.Tensor) -> None:
+        self.work, self.dst, self.tmp = work, dst, tmp
+
+    def wait(self) -> bool:
+        time.sleep(0.02)
+        self.work.wait()
+        self.dst.copy_(self.tmp)
+        return True
+
+
+def _make_late(real):
+    def late(output, input, *args, async_op: bool = False, **kwargs):
+        tmp = torch.empty_like(output)
+        work = real(tmp, input, *args, async_op=True, **kwargs)
+        output.fill_(float("nan"))  # a reader that skips wait() sees NaN
+        w = _LateWork(work, output, tmp)
+        if async_op:
+            return w
+        w.wait()
+        return None
+
+    return late
+
+
+def _late_all_reduce(real):
+    def late(tensor, *args, async_op: bool = False, **kwargs):
+        tmp = tensor.clone()
+        work = real(tmp, *args, async_op=True, **kwargs)
+        tensor.fill_(float("nan"))
+        w = _LateWork(work, tensor, tmp)
+        if async_op:
+            return w
+        w.wait()
+        return None
+
+    return late
+
+
+def late_body(rank: int, world: int) -> list[str]:
+    import torch.distributed as dist
+
+    from fullshard import _collectives as C
+
+    C._all_gather_fn = _make_late(C._all_gather_fn)
+    C._reduce_scatter_fn = _make_late(C._reduce_scatter_fn)
+    dist.all_to_all_single = _make_late(dist.all_to_all_single)
+    dist.all_reduce = _late_all_reduce(dist.all_reduce)
+    done = []
+    for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
+        for kw in ({}, {"forward_prefetch": True}):
+            ref, model = _wrap(strategy, **kw)
+            opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+            ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+            for step in range(3):
+                _step(model, opt, rank, world, step)
+                _step(ref, ref_opt, 0, 1, step)
+            full = model.state_dict()
+            for name, want in ref.state_dict().items():
+                torch.testing.assert_close(full[name], want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{strategy} {kw} {name}: {m}")
+            done.append(strategy)
+    return done
+
+
+@pytest.mark.timeout(300)
+def test_exact_when_collectives_complete_late() -> None:
+    assert len(run_ranks(late_body, 2, timeout=280)[0]) == 6
