@@ -63,7 +63,7 @@ STATS = CollectiveStats()
 class Handle:
     """An in-flight collective. ``wait()`` blocks until it is done and runs its local epilogue."""
 
-    def __init__(self, work: Any, epilogue: Optional[Callable[[], None]] = None) -> None:
+    def __init__(self, work: Any, epilogue: Optional[Callable[[], Any]] = None) -> None:
         self._work = work
         self._epilogue = epilogue
         self._done = False
@@ -78,7 +78,7 @@ class Handle:
         self._done = True
 
 
-def _finish(work: Any, epilogue: Optional[Callable[[], None]], async_op: bool) -> Optional[Handle]:
+def _finish(work: Any, epilogue: Optional[Callable[[], Any]], async_op: bool) -> Optional[Handle]:
     handle = Handle(work, epilogue)
     if async_op:
         return handle

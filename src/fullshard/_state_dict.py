@@ -63,8 +63,8 @@ def full_state_dict(root: "FullyShardedDataParallel", ignored: set[nn.Module]) -
     for name, module, attr, is_param in _entries(root, ignored):
         t = module._parameters[attr] if is_param else module._buffers[attr]
         assert t is not None
-        sp = _sharded(t)
-        out[name] = full[id(sp)] if sp is not None else t.detach()
+        owner = _sharded(t)
+        out[name] = full[id(owner)] if owner is not None else t.detach()
     return out
 
 

@@ -113,7 +113,7 @@ class Unit:
         self.dtype, self.device = self._common_dtype_device(params)
         self._build(params)
         self._pending_gather: Optional[C.Handle] = None
-        self._pending_reduce: Optional[tuple[C.Handle, torch.Tensor, Any]] = None
+        self._pending_reduce: Optional[tuple[_Multi, torch.Tensor, torch.Tensor]] = None
         self.on_grad_ready: Optional[Callable[["Unit"], None]] = None
 
     # ---------------------------------------------------------------- construction

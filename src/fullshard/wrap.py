@@ -136,7 +136,7 @@ def apply_policy(
                 if p is not None and id(p) not in seen:
                     seen.add(id(p))
                     total += p.numel()
-            stack.extend(m._modules.values() if m._modules else [])
+            stack.extend(c for c in m._modules.values() if c is not None)
         return total
 
     def visit(module: nn.Module, only_children: bool) -> tuple[nn.Module, int]:

@@ -116,7 +116,7 @@ def parse_args(argv: Sequence[str]) -> MnistConfig:
 
 def _loaders(cfg: MnistConfig, rank: int, world: int) -> tuple[DataLoader, DataLoader, DistributedSampler]:
     train_set, test_set = mnist_data.load(cfg.data_dir)
-    sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed)
+    sampler: DistributedSampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed)
     train = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler)
     # Test on a strided, unpadded share of the test set so every image counts exactly once.
     test = DataLoader(Subset(test_set, range(rank, len(test_set), world)), batch_size=cfg.test_batch_size)

@@ -1,0 +1,152 @@
+"""Bad input gets a clear error naming the argument and the fix, on every rank, never a hang."""
+
+from __future__ import annotations
+
+import gzip
+import struct
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from dist import run_ranks
+
+FULLSHARD = [sys.executable, "-m", "fullshard.cli"]
+
+
+def test_no_process_group() -> None:
+    from fullshard import FSDP
+
+    with pytest.raises(RuntimeError, match=r"init_process_group.*process_group="):
+        FSDP(nn.Linear(2, 2))
+
+
+def _raises(fn, exc, text: str) -> str:
+    try:
+        fn()
+    except exc as e:
+        assert text in str(e), f"{text!r} not in {e}"
+        return type(e).__name__
+    raise AssertionError(f"no {exc.__name__} for {text!r}")
+
+
+def errors_body(rank: int, world: int) -> list[str]:
+    from fullshard import FSDP, MixedPrecision
+    from fullshard.wrap import size_based_auto_wrap_policy
+
+    seen = []
+    wrapped = FSDP(nn.Linear(4, 4))
+    seen.append(_raises(lambda: FSDP(wrapped), ValueError, "already a FullyShardedDataParallel"))
+    two_devices = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta"))
+    seen.append(_raises(lambda: FSDP(two_devices), ValueError, "more than one device"))
+    seen.append(_raises(lambda: FSDP(nn.Linear(2, 2), sharding_strategy="full_sharded"), ValueError, "full_shard, shard_grad_op, no_shard"))
+    seen.append(_raises(lambda: FSDP(nn.Linear(2, 2), mixed_precision=MixedPrecision(torch.bfloat16)), NotImplementedError, "mixed_precision"))
+    seen.append(_raises(lambda: FSDP(nn.Linear(2, 2), not_an_arg=1), TypeError, "not_an_arg"))
+    seen.append(_raises(lambda: FSDP(nn.Linear(2, 2), backward_prefetch="pre"), TypeError, "backward_prefetch"))
+    # The tutorial's old keyword still works, with a deprecation warning.
+    import functools
+
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        m = FSDP(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)), fsdp_auto_wrap_policy=functools.partial(size_based_auto_wrap_policy, min_num_params=50))
+    assert any("fsdp_auto_wrap_policy" in str(x.message) for x in w)
+    assert len(m.fsdp_modules(m)) == 2
+    return seen
+
+
+@pytest.mark.timeout(120)
+def test_constructor_errors_on_every_rank() -> None:
+    results = run_ranks(errors_body, 2, timeout=100)
+    assert results[0] == results[1] and len(results[0]) == 6
+
+
+def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(FULLSHARD + list(args), capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "args,text",
+    [
+        (["--nproc", "0"], "--nproc must be at least 1, got 0"),
+        (["--sharding-strategy", "fully"], "use one of: full_shard"),
+        (["--epochs", "0"], "--epochs must be at least 1"),
+    ],
+)
+def test_cli_rejects_bad_options(args: list[str], text: str) -> None:
+    r = _cli("train", "mnist", *args)
+    assert r.returncode == 2 and text in r.stderr, r.stderr
+
+
+@pytest.mark.timeout(120)
+def test_cli_data_dir_without_mnist(tmp_path: Path) -> None:
+    (tmp_path / "train-images-idx3-ubyte").write_bytes(b"")
+    r = _cli("train", "mnist", "--data-dir", str(tmp_path))
+    assert r.returncode == 2, r.stderr
+    assert "t10k-images-idx3-ubyte" in r.stderr and "leave out --data-dir" in r.stderr, r.stderr
+
+
+def test_cli_unknown_command_and_job() -> None:
+    assert _cli("frobnicate").returncode == 2
+    r = _cli("train", "imagenet")
+    assert r.returncode == 2 and "unknown job 'imagenet'" in r.stderr
+
+
+@pytest.mark.timeout(180)
+def test_failure_on_one_rank_stops_the_others() -> None:
+    from fullshard.launch import WorkerFailed, launch
+
+    import jobs
+
+    start = time.monotonic()
+    with pytest.raises(WorkerFailed, match="rank 1.*boom on rank 1"):
+        launch(jobs.fail_on_rank1, ("boom on rank 1",), nproc=2)
+    assert time.monotonic() - start < 150  # far below the 600 s process-group timeout
+
+
+@pytest.mark.timeout(120)
+def test_launch_runs_every_rank() -> None:
+    from fullshard.launch import launch
+
+    import jobs
+
+    assert launch(jobs.world_sum, (), nproc=3) == {0: 3.0, 1: 3.0, 2: 3.0}
+    with pytest.raises(ValueError, match="--nproc must be at least 1"):
+        launch(jobs.world_sum, (), nproc=0)
+
+
+def _write_idx(path: Path, array: np.ndarray, gz: bool) -> None:
+    header = bytes([0, 0, 0x08, array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape)
+    data = header + array.astype(np.uint8).tobytes()
+    if gz:
+        path = path.with_name(path.name + ".gz")
+        data = gzip.compress(data)
+    path.write_bytes(data)
+
+
+def test_idx_files_in_torchvision_layout(tmp_path: Path) -> None:
+    from fullshard import mnist_data
+
+    raw = tmp_path / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    imgs, labels = rng.integers(0, 256, (20, 28, 28)), rng.integers(0, 10, 20)
+    _write_idx(raw / "train-images-idx3-ubyte", imgs, gz=True)
+    _write_idx(raw / "train-labels-idx1-ubyte", labels, gz=True)
+    _write_idx(raw / "t10k-images-idx3-ubyte", imgs[:5], gz=False)
+    _write_idx(raw / "t10k-labels-idx1-ubyte", labels[:5], gz=False)
+    train, test = mnist_data.load(tmp_path)
+    assert len(train) == 20 and len(test) == 5
+    x, y = train[3]
+    assert x.shape == (1, 28, 28) and int(y) == int(labels[3])
+    want = (imgs[3] / 255.0 - mnist_data.MEAN) / mnist_data.STD
+    assert np.allclose(x[0].numpy(), want, atol=1e-5)
+    (raw / "t10k-labels-idx1-ubyte").write_bytes(bytes([0, 0, 8, 1]) + struct.pack(">I", 9) + b"\x01")
+    with pytest.raises(ValueError, match="truncated"):
+        mnist_data.load(tmp_path)
