@@ -18,7 +18,7 @@ import traceback
 from typing import Any, Callable
 
 
-def _entry(fn: Callable[..., Any], rank: int, world: int, store_path: str, q: Any, args: tuple) -> None:
+def _entry(fn: Callable[..., Any], rank: int, world: int, store_path: str, q: Any, args: tuple, backend: str) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     import datetime
 
@@ -28,8 +28,10 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, store_path: str, q: An
     torch.set_num_threads(1)
     try:
         store = dist.FileStore(store_path, world)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
         dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
+            backend, store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
         )
         result = fn(rank, world, *args)
         q.put((rank, "ok", result))
@@ -40,14 +42,14 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, store_path: str, q: An
             dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240) -> list[Any]:
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240, backend: str = "gloo") -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; results in rank order."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_entry, args=(fn, r, world_size, store_path, q, args), daemon=True)
+            ctx.Process(target=_entry, args=(fn, r, world_size, store_path, q, args, backend), daemon=True)
             for r in range(world_size)
         ]
         for p in procs:

@@ -194,3 +194,83 @@ def late_body(rank: int, world: int) -> list[str]:
 @pytest.mark.timeout(300)
 def test_exact_when_collectives_complete_late() -> None:
     assert len(run_ranks(late_body, 2, timeout=280)[0]) == 6
+
+
+def features_body(rank: int, world: int) -> list[str]:
+    from torch import nn
+
+    from fullshard import FSDP
+    from fullshard._sharded_param import is_sharded
+    from fullshard._unit import TrainingState
+    from fullshard.wrap import ModuleWrapPolicy
+
+    done = []
+    n = 12 // world
+    # no_sync: k micro-batches accumulated locally + one synced backward == one step on all.
+    ref, model = _wrap()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    micro = [batch(s, 12) for s in range(3)]
+    opt.zero_grad()
+    with model.no_sync():
+        for x, y in micro[:2]:
+            torch.nn.functional.mse_loss(model(x[rank * n : (rank + 1) * n]), y[rank * n : (rank + 1) * n]).backward()
+    x, y = micro[2]
+    torch.nn.functional.mse_loss(model(x[rank * n : (rank + 1) * n]), y[rank * n : (rank + 1) * n]).backward()
+    opt.step()
+    ref_opt.zero_grad()
+    for x, y in micro:
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+    ref_opt.step()
+    full = model.state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6)
+    done.append("no_sync")
+
+    # A root that owns no parameters (every Linear is its own unit).
+    plain = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
+    empty_root = FSDP(copy.deepcopy(plain), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+    assert empty_root.unit.shard_numel == 0
+    x, _ = batch(0, 12)
+    empty_root(x).sum().backward()
+    assert all(s is TrainingState.IDLE for s in empty_root.training_states())
+    torch.testing.assert_close(empty_root.state_dict()["2.weight"], plain[2].weight)
+    done.append("empty root")
+
+    # ignored_modules: their parameters stay whole and are not reduced.
+    m = make_stack()
+    head = m.head
+    wrapped = FSDP(m, ignored_modules=[head])
+    assert not is_sharded(head.weight) and head.weight.shape == (3, 13)
+    assert all(is_sharded(p) for name, p in wrapped.named_parameters() if not name.startswith("head."))
+    assert "head.weight" in wrapped.state_dict()
+    done.append("ignored")
+
+    # An exception inside forward leaves the model usable.
+    class Boom(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.fail = True
+
+        def forward(self, x):
+            y = self.lin(x)
+            if self.fail:
+                raise RuntimeError("boom")
+            return y
+
+    boom = FSDP(Boom())
+    try:
+        boom(torch.ones(2, 4))
+    except RuntimeError:
+        pass
+    boom.module.fail = False
+    boom(torch.ones(2, 4)).sum().backward()
+    assert boom.training_states() == [TrainingState.IDLE]
+    done.append("exception")
+    return done
+
+
+@pytest.mark.timeout(200)
+def test_no_sync_empty_root_ignored_modules_and_exceptions() -> None:
+    assert run_ranks(features_body, 2, timeout=180)[0] == ["no_sync", "empty root", "ignored", "exception"]

@@ -198,7 +198,7 @@ class Unit:
             if not async_op:
                 self.wait_unshard()
             return
-        if self.world == 1:
+        if self.world == 1 or self.shard_numel == 0:
             self.shard_state = ShardState.UNSHARDED
             GATHERED.add(0)
             return
@@ -268,7 +268,7 @@ class Unit:
         if self._pending_gather is not None:
             self.wait_unshard()
         self.uninstall_full_params()
-        if self.world > 1:
+        if self.world > 1 and self.shard_numel > 0:
             self._full_data.untyped_storage().resize_(0)
             GATHERED.remove(self.full_nbytes)
         else:

@@ -210,7 +210,9 @@ class FullyShardedDataParallel(nn.Module):
         try:
             output = self.module(*args, **kwargs)
         except BaseException:
-            self.unit.uninstall_full_params()
+            # Leave the unit usable: shards back in place, full parameters freed, IDLE.
+            self.unit.reshard()
+            self.unit.training_state = TrainingState.IDLE
             raise
         return H.post_forward(self._hooks, output)
 
