@@ -46,7 +46,12 @@ def errors_body(rank: int, world: int) -> list[str]:
     two_devices = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta"))
     seen.append(_raises(lambda: FSDP(two_devices), ValueError, "more than one device"))
     seen.append(_raises(lambda: FSDP(nn.Linear(2, 2), sharding_strategy="full_sharded"), ValueError, "full_shard, shard_grad_op, no_shard"))
-    seen.append(_raises(lambda: FSDP(nn.Linear(2, 2), mixed_precision=MixedPrecision(torch.bfloat16)), NotImplementedError, "mixed_precision"))
+    seen.append(_raises(lambda: FSDP(nn.Linear(2, 2), mixed_precision=MixedPrecision(param_dtype=torch.int8)), ValueError, "param_dtype=torch.int8 is not a floating-point"))
+    seen.append(_raises(lambda: FSDP(nn.Linear(2, 2), mixed_precision="bf16"), TypeError, "mixed_precision must be"))
+    inner = FSDP(nn.Sequential(FSDP(nn.Linear(2, 2)), nn.Linear(2, 2)))
+    inner(torch.ones(1, 2)).sum().backward()
+    seen.append(_raises(lambda: inner.module[0].clip_grad_norm_(1.0), RuntimeError, "must be called on the root"))
+    seen.append(_raises(lambda: FSDP(nn.Linear(2, 2), cpu_offload="yes"), TypeError, "cpu_offload must be"))
     seen.append(_raises(lambda: FSDP(nn.Linear(2, 2), not_an_arg=1), TypeError, "not_an_arg"))
     seen.append(_raises(lambda: FSDP(nn.Linear(2, 2), backward_prefetch="pre"), TypeError, "backward_prefetch"))
     # The tutorial's old keyword still works, with a deprecation warning.
@@ -63,7 +68,7 @@ def errors_body(rank: int, world: int) -> list[str]:
 @pytest.mark.timeout(120)
 def test_constructor_errors_on_every_rank() -> None:
     results = run_ranks(errors_body, 2, timeout=100)
-    assert results[0] == results[1] and len(results[0]) == 6
+    assert results[0] == results[1] and len(results[0]) == 9
 
 
 def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -5,7 +5,13 @@ Speaks ``torch.distributed.fsdp``'s API: replace
 ``from fullshard import FullyShardedDataParallel as FSDP``.
 """
 
+from fullshard.activation_checkpointing import (
+    CheckpointWrapper,
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+)
 from fullshard.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from fullshard.clip_grad import clip_grad_norm_
 from fullshard.fully_sharded_data_parallel import FSDP, FullyShardedDataParallel
 from fullshard.memory import model_state_bytes, peak_rss_bytes
 
@@ -14,10 +20,14 @@ __version__ = "0.1.0"
 __all__ = [
     "BackwardPrefetch",
     "CPUOffload",
+    "CheckpointWrapper",
     "FSDP",
     "FullyShardedDataParallel",
     "MixedPrecision",
     "ShardingStrategy",
+    "apply_activation_checkpointing",
+    "checkpoint_wrapper",
+    "clip_grad_norm_",
     "model_state_bytes",
     "peak_rss_bytes",
 ]

@@ -142,13 +142,13 @@ def reduce_scatter(
     output: torch.Tensor,
     input: torch.Tensor,
     group: ProcessGroup,
-    average: bool = True,
+    divide_by: float = 1.0,
     async_op: bool = False,
 ) -> Optional[Handle]:
     """Reduce ``input`` (shape (N*S,)) over ranks and keep chunk r on rank r in ``output`` (S,).
 
-    With ``average`` the result is the mean over ranks (sum, then divide by N). ``input`` may
-    be overwritten. On gloo this is an all-to-all of the N chunks plus a local sum.
+    The result is the sum over ranks divided by ``divide_by`` (N for a mean: gloo has no AVG).
+    On gloo this is an all-to-all of the N chunks plus a local sum.
     Returns a Handle when ``async_op``, else None after completion.
     """
     n = group_size(group)
@@ -165,23 +165,23 @@ def reduce_scatter(
 
         def epilogue() -> None:
             torch.sum(received.view(n, -1), dim=0, out=output)
-            if average:
-                output.div_(n)
+            if divide_by != 1.0:
+                output.div_(divide_by)
 
         return _finish(work, epilogue, async_op)
     STATS.record("reduce_scatter", input, nbytes)
     work = _reduce_scatter_fn(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-    return _finish(work, (lambda: output.div_(n)) if average else None, async_op)
+    return _finish(work, (lambda: output.div_(divide_by)) if divide_by != 1.0 else None, async_op)
 
 
 def all_reduce(
-    tensor: torch.Tensor, group: ProcessGroup, average: bool = False, async_op: bool = False
+    tensor: torch.Tensor, group: ProcessGroup, divide_by: float = 1.0, async_op: bool = False
 ) -> Optional[Handle]:
-    """Sum ``tensor`` over ranks in place (then divide by N when ``average``)."""
+    """Sum ``tensor`` over ranks in place, then divide by ``divide_by``."""
     n = group_size(group)
     STATS.record("all_reduce", tensor, 2 * tensor.numel() * tensor.element_size() * (n - 1) // n)
     work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-    return _finish(work, (lambda: tensor.div_(n)) if average else None, async_op)
+    return _finish(work, (lambda: tensor.div_(divide_by)) if divide_by != 1.0 else None, async_op)
 
 
 def all_reduce_max(tensor: torch.Tensor, group: ProcessGroup) -> None:

@@ -23,8 +23,8 @@ import torch
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map
 
-from fullshard.api import BackwardPrefetch
-from fullshard._unit import ShardState, TrainingState, Unit
+from fullshard.api import BackwardPrefetch, MixedPrecision
+from fullshard._unit import ShardState, TrainingState, Unit, record
 
 
 @dataclasses.dataclass
@@ -49,6 +49,7 @@ class UnitHooks:
     unit: Unit
     is_root: bool = False
     root: Optional[RootState] = None
+    mixed_precision: Optional[MixedPrecision] = None
 
 
 def _neighbour(order: list[Unit], unit: Unit, step: int) -> Optional[Unit]:
@@ -66,11 +67,32 @@ def _prefetch(unit: Optional[Unit]) -> None:
         unit.unshard(async_op=True)
 
 
-def move_to_device(args: Any, device: torch.device) -> Any:
-    """Move every tensor in a nested structure to ``device`` (no-op for CPU units)."""
-    if device.type == "cpu":
-        return args
-    return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, args)
+def prepare_inputs(hooks: UnitHooks, inputs: Any) -> Any:
+    """The root moves forward inputs to the compute device; mixed precision casts them.
+
+    Floating-point tensors are cast to ``param_dtype`` at the root when
+    ``cast_root_forward_inputs``, and at every unit when ``cast_forward_inputs``.
+    """
+    device = hooks.unit.device
+    mp = hooks.mixed_precision
+    dtype = None
+    if mp is not None and mp.param_dtype is not None:
+        if mp.cast_forward_inputs or (hooks.is_root and mp.cast_root_forward_inputs):
+            dtype = mp.param_dtype
+    move = hooks.is_root and device.type != "cpu"
+    if dtype is None and not move:
+        return inputs
+
+    def convert(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        if move:
+            t = t.to(device)
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        return t
+
+    return tree_map(convert, inputs)
 
 
 def root_pre_forward(hooks: UnitHooks) -> None:
@@ -93,6 +115,7 @@ def pre_forward(hooks: UnitHooks) -> None:
         unit.training_state = TrainingState.FORWARD
     unit.unshard()
     unit.install_full_params()
+    record("forward", unit)
     if torch.is_grad_enabled() and unit not in root.forward_order:
         root.forward_order.append(unit)
     if root.forward_prefetch:
@@ -102,6 +125,7 @@ def pre_forward(hooks: UnitHooks) -> None:
 def post_forward(hooks: UnitHooks, output: Any) -> Any:
     unit, root = hooks.unit, hooks.root
     assert root is not None
+    record("forward_end", unit)
     unit.uninstall_full_params()
     grad = torch.is_grad_enabled()
     in_recompute = unit.training_state is not TrainingState.FORWARD
@@ -130,8 +154,10 @@ def _pre_backward(hooks: UnitHooks, grad: torch.Tensor) -> torch.Tensor:
     if id(unit) in root.pre_backward_done:
         return grad
     root.pre_backward_done.add(id(unit))
+    record("backward", unit)
     unit.training_state = TrainingState.PRE_BACKWARD
     unit.unshard()
+    unit.install_full_params()  # for forward recomputation under activation checkpointing
     if root.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
         _prefetch(_neighbour(root.forward_order, unit, -1))
     return grad

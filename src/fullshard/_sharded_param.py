@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -126,6 +126,7 @@ class ShardedParam:
         self.fqn = fqn
         self.requires_grad = requires_grad
         self.shard: Optional[nn.Parameter] = None
+        self.shard_group: Any = None  # the unit's shard group (None: one rank holds it whole)
         self.local_offset = 0  # element offset in the unit's local flat buffer
         self.full_offset = 0  # element offset in the unit's full flat buffer
 
@@ -135,6 +136,11 @@ class ShardedParam:
         self.shard = shard
         for slot in self.slots:
             slot.module._parameters[slot.attr] = shard
+
+    def swap_registered(self, param: nn.Parameter) -> None:
+        """Register ``param`` instead of the shard at every slot (``register_shard`` undoes it)."""
+        for slot in self.slots:
+            slot.module._parameters[slot.attr] = param
 
     def install_full(self, full: torch.Tensor) -> None:
         """Make ``module.attr`` resolve to ``full`` (shape ``orig_shape``) at every slot.

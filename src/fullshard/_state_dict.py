@@ -16,7 +16,6 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from fullshard._sharded_param import ShardedParam
-from fullshard._unit import ShardState
 
 if TYPE_CHECKING:
     from fullshard.fully_sharded_data_parallel import FullyShardedDataParallel
@@ -24,10 +23,11 @@ if TYPE_CHECKING:
 
 def _entries(root: nn.Module, ignored: set[nn.Module]) -> Iterator[tuple[str, nn.Module, str, bool]]:
     """(clean name, owning module, attribute, is_parameter) in nn.Module.state_dict order."""
+    from fullshard.activation_checkpointing import CheckpointWrapper
     from fullshard.fully_sharded_data_parallel import FullyShardedDataParallel
 
     def walk(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module, str, bool]]:
-        if isinstance(module, FullyShardedDataParallel):
+        if isinstance(module, (FullyShardedDataParallel, CheckpointWrapper)):
             yield from walk(module.module, prefix)
             return
         for name, p in module._parameters.items():
@@ -50,21 +50,21 @@ def _sharded(t: torch.Tensor) -> ShardedParam | None:
 def full_state_dict(root: "FullyShardedDataParallel", ignored: set[nn.Module]) -> "OrderedDict[str, torch.Tensor]":
     """Full tensors under original names, gathering one unit at a time (collective)."""
     full: dict[int, torch.Tensor] = {}
-    for fsdp in root.fsdp_modules(root):
-        unit = fsdp.unit
-        was_unsharded = unit.shard_state is ShardState.UNSHARDED
-        with torch.no_grad():
-            unit.unshard()
-            for sp, view in zip(unit.params, unit.full_params()):
-                full[id(sp)] = view.detach().clone()
-        if not was_unsharded:
-            unit.reshard()
+    with torch.no_grad():
+        for fsdp in root.fsdp_modules(root):
+            unit = fsdp.unit
+            for sp, value in zip(unit.params, unit.gather_full(unit.local_flat)):
+                full[id(sp)] = value
     out: "OrderedDict[str, torch.Tensor]" = OrderedDict()
     for name, module, attr, is_param in _entries(root, ignored):
         t = module._parameters[attr] if is_param else module._buffers[attr]
         assert t is not None
         owner = _sharded(t)
-        out[name] = full[id(owner)] if owner is not None else t.detach()
+        if owner is not None:
+            out[name] = full[id(owner)]
+        else:
+            original = module.__dict__.get("_fullshard_buffer_dtypes", {}).get(attr, t.dtype)
+            out[name] = t.detach().to(original)
     return out
 
 

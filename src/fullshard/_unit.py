@@ -2,32 +2,38 @@
 
 A unit keeps two flat buffers (see ``_sharded_param`` for the vocabulary):
 
-- the **local flat buffer**, shape (S,), S = sum of the padded shard sizes: this rank's shards
-  back to back, each padded to its padded shard size. The registered shard parameters are views
-  into it, so it is the all-gather input as it stands.
-- the **full flat buffer**, shape (N*S,), padded full parameters back to back (param-major). It
-  is an autograd leaf: each forward takes per-parameter views of it, so the gradients of all the
-  unit's parameters accumulate into one flat gradient, and a single post-accumulate-grad hook
-  says when the unit's gradient is complete. Its storage is freed (resized to 0) while the unit
-  is SHARDED; autograd's saved views keep pointing at it and see the data again after the next
-  unshard refills it.
+- the **local flat buffer**, shape (S,), S = sum of the padded shard sizes, in the parameters'
+  own dtype: this rank's shards back to back, each padded to its padded shard size. The
+  registered shard parameters are views into it. With CPU offload it lives in (pinned) CPU
+  memory; otherwise on the compute device, where it is the all-gather input as it stands.
+- the **full flat buffer**, shape (N*S,), in the compute dtype (``param_dtype`` under mixed
+  precision) on the compute device: padded full parameters back to back (param-major). It is an
+  autograd leaf: each forward takes per-parameter views of it, so the gradients of all the
+  unit's parameters accumulate into one flat gradient, and one post-accumulate-grad hook says
+  when the unit's gradient is complete. Its storage is freed (resized to 0) while the unit is
+  SHARDED; autograd's saved views keep pointing at it and see the data again after the next
+  unshard refills it. With one rank, no casting and no offload it aliases the local buffer.
 
 The all-gather output is rank-major (N, S); the copy-out to the param-major full buffer is one
-``split_with_sizes_copy``. A unit with one parameter (or a group of one rank) needs no copy.
-The gradient goes the other way: param-major (N*S,) -> rank-major send buffer -> reduce-scatter
--> (S,) local gradient buffer whose views become the shards' ``.grad``.
+``split_with_sizes_copy`` (a unit with one parameter gathers in place). Gradients go the other
+way: param-major (N*S,) -> cast to the reduce dtype -> rank-major send buffer ->
+reduce-scatter -> (S,) -> cast back (and copied to CPU under offload) -> the shards' ``.grad``.
+Low-precision reductions divide before and after the sum so float16 cannot overflow.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
 
 from fullshard import _collectives as C
 from fullshard._sharded_param import ParamSlot, ShardedParam, ShardSpec
+
+ParamEntry = tuple[str, nn.Parameter, list[ParamSlot]]
 
 
 class ShardState(enum.Enum):
@@ -40,6 +46,27 @@ class TrainingState(enum.Enum):
     FORWARD = "forward"
     PRE_BACKWARD = "pre_backward"
     POST_BACKWARD = "post_backward"
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitConfig:
+    """How a unit shards, computes and reduces.
+
+    Attributes:
+        compute_device: where forward/backward run and the collectives move data.
+        reshard_after_forward: free the full parameters after forward (FULL_SHARD).
+        param_dtype: dtype of the all-gather and of compute (None: the parameters' dtype).
+        reduce_dtype: dtype of the gradient reduction (None: the compute dtype).
+        keep_low_precision_grads: leave the shards' gradients in the reduce dtype.
+        offload: keep shards and their gradients in CPU memory (pinned when CUDA exists).
+    """
+
+    compute_device: torch.device
+    reshard_after_forward: bool = True
+    param_dtype: Optional[torch.dtype] = None
+    reduce_dtype: Optional[torch.dtype] = None
+    keep_low_precision_grads: bool = False
+    offload: bool = False
 
 
 class GatherTracker:
@@ -68,12 +95,29 @@ class GatherTracker:
 
 GATHERED = GatherTracker()
 
+# When a list, units and hooks append (event, unit name): "unshard" (all-gather launched),
+# "forward" / "forward_end", "backward" (pre-backward) and "reduce". For tests of ordering.
+EVENTS: Optional[list[tuple[str, str]]] = None
+
+
+def record(event: str, unit: "Unit") -> None:
+    if EVENTS is not None:
+        EVENTS.append((event, unit.name))
+
 
 def _alias(t: torch.Tensor) -> torch.Tensor:
     """A tensor on the same storage as ``t`` with its own version counter (no autograd)."""
     out = torch.empty(0, dtype=t.dtype, device=t.device)
     out.set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
     return out
+
+
+def predivide_factor(ranks: int) -> int:
+    """A power of two near sqrt(ranks) to divide gradients by before a low-precision sum."""
+    factor = 1
+    while ranks % (factor * 2) == 0 and ranks // (factor * 2) >= factor * 2:
+        factor *= 2
+    return factor
 
 
 class Unit:
@@ -83,10 +127,10 @@ class Unit:
         name: a label for error messages (the wrapped module's qualified name).
         params: (fqn, original parameter, slots) for each parameter the unit owns; all of one
             dtype and device.
-        shard_group: process group the parameters are sharded over (N ranks).
+        shard_group: process group the parameters are sharded over (N ranks), or None for one.
         replicate_group: optional group over which gradients are all-reduced after the
             reduce-scatter (NO_SHARD uses a shard group of one rank and the world here).
-        reshard_after_forward: free the full parameters after forward (FULL_SHARD).
+        config: compute device, dtypes, offload and resharding.
 
     Raises:
         ValueError: parameters of different dtypes or devices in one unit.
@@ -95,33 +139,33 @@ class Unit:
     def __init__(
         self,
         name: str,
-        params: list[tuple[str, nn.Parameter, list[ParamSlot]]],
+        params: list[ParamEntry],
         shard_group: Optional[C.ProcessGroup],
         replicate_group: Optional[C.ProcessGroup],
-        reshard_after_forward: bool,
+        config: UnitConfig,
     ) -> None:
         self.name = name
+        self.config = config
         self.shard_group = shard_group
         self.replicate_group = replicate_group
         self.world = C.group_size(shard_group) if shard_group is not None else 1
         self.rank = C.group_rank(shard_group) if shard_group is not None else 0
         self.replicas = C.group_size(replicate_group) if replicate_group is not None else 1
-        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_forward = config.reshard_after_forward
         self.shard_state = ShardState.SHARDED
         self.training_state = TrainingState.IDLE
         self.params: list[ShardedParam] = []
-        self.dtype, self.device = self._common_dtype_device(params)
+        self.dtype = self._common_dtype(params)
+        self.device = config.compute_device
+        self.compute_dtype = config.param_dtype or self.dtype
+        self.reduce_dtype = config.reduce_dtype or self.compute_dtype
         self._build(params)
         self._pending_gather: Optional[C.Handle] = None
-        self._pending_reduce: Optional[tuple[_Multi, torch.Tensor, torch.Tensor]] = None
+        self._pending_reduce: Optional[tuple[_Multi, torch.Tensor]] = None
         self.on_grad_ready: Optional[Callable[["Unit"], None]] = None
 
     # ---------------------------------------------------------------- construction
-    def _common_dtype_device(
-        self, params: list[tuple[str, nn.Parameter, list[ParamSlot]]]
-    ) -> tuple[torch.dtype, torch.device]:
-        if not params:
-            return torch.float32, torch.device("cpu")
+    def _common_dtype(self, params: list[ParamEntry]) -> torch.dtype:
         kinds = {(p.dtype, p.device) for _, p, _ in params}
         if len(kinds) > 1:
             listing = ", ".join(f"{fqn}: {p.dtype} on {p.device}" for fqn, p, _ in params)
@@ -130,43 +174,52 @@ class Unit:
                 f"({listing}); move the module to one device and dtype before wrapping "
                 "(module.to(device, dtype)), or wrap the differing submodules as their own units"
             )
-        dtype, device = kinds.pop()
-        return dtype, device
+        return kinds.pop()[0] if kinds else torch.float32
 
-    def _build(self, params: list[tuple[str, nn.Parameter, list[ParamSlot]]]) -> None:
+    @property
+    def _shard_device(self) -> torch.device:
+        return torch.device("cpu") if self.config.offload else self.device
+
+    def _build(self, params: list[ParamEntry]) -> None:
         local_off = full_off = 0
         for fqn, p, slots in params:
             spec = ShardSpec(p.shape, self.world, self.rank)
             sp = ShardedParam(spec, slots, fqn, p.requires_grad)
             sp.local_offset, sp.full_offset = local_off, full_off
+            sp.shard_group = self.shard_group
             local_off += spec.padded_shard_numel
             full_off += spec.padded_numel
             self.params.append(sp)
         self.shard_numel = local_off  # S
-        self.local_flat = torch.zeros(local_off, dtype=self.dtype, device=self.device)
+        pin = self.config.offload and torch.cuda.is_available()
+        self.local_flat = torch.zeros(local_off, dtype=self.dtype, device=self._shard_device, pin_memory=pin)
         with torch.no_grad():
             for (_, p, _), sp in zip(params, self.params):
                 view = self._local_view(sp)
                 view.copy_(sp.spec.local_slice(p.detach()))
                 sp.register_shard(nn.Parameter(view, requires_grad=p.requires_grad))
-        if self.world == 1:
+        # With one rank, no cast and no offload the full buffer is the local buffer itself.
+        self.aliased = self.world == 1 and self.compute_dtype == self.dtype and not self.config.offload
+        if self.aliased:
             full = _alias(self.local_flat)
         else:
-            full = torch.empty(self.world * local_off, dtype=self.dtype, device=self.device)
+            full = torch.empty(self.world * local_off, dtype=self.compute_dtype, device=self.device)
         self._full_data = _alias(full)  # writes here leave autograd's version counter alone
-        if self.world > 1:
+        if not self.aliased:
             full.untyped_storage().resize_(0)
         self.full_flat = full.requires_grad_(any(sp.requires_grad for sp in self.params))
         if self.full_flat.requires_grad:
             self.full_flat.register_post_accumulate_grad_hook(self._grad_accumulated)
 
-    def _local_view(self, sp: ShardedParam) -> torch.Tensor:
+    def _local_view(self, sp: ShardedParam, flat: Optional[torch.Tensor] = None) -> torch.Tensor:
         n = sp.spec.local_numel
-        return self.local_flat[sp.local_offset : sp.local_offset + n].view(sp.spec.local_shape)
+        source = self.local_flat if flat is None else flat
+        return source[sp.local_offset : sp.local_offset + n].view(sp.spec.local_shape)
 
     @property
     def full_nbytes(self) -> int:
-        return self.world * self.shard_numel * self.full_flat.element_size()
+        """Bytes of the full flat buffer while gathered (0 when it aliases the shards)."""
+        return 0 if self.aliased else self.world * self.shard_numel * self.full_flat.element_size()
 
     @property
     def sharded_nbytes(self) -> int:
@@ -192,41 +245,76 @@ class Unit:
                     view.copy_(sp.shard.detach().reshape(view.shape))
                     sp.shard.data = view
 
+    def _gather_input(self) -> torch.Tensor:
+        """This rank's padded shards on the compute device in the compute dtype."""
+        return self.local_flat.to(self.device, self.compute_dtype, non_blocking=True)
+
     def unshard(self, async_op: bool = False) -> None:
         """Start (or do) the all-gather that materializes the full parameters."""
         if self.shard_state is ShardState.UNSHARDED or self._pending_gather is not None:
             if not async_op:
                 self.wait_unshard()
             return
-        if self.world == 1 or self.shard_numel == 0:
+        if self.aliased or self.shard_numel == 0:
             self.shard_state = ShardState.UNSHARDED
             GATHERED.add(0)
             return
         self._sync_shards()
-        storage = self._full_data.untyped_storage()
-        storage.resize_(self.full_nbytes)
+        record("unshard", self)
+        self._full_data.untyped_storage().resize_(self.full_nbytes)
+        GATHERED.add(self.full_nbytes)
+        if self.world == 1:
+            self._full_data.copy_(self.local_flat, non_blocking=True)  # cast and/or upload
+            self.shard_state = ShardState.UNSHARDED
+            return
         direct = len(self.params) == 1
         out = self._full_data if direct else torch.empty_like(self._full_data)
-        handle = C.all_gather(out, self.local_flat, self.shard_group, async_op=True)
+        handle = C.all_gather(out, self._gather_input(), self.shard_group, async_op=True)
         assert handle is not None
-
-        def copy_out() -> None:
-            if not direct:
-                self._copy_out(out)
-
-        self._pending_gather = C.Handle(handle, copy_out)
-        GATHERED.add(self.full_nbytes)
+        self._pending_gather = C.Handle(handle, None if direct else (lambda: self._copy_out(out)))
         if not async_op:
             self.wait_unshard()
 
-    def _copy_out(self, gathered: torch.Tensor) -> None:
+    def _copy_out(self, gathered: torch.Tensor, dest: Optional[torch.Tensor] = None) -> None:
+        """Rank-major (N, S) -> param-major (N*S,) into ``dest`` (default: the full buffer)."""
         n, s = self.world, self.shard_numel
+        target = self._full_data if dest is None else dest
         sizes = [sp.spec.padded_shard_numel for sp in self.params]
         outs = [
-            self._full_data[sp.full_offset : sp.full_offset + sp.spec.padded_numel].view(n, -1)
+            target[sp.full_offset : sp.full_offset + sp.spec.padded_numel].view(n, -1)
             for sp in self.params
         ]
         torch.split_with_sizes_copy(gathered.view(n, s), sizes, dim=1, out=outs)
+
+    def gather_full(self, local: torch.Tensor) -> list[torch.Tensor]:
+        """All-gather a buffer laid out like the local flat buffer, in its own dtype (collective).
+
+        Args:
+            local: shape (S,), any dtype and device; typically the shards or their gradients.
+
+        Returns:
+            one fresh tensor per parameter, shape ``orig_shape``, on the compute device. The
+            unit's own buffers and state are untouched.
+        """
+        src = local.to(self.device)
+        if self.world == 1 or self.shard_numel == 0:
+            full = src.clone()
+        else:
+            gathered = torch.empty(self.world * self.shard_numel, dtype=src.dtype, device=src.device)
+            C.all_gather(gathered, src, self.shard_group)
+            full = gathered if len(self.params) == 1 else torch.empty_like(gathered)
+            if len(self.params) > 1:
+                self._copy_out(gathered, full)
+        return [full[sp.full_offset : sp.full_offset + sp.spec.numel].view(sp.spec.orig_shape) for sp in self.params]
+
+    def local_grads(self) -> torch.Tensor:
+        """The shards' gradients packed like the local flat buffer (zeros where None), (S,)."""
+        flat = torch.zeros_like(self.local_flat)
+        for sp in self.params:
+            assert sp.shard is not None
+            if sp.shard.grad is not None:
+                self._local_view(sp, flat).copy_(sp.shard.grad)
+        return flat
 
     def wait_unshard(self) -> None:
         """Finish a pending all-gather; the full flat buffer then holds the full parameters."""
@@ -262,18 +350,24 @@ class Unit:
             sp.uninstall_full()
 
     def reshard(self) -> None:
-        """Free the full parameters (no-op for a group of one rank)."""
+        """Free the full parameters (a no-op for the buffer when it aliases the shards)."""
         if self.shard_state is ShardState.SHARDED:
             return
         if self._pending_gather is not None:
             self.wait_unshard()
         self.uninstall_full_params()
-        if self.world > 1 and self.shard_numel > 0:
+        if self.aliased or self.shard_numel == 0:
+            GATHERED.remove(0)
+        else:
             self._full_data.untyped_storage().resize_(0)
             GATHERED.remove(self.full_nbytes)
-        else:
-            GATHERED.remove(0)
         self.shard_state = ShardState.SHARDED
+
+    def write_back(self, full: list[torch.Tensor]) -> None:
+        """Copy this rank's rows of each full tensor (shapes ``orig_shape``) into the shards."""
+        with torch.no_grad():
+            for sp, value in zip(self.params, full):
+                self._local_view(sp).copy_(sp.spec.local_slice(value))
 
     # ---------------------------------------------------------------- gradients
     def _grad_accumulated(self, full_flat: torch.Tensor) -> None:
@@ -286,24 +380,34 @@ class Unit:
         if grad is None:
             return
         self.full_flat.grad = None
+        record("reduce", self)
+        ranks = self.world * self.replicas
+        low = self.reduce_dtype in (torch.float16, torch.bfloat16)
+        pre = predivide_factor(ranks) if low else 1
+        if grad.dtype != self.reduce_dtype:
+            grad = grad.to(self.reduce_dtype)
+        if pre > 1:
+            grad.div_(pre)
+        post = ranks / pre
         if self.world == 1:
             out = grad
         else:
             out = torch.empty(self.shard_numel, dtype=grad.dtype, device=grad.device)
-        send = grad if (self.world == 1 or len(self.params) == 1) else self._to_rank_major(grad)
         handles: list[C.Handle] = []
         if self.world > 1:
-            h = C.reduce_scatter(out, send, self.shard_group, average=True, async_op=True)
+            send = grad if len(self.params) == 1 else self._to_rank_major(grad)
+            h = C.reduce_scatter(out, send, self.shard_group, divide_by=1.0 if self.replicas > 1 else post, async_op=True)
             assert h is not None
             handles.append(h)
         if self.replicas > 1:
-            # A replica all-reduce has to follow the reduce-scatter's local epilogue.
-            for h in handles:
+            for h in handles:  # the all-reduce follows the reduce-scatter's local epilogue
                 h.wait()
-            h2 = C.all_reduce(out, self.replicate_group, average=True, async_op=True)
+            h2 = C.all_reduce(out, self.replicate_group, divide_by=post, async_op=True)
             assert h2 is not None
             handles.append(h2)
-        self._pending_reduce = (_Multi(handles), out, send)
+        elif self.world == 1 and post != 1:
+            out.div_(post)
+        self._pending_reduce = (_Multi(handles), out)
 
     def _to_rank_major(self, grad: torch.Tensor) -> torch.Tensor:
         n = self.world
@@ -317,17 +421,27 @@ class Unit:
         """Wait for the pending reduction and add the result to the shards' ``.grad``."""
         if self._pending_reduce is None:
             return
-        handle, out, _send = self._pending_reduce
+        handle, out = self._pending_reduce
         handle.wait()
         self._pending_reduce = None
+        keep_low = self.config.keep_low_precision_grads
+        grad_dtype = out.dtype if keep_low else self.dtype
+        if out.dtype != grad_dtype or out.device != self._shard_device:
+            pin = self.config.offload and torch.cuda.is_available()
+            host = torch.empty(out.shape, dtype=grad_dtype, device=self._shard_device, pin_memory=pin)
+            host.copy_(out, non_blocking=pin)
+            out = host
         for sp in self.params:
             if not sp.requires_grad:
                 continue
             assert sp.shard is not None
-            n = sp.spec.local_numel
-            g = out[sp.local_offset : sp.local_offset + n].view(sp.spec.local_shape)
+            g = self._local_view(sp, out)
             if sp.shard.grad is None:
-                sp.shard.grad = g
+                if g.dtype != sp.shard.dtype:  # keep_low_precision_grads: .data takes any dtype
+                    sp.shard.grad = torch.empty_strided(g.shape, (0,) * g.dim(), dtype=sp.shard.dtype, device=g.device)
+                    sp.shard.grad.data = g
+                else:
+                    sp.shard.grad = g
             else:
                 sp.shard.grad.add_(g)
 

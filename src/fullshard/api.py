@@ -64,6 +64,17 @@ class MixedPrecision:
     cast_forward_inputs: bool = False
     cast_root_forward_inputs: bool = True
 
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not isinstance(value, torch.dtype) or not value.is_floating_point:
+                raise ValueError(
+                    f"MixedPrecision.{name}={value!r} is not a floating-point torch.dtype; use "
+                    "torch.bfloat16, torch.float16 or torch.float32 (or None to keep the original)"
+                )
+
 
 @dataclasses.dataclass
 class CPUOffload:
@@ -93,3 +104,35 @@ def parse_sharding_strategy(value: Union[None, str, ShardingStrategy]) -> Shardi
         f"sharding_strategy must be a fullshard.ShardingStrategy or its name, "
         f"got {type(value).__name__}"
     )
+
+
+def as_mixed_precision(value: Union[None, torch.dtype, MixedPrecision]) -> Optional[MixedPrecision]:
+    """Normalize ``mixed_precision``: None, a MixedPrecision, or a dtype meaning all three dtypes.
+
+    Raises:
+        ValueError: a dtype that is not floating point.
+        TypeError: anything else.
+    """
+    if value is None or isinstance(value, MixedPrecision):
+        return value
+    if isinstance(value, torch.dtype):
+        return MixedPrecision(param_dtype=value, reduce_dtype=value, buffer_dtype=value)
+    raise TypeError(
+        f"mixed_precision must be a fullshard.MixedPrecision or a torch.dtype such as "
+        f"torch.bfloat16, got {type(value).__name__}"
+    )
+
+
+def as_cpu_offload(value: Union[None, bool, CPUOffload]) -> CPUOffload:
+    """Normalize ``cpu_offload``: None, a bool (the shorthand), or a CPUOffload.
+
+    Raises:
+        TypeError: anything else.
+    """
+    if value is None:
+        return CPUOffload()
+    if isinstance(value, bool):
+        return CPUOffload(offload_params=value)
+    if isinstance(value, CPUOffload):
+        return value
+    raise TypeError(f"cpu_offload must be a fullshard.CPUOffload or a bool, got {type(value).__name__}")

@@ -18,25 +18,30 @@ from fullshard import _collectives as C
 from fullshard import _hooks as H
 from fullshard import _state_dict as SD
 from fullshard._sharded_param import ParamSlot, is_sharded
-from fullshard._unit import TrainingState, Unit
+from fullshard._unit import TrainingState, Unit, UnitConfig
 from fullshard.api import (
     BackwardPrefetch,
     CPUOffload,
     MixedPrecision,
     ShardingStrategy,
+    as_cpu_offload,
+    as_mixed_precision,
     parse_sharding_strategy,
 )
+from fullshard.clip_grad import clip_grad_norm_
 from fullshard.wrap import apply_policy, as_policy
 
 WRAPPED = "_fsdp_wrapped_module"
-_PREFIX = WRAPPED + "."
+_PREFIXES = (WRAPPED + ".", "_checkpoint_wrapped_module.")
 
 _HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 
 
 def clean_name(name: str) -> str:
     """A parameter or buffer name without fullshard's wrapper prefixes."""
-    return name.replace(_PREFIX, "")
+    for prefix in _PREFIXES:
+        name = name.replace(prefix, "")
+    return name
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -106,7 +111,9 @@ class FullyShardedDataParallel(nn.Module):
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
         strategy = parse_sharding_strategy(sharding_strategy)
-        _refuse_unbuilt(strategy, cpu_offload, mixed_precision, param_init_fn, device_mesh)
+        mp_policy = as_mixed_precision(mixed_precision)
+        offload = as_cpu_offload(cpu_offload)
+        _refuse_unbuilt(strategy, param_init_fn, device_mesh)
         if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
             raise TypeError(
                 f"backward_prefetch must be a fullshard.BackwardPrefetch or None, got "
@@ -114,8 +121,8 @@ class FullyShardedDataParallel(nn.Module):
             )
         group = _resolve_group(process_group, device_mesh)
         ignored = _ignored_modules(module, ignored_modules, ignored_states)
-        if device_id is not None:
-            module.to(_as_device(device_id))
+        device = _compute_device(module, device_id, offload.offload_params, ignored)
+        _place(module, device, offload.offload_params, ignored)
         _check_one_device(module, ignored)
         if sync_module_states:
             _broadcast_module(module, group, ignored)
@@ -127,6 +134,9 @@ class FullyShardedDataParallel(nn.Module):
             forward_prefetch=forward_prefetch,
             limit_all_gathers=limit_all_gathers,
             use_orig_params=use_orig_params,
+            mixed_precision=mp_policy,
+            cpu_offload=offload,
+            device_id=device,
         )
         if policy is not None:
             apply_policy(
@@ -144,14 +154,20 @@ class FullyShardedDataParallel(nn.Module):
         )
         if C.group_size(group) == 1:
             shard_group, replicate_group = None, None
-        unit = Unit(
-            type(module).__name__,
-            params,
-            shard_group,
-            replicate_group,
+        config = UnitConfig(
+            compute_device=device,
             reshard_after_forward=strategy is ShardingStrategy.FULL_SHARD,
+            param_dtype=mp_policy.param_dtype if mp_policy else None,
+            reduce_dtype=mp_policy.reduce_dtype if mp_policy else None,
+            keep_low_precision_grads=bool(mp_policy and mp_policy.keep_low_precision_grads),
+            offload=offload.offload_params and device.type != "cpu",
         )
-        self._hooks = H.UnitHooks(unit)
+        unit = Unit(type(module).__name__, params, shard_group, replicate_group, config)
+        if mp_policy is not None and mp_policy.buffer_dtype is not None:
+            _cast_buffers(module, mp_policy.buffer_dtype, ignored)
+        self.mixed_precision = mp_policy
+        self.cpu_offload = offload
+        self._hooks = H.UnitHooks(unit, mixed_precision=mp_policy)
         self._backward_prefetch = backward_prefetch
         self._forward_prefetch = forward_prefetch
         self._is_root: Optional[bool] = None
@@ -193,6 +209,9 @@ class FullyShardedDataParallel(nn.Module):
         if self._is_root is not None:
             return
         tree = self.fsdp_modules(self)
+        names = {id(m): clean_name(n) or "<root>" for n, m in self.named_modules() if isinstance(m, FullyShardedDataParallel)}
+        for m in tree:
+            m.unit.name = names[id(m)]
         units = [m.unit for m in tree]
         root = H.RootState(units, self._backward_prefetch, self._forward_prefetch)
         for m in tree:
@@ -204,8 +223,7 @@ class FullyShardedDataParallel(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._lazy_init()
-        if self._is_root:
-            args, kwargs = H.move_to_device((args, kwargs), self.unit.device)
+        args, kwargs = H.prepare_inputs(self._hooks, (args, kwargs))
         H.pre_forward(self._hooks)
         try:
             output = self.module(*args, **kwargs)
@@ -276,12 +294,94 @@ class FullyShardedDataParallel(nn.Module):
         finally:
             root.sync_grads = previous
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of every unit in this tree by their total (unsharded) norm.
+
+        Collective: every rank calls it. Returns the total norm before clipping (float32).
+
+        Raises:
+            RuntimeError: called on a unit that is not the root.
+        """
+        self._lazy_init()
+        if not self._is_root:
+            raise RuntimeError(
+                "clip_grad_norm_ must be called on the root FullyShardedDataParallel (the outermost "
+                "wrapper): the norm spans every unit's gradients"
+            )
+        return clip_grad_norm_(self.parameters(), max_norm, norm_type)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def summon_full_params(
+        module: nn.Module,
+        recurse: bool = True,
+        writeback: bool = True,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        with_grads: bool = False,
+    ) -> Iterator[None]:
+        """Inside the context, the modules hold full parameters (original shapes and dtypes).
+
+        ``module.weight`` and ``parameters()`` give full tensors. With ``writeback``, changes to
+        them are copied into the shards on exit. Collective: every rank enters it.
+
+        Args:
+            module: an FSDP module, or a module containing FSDP modules.
+            recurse: include nested units (else only ``module``'s own unit).
+            writeback: copy changes back to the shards on exit.
+            rank0_only: only rank 0 materializes full parameters; other ranks keep shards.
+            offload_to_cpu: put the full parameters in CPU memory.
+            with_grads: also gather the gradients into the full parameters' ``.grad``.
+
+        Raises:
+            ValueError: ``writeback`` together with ``rank0_only``.
+            RuntimeError: called during forward or backward.
+        """
+        if rank0_only and writeback:
+            raise ValueError(
+                "summon_full_params(writeback=True, rank0_only=True) would lose other ranks' writes; "
+                "pass writeback=False with rank0_only=True"
+            )
+        if recurse or not isinstance(module, FullyShardedDataParallel):
+            units = [m.unit for m in FullyShardedDataParallel.fsdp_modules(module)]
+        else:
+            units = [module.unit]
+        for unit in units:
+            unit._check_state(TrainingState.IDLE, "summon full parameters")
+        summoned = [_summon(unit, rank0_only, offload_to_cpu, with_grads) for unit in units]
+        try:
+            yield
+        finally:
+            for unit, full in zip(units, summoned):
+                if writeback and full is not None:
+                    unit.write_back(full)
+                for sp in unit.params:
+                    assert sp.shard is not None
+                    sp.register_shard(sp.shard)
+
     def training_states(self) -> list[TrainingState]:
         """The training state of every unit in this tree (all IDLE between steps)."""
         return [m.unit.training_state for m in self.fsdp_modules(self)]
 
 
 FSDP = FullyShardedDataParallel
+
+
+def _summon(unit: Unit, rank0_only: bool, offload_to_cpu: bool, with_grads: bool) -> Optional[list[torch.Tensor]]:
+    """Gather ``unit``'s parameters in full precision and register them; None where skipped."""
+    full = unit.gather_full(unit.local_flat)
+    grads = unit.gather_full(unit.local_grads()) if with_grads else None
+    if rank0_only and C.group_rank(C.default_group()) != 0:
+        return None
+    if offload_to_cpu:
+        full = [t.cpu() for t in full]
+        grads = [g.cpu() for g in grads] if grads is not None else None
+    for i, (sp, value) in enumerate(zip(unit.params, full)):
+        param = nn.Parameter(value, requires_grad=sp.requires_grad)
+        if grads is not None:
+            param.grad = grads[i]
+        sp.swap_registered(param)
+    return full
 
 
 # ---------------------------------------------------------------------- construction helpers
@@ -300,20 +400,9 @@ def _take_deprecated(deprecated: dict[str, Any], auto_wrap_policy: Any) -> Any:
     return auto_wrap_policy
 
 
-def _refuse_unbuilt(
-    strategy: ShardingStrategy,
-    cpu_offload: Any,
-    mixed_precision: Any,
-    param_init_fn: Any,
-    device_mesh: Any,
-) -> None:
+def _refuse_unbuilt(strategy: ShardingStrategy, param_init_fn: Any, device_mesh: Any) -> None:
     if strategy in _HYBRID:
         raise NotImplementedError(f"sharding_strategy={strategy.name} is not built yet in fullshard")
-    if mixed_precision is not None:
-        raise NotImplementedError("mixed_precision is not built yet in fullshard; pass None")
-    offload = cpu_offload.offload_params if isinstance(cpu_offload, CPUOffload) else bool(cpu_offload)
-    if offload:
-        raise NotImplementedError("cpu_offload with offload_params=True is not built yet in fullshard")
     if param_init_fn is not None:
         raise NotImplementedError("param_init_fn (meta-device initialization) is not built yet")
     if device_mesh is not None and getattr(device_mesh, "ndim", 1) != 1:
@@ -332,10 +421,75 @@ def _resolve_group(process_group: Any, device_mesh: Any) -> C.ProcessGroup:
     return C.default_group()
 
 
-def _as_device(device_id: Union[int, torch.device]) -> torch.device:
+def _as_device(device_id: Union[int, str, torch.device]) -> torch.device:
     if isinstance(device_id, int):
         return torch.device("cuda", device_id)
-    return torch.device(device_id)
+    device = torch.device(device_id)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+_warned_offload_on_cpu = False
+
+
+def _compute_device(
+    module: nn.Module, device_id: Any, offload: bool, ignored: set[nn.Module]
+) -> torch.device:
+    """Where the unit computes: ``device_id``, else the module's device (a GPU under offload)."""
+    global _warned_offload_on_cpu
+    current = next(
+        (t.device for _, m in _walk_unwrapped(module, ignored) for t in _local_tensors(m) if not is_sharded(t)),
+        None,
+    )
+    if device_id is not None:
+        device = _as_device(device_id)
+        if current is not None and current.type == "cuda" and device.type == "cuda" and current != device:
+            raise ValueError(
+                f"module is on {current} but device_id={device}: move the module to {device} or "
+                f"pass device_id={current.index}"
+            )
+    elif current is not None and current.type != "cpu":
+        device = current
+    elif offload and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = current or torch.device("cpu")
+    if offload and device.type == "cpu" and not _warned_offload_on_cpu:
+        _warned_offload_on_cpu = True
+        warnings.warn(
+            "cpu_offload has no effect on a CPU-only run: the shards already live in CPU memory",
+            UserWarning,
+            stacklevel=4,
+        )
+    return device
+
+
+def _local_tensors(m: nn.Module) -> list[torch.Tensor]:
+    return [t for t in list(m._parameters.values()) + list(m._buffers.values()) if t is not None]
+
+
+def _place(module: nn.Module, device: torch.device, offload: bool, ignored: set[nn.Module]) -> None:
+    """Move the module to ``device``; under offload only its buffers (shards stay on CPU)."""
+    if device.type == "cpu":
+        return
+    if not offload:
+        module.to(device)
+        return
+    for _, m in _walk_unwrapped(module, ignored):
+        for name, b in m._buffers.items():
+            if b is not None:
+                m._buffers[name] = b.to(device)
+
+
+def _cast_buffers(module: nn.Module, dtype: torch.dtype, ignored: set[nn.Module]) -> None:
+    """Cast floating-point buffers to ``dtype``, remembering the original for state dicts."""
+    for _, m in _walk_unwrapped(module, ignored):
+        for name, b in m._buffers.items():
+            if b is not None and b.is_floating_point() and b.dtype != dtype:
+                originals = m.__dict__.setdefault("_fullshard_buffer_dtypes", {})
+                originals.setdefault(name, b.dtype)
+                m._buffers[name] = b.to(dtype)
 
 
 def _ignored_modules(
