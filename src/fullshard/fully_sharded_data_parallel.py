@@ -228,9 +228,12 @@ class FullyShardedDataParallel(nn.Module):
         try:
             output = self.module(*args, **kwargs)
         except BaseException:
-            # Leave the unit usable: shards back in place, full parameters freed, IDLE.
-            self.unit.reshard()
-            self.unit.training_state = TrainingState.IDLE
+            # A failed forward leaves the unit usable: shards back, full parameters freed, IDLE.
+            # A recomputation in backward (activation checkpointing stops it early by raising)
+            # must keep the unit gathered for the rest of its backward.
+            if self.unit.training_state is TrainingState.FORWARD:
+                self.unit.reshard()
+                self.unit.training_state = TrainingState.IDLE
             raise
         return H.post_forward(self._hooks, output)
 

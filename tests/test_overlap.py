@@ -1,0 +1,72 @@
+"""Overlap: each prefetch is issued where it should be, seen in the event log of one step."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from dist import run_ranks
+from models import Block, batch, make_stack
+
+
+def _events(backward_prefetch, forward_prefetch: bool, rank: int, world: int) -> list[tuple[str, str]]:
+    from fullshard import FSDP
+    from fullshard import _unit
+    from fullshard.wrap import ModuleWrapPolicy
+
+    model = FSDP(copy.deepcopy(make_stack()), auto_wrap_policy=ModuleWrapPolicy({Block}),
+                 backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch)
+    x, _ = batch(0, 4 * world)
+    model(x[4 * rank : 4 * rank + 4]).sum().backward()  # records the forward order
+    _unit.EVENTS = []
+    model(x[4 * rank : 4 * rank + 4]).sum().backward()
+    events, _unit.EVENTS = _unit.EVENTS, None
+    return events
+
+
+def _after(events: list, first: tuple, then: tuple) -> bool:
+    """Whether ``then`` comes right after ``first`` (ignoring nothing)."""
+    i = events.index(first)
+    return events[i + 1] == then
+
+
+def order_body(rank: int, world: int) -> list[str]:
+    from fullshard import BackwardPrefetch
+
+    B = [f"blocks.{i}" for i in range(4)]
+    done = []
+    # No prefetch: each block is gathered on demand, after the previous one finished.
+    ev = _events(None, False, rank, world)
+    for i in range(1, 4):
+        assert ev.index(("forward_end", B[i - 1])) < ev.index(("unshard", B[i])), ev
+        # in backward, block i-1's gather follows block i's reduce-scatter
+        assert ev.index(("reduce", B[i])) < ev.index(("unshard", B[i - 1]), ev.index(("backward", B[i]))), ev
+    done.append("none")
+    # forward_prefetch: block i+1's all-gather is issued while block i computes.
+    ev = _events(None, True, rank, world)
+    for i in range(3):
+        assert ev.index(("forward", B[i])) < ev.index(("unshard", B[i + 1])) < ev.index(("forward_end", B[i])), ev
+    done.append("forward")
+    # BACKWARD_PRE: block i-1 is gathered as soon as block i's backward starts.
+    ev = _events(BackwardPrefetch.BACKWARD_PRE, False, rank, world)
+    bwd = ev[ev.index(("backward", B[3])) :]
+    for i in range(3, 0, -1):
+        start = bwd.index(("backward", B[i]))
+        assert bwd.index(("unshard", B[i - 1])) < bwd.index(("reduce", B[i])), bwd
+        assert start < bwd.index(("unshard", B[i - 1])), bwd
+    done.append("backward_pre")
+    # BACKWARD_POST: block i-1 is gathered right after block i's reduce-scatter is launched.
+    ev = _events(BackwardPrefetch.BACKWARD_POST, False, rank, world)
+    bwd = ev[ev.index(("backward", B[3])) :]
+    for i in range(3, 0, -1):
+        assert _after(bwd, ("reduce", B[i]), ("unshard", B[i - 1])), bwd
+        assert bwd.index(("unshard", B[i - 1])) < bwd.index(("backward", B[i - 1])), bwd
+    done.append("backward_post")
+    return done
+
+
+@pytest.mark.timeout(200)
+def test_prefetch_order() -> None:
+    assert run_ranks(order_body, 2, timeout=180)[0] == ["none", "forward", "backward_pre", "backward_post"]
