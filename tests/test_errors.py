@@ -155,3 +155,8 @@ def test_idx_files_in_torchvision_layout(tmp_path: Path) -> None:
     (raw / "t10k-labels-idx1-ubyte").write_bytes(bytes([0, 0, 8, 1]) + struct.pack(">I", 9) + b"\x01")
     with pytest.raises(ValueError, match="truncated"):
         mnist_data.load(tmp_path)
+
+
+def test_cli_bench_rejects_unknown_workload() -> None:
+    r = _cli("bench", "nope")
+    assert r.returncode == 2 and "invalid choice" in r.stderr

@@ -69,3 +69,17 @@ def test_mnist_under_torchrun(tmp_path: Path) -> None:
     )
     rec = _records(metrics)[0]
     assert rec["test_accuracy"] > 0.85 and len(rec["sharded_state_bytes"]) == 2
+
+
+@pytest.mark.timeout(500)
+def test_mnist_bf16_reaches_094(tmp_path: Path) -> None:
+    """--mixed-precision bf16: bf16 all-gathers and compute, fp32 shards, same accuracy bar."""
+    metrics = tmp_path / "bf16.jsonl"
+    _run(
+        [str(BIN / "fullshard"), "train", "mnist", "--nproc", "2", "--mixed-precision", "bf16",
+         "--forward-prefetch", "--metrics-file", str(metrics)],
+        tmp_path,
+        timeout=480,
+    )
+    last = _records(metrics)[-1]
+    assert last["epoch"] == 10 and last["test_accuracy"] >= 0.94, last

@@ -9,6 +9,7 @@ USAGE = """usage: fullshard COMMAND ...
 
 commands:
   train JOB [options]   run a training job across processes (jobs: mnist)
+  bench WORKLOAD        time fullshard configurations (workloads: prefetch)
 """
 
 
@@ -23,6 +24,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from fullshard.train import main as train_main
 
         return train_main(rest)
+    if command == "bench":
+        from fullshard.bench import main as bench_main
+
+        return bench_main(rest)
     print(f"fullshard: unknown command {command!r}\n{USAGE}", file=sys.stderr, end="")
     return 2
 

@@ -61,7 +61,7 @@ class FullyShardedDataParallel(nn.Module):
         cpu_offload: CPUOffload or bool.
         auto_wrap_policy: a policy from ``fullshard.wrap`` (or a set of module classes).
         backward_prefetch: BACKWARD_PRE (default), BACKWARD_POST or None.
-        mixed_precision: a MixedPrecision.
+        mixed_precision: a MixedPrecision, or a dtype (torch.bfloat16) for all three dtypes.
         ignored_modules: modules whose parameters are neither sharded nor reduced.
         param_init_fn: initializer for modules on the meta device.
         device_id: a device (or CUDA index) to move the module to before sharding.
@@ -89,7 +89,7 @@ class FullyShardedDataParallel(nn.Module):
         cpu_offload: Union[None, bool, CPUOffload] = None,
         auto_wrap_policy: Optional[Any] = None,
         backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE,
-        mixed_precision: Optional[MixedPrecision] = None,
+        mixed_precision: Union[None, torch.dtype, MixedPrecision] = None,
         ignored_modules: Optional[Iterable[nn.Module]] = None,
         param_init_fn: Optional[Callable[[nn.Module], None]] = None,
         device_id: Union[None, int, torch.device] = None,

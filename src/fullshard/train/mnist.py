@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from fullshard import _collectives as C
 from fullshard import launch, mnist_data
-from fullshard.api import ShardingStrategy, parse_sharding_strategy
+from fullshard.api import BackwardPrefetch, parse_sharding_strategy
 from fullshard.fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
 from fullshard.memory import model_state_bytes
 from fullshard.train._report import MetricsFile, gather_memory, mib
@@ -55,6 +55,10 @@ class Net(nn.Module):
         return F.log_softmax(self.fc2(x), dim=1)
 
 
+PRECISIONS = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+PREFETCH = {"pre": BackwardPrefetch.BACKWARD_PRE, "post": BackwardPrefetch.BACKWARD_POST, "none": None}
+
+
 @dataclasses.dataclass
 class MnistConfig:
     """Options of the MNIST job (see ``fullshard train mnist --help``)."""
@@ -72,6 +76,10 @@ class MnistConfig:
     save_model: Optional[str] = None
     metrics_file: Optional[str] = None
     progress: bool = True
+    mixed_precision: str = "none"
+    cpu_offload: bool = False
+    backward_prefetch: str = "pre"
+    forward_prefetch: bool = False
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
@@ -80,6 +88,10 @@ class MnistConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         parse_sharding_strategy(self.sharding_strategy)
+        if self.mixed_precision not in PRECISIONS:
+            raise ValueError(f"--mixed-precision {self.mixed_precision!r}: use one of {', '.join(PRECISIONS)}")
+        if self.backward_prefetch not in PREFETCH:
+            raise ValueError(f"--backward-prefetch {self.backward_prefetch!r}: use one of {', '.join(PREFETCH)}")
         if self.data_dir is not None:
             if not os.path.isdir(self.data_dir):
                 raise ValueError(f"--data-dir {self.data_dir} is not a directory")
@@ -106,6 +118,10 @@ def parse_args(argv: Sequence[str]) -> MnistConfig:
     p.add_argument("--save-model", default=None, metavar="PATH", help="write the full state dict here")
     p.add_argument("--metrics-file", default=None, metavar="PATH", help="JSON lines, one per epoch")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no tqdm bar")
+    p.add_argument("--mixed-precision", default=d.mixed_precision, help="none, bf16 or fp16 (gather, compute and reduce)")
+    p.add_argument("--cpu-offload", action="store_true", help="keep shards and gradients in CPU memory (GPU runs)")
+    p.add_argument("--backward-prefetch", default=d.backward_prefetch, help="pre, post or none")
+    p.add_argument("--forward-prefetch", action="store_true", help="gather the next unit during forward")
     ns = p.parse_args(list(argv))
     try:
         return MnistConfig(**vars(ns))
@@ -129,7 +145,7 @@ def _train_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim.Op
     for data, target in loader:
         data, target = data.to(device), target.to(device)
         optimizer.zero_grad()
-        loss = F.nll_loss(model(data), target, reduction="sum")
+        loss = F.nll_loss(model(data).float(), target, reduction="sum")
         loss.backward()
         optimizer.step()
         stats[0] += loss.item()
@@ -146,7 +162,7 @@ def _test(model: nn.Module, loader: DataLoader, device: torch.device) -> torch.T
     with torch.no_grad():
         for data, target in loader:
             data, target = data.to(device), target.to(device)
-            output = model(data)
+            output = model(data).float()
             stats[0] += F.nll_loss(output, target, reduction="sum").item()
             stats[1] += (output.argmax(dim=1) == target).sum().item()
             stats[2] += len(data)
@@ -168,7 +184,15 @@ def _run(cfg: MnistConfig, device: torch.device) -> Optional[dict[str, Any]]:
     torch.manual_seed(cfg.seed)
     train_loader, test_loader, sampler = _loaders(cfg, rank, world)
     policy = functools.partial(size_based_auto_wrap_policy, min_num_params=cfg.min_num_params)
-    model = FSDP(Net().to(device), auto_wrap_policy=policy, sharding_strategy=cfg.sharding_strategy)
+    model = FSDP(
+        Net().to(device),
+        auto_wrap_policy=policy,
+        sharding_strategy=cfg.sharding_strategy,
+        mixed_precision=PRECISIONS[cfg.mixed_precision],
+        cpu_offload=cfg.cpu_offload,
+        backward_prefetch=PREFETCH[cfg.backward_prefetch],
+        forward_prefetch=cfg.forward_prefetch,
+    )
     if rank == 0:
         print(model, flush=True)
     optimizer = torch.optim.Adadelta(model.parameters(), lr=cfg.lr)
