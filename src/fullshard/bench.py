@@ -53,7 +53,7 @@ def _timed_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -
     return float(elapsed.item())
 
 
-def interleaved_medians(models: list[nn.Module], x: torch.Tensor, steps: int, warmup: int = 3) -> list[float]:
+def interleaved_medians(models: Sequence[nn.Module], x: torch.Tensor, steps: int, warmup: int = 3) -> list[float]:
     """Median step seconds per model, the models taking turns step by step (drift hits all)."""
     opts = [torch.optim.SGD(m.parameters(), lr=1e-4) for m in models]
     times: list[list[float]] = [[] for _ in models]
