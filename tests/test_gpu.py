@@ -59,3 +59,48 @@ def test_mnist_job_on_gpu(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
     rec = json.loads(metrics.read_text().splitlines()[-1])
     assert rec["test_accuracy"] > 0.9 and len(rec["sharded_state_bytes"]) == torch.cuda.device_count()
+
+
+def offload_body(rank: int, world: int) -> list[str]:
+    from fullshard import FSDP, CPUOffload, MixedPrecision
+    from fullshard.wrap import ModuleWrapPolicy
+
+    device = torch.device("cuda", rank)
+    done = []
+    for mp in (None, MixedPrecision(torch.bfloat16, torch.float32)):
+        ref = make_stack()
+        model = FSDP(copy.deepcopy(ref), cpu_offload=CPUOffload(offload_params=True), device_id=device,
+                     mixed_precision=mp, auto_wrap_policy=ModuleWrapPolicy({Block}))
+        assert all(p.device.type == "cpu" for p in model.parameters())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # steps on CPU shards
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        n = 12 // world
+        for step in range(5):
+            x, y = batch(step, 12)
+            opt.zero_grad()
+            out = model(x[rank * n : (rank + 1) * n])
+            assert out.device == device
+            torch.nn.functional.mse_loss(out.float(), y[rank * n : (rank + 1) * n].to(device)).backward()
+            assert all(p.grad is not None and p.grad.device.type == "cpu" for p in model.parameters())
+            opt.step()
+            ref_opt.zero_grad()
+            torch.nn.functional.mse_loss(ref(x), y).backward()
+            ref_opt.step()
+        full = model.state_dict()
+        tol = 1e-4 if mp is None else 3e-2
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(full[k].cpu(), v, rtol=tol, atol=tol)
+        done.append("bf16" if mp else "fp32")
+    # A module on one GPU with device_id naming another is refused.
+    if torch.cuda.device_count() > 1:
+        import pytest as _pytest
+
+        with _pytest.raises(ValueError, match="device_id"):
+            FSDP(make_stack().to("cuda:1"), device_id=0)
+    return done
+
+
+@pytest.mark.timeout(300)
+def test_cpu_offload_on_gpu() -> None:
+    world = torch.cuda.device_count()
+    assert run_ranks(offload_body, world, timeout=280, backend="nccl")[0] == ["fp32", "bf16"]

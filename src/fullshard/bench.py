@@ -1,5 +1,8 @@
 """``fullshard bench``: timings of fullshard configurations on this machine, as ratios.
 
+``fullshard bench optimizer [--numel 62000000]`` times one CPU AdamW step over one rank's shards
+(the step that CPU offload moves to the host) for the for-loop, foreach and fused variants.
+
 ``fullshard bench prefetch [--nproc 2] [--steps 12]`` trains a stack of large Linear layers
 (communication-heavy: many parameters, small batch) with FULL_SHARD under each prefetch setting
 and prints the median step time of each, with its ratio to the no-prefetch run. Timings belong
@@ -83,16 +86,57 @@ def prefetch_worker(d: int, layers: int, batch: int, steps: int) -> Optional[lis
         launch.destroy_process_group()
 
 
+def optimizer_step_seconds(numel: int, steps: int = 5) -> list[tuple[str, float]]:
+    """Median seconds of one AdamW step over ``numel`` fp32 elements in CPU shards, per variant.
+
+    The shards are split like a transformer's (one large and a few small tensors per layer),
+    which is what an offloaded FSDP run hands the optimizer on each rank.
+    """
+    torch.manual_seed(0)
+    sizes = []
+    left = numel
+    while left > 0:
+        for s in (min(left, 1 << 20), 1024, 1024):
+            if left > 0:
+                sizes.append(min(s, left))
+                left -= sizes[-1]
+    rows = []
+    variants: list[tuple[str, dict[str, Any]]] = [("for-loop", {"foreach": False}), ("foreach", {"foreach": True}), ("fused", {"fused": True})]
+    for name, kwargs in variants:
+        params = [nn.Parameter(torch.randn(s)) for s in sizes]
+        for q in params:
+            q.grad = torch.randn_like(q)
+        opt = torch.optim.AdamW(params, lr=1e-3, **kwargs)
+        opt.step()  # creates the state
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - start)
+        rows.append((name, statistics.median(times)))
+    return rows
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``fullshard bench``."""
     p = argparse.ArgumentParser(prog="fullshard bench", description=__doc__)
-    p.add_argument("workload", choices=["prefetch"])
+    p.add_argument("workload", choices=["prefetch", "optimizer"])
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--d-model", type=int, default=1024)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--numel", type=int, default=62_000_000, help="optimizer: elements per rank")
     args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.workload == "optimizer":
+        torch.set_num_threads(1)
+        opt_rows = optimizer_step_seconds(args.numel)
+        print(f"CPU AdamW step over {args.numel / 1e6:.0f}M fp32 elements (one rank's shards), one thread, torch {torch.__version__}")
+        print("| implementation | step (s) | vs for-loop |")
+        print("|---|---|---|")
+        for name, seconds in opt_rows:
+            print(f"| {name} | {seconds:.3f} | {seconds / opt_rows[0][1]:.2f}x |")
+        return 0
     rows = launch.launch(prefetch_worker, (args.d_model, args.layers, args.batch, args.steps), args.nproc)[0]
     assert rows is not None
     base = rows[0][1]
