@@ -48,3 +48,23 @@ def batch(step: int, n: int, seed: int = 100) -> tuple[torch.Tensor, torch.Tenso
     """A deterministic global batch (inputs (n, 6), targets (n, 3)) for step ``step``."""
     g = torch.Generator().manual_seed(seed + step)
     return torch.randn(n, 6, generator=g), torch.randn(n, 3, generator=g)
+
+
+def local(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """This rank's equal share of a global batch along dim 0."""
+    n = t.shape[0] // world
+    return t[rank * n : (rank + 1) * n]
+
+
+def step_both(model, opt, ref, ref_opt, step: int, rank: int, world: int, global_batch: int = 12) -> None:
+    """One MSE training step of the sharded model on this rank's share and of the reference on
+    the whole global batch (same data: ``batch(step, global_batch)``)."""
+    x, y = batch(step, global_batch)
+    device = next(ref.parameters()).device
+    x, y = x.to(device), y.to(device)
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(local(x, rank, world)).float(), local(y, rank, world)).backward()
+    opt.step()
+    ref_opt.zero_grad()
+    torch.nn.functional.mse_loss(ref(x), y).backward()
+    ref_opt.step()

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from dist import run_ranks
-from models import Block, batch, make_stack
+from models import Block, make_stack, step_both
 
 
 def parity_body(rank: int, world: int) -> list[str]:
@@ -17,7 +17,6 @@ def parity_body(rank: int, world: int) -> list[str]:
     from fullshard.wrap import ModuleWrapPolicy
 
     done = []
-    n = 12 // world
     for placement in ("inside", "outside", "offload"):
         ref = make_stack()
         model = copy.deepcopy(ref)
@@ -37,13 +36,7 @@ def parity_body(rank: int, world: int) -> list[str]:
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
         for step in range(4):
-            x, y = batch(step, 12)
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(model(x[rank * n : (rank + 1) * n]), y[rank * n : (rank + 1) * n]).backward()
-            opt.step()
-            ref_opt.zero_grad()
-            torch.nn.functional.mse_loss(ref(x), y).backward()
-            ref_opt.step()
+            step_both(model, opt, ref, ref_opt, step, rank, world)
         full = model.state_dict()
         assert list(full) == list(ref.state_dict())
         for k, v in ref.state_dict().items():

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dist import run_ranks
-from models import Block, batch, make_stack
+from models import Block, batch, make_stack, step_both
 
 pytestmark = pytest.mark.gpu
 
@@ -29,15 +29,8 @@ def cuda_parity_body(rank: int, world: int) -> int:
         assert all(p.device == device for p in model.parameters())
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-        n = 12 // world
         for step in range(5):
-            x, y = (t.to(device) for t in batch(step, 12))
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(model(x[rank * n : (rank + 1) * n]), y[rank * n : (rank + 1) * n]).backward()
-            opt.step()
-            ref_opt.zero_grad()
-            torch.nn.functional.mse_loss(ref(x), y).backward()
-            ref_opt.step()
+            step_both(model, opt, ref, ref_opt, step, rank, world)
         full = model.state_dict()
         for k, v in ref.state_dict().items():
             torch.testing.assert_close(full[k], v, rtol=1e-4, atol=1e-5)

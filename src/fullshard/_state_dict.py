@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
+from fullshard._module_wrapper import ModuleWrapper
 from fullshard._sharded_param import ShardedParam
 
 if TYPE_CHECKING:
@@ -23,11 +24,8 @@ if TYPE_CHECKING:
 
 def _entries(root: nn.Module, ignored: set[nn.Module]) -> Iterator[tuple[str, nn.Module, str, bool]]:
     """(clean name, owning module, attribute, is_parameter) in nn.Module.state_dict order."""
-    from fullshard.activation_checkpointing import CheckpointWrapper
-    from fullshard.fully_sharded_data_parallel import FullyShardedDataParallel
-
     def walk(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module, str, bool]]:
-        if isinstance(module, (FullyShardedDataParallel, CheckpointWrapper)):
+        if isinstance(module, ModuleWrapper):  # wrappers are transparent in names
             yield from walk(module.module, prefix)
             return
         for name, p in module._parameters.items():
@@ -81,6 +79,7 @@ def load_full_state_dict(
     missing.sort(key=[n for n, *_ in entries].index)
     unexpected = [k for k in state_dict if k not in expected]
     errors = []
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (target, full value), checked
     for name, module, attr, is_param in entries:
         if name not in state_dict:
             continue
@@ -89,6 +88,7 @@ def load_full_state_dict(
         assert target is not None
         sp = _sharded(target)
         shape = sp.spec.orig_shape if sp is not None else target.shape
+        copies.append((target, value))
         if not isinstance(value, torch.Tensor):
             errors.append(f"value for {name} is a {type(value).__name__}, expected a tensor")
         elif value.shape != shape:
@@ -106,12 +106,7 @@ def load_full_state_dict(
             f"Error(s) in loading state_dict for {type(root.module).__name__}:\n\t" + "\n\t".join(errors)
         )
     with torch.no_grad():
-        for name, module, attr, is_param in entries:
-            if name not in state_dict:
-                continue
-            value = state_dict[name]
-            target = module._parameters[attr] if is_param else module._buffers[attr]
-            assert target is not None
+        for target, value in copies:
             sp = _sharded(target)
             if sp is not None:
                 src = sp.spec.local_slice(value.to(target.device, target.dtype))

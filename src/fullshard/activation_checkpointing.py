@@ -9,17 +9,19 @@ gathered them again, so the recomputed forward sees the full parameters.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-WRAPPED = "_checkpoint_wrapped_module"
+from fullshard._module_wrapper import CHECKPOINT_WRAPPED as WRAPPED
+from fullshard._module_wrapper import ModuleWrapper
+
 _PREFIX = WRAPPED + "."
 
 
-class CheckpointWrapper(nn.Module):
+class CheckpointWrapper(ModuleWrapper):
     """Runs the wrapped module under ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``.
 
     Only the module's inputs are kept for backward; its forward runs again during backward.
@@ -31,6 +33,8 @@ class CheckpointWrapper(nn.Module):
         offload_to_cpu: keep the saved inputs in CPU memory (useful on GPUs only).
     """
 
+    wrapped_key = WRAPPED
+
     def __init__(self, module: nn.Module, offload_to_cpu: bool = False) -> None:
         super().__init__()
         if isinstance(module, CheckpointWrapper):
@@ -40,30 +44,12 @@ class CheckpointWrapper(nn.Module):
         self._register_state_dict_hook(_strip_prefix)
         self._register_load_state_dict_pre_hook(_add_prefix, with_module=True)
 
-    @property
-    def module(self) -> nn.Module:
-        """The wrapped module."""
-        return self._modules[WRAPPED]  # type: ignore[return-value]
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            wrapped = self.__dict__["_modules"].get(WRAPPED)
-            if wrapped is None:
-                raise
-            return getattr(wrapped, name)
-
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         saving: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         if self.offload_to_cpu:
             saving = torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
         with saving:
             return checkpoint(self.module, *args, use_reentrant=False, **kwargs)
-
-    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
-        for name, p in super().named_parameters(*args, **kwargs):
-            yield name.replace(_PREFIX, ""), p
 
 
 def _strip_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:

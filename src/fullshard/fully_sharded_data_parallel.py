@@ -17,6 +17,8 @@ from torch import nn
 from fullshard import _collectives as C
 from fullshard import _hooks as H
 from fullshard import _state_dict as SD
+from fullshard._module_wrapper import FSDP_WRAPPED as WRAPPED
+from fullshard._module_wrapper import ModuleWrapper, clean_name
 from fullshard._sharded_param import ParamSlot, is_sharded
 from fullshard._unit import TrainingState, Unit, UnitConfig
 from fullshard.api import (
@@ -31,20 +33,10 @@ from fullshard.api import (
 from fullshard.clip_grad import clip_grad_norm_
 from fullshard.wrap import apply_policy, as_policy
 
-WRAPPED = "_fsdp_wrapped_module"
-_PREFIXES = (WRAPPED + ".", "_checkpoint_wrapped_module.")
-
 _HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 
 
-def clean_name(name: str) -> str:
-    """A parameter or buffer name without fullshard's wrapper prefixes."""
-    for prefix in _PREFIXES:
-        name = name.replace(prefix, "")
-    return name
-
-
-class FullyShardedDataParallel(nn.Module):
+class FullyShardedDataParallel(ModuleWrapper):
     """Shard a module's parameters, gradients and optimizer state across a process group.
 
     Same constructor as ``torch.distributed.fsdp.FullyShardedDataParallel``. After wrapping,
@@ -80,6 +72,8 @@ class FullyShardedDataParallel(nn.Module):
         NotImplementedError: an argument whose feature fullshard does not have yet.
         TypeError: an unknown keyword argument.
     """
+
+    wrapped_key = WRAPPED
 
     def __init__(
         self,
@@ -175,26 +169,9 @@ class FullyShardedDataParallel(nn.Module):
 
     # ------------------------------------------------------------------ structure
     @property
-    def module(self) -> nn.Module:
-        """The wrapped module."""
-        return self._modules[WRAPPED]  # type: ignore[return-value]
-
-    @property
     def unit(self) -> Unit:
         """This instance's FSDP unit (the parameters it owns)."""
         return self._hooks.unit
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            wrapped = self.__dict__["_modules"].get(WRAPPED)
-            if wrapped is None:
-                raise
-            return getattr(wrapped, name)
-
-    def __getitem__(self, key: Any) -> Any:
-        return self.module.__getitem__(key)  # type: ignore[operator]
 
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list["FullyShardedDataParallel"]:
@@ -236,17 +213,6 @@ class FullyShardedDataParallel(nn.Module):
                 self.unit.training_state = TrainingState.IDLE
             raise
         return H.post_forward(self._hooks, output)
-
-    # ------------------------------------------------------------------ names
-    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
-        """Like nn.Module's, with the original module's names (no wrapper prefixes)."""
-        for name, p in super().named_parameters(*args, **kwargs):
-            yield clean_name(name), p
-
-    def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
-        """Like nn.Module's, with the original module's names (no wrapper prefixes)."""
-        for name, b in super().named_buffers(*args, **kwargs):
-            yield clean_name(name), b
 
     # ------------------------------------------------------------------ state dict
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:  # type: ignore[override]
