@@ -14,6 +14,10 @@ A unit keeps two flat buffers (see ``_sharded_param`` for the vocabulary):
   SHARDED; autograd's saved views keep pointing at it and see the data again after the next
   unshard refills it. With one rank, no casting and no offload it aliases the local buffer.
 
+Trainable parameters come first in both buffers and frozen ones (``requires_grad=False``) last,
+so the autograd leaf covers only the trainable prefix of the full buffer: frozen parameters are
+gathered with the rest but get no gradient memory and no gradient communication.
+
 The all-gather output is rank-major (N, S); the copy-out to the param-major full buffer is one
 ``split_with_sizes_copy`` (a unit with one parameter gathers in place). Gradients go the other
 way: param-major (N*S,) -> cast to the reduce dtype -> rank-major send buffer ->
@@ -181,6 +185,7 @@ class Unit:
         return torch.device("cpu") if self.config.offload else self.device
 
     def _build(self, params: list[ParamEntry]) -> None:
+        params = [e for e in params if e[1].requires_grad] + [e for e in params if not e[1].requires_grad]
         local_off = full_off = 0
         for fqn, p, slots in params:
             spec = ShardSpec(p.shape, self.world, self.rank)
@@ -191,6 +196,8 @@ class Unit:
             full_off += spec.padded_numel
             self.params.append(sp)
         self.shard_numel = local_off  # S
+        self.trainable = [sp for sp in self.params if sp.requires_grad]
+        self.grad_numel = sum(sp.spec.padded_shard_numel for sp in self.trainable)  # S_t <= S
         pin = self.config.offload and torch.cuda.is_available()
         self.local_flat = torch.zeros(local_off, dtype=self.dtype, device=self._shard_device, pin_memory=pin)
         with torch.no_grad():
@@ -198,6 +205,7 @@ class Unit:
                 view = self._local_view(sp)
                 view.copy_(sp.spec.local_slice(p.detach()))
                 sp.register_shard(nn.Parameter(view, requires_grad=p.requires_grad))
+                p._fullshard_sharded_as = sp.fqn  # type: ignore[attr-defined]  # met again: tied
         # With one rank, no cast and no offload the full buffer is the local buffer itself.
         self.aliased = self.world == 1 and self.compute_dtype == self.dtype and not self.config.offload
         if self.aliased:
@@ -205,10 +213,13 @@ class Unit:
         else:
             full = torch.empty(self.world * local_off, dtype=self.compute_dtype, device=self.device)
         self._full_data = _alias(full)  # writes here leave autograd's version counter alone
+        # The autograd leaf (trainable prefix) and the frozen rest: aliases of one storage.
+        split = self.world * self.grad_numel
+        self.full_flat = _alias(full[:split]).requires_grad_(bool(self.trainable))
+        self.frozen_full = _alias(full[split:])
         if not self.aliased:
             full.untyped_storage().resize_(0)
-        self.full_flat = full.requires_grad_(any(sp.requires_grad for sp in self.params))
-        if self.full_flat.requires_grad:
+        if self.trainable:
             self.full_flat.register_post_accumulate_grad_hook(self._grad_accumulated)
 
     def _local_view(self, sp: ShardedParam, flat: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -219,7 +230,7 @@ class Unit:
     @property
     def full_nbytes(self) -> int:
         """Bytes of the full flat buffer while gathered (0 when it aliases the shards)."""
-        return 0 if self.aliased else self.world * self.shard_numel * self.full_flat.element_size()
+        return 0 if self.aliased else self.world * self.shard_numel * self._full_data.element_size()
 
     @property
     def sharded_nbytes(self) -> int:
@@ -331,14 +342,13 @@ class Unit:
         """
         if self.shard_state is not ShardState.UNSHARDED:
             raise RuntimeError(f"FSDP unit {self.name!r}: full parameters requested while SHARDED")
-        sizes: list[int] = []
-        for sp in self.params:
-            sizes += [sp.spec.numel, sp.spec.padded_numel - sp.spec.numel]
-        pieces = self.full_flat.split(sizes)
         views = []
-        for i, sp in enumerate(self.params):
-            piece = pieces[2 * i].view(sp.spec.orig_shape)
-            views.append(piece if sp.requires_grad else piece.detach())
+        for flat, group in ((self.full_flat, self.trainable), (self.frozen_full, self.params[len(self.trainable) :])):
+            sizes: list[int] = []
+            for sp in group:
+                sizes += [sp.spec.numel, sp.spec.padded_numel - sp.spec.numel]
+            pieces = flat.split(sizes) if group else []
+            views += [pieces[2 * i].view(sp.spec.orig_shape) for i, sp in enumerate(group)]
         return views
 
     def install_full_params(self) -> None:
@@ -392,10 +402,10 @@ class Unit:
         if self.world == 1:
             out = grad
         else:
-            out = torch.empty(self.shard_numel, dtype=grad.dtype, device=grad.device)
+            out = torch.empty(self.grad_numel, dtype=grad.dtype, device=grad.device)
         handles: list[C.Handle] = []
         if self.world > 1:
-            send = grad if len(self.params) == 1 else self._to_rank_major(grad)
+            send = grad if len(self.trainable) == 1 else self._to_rank_major(grad)
             h = C.reduce_scatter(out, send, self.shard_group, divide_by=1.0 if self.replicas > 1 else post, async_op=True)
             assert h is not None
             handles.append(h)
@@ -413,7 +423,7 @@ class Unit:
         n = self.world
         parts = [
             grad[sp.full_offset : sp.full_offset + sp.spec.padded_numel].view(n, -1)
-            for sp in self.params
+            for sp in self.trainable
         ]
         return torch.cat(parts, dim=1).view(-1)
 
@@ -431,9 +441,7 @@ class Unit:
             host = torch.empty(out.shape, dtype=grad_dtype, device=self._shard_device, pin_memory=pin)
             host.copy_(out, non_blocking=pin)
             out = host
-        for sp in self.params:
-            if not sp.requires_grad:
-                continue
+        for sp in self.trainable:
             assert sp.shard is not None
             g = self._local_view(sp, out)
             if sp.shard.grad is None:

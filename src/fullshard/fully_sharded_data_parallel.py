@@ -96,6 +96,7 @@ class FullyShardedDataParallel(ModuleWrapper):
         **deprecated: Any,
     ) -> None:
         super().__init__()
+        exclude: set[int] = deprecated.pop("_exclude_params", set())
         auto_wrap_policy = _take_deprecated(deprecated, auto_wrap_policy)
         if isinstance(module, FullyShardedDataParallel):
             raise ValueError(
@@ -133,16 +134,19 @@ class FullyShardedDataParallel(ModuleWrapper):
             device_id=device,
         )
         if policy is not None:
+            holders = _param_holders(module)
             apply_policy(
                 module,
                 policy,
-                wrap=lambda m: FullyShardedDataParallel(m, ignored_modules=ignored, **self._fsdp_kwargs),
+                wrap=lambda m: FullyShardedDataParallel(
+                    m, ignored_modules=ignored, _exclude_params=_shared_outside(m, holders), **self._fsdp_kwargs
+                ),
                 is_wrapped=lambda m: isinstance(m, FullyShardedDataParallel),
                 ignored=ignored,
             )
         self.sharding_strategy = strategy
         self._ignored = ignored
-        params = _owned_params(module, ignored)
+        params = _owned_params(module, ignored, exclude)
         shard_group, replicate_group = (
             (None, group) if strategy is ShardingStrategy.NO_SHARD else (group, None)
         )
@@ -509,22 +513,62 @@ def _check_one_device(module: nn.Module, ignored: set[nn.Module]) -> None:
         )
 
 
+def _param_holders(module: nn.Module) -> dict[int, set[int]]:
+    """id(parameter) -> ids of every module that registers it (tied parameters have several)."""
+    holders: dict[int, set[int]] = {}
+    for m in module.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                holders.setdefault(id(p), set()).add(id(m))
+    return holders
+
+
+def _shared_outside(child: nn.Module, holders: dict[int, set[int]]) -> set[int]:
+    """Parameters of ``child``'s tree also registered outside it: a common ancestor owns them."""
+    inside = {id(m) for m in child.modules()}
+    return {id(p) for p in child.parameters() if not holders.get(id(p), set()) <= inside}
+
+
 def _owned_params(
-    module: nn.Module, ignored: set[nn.Module]
+    module: nn.Module, ignored: set[nn.Module], exclude: set[int]
 ) -> list[tuple[str, nn.Parameter, list[ParamSlot]]]:
+    """The parameters this unit owns: all in ``module``'s tree that no nested unit sharded.
+
+    That includes tied parameters nested units left to this one (with all their slots, nested
+    ones too), and leaves out ``exclude`` (parameters shared beyond ``module``).
+
+    Raises:
+        ValueError: a parameter sharded by a nested unit is also used outside that unit.
+    """
     owned: dict[int, tuple[str, nn.Parameter, list[ParamSlot]]] = {}
-    for prefix, m in _walk_unwrapped(module, ignored):
+
+    def visit(m: nn.Module, prefix: str, nested: bool) -> None:
         for name, p in m._parameters.items():
-            if p is None:
+            if p is None or id(p) in exclude:
                 continue
-            if is_sharded(p):
+            if hasattr(p, "_fullshard_sharded_as"):
                 raise ValueError(
-                    f"parameter {prefix}{name} is shared with a module that is already a nested "
-                    "FSDP unit; wrap the modules that share it inside one unit (e.g. leave their "
-                    "common parent unwrapped by the policy)"
+                    f"parameter {clean_name(prefix + name)} is tied to {p._fullshard_sharded_as}, which a "
+                    "nested FSDP unit already sharded; wrap the modules that share it inside one unit "
+                    "(let one auto_wrap_policy wrap the whole model, which keeps tied parameters in "
+                    "their common ancestor)"
                 )
-            entry = owned.setdefault(id(p), (prefix + name, p, []))
+            if is_sharded(p):
+                if nested:
+                    continue  # the nested unit's own parameter
+                raise ValueError(
+                    f"parameter {clean_name(prefix + name)} is shared with a module that is already a "
+                    "nested FSDP unit; wrap the modules that share it inside one unit (let one "
+                    "auto_wrap_policy wrap the whole model, which keeps tied parameters in their "
+                    "common ancestor)"
+                )
+            entry = owned.setdefault(id(p), (clean_name(prefix + name), p, []))
             entry[2].append(ParamSlot(m, name))
+        for child_name, child in m.named_children():
+            if child not in ignored:
+                visit(child, f"{prefix}{child_name}.", nested or isinstance(child, FullyShardedDataParallel))
+
+    visit(module, "", False)
     return list(owned.values())
 
 

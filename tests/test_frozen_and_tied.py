@@ -1,0 +1,140 @@
+"""Frozen parameters inside a unit, and tied parameters across units."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from dist import run_ranks
+from models import local
+
+
+class LoRALinear(nn.Module):
+    """A frozen base Linear plus a trainable low-rank adapter, all in one unit."""
+
+    def __init__(self, d: int, r: int = 2) -> None:
+        super().__init__()
+        self.base = nn.Linear(d, d)
+        self.a = nn.Linear(d, r, bias=False)
+        self.b = nn.Linear(r, d, bias=False)
+        self.base.requires_grad_(False)
+
+    def forward(self, x):
+        return self.base(x) + self.b(self.a(x))
+
+
+class LoRANet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(LoRALinear(9) for _ in range(3))
+        self.out = nn.Linear(9, 2)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.out(x)
+
+
+def frozen_body(rank: int, world: int) -> list[str]:
+    from fullshard import FSDP, model_state_bytes
+    from fullshard import _collectives as C
+    from fullshard.wrap import ModuleWrapPolicy
+
+    torch.manual_seed(0)
+    ref = LoRANet()
+    model = FSDP(copy.deepcopy(ref), auto_wrap_policy=ModuleWrapPolicy({LoRALinear}))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    for step in range(5):
+        x, y = torch.randn(12, 9, generator=g), torch.randn(12, 2, generator=g)
+        C.STATS.reset()
+        C.STATS.log = []
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(local(x, rank, world)), local(y, rank, world)).backward()
+        opt.step()
+        log, C.STATS.log = C.STATS.log, None
+        ref_opt.zero_grad()
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+    full = model.state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+    for name, p in model.named_parameters():
+        assert (p.grad is None) == (not p.requires_grad), name
+    # The reduce-scatter of each LoRA unit carries the adapter's gradient only (the log records
+    # its input: world x this rank's padded gradient shard).
+    lora_units = [m.unit for m in model.fsdp_modules(model) if isinstance(m.module, LoRALinear)]
+    reduce_sizes = sorted(n for op, _, n in log if op == "reduce_scatter")
+    for u in lora_units:
+        assert u.grad_numel < u.shard_numel and world * u.grad_numel in reduce_sizes, (u.grad_numel, reduce_sizes)
+    trainable_shard_bytes = sum(u.grad_numel * 4 for u in (m.unit for m in model.fsdp_modules(model)))
+    assert model_state_bytes(model)["grads"] == trainable_shard_bytes
+    return ["frozen"]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("world", [2, 3])
+def test_frozen_parameters_get_no_gradient_memory_or_communication(world: int) -> None:
+    assert run_ranks(frozen_body, world, timeout=180)[0] == ["frozen"]
+
+
+class TiedLM(nn.Module):
+    """Embedding and output projection share one weight (as GPT-2's wte and lm_head)."""
+
+    def __init__(self, vocab: int = 11, d: int = 6) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.mid = nn.Sequential(nn.Linear(d, d), nn.Tanh())
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx):
+        return self.lm_head(self.mid(self.wte(idx)))
+
+
+def tied_body(rank: int, world: int) -> list[str]:
+    from fullshard import FSDP
+    from fullshard.wrap import ModuleWrapPolicy
+
+    torch.manual_seed(0)
+    ref = TiedLM()
+    # The policy makes wte, the Linear and lm_head units: the tied weight goes to the root.
+    model = FSDP(copy.deepcopy(ref), auto_wrap_policy=ModuleWrapPolicy({nn.Embedding, nn.Linear}))
+    root = model.unit
+    tied = [sp for sp in root.params if sp.fqn in ("wte.weight", "lm_head.weight")]
+    assert len(tied) == 1 and len(tied[0].slots) == 2, [sp.fqn for sp in root.params]
+    assert model.module.lm_head.weight is model.module.wte.weight  # still one parameter
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
+    g = torch.Generator().manual_seed(2)
+    for step in range(5):
+        idx = torch.randint(0, 11, (12, 5), generator=g)
+        tgt = torch.randint(0, 11, (12, 5), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(local(idx, rank, world)).flatten(0, 1), local(tgt, rank, world).flatten()).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        torch.nn.functional.cross_entropy(ref(idx).flatten(0, 1), tgt.flatten()).backward()
+        ref_opt.step()
+    full = model.state_dict()
+    assert list(full) == list(ref.state_dict())
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+    plain = TiedLM()
+    plain.load_state_dict(full)
+    # Wrapping by hand so that the tied weight would sit in two units: a clear error.
+    manual = TiedLM()
+    manual.wte = FSDP(manual.wte)
+    with pytest.raises(ValueError, match="lm_head.weight is tied to weight, which a nested FSDP unit already sharded"):
+        FSDP(manual)
+    return ["tied"]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("world", [1, 2])
+def test_tied_parameters_across_units(world: int) -> None:
+    assert run_ranks(tied_body, world, timeout=180)[0] == ["tied"]
