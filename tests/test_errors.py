@@ -43,8 +43,12 @@ def errors_body(rank: int, world: int) -> list[str]:
     seen = []
     wrapped = FSDP(nn.Linear(4, 4))
     seen.append(_raises(lambda: FSDP(wrapped), ValueError, "already a FullyShardedDataParallel"))
-    two_devices = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta"))
-    seen.append(_raises(lambda: FSDP(two_devices), ValueError, "more than one device"))
+    class Scaled(nn.Module):  # a meta parameter with no reset_parameters() to fill it
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(3, device="meta"))
+
+    seen.append(_raises(lambda: FSDP(nn.Sequential(nn.Linear(2, 2), Scaled())), ValueError, "1 (Scaled) is on the meta device and has no reset_parameters()"))
     seen.append(_raises(lambda: FSDP(nn.Linear(2, 2), sharding_strategy="full_sharded"), ValueError, "full_shard, shard_grad_op, no_shard"))
     seen.append(_raises(lambda: FSDP(nn.Linear(2, 2), mixed_precision=MixedPrecision(param_dtype=torch.int8)), ValueError, "param_dtype=torch.int8 is not a floating-point"))
     seen.append(_raises(lambda: FSDP(nn.Linear(2, 2), mixed_precision="bf16"), TypeError, "mixed_precision must be"))

@@ -97,3 +97,20 @@ def offload_body(rank: int, world: int) -> list[str]:
 def test_cpu_offload_on_gpu() -> None:
     world = torch.cuda.device_count()
     assert run_ranks(offload_body, world, timeout=280, backend="nccl")[0] == ["fp32", "bf16"]
+
+
+def test_parameters_on_two_devices_are_refused() -> None:
+    """Runs in this process: the device check comes before any collective."""
+    import os
+
+    import torch.distributed as dist
+
+    from fullshard import FSDP
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29651")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="more than one device"):
+            FSDP(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2).cuda()))
+    finally:
+        dist.destroy_process_group()

@@ -17,6 +17,7 @@ from torch import nn
 from fullshard import _collectives as C
 from fullshard import _hooks as H
 from fullshard import _state_dict as SD
+from fullshard._init import is_meta, materialize
 from fullshard._module_wrapper import FSDP_WRAPPED as WRAPPED
 from fullshard._module_wrapper import ModuleWrapper, clean_name
 from fullshard._sharded_param import ParamSlot, is_sharded
@@ -108,7 +109,7 @@ class FullyShardedDataParallel(ModuleWrapper):
         strategy = parse_sharding_strategy(sharding_strategy)
         mp_policy = as_mixed_precision(mixed_precision)
         offload = as_cpu_offload(cpu_offload)
-        _refuse_unbuilt(strategy, param_init_fn, device_mesh)
+        _refuse_unbuilt(strategy, device_mesh)
         if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
             raise TypeError(
                 f"backward_prefetch must be a fullshard.BackwardPrefetch or None, got "
@@ -117,10 +118,10 @@ class FullyShardedDataParallel(ModuleWrapper):
         group = _resolve_group(process_group, device_mesh)
         ignored = _ignored_modules(module, ignored_modules, ignored_states)
         device = _compute_device(module, device_id, offload.offload_params, ignored)
-        _place(module, device, offload.offload_params, ignored)
-        _check_one_device(module, ignored)
-        if sync_module_states:
-            _broadcast_module(module, group, ignored)
+        meta = is_meta(module.modules())
+        if not meta:
+            _place(module, device, offload.offload_params, ignored)
+            _check_one_device(module, ignored)
         policy = as_policy(auto_wrap_policy)
         self._fsdp_kwargs: dict[str, Any] = dict(
             process_group=group,
@@ -132,6 +133,8 @@ class FullyShardedDataParallel(ModuleWrapper):
             mixed_precision=mp_policy,
             cpu_offload=offload,
             device_id=device,
+            param_init_fn=param_init_fn,
+            sync_module_states=sync_module_states,
         )
         if policy is not None:
             holders = _param_holders(module)
@@ -146,6 +149,13 @@ class FullyShardedDataParallel(ModuleWrapper):
             )
         self.sharding_strategy = strategy
         self._ignored = ignored
+        region = list(_walk_unwrapped(module, ignored))
+        if meta:  # nested units have materialized theirs; now this unit's own modules
+            materialize(((clean_name(n).rstrip("."), m) for n, m in region), device, param_init_fn)
+            _place(module, device, offload.offload_params, ignored)
+            _check_one_device(module, ignored)
+        if sync_module_states:
+            _broadcast_module(region, group)
         params = _owned_params(module, ignored, exclude)
         shard_group, replicate_group = (
             (None, group) if strategy is ShardingStrategy.NO_SHARD else (group, None)
@@ -373,11 +383,9 @@ def _take_deprecated(deprecated: dict[str, Any], auto_wrap_policy: Any) -> Any:
     return auto_wrap_policy
 
 
-def _refuse_unbuilt(strategy: ShardingStrategy, param_init_fn: Any, device_mesh: Any) -> None:
+def _refuse_unbuilt(strategy: ShardingStrategy, device_mesh: Any) -> None:
     if strategy in _HYBRID:
         raise NotImplementedError(f"sharding_strategy={strategy.name} is not built yet in fullshard")
-    if param_init_fn is not None:
-        raise NotImplementedError("param_init_fn (meta-device initialization) is not built yet")
     if device_mesh is not None and getattr(device_mesh, "ndim", 1) != 1:
         raise NotImplementedError("a device_mesh of more than one dimension (hybrid) is not built yet")
 
@@ -412,7 +420,12 @@ def _compute_device(
     """Where the unit computes: ``device_id``, else the module's device (a GPU under offload)."""
     global _warned_offload_on_cpu
     current = next(
-        (t.device for _, m in _walk_unwrapped(module, ignored) for t in _local_tensors(m) if not is_sharded(t)),
+        (
+            t.device
+            for _, m in _walk_unwrapped(module, ignored)
+            for t in _local_tensors(m)
+            if not is_sharded(t) and not t.is_meta
+        ),
         None,
     )
     if device_id is not None:
@@ -506,11 +519,6 @@ def _check_one_device(module: nn.Module, ignored: set[nn.Module]) -> None:
             f"module has parameters on more than one device ({listing}); move it to one device "
             "first (module.to(device)) or pass device_id="
         )
-    if torch.device("meta") in devices:
-        raise NotImplementedError(
-            "module has parameters on the meta device; meta-device initialization "
-            "(param_init_fn / reset_parameters) is not built yet: build it on a real device"
-        )
 
 
 def _param_holders(module: nn.Module) -> dict[int, set[int]]:
@@ -540,9 +548,12 @@ def _owned_params(
     Raises:
         ValueError: a parameter sharded by a nested unit is also used outside that unit.
     """
+    # An explicit stack, not a recursive closure: a closure cycle would keep the original full
+    # parameters alive until the garbage collector runs, long after sharding.
     owned: dict[int, tuple[str, nn.Parameter, list[ParamSlot]]] = {}
-
-    def visit(m: nn.Module, prefix: str, nested: bool) -> None:
+    stack: list[tuple[nn.Module, str, bool]] = [(module, "", False)]
+    while stack:
+        m, prefix, nested = stack.pop()
         for name, p in m._parameters.items():
             if p is None or id(p) in exclude:
                 continue
@@ -564,17 +575,15 @@ def _owned_params(
                 )
             entry = owned.setdefault(id(p), (clean_name(prefix + name), p, []))
             entry[2].append(ParamSlot(m, name))
-        for child_name, child in m.named_children():
-            if child not in ignored:
-                visit(child, f"{prefix}{child_name}.", nested or isinstance(child, FullyShardedDataParallel))
-
-    visit(module, "", False)
+        children = [(c, f"{prefix}{n}.", nested or isinstance(c, FullyShardedDataParallel)) for n, c in m.named_children()]
+        stack.extend(reversed([c for c in children if c[0] not in ignored]))  # keep module order
     return list(owned.values())
 
 
-def _broadcast_module(module: nn.Module, group: C.ProcessGroup, ignored: set[nn.Module]) -> None:
+def _broadcast_module(region: list[tuple[str, nn.Module]], group: C.ProcessGroup) -> None:
+    """Give every rank rank 0's parameters and buffers of one unit's modules (collective)."""
     with torch.no_grad():
-        for _, m in _walk_unwrapped(module, ignored):
+        for _, m in region:
             for t in list(m._parameters.values()) + list(m._buffers.values()):
                 if t is not None and not is_sharded(t):
                     flat = t.detach().reshape(-1).contiguous()
