@@ -62,7 +62,8 @@ def test_mnist_defaults_two_processes_reach_094(tmp_path: Path) -> None:
 def test_mnist_under_torchrun(tmp_path: Path) -> None:
     metrics = tmp_path / "m.jsonl"
     _run(
-        [str(BIN / "torchrun"), "--nproc-per-node", "2", "-m", "fullshard.train", "mnist", "--epochs", "1",
+        # --standalone: a free rendezvous port (the default 29500 may still be held by an earlier run)
+        [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "-m", "fullshard.train", "mnist", "--epochs", "1",
          "--sharding-strategy", "shard_grad_op", "--metrics-file", str(metrics)],
         tmp_path,
         timeout=280,

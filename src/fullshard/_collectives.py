@@ -114,6 +114,13 @@ def backend(group: ProcessGroup) -> str:
     return str(dist.get_backend(group)).lower()
 
 
+def reduction_device(group: ProcessGroup) -> torch.device:
+    """Where tensors must live to be reduced over ``group``: the current GPU for NCCL, else CPU."""
+    if backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def new_group(ranks: list[int]) -> ProcessGroup:
     """A subgroup of the default group; every rank must call it with the same ranks."""
     return dist.new_group(ranks)

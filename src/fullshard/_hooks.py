@@ -95,10 +95,28 @@ def prepare_inputs(hooks: UnitHooks, inputs: Any) -> Any:
     return tree_map(convert, inputs)
 
 
+def _in_backward() -> bool:
+    """Whether the autograd engine is running a backward pass on this thread."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
 def root_pre_forward(hooks: UnitHooks) -> None:
-    """Start of an iteration at the root: finish a backward that never ran its callback."""
+    """Start of an iteration at the root: tidy up what the last iteration left behind.
+
+    A forward with grad enabled and no backward leaves units gathered (the next forward would
+    use stale parameters after an optimizer step); a backward that raised leaves its callback
+    unrun. Outside a backward, finish both so every unit starts SHARDED and IDLE.
+    """
     root = hooks.root
     assert root is not None
+    if _in_backward():
+        return  # a recomputation (activation checkpointing of the root)
+    if root.callback_queued or any(
+        u.training_state is not TrainingState.IDLE or u.shard_state is ShardState.UNSHARDED or u.has_pending_reduce
+        for u in root.units
+    ):
+        finish_backward(root)
     if torch.is_grad_enabled():
         if root.forward_order:
             root.last_forward_order = root.forward_order
@@ -118,7 +136,7 @@ def pre_forward(hooks: UnitHooks) -> None:
     record("forward", unit)
     if torch.is_grad_enabled() and unit not in root.forward_order:
         root.forward_order.append(unit)
-    if root.forward_prefetch:
+    if root.forward_prefetch and unit.training_state is TrainingState.FORWARD:  # not in recomputation
         _prefetch(_neighbour(root.last_forward_order, unit, +1))
 
 
@@ -180,6 +198,10 @@ def finish_backward(root: RootState) -> None:
     """End of backward: wait for every reduction, free every unit, all back to IDLE."""
     for unit in root.units:
         unit.finish_reduce()
+    if any(u.config.offload for u in root.units):
+        # Offloaded gradients arrive by non-blocking copies to pinned memory, and shards left by
+        # them: the CPU optimizer may touch neither before those copies are done.
+        torch.cuda.current_stream().synchronize()
     for unit in root.units:
         unit.reshard()
         unit.training_state = TrainingState.IDLE

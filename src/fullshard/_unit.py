@@ -437,9 +437,8 @@ class Unit:
         keep_low = self.config.keep_low_precision_grads
         grad_dtype = out.dtype if keep_low else self.dtype
         if out.dtype != grad_dtype or out.device != self._shard_device:
-            pin = self.config.offload and torch.cuda.is_available()
-            host = torch.empty(out.shape, dtype=grad_dtype, device=self._shard_device, pin_memory=pin)
-            host.copy_(out, non_blocking=pin)
+            host = self._grad_buffer(out.shape, grad_dtype)
+            host.copy_(out, non_blocking=host.is_pinned())
             out = host
         for sp in self.trainable:
             assert sp.shard is not None
@@ -452,6 +451,21 @@ class Unit:
                     sp.shard.grad = g
             else:
                 sp.shard.grad.add_(g)
+
+    def _grad_buffer(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """Where cast or offloaded gradients land: reused while no shard still holds the last one.
+
+        Pinned allocations are slow, so under offload the buffer is kept between steps; it is
+        replaced when gradients are being accumulated (a shard's ``.grad`` may be a view of it).
+        """
+        cached = getattr(self, "_host_grad", None)
+        if cached is not None and cached.dtype == dtype and all(sp.shard is not None and sp.shard.grad is None for sp in self.trainable):
+            return cached
+        pin = self.config.offload and torch.cuda.is_available()
+        buffer = torch.empty(shape, dtype=dtype, device=self._shard_device, pin_memory=pin)
+        if self.config.offload:
+            self._host_grad = buffer
+        return buffer
 
     @property
     def has_pending_reduce(self) -> bool:

@@ -17,9 +17,9 @@ from fullshard import _collectives as C
 
 
 def _group_key(param: torch.Tensor) -> Any:
+    """The shard group ``param`` is split over; None when every rank holds it whole."""
     owner = getattr(param, "_fullshard_param", None)
-    group = owner.shard_group if owner is not None else None
-    return group
+    return owner.shard_group if owner is not None else None
 
 
 def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
@@ -35,7 +35,10 @@ def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) 
     if not p > 0:
         raise ValueError(f"norm_type must be positive (or inf), got {norm_type}")
     params = list(parameters)
-    device = next((q.grad.device for q in params if q.grad is not None), torch.device("cpu"))
+    groups_seen = [g for g in (_group_key(q) for q in params) if g is not None]
+    # Partial sums live where their group can reduce them (CUDA for NCCL, even when the
+    # gradients are offloaded to CPU).
+    device = C.reduction_device(groups_seen[0]) if groups_seen else torch.device("cpu")
     partial: dict[int, torch.Tensor] = {}
     groups: dict[int, Any] = {}
     whole = torch.zeros((), dtype=torch.float32, device=device)

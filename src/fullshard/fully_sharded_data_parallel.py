@@ -353,7 +353,7 @@ FSDP = FullyShardedDataParallel
 def _summon(unit: Unit, rank0_only: bool, offload_to_cpu: bool, with_grads: bool) -> Optional[list[torch.Tensor]]:
     """Gather ``unit``'s parameters in full precision and register them; None where skipped."""
     full = unit.gather_full(unit.local_flat)
-    grads = unit.gather_full(unit.local_grads()) if with_grads else None
+    grads = unit.gather_full(unit.local_grads()) if with_grads else None  # zeros where None
     if rank0_only and C.group_rank(C.default_group()) != 0:
         return None
     if offload_to_cpu:
@@ -361,7 +361,8 @@ def _summon(unit: Unit, rank0_only: bool, offload_to_cpu: bool, with_grads: bool
         grads = [g.cpu() for g in grads] if grads is not None else None
     for i, (sp, value) in enumerate(zip(unit.params, full)):
         param = nn.Parameter(value, requires_grad=sp.requires_grad)
-        if grads is not None:
+        assert sp.shard is not None
+        if grads is not None and sp.requires_grad and sp.shard.grad is not None:
             param.grad = grads[i]
         sp.swap_registered(param)
     return full
@@ -462,6 +463,8 @@ def _place(module: nn.Module, device: torch.device, offload: bool, ignored: set[
     if not offload:
         module.to(device)
         return
+    for m in ignored:  # modules FSDP leaves alone compute on the device as they are
+        m.to(device)
     for _, m in _walk_unwrapped(module, ignored):
         for name, b in m._buffers.items():
             if b is not None:
@@ -582,10 +585,11 @@ def _owned_params(
 
 def _broadcast_module(region: list[tuple[str, nn.Module]], group: C.ProcessGroup) -> None:
     """Give every rank rank 0's parameters and buffers of one unit's modules (collective)."""
+    device = C.reduction_device(group)
     with torch.no_grad():
         for _, m in region:
             for t in list(m._parameters.values()) + list(m._buffers.values()):
                 if t is not None and not is_sharded(t):
-                    flat = t.detach().reshape(-1).contiguous()
+                    flat = t.detach().reshape(-1).to(device).contiguous()  # NCCL needs CUDA tensors
                     C.broadcast(flat, 0, group)
                     t.detach().copy_(flat.view_as(t))

@@ -46,6 +46,18 @@ def model_state_bytes(model: nn.Module, optimizer: Optional[torch.optim.Optimize
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process so far, in bytes (Linux reports KiB)."""
+    """Peak resident set size of this process so far, in bytes.
+
+    On Linux this is VmHWM from /proc/self/status: the high-water mark of this process's own
+    memory. (``getrusage``'s ru_maxrss is not: it carries a larger parent's peak over into a
+    spawned child.) Elsewhere it falls back to ru_maxrss.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
