@@ -2,15 +2,15 @@
 
 A model built under ``torch.device("meta")`` has shapes but no storage. Each FSDP unit
 materializes only the modules of its own region (after auto-wrap, so nested units have already
-done theirs): ``to_empty(recurse=False)`` allocates a module's own parameters and buffers on the
-compute device, then ``param_init_fn(module)`` or ``module.reset_parameters()`` fills them. The
-unit then copies its shards out and drops the full tensors, so initialization peaks at about the
-shards plus one unit's full parameters.
+done theirs): each meta parameter the unit owns, and each meta buffer, gets storage on the
+compute device (tied parameters stay tied), then ``param_init_fn(module)`` or
+``module.reset_parameters()`` fills them. The unit then copies its shards out and drops the full
+tensors, so initialization peaks at about the shards plus one unit's full parameters.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -27,26 +27,48 @@ def is_meta(modules: Iterable[nn.Module]) -> bool:
 
 def materialize(
     region: Iterable[tuple[str, nn.Module]],
+    owned: list[tuple[str, nn.Parameter, list[Any]]],
     device: torch.device,
     param_init_fn: Optional[Callable[[nn.Module], None]],
-) -> None:
-    """Give every meta module of ``region`` real storage on ``device`` and initialize it.
+) -> list[tuple[str, nn.Parameter, list[Any]]]:
+    """Give the unit's meta parameters and its modules' meta buffers storage, then initialize.
+
+    Each meta parameter the unit owns gets one new tensor on ``device``, put at every slot, so
+    tied parameters stay tied (``to_empty`` would untie them). Then each module of ``region``
+    that had meta tensors is initialized by ``param_init_fn(module)``, else by its own
+    ``reset_parameters()``.
 
     Args:
-        region: (qualified name, module) pairs: one unit's modules, nested units excluded.
+        region: (qualified name, module) pairs: the unit's own modules, nested units excluded.
+        owned: (fqn, parameter, slots) of the parameters the unit owns.
         device: where the materialized tensors live.
-        param_init_fn: called on each materialized module; when None, the module's own
-            ``reset_parameters()`` is called instead.
+        param_init_fn: called on each materialized module.
+
+    Returns:
+        ``owned`` with the new parameters in place of the meta ones.
 
     Raises:
         ValueError: a meta module has no ``reset_parameters()`` and no ``param_init_fn`` is
             given; the message names the module.
     """
+    touched: dict[int, tuple[str, nn.Module]] = {}  # modules to initialize, in order
+    out = []
     with torch.no_grad():
         for name, m in region:
-            if not any(t.is_meta for t in _own_tensors(m)):
-                continue
-            m.to_empty(device=device, recurse=False)
+            for key, b in m._buffers.items():
+                if b is not None and b.is_meta:
+                    m._buffers[key] = torch.empty_like(b, device=device)
+                    touched[id(m)] = (name, m)
+            if any(p is not None and p.is_meta for p in m._parameters.values()):
+                touched[id(m)] = (name, m)
+        for fqn, p, slots in owned:
+            if p.is_meta:
+                p = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                for slot in slots:  # a tied parameter's slots may lie in nested units too
+                    slot.module._parameters[slot.attr] = p
+                    touched.setdefault(id(slot.module), (fqn.rpartition(".")[0], slot.module))
+            out.append((fqn, p, slots))
+        for name, m in touched.values():
             if param_init_fn is not None:
                 param_init_fn(m)
             elif callable(getattr(m, "reset_parameters", None)):
@@ -57,3 +79,4 @@ def materialize(
                     "reset_parameters(); give it one, or pass param_init_fn=fn where fn(module) fills "
                     "that module's own parameters and buffers"
                 )
+    return out

@@ -150,13 +150,14 @@ class FullyShardedDataParallel(ModuleWrapper):
         self.sharding_strategy = strategy
         self._ignored = ignored
         region = list(_walk_unwrapped(module, ignored))
-        if meta:  # nested units have materialized theirs; now this unit's own modules
-            materialize(((clean_name(n).rstrip("."), m) for n, m in region), device, param_init_fn)
+        params = _owned_params(module, ignored, exclude)
+        if meta:  # nested units have materialized theirs; now this unit's own
+            named = [(clean_name(n).rstrip("."), m) for n, m in region]
+            params = materialize(named, params, device, param_init_fn)
             _place(module, device, offload.offload_params, ignored)
             _check_one_device(module, ignored)
         if sync_module_states:
             _broadcast_module(region, group)
-        params = _owned_params(module, ignored, exclude)
         shard_group, replicate_group = (
             (None, group) if strategy is ShardingStrategy.NO_SHARD else (group, None)
         )

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import uuid
 from typing import Any, Callable, Optional
 
@@ -83,6 +84,24 @@ def launch(
         rank, failure = first
         message = failure.message if isinstance(failure.message, str) else str(failure.message)
         raise WorkerFailed(f"worker rank {rank} failed (exit code {failure.exitcode}): {message}") from None
+
+
+def run_job(name: str, worker: Callable[[Any], Any], cfg: Any, nproc: int, max_restarts: int = 0) -> tuple[int, Any]:
+    """Run ``worker(cfg)`` on every rank: in this process under torchrun, else in ``nproc`` workers.
+
+    Returns:
+        (exit code, rank 0's return value or None). A worker failure is printed to stderr,
+        prefixed with ``name``, and gives exit code 1.
+    """
+    if env_world_size() is not None:
+        result = worker(cfg)
+        return 0, result if rank() == 0 else None
+    try:
+        results = launch(worker, (cfg,), nproc, max_restarts)
+    except WorkerFailed as e:
+        print(f"{name}: {e}", file=sys.stderr)
+        return 1, None
+    return 0, results.get(0)
 
 
 def init_process_group(timeout_s: float = 300.0) -> torch.device:

@@ -1,6 +1,7 @@
 """Training jobs: ``fullshard train JOB [options]``, or ``python -m fullshard.train JOB`` under torchrun.
 
-Jobs: ``mnist`` (the PyTorch FSDP tutorial's model on real MNIST images).
+Jobs: ``mnist`` (the PyTorch FSDP tutorial's model on real MNIST images) and ``gpt`` (a
+byte-level decoder-only transformer on real text).
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import sys
 from typing import Optional, Sequence
 
-JOBS = ("mnist",)
+JOBS = ("mnist", "gpt")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -22,5 +23,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from fullshard.train import mnist
 
         return mnist.main(rest)
+    if job == "gpt":
+        from fullshard.train import gpt
+
+        return gpt.main(rest)
     print(f"fullshard train: unknown job {job!r}; choose one of: {', '.join(JOBS)}", file=sys.stderr)
     return 2

@@ -22,9 +22,9 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from fullshard import _collectives as C
 from fullshard import launch, mnist_data
-from fullshard.api import BackwardPrefetch, parse_sharding_strategy
 from fullshard.fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
 from fullshard.memory import model_state_bytes
+from fullshard.train import _fsdp_options as fsdp_options
 from fullshard.train._report import MetricsFile, gather_memory, mib
 from fullshard.wrap import size_based_auto_wrap_policy
 
@@ -55,10 +55,6 @@ class Net(nn.Module):
         return F.log_softmax(self.fc2(x), dim=1)
 
 
-PRECISIONS = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-PREFETCH = {"pre": BackwardPrefetch.BACKWARD_PRE, "post": BackwardPrefetch.BACKWARD_POST, "none": None}
-
-
 @dataclasses.dataclass
 class MnistConfig:
     """Options of the MNIST job (see ``fullshard train mnist --help``)."""
@@ -87,11 +83,7 @@ class MnistConfig:
         for name in ("epochs", "batch_size", "test_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        parse_sharding_strategy(self.sharding_strategy)
-        if self.mixed_precision not in PRECISIONS:
-            raise ValueError(f"--mixed-precision {self.mixed_precision!r}: use one of {', '.join(PRECISIONS)}")
-        if self.backward_prefetch not in PREFETCH:
-            raise ValueError(f"--backward-prefetch {self.backward_prefetch!r}: use one of {', '.join(PREFETCH)}")
+        fsdp_options.validate(self)
         if self.data_dir is not None:
             if not os.path.isdir(self.data_dir):
                 raise ValueError(f"--data-dir {self.data_dir} is not a directory")
@@ -112,16 +104,12 @@ def parse_args(argv: Sequence[str]) -> MnistConfig:
     p.add_argument("--lr", type=float, default=d.lr, help="Adadelta learning rate")
     p.add_argument("--gamma", type=float, default=d.gamma, help="StepLR decay per epoch")
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--sharding-strategy", default=d.sharding_strategy, help="full_shard, shard_grad_op or no_shard")
     p.add_argument("--min-num-params", type=int, default=d.min_num_params, help="size-based auto-wrap threshold")
     p.add_argument("--data-dir", default=None, help="folder with the 4 MNIST IDX files (default: bundled subset)")
     p.add_argument("--save-model", default=None, metavar="PATH", help="write the full state dict here")
     p.add_argument("--metrics-file", default=None, metavar="PATH", help="JSON lines, one per epoch")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no tqdm bar")
-    p.add_argument("--mixed-precision", default=d.mixed_precision, help="none, bf16 or fp16 (gather, compute and reduce)")
-    p.add_argument("--cpu-offload", action="store_true", help="keep shards and gradients in CPU memory (GPU runs)")
-    p.add_argument("--backward-prefetch", default=d.backward_prefetch, help="pre, post or none")
-    p.add_argument("--forward-prefetch", action="store_true", help="gather the next unit during forward")
+    fsdp_options.add_arguments(p)
     ns = p.parse_args(list(argv))
     try:
         return MnistConfig(**vars(ns))
@@ -184,15 +172,7 @@ def _run(cfg: MnistConfig, device: torch.device) -> Optional[dict[str, Any]]:
     torch.manual_seed(cfg.seed)
     train_loader, test_loader, sampler = _loaders(cfg, rank, world)
     policy = functools.partial(size_based_auto_wrap_policy, min_num_params=cfg.min_num_params)
-    model = FSDP(
-        Net().to(device),
-        auto_wrap_policy=policy,
-        sharding_strategy=cfg.sharding_strategy,
-        mixed_precision=PRECISIONS[cfg.mixed_precision],
-        cpu_offload=cfg.cpu_offload,
-        backward_prefetch=PREFETCH[cfg.backward_prefetch],
-        forward_prefetch=cfg.forward_prefetch,
-    )
+    model = FSDP(Net().to(device), auto_wrap_policy=policy, **fsdp_options.fsdp_kwargs(cfg))
     if rank == 0:
         print(model, flush=True)
     optimizer = torch.optim.Adadelta(model.parameters(), lr=cfg.lr)
@@ -259,15 +239,7 @@ def _print_epoch(r: dict[str, Any], epochs: int, bar: Any) -> None:
 def main(argv: Sequence[str]) -> int:
     """Entry point: run under an existing launcher (torchrun) or start ``--nproc`` workers."""
     cfg = parse_args(argv)
-    if launch.env_world_size() is not None:
-        worker(cfg)
-        return 0
-    try:
-        result = launch.launch(worker, (cfg,), cfg.nproc)
-    except launch.WorkerFailed as e:
-        print(f"fullshard train mnist: {e}", file=sys.stderr)
-        return 1
-    final = result.get(0)
+    code, final = launch.run_job("fullshard train mnist", worker, cfg, cfg.nproc)
     if final is not None:
         print(f"final test accuracy {final['test_accuracy']:.4f} after {final['epoch']} epochs", flush=True)
-    return 0
+    return code

@@ -1,0 +1,237 @@
+"""``fullshard train gpt``: a byte-level decoder-only transformer on real text, sharded by fullshard.
+
+Recipe: parse the config, start the workers, and in each: load the corpus, build the model on
+the meta device and let FSDP materialize each rank's shards (one unit per transformer block),
+train with AdamW under warmup and cosine decay, report every log interval, save, close.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import math
+import time
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fullshard import _collectives as C
+from fullshard import launch
+from fullshard.activation_checkpointing import apply_activation_checkpointing
+from fullshard.fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
+from fullshard.gpt import GPT, PRESETS, Block, init_module
+from fullshard.memory import model_state_bytes
+from fullshard.text_data import ByteCorpus, files_from_glob
+from fullshard.train import _fsdp_options as fsdp_options
+from fullshard.train._report import MetricsFile, gather_memory, mib
+from fullshard.wrap import ModuleWrapPolicy
+
+
+@dataclasses.dataclass
+class GPTJobConfig:
+    """Options of the GPT job (see ``fullshard train gpt --help``)."""
+
+    preset: str = "tiny"
+    nproc: int = 2
+    steps: int = 300
+    seq_len: int = 128
+    batch_size: int = 16
+    lr: float = 3e-3
+    warmup: int = 30
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    seed: int = 1
+    data: Optional[str] = None
+    log_interval: int = 50
+    eval_batches: int = 8
+    activation_checkpointing: bool = False
+    sharding_strategy: str = "full_shard"
+    mixed_precision: str = "none"
+    cpu_offload: bool = False
+    backward_prefetch: str = "pre"
+    forward_prefetch: bool = False
+    metrics_file: Optional[str] = None
+    save_model: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.preset not in PRESETS:
+            raise ValueError(f"--preset {self.preset!r}: use one of {', '.join(PRESETS)}")
+        for name in ("nproc", "steps", "seq_len", "batch_size", "log_interval", "eval_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ValueError(f"--lr must be positive, got {self.lr}")
+        if self.seq_len > PRESETS[self.preset].max_seq_len:
+            raise ValueError(f"--seq-len {self.seq_len} exceeds the model's {PRESETS[self.preset].max_seq_len}")
+        fsdp_options.validate(self)
+        if self.data is not None:
+            try:
+                files_from_glob(self.data)
+            except FileNotFoundError as e:
+                raise ValueError(str(e)) from None
+
+
+def parse_args(argv: Sequence[str]) -> GPTJobConfig:
+    """Parse command-line options into a validated GPTJobConfig (exits with a message on error)."""
+    d = GPTJobConfig()
+    p = argparse.ArgumentParser(prog="fullshard train gpt", description=__doc__)
+    p.add_argument("--preset", default=d.preset, help=f"model size: {', '.join(PRESETS)}")
+    p.add_argument("--nproc", type=int, default=launch.default_nproc(), help="worker processes (default: GPUs, else 2)")
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens (bytes) per sequence")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per rank and step")
+    p.add_argument("--lr", type=float, default=d.lr, help="peak AdamW learning rate")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="linear warm-up steps, then cosine decay")
+    p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio, help="final lr as a fraction of --lr")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--grad-clip", type=float, default=d.grad_clip, help="max gradient norm (0: off)")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--data", default=None, metavar="GLOB", help="UTF-8 text files (default: the stdlib sources)")
+    p.add_argument("--log-interval", type=int, default=d.log_interval)
+    p.add_argument("--eval-batches", type=int, default=d.eval_batches, help="validation batches per evaluation")
+    p.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
+    fsdp_options.add_arguments(p)
+    p.add_argument("--metrics-file", default=None, metavar="PATH", help="JSON lines, one per log interval")
+    p.add_argument("--save-model", default=None, metavar="PATH", help="write the full state dict here")
+    ns = p.parse_args(list(argv))
+    try:
+        return GPTJobConfig(**vars(ns))
+    except ValueError as e:
+        p.error(str(e))
+        raise
+
+
+def lr_at(step: int, cfg: GPTJobConfig) -> float:
+    """Linear warm-up to ``lr`` over ``warmup`` steps, then cosine decay to ``min_lr_ratio x lr``."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def build_model(cfg: GPTJobConfig, device: torch.device) -> FSDP:
+    """The preset's GPT, built on the meta device and materialized shard by shard, one unit per Block."""
+    model_cfg = PRESETS[cfg.preset]
+    with torch.device("meta"):
+        model = GPT(model_cfg)
+    if cfg.activation_checkpointing:
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+    return FSDP(
+        model,
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
+        param_init_fn=functools.partial(init_module, n_layers=model_cfg.n_layers),
+        device_id=device if device.type == "cuda" else None,
+        **fsdp_options.fsdp_kwargs(cfg),
+    )
+
+
+def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+
+
+def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> float:
+    """Mean validation loss (nats per byte); each rank takes every world-th batch (collective)."""
+    group = C.default_group()
+    rank, world = C.group_rank(group), C.group_size(group)
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    model.eval()
+    with torch.no_grad():
+        for i, (x, y) in enumerate(batches):
+            if i % world == rank:
+                total[0] += _loss(model, x.to(device), y.to(device)).item()
+                total[1] += 1
+    model.train()
+    C.all_reduce(total, group)
+    return float(total[0] / total[1])
+
+
+def worker(cfg: GPTJobConfig) -> Optional[dict[str, Any]]:
+    """One rank of the job. Returns the last log record on rank 0, None elsewhere."""
+    device = launch.init_process_group()
+    try:
+        return _run(cfg, device)
+    finally:
+        launch.destroy_process_group()
+
+
+def _run(cfg: GPTJobConfig, device: torch.device) -> Optional[dict[str, Any]]:
+    group = C.default_group()
+    rank, world = C.group_rank(group), C.group_size(group)
+    corpus = ByteCorpus.load(cfg.data)
+    val = corpus.val_batches(cfg.eval_batches, cfg.batch_size, cfg.seq_len, cfg.seed)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg, device)
+    if rank == 0:
+        print(f"GPT preset {cfg.preset}: {PRESETS[cfg.preset].num_params / 1e6:.2f}M parameters, "
+              f"{len(model.fsdp_modules(model))} FSDP units, {world} ranks, "
+              f"{cfg.batch_size * world} x {cfg.seq_len} bytes per step", flush=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=True)
+    metrics = MetricsFile(cfg.metrics_file, rank == 0)
+    record: Optional[dict[str, Any]] = None
+    window_loss = torch.zeros(2, dtype=torch.float64)
+    start = last = time.perf_counter()
+    for step in range(cfg.steps):
+        for g in optimizer.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        x, y = corpus.batch(step, rank, cfg.batch_size, cfg.seq_len, cfg.seed)
+        loss = _loss(model, x.to(device), y.to(device))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if cfg.grad_clip > 0:
+            model.clip_grad_norm_(cfg.grad_clip)
+        optimizer.step()
+        window_loss += torch.tensor([loss.item(), 1.0], dtype=torch.float64)
+        if (step + 1) % cfg.log_interval == 0 or step + 1 == cfg.steps:
+            record = _log(cfg, model, optimizer, val, device, step, window_loss, time.perf_counter() - last, start)
+            if rank == 0:
+                print(_line(record, cfg.steps), flush=True)
+            metrics.write(record)
+            window_loss.zero_()
+            last = time.perf_counter()
+    if cfg.save_model:
+        state = model.state_dict()  # collective: every rank gathers, rank 0 writes
+        if rank == 0:
+            torch.save({k: v.cpu() for k, v in state.items()}, cfg.save_model)
+            print(f"saved the full state dict to {cfg.save_model}", flush=True)
+    return record if rank == 0 else None
+
+
+def _log(cfg: GPTJobConfig, model: FSDP, optimizer: torch.optim.Optimizer, val: list, device: torch.device,
+         step: int, window_loss: torch.Tensor, seconds: float, start: float) -> dict[str, Any]:
+    group = C.default_group()
+    world = C.group_size(group)
+    C.all_reduce(window_loss, group)
+    steps_in_window = window_loss[1].item() / world
+    val_loss = evaluate(model, val, device)
+    rss, state = gather_memory(model_state_bytes(model, optimizer)["total"])
+    return {
+        "step": step + 1,
+        "train_loss": window_loss[0].item() / window_loss[1].item(),
+        "val_loss": val_loss,
+        "tokens_per_second": steps_in_window * cfg.batch_size * cfg.seq_len * world / seconds,
+        "lr": optimizer.param_groups[0]["lr"],
+        "elapsed_seconds": time.perf_counter() - start,
+        "peak_rss_bytes": rss,
+        "sharded_state_bytes": state,
+    }
+
+
+def _line(r: dict[str, Any], steps: int) -> str:
+    return (
+        f"step {r['step']}/{steps}  train loss {r['train_loss']:.4f}  val loss {r['val_loss']:.4f}  "
+        f"{r['tokens_per_second']:,.0f} tok/s  {r['elapsed_seconds']:.0f} s  "
+        f"peak RSS per rank [{', '.join(mib(b) for b in r['peak_rss_bytes'])}]"
+    )
+
+
+def main(argv: Sequence[str]) -> int:
+    """Entry point: run under an existing launcher (torchrun) or start ``--nproc`` workers."""
+    cfg = parse_args(argv)
+    code, final = launch.run_job("fullshard train gpt", worker, cfg, cfg.nproc)
+    if final is not None:
+        print(f"final validation loss {final['val_loss']:.4f} nats/byte after {final['step']} steps", flush=True)
+    return code

@@ -1,0 +1,59 @@
+"""`fullshard train gpt`: the byte-level transformer on real text across processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BIN = Path(sys.executable).parent
+
+
+def _run(args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
+    r = subprocess.run([str(BIN / "fullshard"), "train", "gpt", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+    assert r.returncode == 0, f"failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return r
+
+
+@pytest.mark.timeout(600)
+def test_tiny_preset_defaults_reach_2_5_nats_per_byte(tmp_path: Path) -> None:
+    metrics, saved = tmp_path / "gpt.jsonl", tmp_path / "gpt.pt"
+    r = _run(["--nproc", "2", "--metrics-file", str(metrics), "--save-model", str(saved)], tmp_path, timeout=580)
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [rec["step"] for rec in records] == [50, 100, 150, 200, 250, 300]
+    assert records[-1]["val_loss"] < 2.5, records[-1]
+    assert records[-1]["val_loss"] < records[0]["val_loss"]
+    assert all(rec["tokens_per_second"] > 0 and len(rec["peak_rss_bytes"]) == 2 for rec in records)
+    assert "5 FSDP units" in r.stdout and "final validation loss" in r.stdout
+
+    from fullshard.gpt import GPT, PRESETS
+
+    plain = GPT(PRESETS["tiny"])
+    plain.load_state_dict(torch.load(saved), strict=True)
+    assert plain.lm_head.weight is plain.embed.weight
+
+
+@pytest.mark.timeout(300)
+def test_gpt_options_checkpointing_bf16_own_data(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(3):
+        (corpus / f"part{i}.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    metrics = tmp_path / "m.jsonl"
+    _run(["--nproc", "2", "--steps", "20", "--log-interval", "10", "--activation-checkpointing", "--mixed-precision", "bf16",
+          "--forward-prefetch", "--sharding-strategy", "shard_grad_op", "--data", str(corpus / "*.txt"),
+          "--metrics-file", str(metrics)], tmp_path, timeout=280)
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert records[-1]["val_loss"] < records[0]["val_loss"] < 6, records
+
+
+def test_gpt_rejects_bad_options(tmp_path: Path) -> None:
+    for args, text in ((["--preset", "huge"], "--preset 'huge': use one of tiny"), (["--data", str(tmp_path / "none*.txt"), "--nproc", "1", "--steps", "1"], "matches no files")):
+        r = subprocess.run([str(BIN / "fullshard"), "train", "gpt", *args], capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and text in r.stderr, r.stderr[-2000:]
