@@ -121,9 +121,43 @@ def reduction_device(group: ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
-def new_group(ranks: list[int]) -> ProcessGroup:
-    """A subgroup of the default group; every rank must call it with the same ranks."""
-    return dist.new_group(ranks)
+def local_world_size() -> int:
+    """Ranks on this node: LOCAL_WORLD_SIZE from the launcher, else the whole world."""
+    import os
+
+    value = os.environ.get("LOCAL_WORLD_SIZE")
+    return int(value) if value else group_size(default_group())
+
+
+_HYBRID_CACHE: dict[int, tuple[ProcessGroup, ProcessGroup]] = {}
+
+
+def hybrid_groups(shard_size: int) -> tuple[ProcessGroup, ProcessGroup]:
+    """(shard group, replicate group) of this rank for consecutive shard groups of ``shard_size``.
+
+    Shard group i holds ranks [i*S, (i+1)*S); replicate group j holds ranks j, j+S, j+2S, ...
+    Collective: every rank creates every group in the same order. Cached per size.
+
+    Raises:
+        ValueError: ``shard_size`` does not divide the world size.
+    """
+    if shard_size in _HYBRID_CACHE:
+        return _HYBRID_CACHE[shard_size]
+    world, me = group_size(default_group()), dist.get_rank()
+    if shard_size < 1 or world % shard_size:
+        raise ValueError(f"hybrid sharding: shard group size {shard_size} does not divide the world size {world}")
+    shard = replicate = None
+    for i in range(world // shard_size):
+        g = dist.new_group(list(range(i * shard_size, (i + 1) * shard_size)))
+        if i == me // shard_size:
+            shard = g
+    for j in range(shard_size):
+        g = dist.new_group(list(range(j, world, shard_size)))
+        if j == me % shard_size:
+            replicate = g
+    assert shard is not None and replicate is not None
+    _HYBRID_CACHE[shard_size] = (shard, replicate)
+    return shard, replicate
 
 
 def all_gather(

@@ -8,6 +8,7 @@ The outermost instance to run forward becomes the root and coordinates the tree.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
@@ -109,13 +110,12 @@ class FullyShardedDataParallel(ModuleWrapper):
         strategy = parse_sharding_strategy(sharding_strategy)
         mp_policy = as_mixed_precision(mixed_precision)
         offload = as_cpu_offload(cpu_offload)
-        _refuse_unbuilt(strategy, device_mesh)
         if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
             raise TypeError(
                 f"backward_prefetch must be a fullshard.BackwardPrefetch or None, got "
                 f"{backward_prefetch!r}"
             )
-        group = _resolve_group(process_group, device_mesh)
+        groups = _resolve_groups(process_group, device_mesh, strategy)
         ignored = _ignored_modules(module, ignored_modules, ignored_states)
         device = _compute_device(module, device_id, offload.offload_params, ignored)
         meta = is_meta(module.modules())
@@ -124,7 +124,7 @@ class FullyShardedDataParallel(ModuleWrapper):
             _check_one_device(module, ignored)
         policy = as_policy(auto_wrap_policy)
         self._fsdp_kwargs: dict[str, Any] = dict(
-            process_group=group,
+            process_group=groups.given,
             sharding_strategy=strategy,
             backward_prefetch=backward_prefetch,
             forward_prefetch=forward_prefetch,
@@ -157,15 +157,12 @@ class FullyShardedDataParallel(ModuleWrapper):
             _place(module, device, offload.offload_params, ignored)
             _check_one_device(module, ignored)
         if sync_module_states:
-            _broadcast_module(region, group)
-        shard_group, replicate_group = (
-            (None, group) if strategy is ShardingStrategy.NO_SHARD else (group, None)
-        )
-        if C.group_size(group) == 1:
-            shard_group, replicate_group = None, None
+            for g in groups.broadcast_order:
+                _broadcast_module(region, g)
+        shard_group, replicate_group = groups.shard, groups.replicate
         config = UnitConfig(
             compute_device=device,
-            reshard_after_forward=strategy is ShardingStrategy.FULL_SHARD,
+            reshard_after_forward=strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD),
             param_dtype=mp_policy.param_dtype if mp_policy else None,
             reduce_dtype=mp_policy.reduce_dtype if mp_policy else None,
             keep_low_precision_grads=bool(mp_policy and mp_policy.keep_low_precision_grads),
@@ -385,23 +382,66 @@ def _take_deprecated(deprecated: dict[str, Any], auto_wrap_policy: Any) -> Any:
     return auto_wrap_policy
 
 
-def _refuse_unbuilt(strategy: ShardingStrategy, device_mesh: Any) -> None:
-    if strategy in _HYBRID:
-        raise NotImplementedError(f"sharding_strategy={strategy.name} is not built yet in fullshard")
-    if device_mesh is not None and getattr(device_mesh, "ndim", 1) != 1:
-        raise NotImplementedError("a device_mesh of more than one dimension (hybrid) is not built yet")
+@dataclasses.dataclass
+class _Groups:
+    """The groups a unit shards and replicates over (None: a group of one rank)."""
+
+    given: Any  # what nested units receive as process_group
+    shard: Optional[C.ProcessGroup]
+    replicate: Optional[C.ProcessGroup]
+    broadcast_order: list[C.ProcessGroup]  # sync_module_states: rank 0's values reach every rank
 
 
-def _resolve_group(process_group: Any, device_mesh: Any) -> C.ProcessGroup:
+def _resolve_groups(process_group: Any, device_mesh: Any, strategy: ShardingStrategy) -> _Groups:
+    """Shard and replicate groups from ``process_group`` / ``device_mesh`` and the strategy.
+
+    Raises:
+        ValueError: both given; a mesh or tuple that does not fit the strategy or the world size.
+    """
+    hybrid = strategy in _HYBRID
+    if device_mesh is not None and process_group is not None:
+        raise ValueError("pass process_group or device_mesh, not both")
     if device_mesh is not None:
-        if process_group is not None:
-            raise ValueError("pass process_group or device_mesh, not both")
-        return device_mesh.get_group()
-    if isinstance(process_group, tuple):
-        raise NotImplementedError("a (shard_group, replicate_group) tuple (hybrid) is not built yet")
-    if process_group is not None:
-        return process_group
-    return C.default_group()
+        if device_mesh.ndim == 2 and hybrid:
+            shard, replicate = device_mesh.get_group(1), device_mesh.get_group(0)
+        elif device_mesh.ndim == 1 and not hybrid:
+            return _flat(device_mesh.get_group(), strategy)
+        else:
+            raise ValueError(
+                f"device_mesh has {device_mesh.ndim} dimension(s) but sharding_strategy={strategy.name} "
+                "needs " + ("2: (replicate, shard), e.g. init_device_mesh('cuda', (2, 4))" if hybrid else "1")
+            )
+    elif isinstance(process_group, tuple):
+        if not hybrid or len(process_group) != 2:
+            raise ValueError(
+                f"a process_group tuple means (shard_group, replicate_group) for HYBRID_SHARD or "
+                f"_HYBRID_SHARD_ZERO2, not {strategy.name}"
+            )
+        shard, replicate = process_group
+    elif hybrid:
+        shard, replicate = C.hybrid_groups(C.local_world_size())
+    else:
+        return _flat(process_group if process_group is not None else C.default_group(), strategy)
+    world = C.group_size(C.default_group())
+    if C.group_size(shard) * C.group_size(replicate) != world:
+        raise ValueError(
+            f"the hybrid groups cover {C.group_size(shard)} x {C.group_size(replicate)} ranks but the "
+            f"world size is {world}: build the mesh as init_device_mesh(device, (world // shard_size, shard_size))"
+        )
+    return _Groups(
+        given=(shard, replicate),
+        shard=shard if C.group_size(shard) > 1 else None,
+        replicate=replicate if C.group_size(replicate) > 1 else None,
+        broadcast_order=[shard, replicate],
+    )
+
+
+def _flat(group: C.ProcessGroup, strategy: ShardingStrategy) -> _Groups:
+    if C.group_size(group) == 1:
+        return _Groups(group, None, None, [group])
+    if strategy is ShardingStrategy.NO_SHARD:
+        return _Groups(group, None, group, [group])
+    return _Groups(group, group, None, [group])
 
 
 def _as_device(device_id: Union[int, str, torch.device]) -> torch.device:
