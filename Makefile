@@ -18,6 +18,7 @@ demo: venv
 	$(VENV)/bin/fullshard train mnist --nproc 2
 
 test: venv
+	$(VPY) -m ruff check src tests
 	$(VPY) -m mypy
 	$(VPY) -m pytest -q
 

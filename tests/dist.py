@@ -15,7 +15,8 @@ import queue
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def _entry(fn: Callable[..., Any], rank: int, world: int, store_path: str, q: Any, args: tuple, backend: str) -> None:

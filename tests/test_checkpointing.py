@@ -6,14 +6,18 @@ import copy
 
 import pytest
 import torch
-from torch import nn
-
 from dist import run_ranks
 from models import Block, make_stack, step_both
+from torch import nn
 
 
 def parity_body(rank: int, world: int) -> list[str]:
-    from fullshard import FSDP, CheckpointWrapper, apply_activation_checkpointing, checkpoint_wrapper
+    from fullshard import (
+        FSDP,
+        CheckpointWrapper,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
     from fullshard.wrap import ModuleWrapPolicy
 
     done = []

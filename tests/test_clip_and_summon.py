@@ -7,10 +7,9 @@ import math
 
 import pytest
 import torch
-from torch import nn
-
 from dist import run_ranks
 from models import batch, make_stack
+from torch import nn
 
 
 def _mixed_units(ref):
@@ -84,12 +83,10 @@ def summon_body(rank: int, world: int) -> list[str]:
     assert model.stem.weight.shape[0] == math.ceil(13 / world) or model.stem.weight.shape[0] < 13
     done.append("full inside")
     # Writes are kept with writeback=True, dropped with writeback=False.
-    with FSDP.summon_full_params(model):
-        with torch.no_grad():
-            model.stem.weight.fill_(2.0)
-    with FSDP.summon_full_params(model, writeback=False):
-        with torch.no_grad():
-            model.head.weight.fill_(5.0)
+    with FSDP.summon_full_params(model), torch.no_grad():
+        model.stem.weight.fill_(2.0)
+    with FSDP.summon_full_params(model, writeback=False), torch.no_grad():
+        model.head.weight.fill_(5.0)
     sd = model.state_dict()
     assert torch.equal(sd["stem.weight"], torch.full((13, 6), 2.0))
     assert torch.equal(sd["head.weight"], ref.head.weight.detach())

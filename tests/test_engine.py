@@ -8,7 +8,6 @@ import time
 
 import pytest
 import torch
-
 from dist import run_ranks
 from models import Block, batch, make_stack
 

@@ -13,9 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch import nn
-
 from dist import run_ranks
+from torch import nn
 
 FULLSHARD = [sys.executable, "-m", "fullshard.cli"]
 
@@ -109,9 +108,9 @@ def test_cli_unknown_command_and_job() -> None:
 
 @pytest.mark.timeout(180)
 def test_failure_on_one_rank_stops_the_others() -> None:
-    from fullshard.launch import WorkerFailed, launch
-
     import jobs
+
+    from fullshard.launch import WorkerFailed, launch
 
     start = time.monotonic()
     with pytest.raises(WorkerFailed, match="rank 1.*boom on rank 1"):
@@ -121,9 +120,9 @@ def test_failure_on_one_rank_stops_the_others() -> None:
 
 @pytest.mark.timeout(120)
 def test_launch_runs_every_rank() -> None:
-    from fullshard.launch import launch
-
     import jobs
+
+    from fullshard.launch import launch
 
     assert launch(jobs.world_sum, (), nproc=3) == {0: 3.0, 1: 3.0, 2: 3.0}
     with pytest.raises(ValueError, match="--nproc must be at least 1"):

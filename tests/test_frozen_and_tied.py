@@ -6,10 +6,9 @@ import copy
 
 import pytest
 import torch
-from torch import nn
-
 from dist import run_ranks
 from models import local
+from torch import nn
 
 
 class LoRALinear(nn.Module):

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from dist import run_ranks
 from models import Block, batch, make_stack, step_both
 

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-
 from dist import run_ranks
 from models import local
+from torch import nn
 
 
 def _net(d: int = 10, depth: int = 4) -> nn.Sequential:

@@ -6,10 +6,9 @@ import copy
 
 import pytest
 import torch
-from torch import nn
-
 from dist import run_ranks
 from models import Block, batch, make_stack
+from torch import nn
 
 
 def _mp_model(mp, strategy="FULL_SHARD"):

@@ -5,15 +5,12 @@ from __future__ import annotations
 import copy
 
 import pytest
-import torch
-
 from dist import run_ranks
 from models import Block, batch, make_stack
 
 
 def _events(backward_prefetch, forward_prefetch: bool, rank: int, world: int) -> list[tuple[str, str]]:
-    from fullshard import FSDP
-    from fullshard import _unit
+    from fullshard import FSDP, _unit
     from fullshard.wrap import ModuleWrapPolicy
 
     model = FSDP(copy.deepcopy(make_stack()), auto_wrap_policy=ModuleWrapPolicy({Block}),

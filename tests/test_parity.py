@@ -7,7 +7,6 @@ import functools
 
 import pytest
 import torch
-
 from dist import run_ranks
 from models import Block, batch, make_stack
 

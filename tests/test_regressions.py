@@ -7,7 +7,6 @@ import copy
 
 import pytest
 import torch
-
 from dist import run_ranks
 from models import Block, batch, local, make_stack
 
@@ -28,8 +27,7 @@ class _FailOnce(torch.autograd.Function):
 
 
 def body(rank: int, world: int, strategy: str) -> list[str]:
-    from fullshard import FSDP, ShardingStrategy, checkpoint_wrapper
-    from fullshard import _unit
+    from fullshard import FSDP, ShardingStrategy, _unit, checkpoint_wrapper
     from fullshard._unit import ShardState, TrainingState
     from fullshard.wrap import ModuleWrapPolicy
 

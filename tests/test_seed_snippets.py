@@ -7,9 +7,8 @@ import warnings
 
 import pytest
 import torch
-from torch import nn
-
 from dist import run_ranks
+from torch import nn
 
 
 class Model(nn.Module):
@@ -70,7 +69,8 @@ def test_seed_snippets_train() -> None:
 
 
 def offload_warning_body(rank: int, world: int) -> int:
-    from fullshard import FSDP, fully_sharded_data_parallel as F
+    from fullshard import FSDP
+    from fullshard import fully_sharded_data_parallel as F
 
     F._warned_offload_on_cpu = False
     with warnings.catch_warnings(record=True) as caught:

@@ -6,7 +6,6 @@ import copy
 
 import pytest
 import torch
-
 from dist import run_ranks
 from models import Block, batch, make_stack
 

@@ -18,10 +18,10 @@ from fullshard.memory import model_state_bytes, peak_rss_bytes
 __version__ = "0.1.0"
 
 __all__ = [
+    "FSDP",
     "BackwardPrefetch",
     "CPUOffload",
     "CheckpointWrapper",
-    "FSDP",
     "FullyShardedDataParallel",
     "MixedPrecision",
     "ShardingStrategy",

@@ -21,19 +21,16 @@ from __future__ import annotations
 import dataclasses
 import datetime
 from collections import Counter
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 ProcessGroup = Any  # torch's ProcessGroup type moves between versions
 
-_all_gather_fn: Callable[..., Any] = getattr(dist, "all_gather_single", None) or getattr(
-    dist, "all_gather_into_tensor"
-)
-_reduce_scatter_fn: Callable[..., Any] = getattr(dist, "reduce_scatter_single", None) or getattr(
-    dist, "reduce_scatter_tensor"
-)
+_all_gather_fn: Callable[..., Any] = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_fn: Callable[..., Any] = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclasses.dataclass
@@ -42,7 +39,7 @@ class CollectiveStats:
 
     calls: Counter = dataclasses.field(default_factory=Counter)
     bytes_sent: Counter = dataclasses.field(default_factory=Counter)
-    log: Optional[list] = None  # when a list, each call appends (op, dtype, numel)
+    log: list | None = None  # when a list, each call appends (op, dtype, numel)
 
     def reset(self, keep_log: bool = False) -> None:
         self.calls.clear()
@@ -63,7 +60,7 @@ STATS = CollectiveStats()
 class Handle:
     """An in-flight collective. ``wait()`` blocks until it is done and runs its local epilogue."""
 
-    def __init__(self, work: Any, epilogue: Optional[Callable[[], Any]] = None) -> None:
+    def __init__(self, work: Any, epilogue: Callable[[], Any] | None = None) -> None:
         self._work = work
         self._epilogue = epilogue
         self._done = False
@@ -78,7 +75,7 @@ class Handle:
         self._done = True
 
 
-def _finish(work: Any, epilogue: Optional[Callable[[], Any]], async_op: bool) -> Optional[Handle]:
+def _finish(work: Any, epilogue: Callable[[], Any] | None, async_op: bool) -> Handle | None:
     handle = Handle(work, epilogue)
     if async_op:
         return handle
@@ -162,7 +159,7 @@ def hybrid_groups(shard_size: int) -> tuple[ProcessGroup, ProcessGroup]:
 
 def all_gather(
     output: torch.Tensor, input: torch.Tensor, group: ProcessGroup, async_op: bool = False
-) -> Optional[Handle]:
+) -> Handle | None:
     """All-gather ``input`` (shape (S,)) from every rank into ``output`` (shape (N*S,)).
 
     Rank r's input lands in ``output[r*S:(r+1)*S]``. Both tensors are contiguous, same dtype
@@ -185,7 +182,7 @@ def reduce_scatter(
     group: ProcessGroup,
     divide_by: float = 1.0,
     async_op: bool = False,
-) -> Optional[Handle]:
+) -> Handle | None:
     """Reduce ``input`` (shape (N*S,)) over ranks and keep chunk r on rank r in ``output`` (S,).
 
     The result is the sum over ranks divided by ``divide_by`` (N for a mean: gloo has no AVG).
@@ -217,7 +214,7 @@ def reduce_scatter(
 
 def all_reduce(
     tensor: torch.Tensor, group: ProcessGroup, divide_by: float = 1.0, async_op: bool = False
-) -> Optional[Handle]:
+) -> Handle | None:
     """Sum ``tensor`` over ranks in place, then divide by ``divide_by``."""
     n = group_size(group)
     STATS.record("all_reduce", tensor, 2 * tensor.numel() * tensor.element_size() * (n - 1) // n)
@@ -256,7 +253,7 @@ def init_process_group(
     world_size: int,
     store_prefix: str,
     timeout_s: float,
-    device_id: Optional[torch.device] = None,
+    device_id: torch.device | None = None,
 ) -> None:
     """Create the default process group on the launcher's TCPStore under ``store_prefix``."""
     store = dist.TCPStore(master_addr, master_port, world_size, is_master=False)

@@ -17,14 +17,16 @@ Hooks call units only; they never touch torch.distributed.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
 import torch
+from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map
 
-from fullshard.api import BackwardPrefetch, MixedPrecision
+from fullshard._module_wrapper import clean_name
 from fullshard._unit import ShardState, TrainingState, Unit, record
+from fullshard.api import BackwardPrefetch, MixedPrecision
 
 
 @dataclasses.dataclass
@@ -32,13 +34,12 @@ class RootState:
     """What the units of one FSDP tree share; owned by the root unit."""
 
     units: list[Unit]
-    backward_prefetch: Optional[BackwardPrefetch]
+    backward_prefetch: BackwardPrefetch | None
     forward_prefetch: bool
     forward_order: list[Unit] = dataclasses.field(default_factory=list)
     last_forward_order: list[Unit] = dataclasses.field(default_factory=list)
     callback_queued: bool = False
-    sync_grads: bool = True
-    last_reduced: Optional[Unit] = None
+    last_reduced: Unit | None = None
     pre_backward_done: set[int] = dataclasses.field(default_factory=set)
 
 
@@ -48,11 +49,31 @@ class UnitHooks:
 
     unit: Unit
     is_root: bool = False
-    root: Optional[RootState] = None
-    mixed_precision: Optional[MixedPrecision] = None
+    root: RootState | None = None
+    mixed_precision: MixedPrecision | None = None
+    backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE
+    forward_prefetch: bool = False
 
 
-def _neighbour(order: list[Unit], unit: Unit, step: int) -> Optional[Unit]:
+def lazy_init(module: nn.Module) -> UnitHooks:
+    """At the first forward, make ``module`` the root of every unit in its tree (once).
+
+    Names each unit after its module, shares one RootState, and connects the units'
+    gradient-ready hooks. Returns ``module``'s hook state.
+    """
+    state: UnitHooks = module.__dict__["_fsdp_state"]
+    if state.root is not None:
+        return state
+    members = [(clean_name(n) or "<root>", m.__dict__["_fsdp_state"]) for n, m in module.named_modules() if "_fsdp_state" in m.__dict__]
+    root = RootState([h.unit for _, h in members], state.backward_prefetch, state.forward_prefetch)
+    for name, h in members:
+        h.unit.name = name
+        h.is_root = h is state
+        h.root = root
+        h.unit.on_grad_ready = lambda u, r=root: post_backward(u, r)
+    return state
+
+def _neighbour(order: list[Unit], unit: Unit, step: int) -> Unit | None:
     """The unit ``step`` places from ``unit`` in ``order``, if any."""
     try:
         i = order.index(unit)
@@ -62,7 +83,7 @@ def _neighbour(order: list[Unit], unit: Unit, step: int) -> Optional[Unit]:
     return order[j] if 0 <= j < len(order) else None
 
 
-def _prefetch(unit: Optional[Unit]) -> None:
+def _prefetch(unit: Unit | None) -> None:
     if unit is not None and unit.shard_state is ShardState.SHARDED:
         unit.unshard(async_op=True)
 
@@ -184,7 +205,7 @@ def _pre_backward(hooks: UnitHooks, grad: torch.Tensor) -> torch.Tensor:
 def post_backward(unit: Unit, root: RootState) -> None:
     """Called when ``unit``'s full flat gradient has been accumulated."""
     unit.training_state = TrainingState.POST_BACKWARD
-    if root.sync_grads:
+    if unit.sync_grads:
         if root.last_reduced is not None and root.last_reduced is not unit:
             root.last_reduced.finish_reduce()  # keep one reduction in flight, not all
         unit.reduce_grads()

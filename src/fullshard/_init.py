@@ -10,7 +10,8 @@ tensors, so initialization peaks at about the shards plus one unit's full parame
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,7 +30,7 @@ def materialize(
     region: Iterable[tuple[str, nn.Module]],
     owned: list[tuple[str, nn.Parameter, list[Any]]],
     device: torch.device,
-    param_init_fn: Optional[Callable[[nn.Module], None]],
+    param_init_fn: Callable[[nn.Module], None] | None,
 ) -> list[tuple[str, nn.Parameter, list[Any]]]:
     """Give the unit's meta parameters and its modules' meta buffers storage, then initialize.
 

@@ -7,7 +7,8 @@ leave the wrapper attribute out, so names are the original model's.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -125,7 +125,7 @@ class ShardedParam:
         self.slots = slots
         self.fqn = fqn
         self.requires_grad = requires_grad
-        self.shard: Optional[nn.Parameter] = None
+        self.shard: nn.Parameter | None = None
         self.shard_group: Any = None  # the unit's shard group (None: one rank holds it whole)
         self.local_offset = 0  # element offset in the unit's local flat buffer
         self.full_offset = 0  # element offset in the unit's full flat buffer

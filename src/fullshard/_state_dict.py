@@ -9,7 +9,8 @@ than one rank: every rank of the group must call them.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -45,7 +46,7 @@ def _sharded(t: torch.Tensor) -> ShardedParam | None:
     return getattr(t, "_fullshard_param", None)
 
 
-def full_state_dict(root: "FullyShardedDataParallel", ignored: set[nn.Module]) -> "OrderedDict[str, torch.Tensor]":
+def full_state_dict(root: FullyShardedDataParallel, ignored: set[nn.Module]) -> OrderedDict[str, torch.Tensor]:
     """Full tensors under original names, gathering one unit at a time (collective)."""
     full: dict[int, torch.Tensor] = {}
     with torch.no_grad():
@@ -53,7 +54,7 @@ def full_state_dict(root: "FullyShardedDataParallel", ignored: set[nn.Module]) -
             unit = fsdp.unit
             for sp, value in zip(unit.params, unit.gather_full(unit.local_flat)):
                 full[id(sp)] = value
-    out: "OrderedDict[str, torch.Tensor]" = OrderedDict()
+    out: OrderedDict[str, torch.Tensor] = OrderedDict()
     for name, module, attr, is_param in _entries(root, ignored):
         t = module._parameters[attr] if is_param else module._buffers[attr]
         assert t is not None
@@ -67,7 +68,7 @@ def full_state_dict(root: "FullyShardedDataParallel", ignored: set[nn.Module]) -
 
 
 def load_full_state_dict(
-    root: "FullyShardedDataParallel",
+    root: FullyShardedDataParallel,
     state_dict: Mapping[str, Any],
     strict: bool,
     ignored: set[nn.Module],

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -67,8 +67,8 @@ class UnitConfig:
 
     compute_device: torch.device
     reshard_after_forward: bool = True
-    param_dtype: Optional[torch.dtype] = None
-    reduce_dtype: Optional[torch.dtype] = None
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
     keep_low_precision_grads: bool = False
     offload: bool = False
 
@@ -101,10 +101,10 @@ GATHERED = GatherTracker()
 
 # When a list, units and hooks append (event, unit name): "unshard" (all-gather launched),
 # "forward" / "forward_end", "backward" (pre-backward) and "reduce". For tests of ordering.
-EVENTS: Optional[list[tuple[str, str]]] = None
+EVENTS: list[tuple[str, str]] | None = None
 
 
-def record(event: str, unit: "Unit") -> None:
+def record(event: str, unit: Unit) -> None:
     if EVENTS is not None:
         EVENTS.append((event, unit.name))
 
@@ -144,8 +144,8 @@ class Unit:
         self,
         name: str,
         params: list[ParamEntry],
-        shard_group: Optional[C.ProcessGroup],
-        replicate_group: Optional[C.ProcessGroup],
+        shard_group: C.ProcessGroup | None,
+        replicate_group: C.ProcessGroup | None,
         config: UnitConfig,
     ) -> None:
         self.name = name
@@ -164,9 +164,10 @@ class Unit:
         self.compute_dtype = config.param_dtype or self.dtype
         self.reduce_dtype = config.reduce_dtype or self.compute_dtype
         self._build(params)
-        self._pending_gather: Optional[C.Handle] = None
-        self._pending_reduce: Optional[tuple[_Multi, torch.Tensor]] = None
-        self.on_grad_ready: Optional[Callable[["Unit"], None]] = None
+        self._pending_gather: C.Handle | None = None
+        self._pending_reduce: tuple[_Multi, torch.Tensor] | None = None
+        self.sync_grads = True  # False: gradients accumulate unsharded, no reduction (no_sync)
+        self.on_grad_ready: Callable[[Unit], None] | None = None
 
     # ---------------------------------------------------------------- construction
     def _common_dtype(self, params: list[ParamEntry]) -> torch.dtype:
@@ -222,7 +223,7 @@ class Unit:
         if self.trainable:
             self.full_flat.register_post_accumulate_grad_hook(self._grad_accumulated)
 
-    def _local_view(self, sp: ShardedParam, flat: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _local_view(self, sp: ShardedParam, flat: torch.Tensor | None = None) -> torch.Tensor:
         n = sp.spec.local_numel
         source = self.local_flat if flat is None else flat
         return source[sp.local_offset : sp.local_offset + n].view(sp.spec.local_shape)
@@ -286,7 +287,7 @@ class Unit:
         if not async_op:
             self.wait_unshard()
 
-    def _copy_out(self, gathered: torch.Tensor, dest: Optional[torch.Tensor] = None) -> None:
+    def _copy_out(self, gathered: torch.Tensor, dest: torch.Tensor | None = None) -> None:
         """Rank-major (N, S) -> param-major (N*S,) into ``dest`` (default: the full buffer)."""
         n, s = self.world, self.shard_numel
         target = self._full_data if dest is None else dest

@@ -9,7 +9,8 @@ gathered them again, so the recomputed forward sees the full parameters.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -80,9 +81,9 @@ def checkpoint_wrapper(module: nn.Module, offload_to_cpu: bool = False, **kwargs
 
 def apply_activation_checkpointing(
     model: nn.Module,
-    checkpoint_wrapper_fn: Optional[Callable[[nn.Module], nn.Module]] = None,
+    checkpoint_wrapper_fn: Callable[[nn.Module], nn.Module] | None = None,
     check_fn: Callable[[nn.Module], bool] = lambda _: True,
-    auto_wrap_policy: Optional[Any] = None,
+    auto_wrap_policy: Any | None = None,
     offload_to_cpu: bool = False,
 ) -> None:
     """Wrap, in place, every submodule of ``model`` for which ``check_fn`` is true.

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Optional, Union
 
 import torch
 
@@ -57,9 +56,9 @@ class MixedPrecision:
         cast_root_forward_inputs: cast the root unit's floating-point inputs to param_dtype.
     """
 
-    param_dtype: Optional[torch.dtype] = None
-    reduce_dtype: Optional[torch.dtype] = None
-    buffer_dtype: Optional[torch.dtype] = None
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    buffer_dtype: torch.dtype | None = None
     keep_low_precision_grads: bool = False
     cast_forward_inputs: bool = False
     cast_root_forward_inputs: bool = True
@@ -83,7 +82,7 @@ class CPUOffload:
     offload_params: bool = False
 
 
-def parse_sharding_strategy(value: Union[None, str, ShardingStrategy]) -> ShardingStrategy:
+def parse_sharding_strategy(value: None | str | ShardingStrategy) -> ShardingStrategy:
     """Turn None, a ShardingStrategy or a member name (any case) into a ShardingStrategy.
 
     Raises:
@@ -106,7 +105,7 @@ def parse_sharding_strategy(value: Union[None, str, ShardingStrategy]) -> Shardi
     )
 
 
-def as_mixed_precision(value: Union[None, torch.dtype, MixedPrecision]) -> Optional[MixedPrecision]:
+def as_mixed_precision(value: None | torch.dtype | MixedPrecision) -> MixedPrecision | None:
     """Normalize ``mixed_precision``: None, a MixedPrecision, or a dtype meaning all three dtypes.
 
     Raises:
@@ -123,7 +122,7 @@ def as_mixed_precision(value: Union[None, torch.dtype, MixedPrecision]) -> Optio
     )
 
 
-def as_cpu_offload(value: Union[None, bool, CPUOffload]) -> CPUOffload:
+def as_cpu_offload(value: None | bool | CPUOffload) -> CPUOffload:
     """Normalize ``cpu_offload``: None, a bool (the shorthand), or a CPUOffload.
 
     Raises:

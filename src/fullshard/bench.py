@@ -15,7 +15,8 @@ import argparse
 import statistics
 import sys
 import time
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -68,7 +69,7 @@ def interleaved_medians(models: Sequence[nn.Module], x: torch.Tensor, steps: int
     return [statistics.median(t) for t in times]
 
 
-def prefetch_worker(d: int, layers: int, batch: int, steps: int) -> Optional[list[tuple[str, float]]]:
+def prefetch_worker(d: int, layers: int, batch: int, steps: int) -> list[tuple[str, float]] | None:
     """One rank: median step seconds of each prefetch setting (rank 0 returns them)."""
     device = launch.init_process_group()
     torch.set_num_threads(1)
@@ -117,7 +118,7 @@ def optimizer_step_seconds(numel: int, steps: int = 5) -> list[tuple[str, float]
     return rows
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``fullshard bench``."""
     p = argparse.ArgumentParser(prog="fullshard bench", description=__doc__)
     p.add_argument("workload", choices=["prefetch", "optimizer"])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 USAGE = """usage: fullshard COMMAND ...
 
@@ -13,7 +13,7 @@ commands:
 """
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Dispatch ``fullshard`` subcommands; returns the process exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):

@@ -9,7 +9,8 @@ locally. The inf-norm takes maxima the same way. Every rank must call it (it is 
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Union
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -68,7 +69,7 @@ def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) 
 
 
 def clip_grad_norm_(
-    parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max_norm: float, norm_type: float = 2.0
+    parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
 ) -> torch.Tensor:
     """Scale gradients in place so their total norm is at most ``max_norm``; return the norm.
 

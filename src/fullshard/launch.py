@@ -17,7 +17,8 @@ import os
 import socket
 import sys
 import uuid
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -153,7 +154,7 @@ def rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def env_world_size() -> Optional[int]:
+def env_world_size() -> int | None:
     """WORLD_SIZE from the environment, when running under a launcher."""
     value = os.environ.get("WORLD_SIZE")
     return int(value) if value else None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import resource
 import sys
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -21,7 +21,7 @@ def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-def model_state_bytes(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, int]:
+def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
     """This rank's model-state bytes: parameters, gradients and optimizer state.
 
     Counts the storages behind the tensors (a shard that is a view of a unit's padded flat

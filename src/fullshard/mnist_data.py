@@ -9,7 +9,6 @@ from __future__ import annotations
 import gzip
 import struct
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import torch
@@ -45,7 +44,7 @@ def _read_idx(path: Path) -> np.ndarray:
     return data.reshape(dims)
 
 
-def _find(data_dir: Path, stem: str) -> Optional[Path]:
+def _find(data_dir: Path, stem: str) -> Path | None:
     for folder in (data_dir, data_dir / "MNIST" / "raw", data_dir / "raw"):
         for name in (stem, stem + ".gz"):
             if (folder / name).is_file():
@@ -106,6 +105,6 @@ def load_bundled() -> tuple[TensorDataset, TensorDataset]:
     return _to_dataset(images[tr], labels[tr]), _to_dataset(images[te], labels[te])
 
 
-def load(data_dir: Optional[str | Path]) -> tuple[TensorDataset, TensorDataset]:
+def load(data_dir: str | Path | None) -> tuple[TensorDataset, TensorDataset]:
     """``load_idx(data_dir)`` when given, else ``load_bundled()``."""
     return load_idx(data_dir) if data_dir else load_bundled()

@@ -15,7 +15,6 @@ import dataclasses
 import glob
 import sysconfig
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import torch
@@ -50,7 +49,7 @@ class ByteCorpus:
     val: torch.Tensor
 
     @classmethod
-    def load(cls, pattern: Optional[str] = None) -> "ByteCorpus":
+    def load(cls, pattern: str | None = None) -> ByteCorpus:
         """Read the files of ``pattern`` (default: the stdlib sources) and split them.
 
         Raises:

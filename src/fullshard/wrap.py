@@ -8,7 +8,8 @@ unit, given the number of its parameters not already in a nested unit.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional, Union
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from torch import nn
 
@@ -25,8 +26,8 @@ def size_based_auto_wrap_policy(
     recurse: bool,
     nonwrapped_numel: int,
     min_num_params: int = int(1e8),
-    force_leaf_modules: Optional[set[type[nn.Module]]] = None,
-    exclude_wrap_modules: Optional[set[type[nn.Module]]] = None,
+    force_leaf_modules: set[type[nn.Module]] | None = None,
+    exclude_wrap_modules: set[type[nn.Module]] | None = None,
 ) -> bool:
     """Wrap a module once it holds at least ``min_num_params`` parameters not yet wrapped.
 
@@ -94,7 +95,7 @@ class ModuleWrapPolicy:
 Policy = Callable[..., bool]
 
 
-def as_policy(policy: Union[None, Policy, ModuleWrapPolicy, Iterable[Any]]) -> Optional[Policy]:
+def as_policy(policy: None | Policy | ModuleWrapPolicy | Iterable[Any]) -> Policy | None:
     """Normalize ``auto_wrap_policy``: a callable, a ModuleWrapPolicy, or a set of classes.
 
     Raises:

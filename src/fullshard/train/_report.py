@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from fullshard import _collectives as C
 from fullshard.memory import peak_rss_bytes
@@ -23,7 +23,7 @@ def mib(n: int) -> str:
 class MetricsFile:
     """Appends one JSON object per line to ``path`` (rank 0 only); truncates it on open."""
 
-    def __init__(self, path: Optional[str], enabled: bool) -> None:
+    def __init__(self, path: str | None, enabled: bool) -> None:
         self.path = Path(path) if path and enabled else None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)

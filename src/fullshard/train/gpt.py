@@ -12,7 +12,8 @@ import dataclasses
 import functools
 import math
 import time
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +46,7 @@ class GPTJobConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     seed: int = 1
-    data: Optional[str] = None
+    data: str | None = None
     log_interval: int = 50
     eval_batches: int = 8
     activation_checkpointing: bool = False
@@ -54,8 +55,8 @@ class GPTJobConfig:
     cpu_offload: bool = False
     backward_prefetch: str = "pre"
     forward_prefetch: bool = False
-    metrics_file: Optional[str] = None
-    save_model: Optional[str] = None
+    metrics_file: str | None = None
+    save_model: str | None = None
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -149,7 +150,7 @@ def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
     return float(total[0] / total[1])
 
 
-def worker(cfg: GPTJobConfig) -> Optional[dict[str, Any]]:
+def worker(cfg: GPTJobConfig) -> dict[str, Any] | None:
     """One rank of the job. Returns the last log record on rank 0, None elsewhere."""
     device = launch.init_process_group()
     try:
@@ -158,7 +159,7 @@ def worker(cfg: GPTJobConfig) -> Optional[dict[str, Any]]:
         launch.destroy_process_group()
 
 
-def _run(cfg: GPTJobConfig, device: torch.device) -> Optional[dict[str, Any]]:
+def _run(cfg: GPTJobConfig, device: torch.device) -> dict[str, Any] | None:
     group = C.default_group()
     rank, world = C.group_rank(group), C.group_size(group)
     corpus = ByteCorpus.load(cfg.data)
@@ -171,7 +172,7 @@ def _run(cfg: GPTJobConfig, device: torch.device) -> Optional[dict[str, Any]]:
               f"{cfg.batch_size * world} x {cfg.seq_len} bytes per step", flush=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=True)
     metrics = MetricsFile(cfg.metrics_file, rank == 0)
-    record: Optional[dict[str, Any]] = None
+    record: dict[str, Any] | None = None
     window_loss = torch.zeros(2, dtype=torch.float64)
     start = last = time.perf_counter()
     for step in range(cfg.steps):

@@ -12,7 +12,8 @@ import functools
 import os
 import sys
 import time
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -68,9 +69,9 @@ class MnistConfig:
     seed: int = 1
     sharding_strategy: str = "full_shard"
     min_num_params: int = 20000
-    data_dir: Optional[str] = None
-    save_model: Optional[str] = None
-    metrics_file: Optional[str] = None
+    data_dir: str | None = None
+    save_model: str | None = None
+    metrics_file: str | None = None
     progress: bool = True
     mixed_precision: str = "none"
     cpu_offload: bool = False
@@ -157,7 +158,7 @@ def _test(model: nn.Module, loader: DataLoader, device: torch.device) -> torch.T
     return stats
 
 
-def worker(cfg: MnistConfig) -> Optional[dict[str, Any]]:
+def worker(cfg: MnistConfig) -> dict[str, Any] | None:
     """One rank of the job. Returns the last epoch's metrics on rank 0, None elsewhere."""
     device = launch.init_process_group()
     try:
@@ -166,7 +167,7 @@ def worker(cfg: MnistConfig) -> Optional[dict[str, Any]]:
         launch.destroy_process_group()
 
 
-def _run(cfg: MnistConfig, device: torch.device) -> Optional[dict[str, Any]]:
+def _run(cfg: MnistConfig, device: torch.device) -> dict[str, Any] | None:
     group = C.default_group()
     rank, world = C.group_rank(group), C.group_size(group)
     torch.manual_seed(cfg.seed)
@@ -179,7 +180,7 @@ def _run(cfg: MnistConfig, device: torch.device) -> Optional[dict[str, Any]]:
     scheduler = StepLR(optimizer, step_size=1, gamma=cfg.gamma)
     metrics = MetricsFile(cfg.metrics_file, rank == 0)
     bar = _progress(cfg, rank, len(train_loader))
-    record: Optional[dict[str, Any]] = None
+    record: dict[str, Any] | None = None
     for epoch in range(1, cfg.epochs + 1):
         sampler.set_epoch(epoch)
         start = time.perf_counter()
