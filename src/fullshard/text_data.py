@@ -66,8 +66,7 @@ class ByteCorpus:
             cut = max(1, len(last) * 9 // 10)
             train.append(last[:cut])
             val.append(last[cut:])
-        as_tensor = lambda parts: torch.from_numpy(np.frombuffer(b"\n".join(parts), dtype=np.uint8).copy())
-        return cls(as_tensor(train), as_tensor(val))
+        return cls(_as_tensor(train), _as_tensor(val))
 
     def batch(self, step: int, rank: int, batch_size: int, seq_len: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Training inputs and next-byte targets for (step, rank), each int64 (batch_size, seq_len).
@@ -80,6 +79,10 @@ class ByteCorpus:
     def val_batches(self, count: int, batch_size: int, seq_len: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``count`` fixed validation batches (the same on every rank and every call)."""
         return [_windows(self.val, batch_size, seq_len, _seed(seed, -1 - i, 0)) for i in range(count)]
+
+
+def _as_tensor(parts: list[bytes]) -> torch.Tensor:
+    return torch.from_numpy(np.frombuffer(b"\n".join(parts), dtype=np.uint8).copy())
 
 
 def _seed(seed: int, step: int, rank: int) -> int:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from typing import Optional
 
 JOBS = ("mnist", "gpt")
 
