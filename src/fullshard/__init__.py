@@ -12,6 +12,7 @@ from fullshard.activation_checkpointing import (
 )
 from fullshard.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from fullshard.clip_grad import clip_grad_norm_
+from fullshard.fully_shard import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from fullshard.fully_sharded_data_parallel import FSDP, FullyShardedDataParallel
 from fullshard.memory import model_state_bytes, peak_rss_bytes
 
@@ -22,12 +23,17 @@ __all__ = [
     "BackwardPrefetch",
     "CPUOffload",
     "CheckpointWrapper",
+    "CPUOffloadPolicy",
+    "FSDPModule",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
     "FullyShardedDataParallel",
     "MixedPrecision",
     "ShardingStrategy",
     "apply_activation_checkpointing",
     "checkpoint_wrapper",
     "clip_grad_norm_",
+    "fully_shard",
     "model_state_bytes",
     "peak_rss_bytes",
 ]

@@ -1,0 +1,149 @@
+"""fully_shard: FSDP2's composable API on the same engine, with the wrapper's parity tests."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from dist import run_ranks
+from models import batch, local, make_stack, step_both
+
+
+def _shard(model, **kw):
+    from fullshard import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block, **kw)
+    return fully_shard(model, **kw)
+
+
+def parity_body(rank: int, world: int) -> list[str]:
+    from torch.distributed.tensor import DTensor
+
+    from fullshard import FSDPModule
+    from fullshard._unit import TrainingState
+
+    done = []
+    for reshard in (True, False):
+        for opt_kind in ("sgd", "adamw"):
+            ref = make_stack()
+            model = _shard(copy.deepcopy(ref), reshard_after_forward=reshard)
+            assert isinstance(model, FSDPModule) and type(model).__name__ == "FSDPStack"
+            assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
+            make = (lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)) if opt_kind == "sgd" else (lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+            opt, ref_opt = make(model.parameters()), make(ref.parameters())
+            for step in range(6):
+                step_both(model, opt, ref, ref_opt, step, rank, world)
+                states = [m.__dict__["_fsdp_state"].unit.training_state for m in model.modules() if "_fsdp_state" in m.__dict__]
+                assert all(s is TrainingState.IDLE for s in states), states
+                sd = model.state_dict()
+                for k, want in ref.state_dict().items():
+                    assert isinstance(sd[k], DTensor), k
+                    got = sd[k].full_tensor()
+                    err = ((got - want).norm() / want.norm().clamp_min(1e-12)).item()
+                    assert err <= 1e-5, f"reshard={reshard} {opt_kind} step {step} {k}: {err:.2e}"
+            done.append(f"{reshard}/{opt_kind}")
+    return done
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_fully_shard_parity(world: int) -> None:
+    assert len(run_ranks(parity_body, world, timeout=280)[0]) == 4
+
+
+def api_body(rank: int, world: int) -> list[str]:
+    from fullshard import MixedPrecisionPolicy, clip_grad_norm_
+    from fullshard import _collectives as C
+    from fullshard._unit import ShardState
+
+    done = []
+    mse = torch.nn.functional.mse_loss
+    # set_requires_gradient_sync(False) for k micro-batches, then a synced one == one big step.
+    ref = make_stack()
+    model = _shard(copy.deepcopy(ref))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    micro = [batch(s, 12) for s in range(3)]
+    model.set_requires_gradient_sync(False)
+    C.STATS.reset()
+    for x, y in micro[:2]:
+        mse(model(local(x, rank, world)), local(y, rank, world)).backward()
+    assert C.STATS.calls["reduce_scatter"] == 0
+    model.set_requires_gradient_sync(True)
+    x, y = micro[2]
+    mse(model(local(x, rank, world)), local(y, rank, world)).backward()
+    clip_grad_norm_(model.parameters(), 1e9)
+    opt.step()
+    for x, y in micro:
+        mse(ref(x), y).backward()
+    ref_opt.step()
+    sd = model.state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(sd[k].full_tensor(), v, rtol=1e-5, atol=1e-6)
+    done.append("gradient sync")
+
+    # unshard() / reshard() by hand.
+    block = model.blocks[1]
+    block.unshard()
+    assert block.__dict__["_fsdp_state"].unit.shard_state is ShardState.UNSHARDED
+    block.reshard()
+    handle = block.unshard(async_op=True)
+    handle.wait()
+    block.reshard()
+    assert block.__dict__["_fsdp_state"].unit.shard_state is ShardState.SHARDED
+    done.append("unshard/reshard")
+
+    # load_state_dict takes DTensors (resharded) and full tensors.
+    other = make_stack(seed=5)
+    fresh = _shard(copy.deepcopy(make_stack(seed=9)))
+    fresh.load_state_dict(other.state_dict())
+    donor = _shard(copy.deepcopy(other))
+    again = _shard(copy.deepcopy(make_stack(seed=11)))
+    again.load_state_dict(donor.state_dict())
+    for m in (fresh, again):
+        for k, v in other.state_dict().items():
+            assert torch.equal(m.state_dict()[k].full_tensor(), v), k
+    done.append("load")
+
+    # MixedPrecisionPolicy: bf16 compute and wire, fp32 output at the root, fp32 shards.
+    from fullshard import fully_shard
+
+    model = make_stack()
+    for block in model.blocks:
+        fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32))
+    out = model(local(batch(0, 12)[0], rank, world))
+    assert out.dtype == torch.float32
+    out.sum().backward()
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())
+    done.append("mixed precision")
+    return done
+
+
+@pytest.mark.timeout(300)
+def test_fully_shard_api() -> None:
+    assert run_ranks(api_body, 2, timeout=280)[0] == ["gradient sync", "unshard/reshard", "load", "mixed precision"]
+
+
+def hsdp_body(rank: int, world: int) -> int:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    ref = make_stack()
+    model = _shard(copy.deepcopy(ref), mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(4):
+        step_both(model, opt, ref, ref_opt, step, rank, world)
+    sd = model.state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(sd[k].full_tensor(), v, rtol=1e-5, atol=1e-6)
+    return len(sd)
+
+
+@pytest.mark.timeout(300)
+def test_fully_shard_2d_mesh() -> None:
+    assert run_ranks(hsdp_body, 4, timeout=280)[0] > 0
