@@ -1,7 +1,7 @@
 """Training jobs: ``fullshard train JOB [options]``, or ``python -m fullshard.train JOB`` under torchrun.
 
 Jobs: ``mnist`` (the PyTorch FSDP tutorial's model on real MNIST images) and ``gpt`` (a
-byte-level decoder-only transformer on real text).
+byte-level decoder-only transformer on real text), ``hf`` (a Hugging Face transformers model).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-JOBS = ("mnist", "gpt")
+JOBS = ("mnist", "gpt", "hf")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -27,5 +27,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from fullshard.train import gpt
 
         return gpt.main(rest)
+    if job == "hf":
+        from fullshard.train import hf
+
+        return hf.main(rest)
     print(f"fullshard train: unknown job {job!r}; choose one of: {', '.join(JOBS)}", file=sys.stderr)
     return 2

@@ -78,9 +78,25 @@ class GPTJobConfig:
 
 def parse_args(argv: Sequence[str]) -> GPTJobConfig:
     """Parse command-line options into a validated GPTJobConfig (exits with a message on error)."""
+    p = make_parser("fullshard train gpt", __doc__ or "")
+    p.add_argument("--preset", default=GPTJobConfig.preset, help=f"model size: {', '.join(PRESETS)}")
+    return config_from(p, argv, GPTJobConfig)
+
+
+def config_from(p: argparse.ArgumentParser, argv: Sequence[str], cls: type) -> Any:
+    """Parse ``argv`` and build ``cls`` from it, turning its ValueError into a usage error."""
+    ns = p.parse_args(list(argv))
+    try:
+        return cls(**vars(ns))
+    except ValueError as e:
+        p.error(str(e))
+        raise
+
+
+def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """The options every byte-level language-model job takes (all but the model choice)."""
     d = GPTJobConfig()
-    p = argparse.ArgumentParser(prog="fullshard train gpt", description=__doc__)
-    p.add_argument("--preset", default=d.preset, help=f"model size: {', '.join(PRESETS)}")
+    p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--nproc", type=int, default=launch.default_nproc(), help="worker processes (default: GPUs, else 2)")
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens (bytes) per sequence")
@@ -98,12 +114,7 @@ def parse_args(argv: Sequence[str]) -> GPTJobConfig:
     fsdp_options.add_arguments(p)
     p.add_argument("--metrics-file", default=None, metavar="PATH", help="JSON lines, one per log interval")
     p.add_argument("--save-model", default=None, metavar="PATH", help="write the full state dict here")
-    ns = p.parse_args(list(argv))
-    try:
-        return GPTJobConfig(**vars(ns))
-    except ValueError as e:
-        p.error(str(e))
-        raise
+    return p
 
 
 def lr_at(step: int, cfg: GPTJobConfig) -> float:
@@ -160,15 +171,22 @@ def worker(cfg: GPTJobConfig) -> dict[str, Any] | None:
 
 
 def _run(cfg: GPTJobConfig, device: torch.device) -> dict[str, Any] | None:
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg, device)
+    return train_loop(cfg, device, model, f"GPT preset {cfg.preset}: {PRESETS[cfg.preset].num_params / 1e6:.2f}M parameters")
+
+
+def train_loop(cfg: GPTJobConfig, device: torch.device, model: FSDP, title: str) -> dict[str, Any] | None:
+    """Train ``model`` (byte tokens (batch, seq) -> logits (batch, seq, 256)) on the corpus.
+
+    Returns the last log record on rank 0, None elsewhere.
+    """
     group = C.default_group()
     rank, world = C.group_rank(group), C.group_size(group)
     corpus = ByteCorpus.load(cfg.data)
     val = corpus.val_batches(cfg.eval_batches, cfg.batch_size, cfg.seq_len, cfg.seed)
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg, device)
     if rank == 0:
-        print(f"GPT preset {cfg.preset}: {PRESETS[cfg.preset].num_params / 1e6:.2f}M parameters, "
-              f"{len(model.fsdp_modules(model))} FSDP units, {world} ranks, "
+        print(f"{title}, {len(model.fsdp_modules(model))} FSDP units, {world} ranks, "
               f"{cfg.batch_size * world} x {cfg.seq_len} bytes per step", flush=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=True)
     metrics = MetricsFile(cfg.metrics_file, rank == 0)

@@ -1,0 +1,76 @@
+"""Hugging Face transformers models under fullshard, wrapped by layer class name."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist import run_ranks
+from models import local
+
+pytest.importorskip("transformers")
+
+
+def hf_parity_body(rank: int, world: int, config: str) -> str:
+    from fullshard.train.hf import HF_CONFIGS, CausalLMLogits, wrap_hf
+
+    build, layer = HF_CONFIGS[config]
+    torch.manual_seed(0)
+    ref = CausalLMLogits(build())
+    initial = copy.deepcopy(ref.state_dict())
+    model = wrap_hf(copy.deepcopy(ref), [layer])
+    assert len(model.fsdp_modules(model)) == 5  # root + 4 decoder layers
+    if config == "gpt2-tiny":  # the tied embedding/output weight stays tied, in the root unit
+        assert model.module.model.lm_head.weight is model.module.model.transformer.wte.weight
+    # SGD with momentum: exact about gradient scale. (AdamW turns the near-zero gradients of
+    # rarely seen token embeddings into lr-sized steps, so summation-order noise shows at 1e-5.)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        x = torch.randint(0, 256, (4 * world, 16), generator=g)
+        y = torch.randint(0, 256, (4 * world, 16), generator=g)
+        loss = torch.nn.functional.cross_entropy(model(local(x, rank, world)).flatten(0, 1), local(y, rank, world).flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ref_loss = torch.nn.functional.cross_entropy(ref(x).flatten(0, 1), y.flatten())
+        ref_opt.zero_grad()
+        ref_loss.backward()
+        ref_opt.step()
+    full = model.state_dict()
+    want = ref.state_dict()
+    assert list(full) == list(want)
+    for k, v in want.items():
+        assert ((full[k] - v).norm() / v.norm()).item() <= 1e-5, k
+    moved = sum(not torch.equal(v, initial[k]) for k, v in want.items())
+    assert moved > len(want) // 2, (moved, len(want))  # the comparison is after real training
+    with pytest.raises(ValueError, match="match no module of GPT2LMHeadModel|match no module of LlamaForCausalLM"):
+        wrap_hf(build(), ["NotALayer"])
+    return config
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("config", ["gpt2-tiny", "llama-tiny"])
+def test_hf_model_parity(config: str) -> None:
+    assert run_ranks(hf_parity_body, 2, config, timeout=280)[0] == config
+
+
+@pytest.mark.timeout(300)
+def test_train_hf_job(tmp_path: Path) -> None:
+    import json
+
+    metrics = tmp_path / "m.jsonl"
+    cmd = [str(Path(sys.executable).parent / "fullshard"), "train", "hf", "--config", "gpt2-tiny", "--nproc", "2",
+           "--steps", "30", "--log-interval", "15", "--metrics-file", str(metrics)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
+    assert r.returncode == 0, r.stderr[-3000:]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert records[-1]["val_loss"] < records[0]["val_loss"] < 5.6
+    bad = subprocess.run(cmd[:-2] + ["--wrap-cls", "NotALayer"], capture_output=True, text=True, timeout=280)
+    assert bad.returncode == 1 and "match no module" in bad.stderr, bad.stderr[-2000:]
