@@ -28,7 +28,7 @@ from fullshard.memory import model_state_bytes
 from fullshard.text_data import ByteCorpus, files_from_glob
 from fullshard.train import _fsdp_options as fsdp_options
 from fullshard.train._report import MetricsFile, gather_memory, mib
-from fullshard.wrap import ModuleWrapPolicy
+from fullshard.wrap import transformer_auto_wrap_policy
 
 
 @dataclasses.dataclass
@@ -134,7 +134,7 @@ def build_model(cfg: GPTJobConfig, device: torch.device) -> FSDP:
         apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
     return FSDP(
         model,
-        auto_wrap_policy=ModuleWrapPolicy({Block}),
+        auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}),
         param_init_fn=functools.partial(init_module, n_layers=model_cfg.n_layers),
         device_id=device if device.type == "cuda" else None,
         **fsdp_options.fsdp_kwargs(cfg),
