@@ -9,6 +9,7 @@ still running. Functions must be importable (module level).
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import os
 import queue
@@ -17,6 +18,8 @@ import time
 import traceback
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 
 def _entry(fn: Callable[..., Any], rank: int, world: int, store_path: str, q: Any, args: tuple, backend: str) -> None:
@@ -35,7 +38,9 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, store_path: str, q: An
             backend, store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
         )
         result = fn(rank, world, *args)
-        q.put((rank, "ok", result))
+        buffer = io.BytesIO()  # tensors by value: a queue would share them by file descriptor,
+        torch.save(result, buffer)  # which breaks once this process exits
+        q.put((rank, "ok", buffer.getvalue()))
     except BaseException:
         q.put((rank, "error", traceback.format_exc()))
     finally:
@@ -72,7 +77,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                     continue
                 if status == "error":
                     raise RuntimeError(f"rank {rank} failed:\n{value}")
-                results[rank] = value
+                results[rank] = torch.load(io.BytesIO(value), weights_only=False)
         finally:
             for p in procs:
                 p.join(timeout=5)

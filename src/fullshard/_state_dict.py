@@ -10,14 +10,16 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Collection
 
 import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
+from fullshard import _collectives as C
 from fullshard._module_wrapper import ModuleWrapper
 from fullshard._sharded_param import ShardedParam
+from fullshard._unit import Unit
 
 if TYPE_CHECKING:
     from fullshard.fully_sharded_data_parallel import FullyShardedDataParallel
@@ -72,15 +74,19 @@ def load_full_state_dict(
     state_dict: Mapping[str, Any],
     strict: bool,
     ignored: set[nn.Module],
+    shards: Collection[str] = (),
 ) -> _IncompatibleKeys:
-    """Copy a full state dict into the shards and buffers; validate everything first."""
+    """Copy a full state dict into the shards and buffers; validate everything first.
+
+    Keys in ``shards`` hold this rank's shard (the shard's shape) instead of the full value.
+    """
     entries = list(_entries(root, ignored))
-    expected = {name for name, *_ in entries}
-    missing = [name for name in expected if name not in state_dict]
-    missing.sort(key=[n for n, *_ in entries].index)
+    order = [n for n, *_ in entries]
+    expected = set(order)
+    missing = sorted((n for n in expected if n not in state_dict), key=order.index)
     unexpected = [k for k in state_dict if k not in expected]
     errors = []
-    copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (target, full value), checked
+    copies: list[tuple[torch.Tensor, torch.Tensor, bool]] = []  # (target, value, value is full)
     for name, module, attr, is_param in entries:
         if name not in state_dict:
             continue
@@ -88,8 +94,8 @@ def load_full_state_dict(
         target = module._parameters[attr] if is_param else module._buffers[attr]
         assert target is not None
         sp = _sharded(target)
-        shape = sp.spec.orig_shape if sp is not None else target.shape
-        copies.append((target, value))
+        is_full = name not in shards
+        shape = sp.spec.orig_shape if sp is not None and is_full else target.shape
         if not isinstance(value, torch.Tensor):
             errors.append(f"value for {name} is a {type(value).__name__}, expected a tensor")
         elif value.shape != shape:
@@ -97,6 +103,8 @@ def load_full_state_dict(
                 f"size mismatch for {name}: copying a param with shape {tuple(value.shape)} from "
                 f"checkpoint, the shape in current model is {tuple(shape)}."
             )
+        else:
+            copies.append((target, value, is_full))
     if strict and (missing or unexpected):
         if missing:
             errors.insert(0, "Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing) + ".")
@@ -107,11 +115,100 @@ def load_full_state_dict(
             f"Error(s) in loading state_dict for {type(root.module).__name__}:\n\t" + "\n\t".join(errors)
         )
     with torch.no_grad():
-        for target, value in copies:
+        for target, value, is_full in copies:
             sp = _sharded(target)
-            if sp is not None:
-                src = sp.spec.local_slice(value.to(target.device, target.dtype))
-                target.copy_(src.reshape(target.shape))
-            else:
-                target.copy_(value)
+            if is_full and sp is not None:
+                value = sp.spec.local_slice(value.to(target.device, target.dtype)).reshape(target.shape)
+            if value.numel() and value.data_ptr() == target.data_ptr():
+                continue  # loaded in place (a DTensor over this very shard)
+            target.copy_(value)
     return _IncompatibleKeys(missing, unexpected)
+
+
+# ---------------------------------------------------------------------------- sharded
+def unit_mesh(unit: Unit) -> Any:
+    """A 1-D DeviceMesh over the unit's shard group (cached); None when one rank holds it all."""
+    if unit.shard_group is None:
+        return None
+    mesh = unit.__dict__.get("_mesh")
+    if mesh is None:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        mesh = DeviceMesh.from_group(unit.shard_group, unit.device.type)
+        unit.__dict__["_mesh"] = mesh
+    return mesh
+
+
+def as_dtensor(sp: ShardedParam, local: torch.Tensor, unit: Unit, mesh: Any, placements: list) -> Any:
+    """This rank's rows of a parameter-shaped tensor as a DTensor of the full shape.
+
+    ``local`` has the shard's shape (rows, *rest); the DTensor shares its storage, so a
+    torch.distributed.checkpoint load into it writes the shard in place. A 0-dim value cannot
+    be split: it becomes a replicated copy, broadcast from the rank that holds it (collective).
+    """
+    from torch.distributed.tensor import DTensor, Replicate
+
+    shape = sp.spec.orig_shape
+    if len(shape) == 0:
+        group = unit.shard_group
+        value = torch.zeros((), dtype=local.dtype, device=C.reduction_device(group) if group is not None else local.device)
+        if sp.spec.local_numel:
+            value.copy_(local.detach().reshape(()))
+        if group is not None:
+            C.broadcast(value, 0, group)
+        return DTensor.from_local(value.to(local.device), mesh, [Replicate()] * mesh.ndim, run_check=False)
+    stride = torch.empty(shape, device="meta").stride()
+    rows = local.detach().reshape(sp.spec.local_shape)
+    return DTensor.from_local(rows, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def _sharded_value(t: torch.Tensor, units: dict[int, Unit]) -> Any:
+    sp = _sharded(t)
+    if sp is None:
+        return t.detach()
+    unit = units[id(sp)]
+    mesh = unit_mesh(unit)
+    if mesh is None:  # held whole (NO_SHARD, one rank): a plain, replicated tensor
+        return t.detach().reshape(sp.spec.orig_shape)
+    from torch.distributed.tensor import Shard
+
+    return as_dtensor(sp, t, unit, mesh, [Shard(0)])
+
+
+def _unit_of_param(root: "FullyShardedDataParallel") -> dict[int, Unit]:
+    return {id(sp): m.unit for m in root.fsdp_modules(root) for sp in m.unit.params}
+
+
+def sharded_state_dict(root: "FullyShardedDataParallel", ignored: set[nn.Module]) -> "OrderedDict[str, Any]":
+    """Original names -> DTensor shards (Shard(0) over each unit's shard group; uneven allowed).
+
+    Parameters every rank holds whole and buffers are plain tensors (replicated). The DTensors
+    share storage with the shards. Collective only for 0-dim sharded parameters.
+    """
+    units = _unit_of_param(root)
+    out: "OrderedDict[str, Any]" = OrderedDict()
+    for name, module, attr, is_param in _entries(root, ignored):
+        t = module._parameters[attr] if is_param else module._buffers[attr]
+        assert t is not None
+        out[name] = _sharded_value(t, units)
+    return out
+
+
+def load_sharded_state_dict(root: "FullyShardedDataParallel", state_dict: Mapping[str, Any], strict: bool, ignored: set[nn.Module]) -> _IncompatibleKeys:
+    """Copy DTensor shards (this rank's layout) or full tensors into the model; validate first.
+
+    Raises:
+        RuntimeError: with ``strict``, missing or unexpected keys; a shape mismatch. Nothing
+            is copied unless every entry fits.
+    """
+    from torch.distributed.tensor import DTensor
+
+    values: dict[str, Any] = {}
+    shards: set[str] = set()
+    for k, v in state_dict.items():
+        if isinstance(v, DTensor):
+            if not all(p.is_replicate() for p in v.placements):
+                shards.add(k)  # this rank's rows, in the current layout
+            v = v.to_local()
+        values[k] = v
+    return load_full_state_dict(root, values, strict, ignored, shards=shards)

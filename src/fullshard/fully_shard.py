@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_map
 from fullshard import _build as B
 from fullshard import _collectives as C
 from fullshard import _hooks as H
-from fullshard._sharded_param import ShardedParam
+from fullshard._state_dict import as_dtensor
 from fullshard._unit import Unit
 from fullshard.api import BackwardPrefetch, MixedPrecision, ShardingStrategy
 
@@ -173,7 +173,7 @@ def _register_state_dict_hooks(module: nn.Module, unit: Unit, mesh: Any, device:
     def to_dtensors(m: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
         for sp, rel in keys:
             if prefix + rel in state_dict:
-                state_dict[prefix + rel] = _as_dtensor(sp, state_dict[prefix + rel], mesh, placements, unit)
+                state_dict[prefix + rel] = as_dtensor(sp, state_dict[prefix + rel], unit, mesh, placements)
 
     def from_full(m: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
         for sp, rel in keys:
@@ -185,21 +185,3 @@ def _register_state_dict_hooks(module: nn.Module, unit: Unit, mesh: Any, device:
 
     module._register_state_dict_hook(to_dtensors)
     module._register_load_state_dict_pre_hook(from_full, with_module=True)
-
-
-def _as_dtensor(sp: ShardedParam, local: torch.Tensor, mesh: Any, placements: list, unit: Unit) -> Any:
-    """This rank's shard as a DTensor of the full shape (a 0-dim value: replicated, collective)."""
-    from torch.distributed.tensor import DTensor, Replicate
-
-    shape = sp.spec.orig_shape
-    if len(shape) == 0:  # a scalar cannot be split: every rank gets the value, held by rank 0
-        group = unit.shard_group
-        value = torch.zeros((), dtype=local.dtype, device=C.reduction_device(group) if group is not None else local.device)
-        if sp.spec.local_numel:
-            value.copy_(local.detach().reshape(()))
-        if group is not None:
-            C.broadcast(value, 0, group)
-        return DTensor.from_local(value.to(local.device), mesh, [Replicate()] * mesh.ndim, run_check=False)
-    stride = torch.empty(shape, device="meta").stride()
-    rows = local.detach().reshape(sp.spec.local_shape)
-    return DTensor.from_local(rows, mesh, placements, run_check=False, shape=shape, stride=stride)

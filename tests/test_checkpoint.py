@@ -1,0 +1,134 @@
+"""Sharded checkpoints: resharding across world sizes, atomic saves, errors on every rank."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist import run_ranks
+from models import Block, make_stack, step_both
+
+
+def _model():
+    from fullshard import FSDP
+    from fullshard.wrap import ModuleWrapPolicy
+
+    return FSDP(copy.deepcopy(make_stack()), auto_wrap_policy=ModuleWrapPolicy({Block}))
+
+
+def _full_optim(model, opt) -> dict:
+    from fullshard._optim_state import full_optim_state_dict
+
+    return {f"{n}.{k}": v.clone() if isinstance(v, torch.Tensor) else v for n, e in full_optim_state_dict(model, opt)["state"].items() for k, v in e.items()}
+
+
+def save_body(rank: int, world: int, root: str) -> tuple[dict, dict]:
+    from fullshard import checkpoint
+
+    ref = make_stack()
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(3):
+        step_both(model, opt, ref, ref_opt, step, rank, world)
+        checkpoint.save(root, step, model, opt, extra={"rank": rank, "step": step}, keep=2)
+    return model.state_dict(), _full_optim(model, opt)
+
+
+def load_body(rank: int, world: int, root: str, saved_world: int) -> tuple[dict, dict, dict]:
+    from fullshard import checkpoint
+
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    extra = checkpoint.load(root, model, opt)
+    full, optim = model.state_dict(), _full_optim(model, opt)
+    # Training continues from the loaded state.
+    ref = make_stack()
+    step_both(model, opt, ref, torch.optim.SGD(ref.parameters(), lr=0.0), 3, rank, world)
+    return full, optim, extra
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("saved,loaded", [(2, [1, 3, 4]), (4, [2])])
+def test_checkpoint_reshards(tmp_path: Path, saved: int, loaded: list[int]) -> None:
+    root = str(tmp_path / "ckpt")
+    want_model, want_optim = run_ranks(save_body, saved, root, timeout=180)[0]
+    names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert names == ["step_00000001", "step_00000002"], names  # keep=2
+    for world in loaded:
+        results = run_ranks(load_body, world, root, saved, timeout=180)
+        full, optim, extra = results[0]
+        for k, v in want_model.items():
+            assert torch.equal(full[k], v), (world, k)
+        assert set(optim) == set(want_optim)
+        for k, v in want_optim.items():
+            assert torch.equal(torch.as_tensor(optim[k]), torch.as_tensor(v)), (world, k)
+        # extra state is per rank: ranks that also existed at save time get theirs back
+        assert [r[2].get("rank") for r in results] == [r if r < saved else None for r in range(world)]
+
+
+def errors_body(rank: int, world: int, root: str) -> list[str]:
+    from fullshard import FSDP, checkpoint
+    from fullshard.checkpoint import CheckpointError
+
+    done = []
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref = make_stack()
+    step_both(model, opt, ref, torch.optim.SGD(ref.parameters(), lr=0.0), 0, rank, world)
+    good = checkpoint.save(root, 1, model, opt)
+
+    # A crash during the next save (rank 1's storage fails mid-write) leaves step 1 the newest.
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    real_write = FileSystemWriter.write_data
+
+    def failing_write(self, plan, planner):
+        if rank == 1:
+            (Path(self.path) / "partial.distcp").write_bytes(b"half a shard")
+            raise OSError("disk full")
+        return real_write(self, plan, planner)
+
+    FileSystemWriter.write_data = failing_write
+    with pytest.raises(CheckpointError, match="disk full"):
+        checkpoint.save(root, 2, model, opt)
+    FileSystemWriter.write_data = real_write
+    assert checkpoint.latest(root) == good
+    done.append("crash in save")
+
+    before = model.state_dict()
+    # Not a checkpoint at all.
+    with pytest.raises(CheckpointError, match="is not a checkpoint"):
+        checkpoint.load(Path(root) / "nothing-here", model, opt)
+    # A checkpoint of another model: the mismatches are named, the model is unchanged.
+    other = FSDP(torch.nn.Sequential(torch.nn.Linear(6, 13), torch.nn.Linear(13, 4)))
+    with pytest.raises(CheckpointError, match=r"missing key\(s\) 0.bias, 0.weight.*unexpected key\(s\).*blocks.0.lin.weight"):
+        checkpoint.load(good, other)
+    wrong = copy.deepcopy(make_stack())
+    wrong.head = torch.nn.Linear(13, 4)
+    from fullshard.wrap import ModuleWrapPolicy
+
+    wrong = FSDP(wrong, auto_wrap_policy=ModuleWrapPolicy({Block}))
+    with pytest.raises(CheckpointError, match=r"shape mismatch for head.weight: checkpoint \(3, 13\), model \(4, 13\)"):
+        checkpoint.load(good, wrong)
+    done.append("wrong model")
+    # A truncated shard file: an error on every rank, and the model is not changed.
+    if rank == 0:
+        shard = sorted(good.glob("*.distcp"))[0]
+        shard.write_bytes(shard.read_bytes()[:100])
+    checkpoint.C.barrier(checkpoint.C.default_group())
+    with pytest.raises(CheckpointError, match="load from"):
+        checkpoint.load(good, model, opt)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    done.append("truncated")
+    return done
+
+
+@pytest.mark.timeout(200)
+def test_checkpoint_errors_reach_every_rank(tmp_path: Path) -> None:
+    results = run_ranks(errors_body, 2, str(tmp_path / "ckpt"), timeout=180)
+    assert results[0] == results[1] == ["crash in save", "wrong model", "truncated"]
