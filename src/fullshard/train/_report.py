@@ -21,13 +21,15 @@ def mib(n: int) -> str:
 
 
 class MetricsFile:
-    """Appends one JSON object per line to ``path`` (rank 0 only); truncates it on open."""
+    """Appends one JSON object per line to ``path`` (rank 0 only); truncates it on open unless
+    ``append`` (a resumed run continues the file)."""
 
-    def __init__(self, path: str | None, enabled: bool) -> None:
+    def __init__(self, path: str | None, enabled: bool, append: bool = False) -> None:
         self.path = Path(path) if path and enabled else None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text("")
+            if not append or not self.path.exists():
+                self.path.write_text("")
 
     def write(self, record: dict[str, Any]) -> None:
         if self.path is not None:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fullshard import _collectives as C
-from fullshard import launch
+from fullshard import checkpoint, launch
 from fullshard.activation_checkpointing import apply_activation_checkpointing
 from fullshard.fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
 from fullshard.gpt import GPT, PRESETS, Block, init_module
@@ -57,6 +57,10 @@ class GPTJobConfig:
     forward_prefetch: bool = False
     metrics_file: str | None = None
     save_model: str | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 3
+    max_restarts: int = 0
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -64,6 +68,10 @@ class GPTJobConfig:
         for name in ("nproc", "steps", "seq_len", "batch_size", "log_interval", "eval_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.checkpoint_every < 0 or self.keep_checkpoints < 1 or self.max_restarts < 0:
+            raise ValueError("--checkpoint-every and --max-restarts must be >= 0, --keep-checkpoints >= 1")
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise ValueError("--checkpoint-every needs --checkpoint-dir DIR")
         if not self.lr > 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
         if self.seq_len > PRESETS[self.preset].max_seq_len:
@@ -114,6 +122,10 @@ def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
     fsdp_options.add_arguments(p)
     p.add_argument("--metrics-file", default=None, metavar="PATH", help="JSON lines, one per log interval")
     p.add_argument("--save-model", default=None, metavar="PATH", help="write the full state dict here")
+    p.add_argument("--checkpoint-dir", default=None, metavar="DIR", help="sharded checkpoints; resume from the newest on start")
+    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="save every N steps (0: never)")
+    p.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints, help="complete checkpoints to keep")
+    p.add_argument("--max-restarts", type=int, default=d.max_restarts, help="restart all workers this often after a failure")
     return p
 
 
@@ -146,16 +158,21 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> float:
-    """Mean validation loss (nats per byte); each rank takes every world-th batch (collective)."""
+    """Mean validation loss (nats per byte) over every token of ``batches`` (collective).
+
+    Every rank runs a forward for every batch (FSDP's all-gathers need all ranks), on every
+    world-th row of it, possibly none.
+    """
     group = C.default_group()
     rank, world = C.group_rank(group), C.group_size(group)
     total = torch.zeros(2, dtype=torch.float64, device=device)
     model.eval()
     with torch.no_grad():
-        for i, (x, y) in enumerate(batches):
-            if i % world == rank:
-                total[0] += _loss(model, x.to(device), y.to(device)).item()
-                total[1] += 1
+        for x, y in batches:
+            x, y = x[rank::world].to(device), y[rank::world].to(device)
+            logits = model(x).float()
+            total[0] += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item() if y.numel() else 0.0
+            total[1] += y.numel()
     model.train()
     C.all_reduce(total, group)
     return float(total[0] / total[1])
@@ -189,11 +206,12 @@ def train_loop(cfg: GPTJobConfig, device: torch.device, model: FSDP, title: str)
         print(f"{title}, {len(model.fsdp_modules(model))} FSDP units, {world} ranks, "
               f"{cfg.batch_size * world} x {cfg.seq_len} bytes per step", flush=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=True)
-    metrics = MetricsFile(cfg.metrics_file, rank == 0)
+    first = _resume(cfg, model, optimizer)
+    metrics = MetricsFile(cfg.metrics_file, rank == 0, append=first > 0)
     record: dict[str, Any] | None = None
     window_loss = torch.zeros(2, dtype=torch.float64)
     start = last = time.perf_counter()
-    for step in range(cfg.steps):
+    for step in range(first, cfg.steps):
         for g in optimizer.param_groups:
             g["lr"] = lr_at(step, cfg)
         x, y = corpus.batch(step, rank, cfg.batch_size, cfg.seq_len, cfg.seed)
@@ -204,6 +222,9 @@ def train_loop(cfg: GPTJobConfig, device: torch.device, model: FSDP, title: str)
             model.clip_grad_norm_(cfg.grad_clip)
         optimizer.step()
         window_loss += torch.tensor([loss.item(), 1.0], dtype=torch.float64)
+        if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps):
+            extra = {"step": step + 1, "rng": torch.get_rng_state()}
+            checkpoint.save(cfg.checkpoint_dir, step + 1, model, optimizer, extra, keep=cfg.keep_checkpoints)  # type: ignore[arg-type]
         if (step + 1) % cfg.log_interval == 0 or step + 1 == cfg.steps:
             record = _log(cfg, model, optimizer, val, device, step, window_loss, time.perf_counter() - last, start)
             if rank == 0:
@@ -217,6 +238,22 @@ def train_loop(cfg: GPTJobConfig, device: torch.device, model: FSDP, title: str)
             torch.save({k: v.cpu() for k, v in state.items()}, cfg.save_model)
             print(f"saved the full state dict to {cfg.save_model}", flush=True)
     return record if rank == 0 else None
+
+
+def _resume(cfg: GPTJobConfig, model: FSDP, optimizer: torch.optim.Optimizer) -> int:
+    """Load the newest complete checkpoint of ``--checkpoint-dir``; the step to continue from.
+
+    Everything that decides the rest of the run comes back: parameters, optimizer state, the
+    step (which fixes the learning rate and the data), and the RNG state.
+    """
+    if not cfg.checkpoint_dir or checkpoint.latest(cfg.checkpoint_dir) is None:
+        return 0
+    extra = checkpoint.load(cfg.checkpoint_dir, model, optimizer)
+    if "rng" in extra:
+        torch.set_rng_state(extra["rng"])
+    if C.group_rank(C.default_group()) == 0:
+        print(f"resumed from {checkpoint.latest(cfg.checkpoint_dir)} at step {extra.get('step', 0)}", flush=True)
+    return int(extra.get("step", 0))
 
 
 def _log(cfg: GPTJobConfig, model: FSDP, optimizer: torch.optim.Optimizer, val: list, device: torch.device,
@@ -250,7 +287,7 @@ def _line(r: dict[str, Any], steps: int) -> str:
 def main(argv: Sequence[str]) -> int:
     """Entry point: run under an existing launcher (torchrun) or start ``--nproc`` workers."""
     cfg = parse_args(argv)
-    code, final = launch.run_job("fullshard train gpt", worker, cfg, cfg.nproc)
+    code, final = launch.run_job("fullshard train gpt", worker, cfg, cfg.nproc, max_restarts=cfg.max_restarts)
     if final is not None:
         print(f"final validation loss {final['val_loss']:.4f} nats/byte after {final['step']} steps", flush=True)
     return code

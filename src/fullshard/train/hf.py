@@ -121,7 +121,7 @@ def worker(cfg: HFJobConfig) -> dict[str, Any] | None:
 def main(argv: Sequence[str]) -> int:
     """Entry point: run under an existing launcher (torchrun) or start ``--nproc`` workers."""
     cfg = parse_args(argv)
-    code, final = launch.run_job("fullshard train hf", worker, cfg, cfg.nproc)
+    code, final = launch.run_job("fullshard train hf", worker, cfg, cfg.nproc, max_restarts=cfg.max_restarts)
     if final is not None:
         print(f"final validation loss {final['val_loss']:.4f} nats/byte after {final['step']} steps", flush=True)
     return code

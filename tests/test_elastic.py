@@ -1,0 +1,123 @@
+"""Elastic fault tolerance: SIGKILL a worker mid-run; the job restarts itself, resumes from the
+last complete checkpoint and ends with exactly the parameters of an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+BIN = Path(sys.executable).parent
+STEPS = 24
+
+
+def _args(tmp: Path, name: str) -> list[str]:
+    return [str(BIN / "fullshard"), "train", "gpt", "--nproc", "2", "--steps", str(STEPS), "--seq-len", "32",
+            "--batch-size", "4", "--log-interval", "1", "--eval-batches", "1", "--checkpoint-every", "4",
+            "--checkpoint-dir", str(tmp / f"{name}-ckpt"), "--metrics-file", str(tmp / f"{name}.jsonl"),
+            "--save-model", str(tmp / f"{name}.pt"), "--max-restarts", "2"]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return dict(os.environ, GLOO_SOCKET_IFNAME="lo", **extra)
+
+
+def _workers(launcher: int) -> list[int]:
+    """PIDs of the launcher's worker processes (multiprocessing spawn children)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == launcher and b"spawn_main" in cmd:
+            found.append(int(entry.name))
+    return sorted(found)
+
+
+def _last_step(metrics: Path) -> int:
+    try:
+        lines = metrics.read_text().splitlines()
+        return json.loads(lines[-1])["step"] if lines else 0
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def _final(path: Path) -> dict:
+    return torch.load(path)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    tmp = tmp_path_factory.mktemp("reference")
+    r = subprocess.run(_args(tmp, "ref"), capture_output=True, text=True, timeout=280, env=_env())
+    assert r.returncode == 0, r.stderr[-3000:]
+    return _final(tmp / "ref.pt")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_sigkill_at_a_random_step_resumes_exactly(tmp_path: Path, reference: dict, seed: int) -> None:
+    rng = random.Random(seed)
+    kill_at = rng.randint(3, STEPS - 4)
+    proc = subprocess.Popen(_args(tmp_path, "run"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    deadline = time.monotonic() + 200
+    while _last_step(tmp_path / "run.jsonl") < kill_at:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "the run did not reach the kill step"
+        time.sleep(0.05)
+    workers = _workers(proc.pid)
+    assert len(workers) == 2, workers
+    os.kill(rng.choice(workers), signal.SIGKILL)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-3000:]
+    assert "resumed from" in out, out[-2000:]
+    final = _final(tmp_path / "run.pt")
+    assert list(final) == list(reference)
+    for k, v in reference.items():
+        assert torch.equal(final[k], v), k  # bitwise, not approximately
+
+
+SITECUSTOMIZE = '''
+import os
+if os.environ.get("FULLSHARD_TEST_KILL_IN_SAVE"):
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    _real = FileSystemWriter.write_data
+    _step = int(os.environ["FULLSHARD_TEST_KILL_IN_SAVE"])
+
+    def write_data(self, plan, planner):
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if first_attempt and os.environ.get("RANK") == "1" and str(self.path).endswith(f"step_{_step:08d}.tmp"):
+            (self.path / "__1_0.distcp").write_bytes(b"half a shard")
+            os.kill(os.getpid(), 9)  # dies in the middle of writing its shard
+        return _real(self, plan, planner)
+
+    FileSystemWriter.write_data = write_data
+'''
+
+
+@pytest.mark.timeout(300)
+def test_sigkill_in_the_middle_of_a_save(tmp_path: Path, reference: dict) -> None:
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    env = _env(FULLSHARD_TEST_KILL_IN_SAVE="8", PYTHONPATH=str(inject))
+    r = subprocess.run(_args(tmp_path, "run"), capture_output=True, text=True, timeout=280, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from" in r.stdout and "step_00000004 at step 4" in r.stdout, r.stdout[-2000:]
+    final = _final(tmp_path / "run.pt")
+    for k, v in reference.items():
+        assert torch.equal(final[k], v), k
+    left = sorted(p.name for p in (tmp_path / "run-ckpt").iterdir())
+    assert left == ["step_00000016", "step_00000020", "step_00000024"], left  # keep=3, no .tmp left
