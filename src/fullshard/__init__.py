@@ -10,7 +10,18 @@ from fullshard.activation_checkpointing import (
     apply_activation_checkpointing,
     checkpoint_wrapper,
 )
-from fullshard.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from fullshard.api import (
+    BackwardPrefetch,
+    CPUOffload,
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    LocalStateDictConfig,
+    MixedPrecision,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    ShardingStrategy,
+    StateDictType,
+)
 from fullshard.clip_grad import clip_grad_norm_
 from fullshard.fully_shard import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from fullshard.fully_sharded_data_parallel import FSDP, FullyShardedDataParallel
@@ -25,6 +36,12 @@ __all__ = [
     "CheckpointWrapper",
     "CPUOffloadPolicy",
     "FSDPModule",
+    "FullOptimStateDictConfig",
+    "FullStateDictConfig",
+    "LocalStateDictConfig",
+    "ShardedOptimStateDictConfig",
+    "ShardedStateDictConfig",
+    "StateDictType",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "FullyShardedDataParallel",

@@ -119,7 +119,7 @@ def _local(value: Any, sp: Any, current: torch.Tensor) -> torch.Tensor:
     value = torch.as_tensor(value)
     full_shaped = sp is not None and tuple(value.shape) == tuple(sp.spec.orig_shape)
     if full_shaped and tuple(current.shape) == tuple(sp.spec.local_shape):
-        return sp.spec.local_slice(value.to(current.device))
+        return sp.spec.local_slice(value)
     return value
 
 
@@ -133,3 +133,32 @@ def full_optim_state_dict(model: FullyShardedDataParallel, optimizer: torch.opti
             if isinstance(v, DTensor):
                 entry[k] = v.full_tensor()
     return osd
+
+
+def to_load(model: FullyShardedDataParallel, optimizer: torch.optim.Optimizer, osd: dict[str, Any]) -> dict[str, Any]:
+    """A name-keyed (full or sharded) optimizer state dict in torch's index-keyed form, this rank's rows.
+
+    Raises:
+        KeyError: a parameter of ``optimizer`` has no entry in ``osd``; names it.
+    """
+    names = param_names(model)
+    init_state(optimizer)  # its tensors tell which saved values are shard-shaped
+    state: dict[int, dict[str, Any]] = {}
+    groups = []
+    index = 0
+    for group, saved in zip(optimizer.param_groups, osd["param_groups"]):
+        ids = []
+        for p in group["params"]:
+            name = names[id(p)]
+            if name in osd["state"]:
+                current = optimizer.state.get(p, {})
+                state[index] = {
+                    k: _local(v, _sharded(p), current[k]).clone() if isinstance(current.get(k), torch.Tensor) else v
+                    for k, v in osd["state"][name].items()
+                }
+            elif p.requires_grad and osd["state"]:
+                raise KeyError(f"optimizer state has no entry for parameter {name!r}")
+            ids.append(index)
+            index += 1
+        groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
+    return {"state": state, "param_groups": groups}

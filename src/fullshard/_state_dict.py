@@ -48,15 +48,28 @@ def _sharded(t: torch.Tensor) -> ShardedParam | None:
     return getattr(t, "_fullshard_param", None)
 
 
-def full_state_dict(root: FullyShardedDataParallel, ignored: set[nn.Module]) -> OrderedDict[str, torch.Tensor]:
-    """Full tensors under original names, gathering one unit at a time (collective)."""
+def full_state_dict(
+    root: FullyShardedDataParallel, ignored: set[nn.Module], rank0_only: bool = False, offload_to_cpu: bool = False
+) -> OrderedDict[str, torch.Tensor]:
+    """Full tensors under original names, gathering one unit at a time (collective).
+
+    With ``rank0_only`` the other ranks drop each unit right after its all-gather and return an
+    empty dict, so they never hold more than one unit; with ``offload_to_cpu`` each unit moves to
+    CPU memory as soon as it is gathered.
+    """
+    keep = not rank0_only or C.group_rank(C.default_group()) == 0
     full: dict[int, torch.Tensor] = {}
     with torch.no_grad():
         for fsdp in root.fsdp_modules(root):
             unit = fsdp.unit
-            for sp, value in zip(unit.params, unit.gather_full(unit.local_flat)):
-                full[id(sp)] = value
+            values = unit.gather_full(unit.local_flat)
+            if keep:
+                for sp, value in zip(unit.params, values):
+                    full[id(sp)] = value.to("cpu", copy=True) if offload_to_cpu else value
+            del values
     out: OrderedDict[str, torch.Tensor] = OrderedDict()
+    if not keep:
+        return out
     for name, module, attr, is_param in _entries(root, ignored):
         t = module._parameters[attr] if is_param else module._buffers[attr]
         assert t is not None
@@ -65,7 +78,17 @@ def full_state_dict(root: FullyShardedDataParallel, ignored: set[nn.Module]) -> 
             out[name] = full[id(owner)]
         else:
             original = module.__dict__.get("_fullshard_buffer_dtypes", {}).get(attr, t.dtype)
-            out[name] = t.detach().to(original)
+            out[name] = t.detach().to("cpu" if offload_to_cpu else t.device, original)
+    return out
+
+
+def local_state_dict(root: FullyShardedDataParallel, ignored: set[nn.Module], offload_to_cpu: bool = False) -> OrderedDict[str, torch.Tensor]:
+    """This rank's shards (and the buffers) as plain tensors under the original names."""
+    out: OrderedDict[str, torch.Tensor] = OrderedDict()
+    for name, module, attr, is_param in _entries(root, ignored):
+        t = module._parameters[attr] if is_param else module._buffers[attr]
+        assert t is not None
+        out[name] = t.detach().cpu() if offload_to_cpu else t.detach()
     return out
 
 

@@ -135,3 +135,68 @@ def as_cpu_offload(value: None | bool | CPUOffload) -> CPUOffload:
     if isinstance(value, CPUOffload):
         return value
     raise TypeError(f"cpu_offload must be a fullshard.CPUOffload or a bool, got {type(value).__name__}")
+
+
+class StateDictType(enum.Enum):
+    """What ``state_dict()`` returns under ``FullyShardedDataParallel.state_dict_type``.
+
+    FULL_STATE_DICT: full tensors under the original names (gathered unit by unit).
+    SHARDED_STATE_DICT: DTensor shards (``Shard(0)``) that torch.distributed.checkpoint reshards.
+    LOCAL_STATE_DICT: this rank's shards as plain tensors (load only at the same world size).
+    """
+
+    FULL_STATE_DICT = 1
+    LOCAL_STATE_DICT = 2
+    SHARDED_STATE_DICT = 3
+
+
+@dataclasses.dataclass
+class StateDictConfig:
+    """Base of the state-dict configs. ``offload_to_cpu``: values in CPU memory."""
+
+    offload_to_cpu: bool = False
+
+
+@dataclasses.dataclass
+class FullStateDictConfig(StateDictConfig):
+    """Full state dicts; with ``rank0_only`` only rank 0 receives one (others get ``{}``)."""
+
+    rank0_only: bool = False
+
+
+@dataclasses.dataclass
+class ShardedStateDictConfig(StateDictConfig):
+    """Sharded (DTensor) state dicts."""
+
+
+@dataclasses.dataclass
+class LocalStateDictConfig(StateDictConfig):
+    """Local-shard state dicts."""
+
+
+@dataclasses.dataclass
+class OptimStateDictConfig:
+    """Base of the optimizer state-dict configs."""
+
+    offload_to_cpu: bool = False
+
+
+@dataclasses.dataclass
+class FullOptimStateDictConfig(OptimStateDictConfig):
+    """Full optimizer state dicts; with ``rank0_only`` only rank 0 receives one."""
+
+    rank0_only: bool = False
+
+
+@dataclasses.dataclass
+class ShardedOptimStateDictConfig(OptimStateDictConfig):
+    """Sharded (DTensor) optimizer state dicts."""
+
+
+@dataclasses.dataclass
+class StateDictSettings:
+    """The state-dict type and configs in force on a model."""
+
+    state_dict_type: StateDictType
+    state_dict_config: StateDictConfig
+    optim_state_dict_config: OptimStateDictConfig

@@ -22,7 +22,15 @@ from fullshard import _state_dict as SD
 from fullshard._module_wrapper import FSDP_WRAPPED as WRAPPED
 from fullshard._module_wrapper import ModuleWrapper
 from fullshard._unit import TrainingState, Unit
+from fullshard import _optim_state as OS
 from fullshard.api import (
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    OptimStateDictConfig,
+    ShardedOptimStateDictConfig,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
     BackwardPrefetch,
     CPUOffload,
     MixedPrecision,
@@ -192,14 +200,23 @@ class FullyShardedDataParallel(ModuleWrapper):
 
     # ------------------------------------------------------------------ state dict
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:  # type: ignore[override]
-        """The full (unsharded) state dict, keyed by the original names.
+        """The state dict under the original names, of the type set by ``state_dict_type``.
 
-        Gathers one unit at a time; each value is a fresh tensor of the original shape, dtype
-        and device, that the unwrapped module loads with ``strict=True``.
+        FULL_STATE_DICT (the default): full tensors, gathered one unit at a time, that the
+        unwrapped module loads with ``strict=True`` (only on rank 0 with ``rank0_only``).
+        SHARDED_STATE_DICT: DTensor shards. LOCAL_STATE_DICT: this rank's shards. Collective.
         """
         if args:
             raise TypeError("state_dict takes keyword arguments only: destination=, prefix=")
-        out = SD.full_state_dict(self, self._ignored)
+        settings = self._settings()
+        offload = settings.state_dict_config.offload_to_cpu
+        if settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
+            out = SD.sharded_state_dict(self, self._ignored)
+        elif settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
+            out = SD.local_state_dict(self, self._ignored, offload)
+        else:
+            rank0_only = bool(getattr(settings.state_dict_config, "rank0_only", False))
+            out = SD.full_state_dict(self, self._ignored, rank0_only, offload)
         if destination is None:
             destination = type(out)()
         for k, v in out.items():
@@ -207,7 +224,10 @@ class FullyShardedDataParallel(ModuleWrapper):
         return destination
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
-        """Load a full state dict (original names, full shapes); each rank keeps its shards.
+        """Load a state dict of the type set by ``state_dict_type`` (full by default).
+
+        A full state dict holds original names and full shapes, and every rank passes it; each
+        keeps its rows. Sharded ones hold DTensors, local ones this rank's shards.
 
         Raises:
             RuntimeError: with ``strict``, missing or unexpected keys; any shape mismatch. Nothing
@@ -215,7 +235,84 @@ class FullyShardedDataParallel(ModuleWrapper):
         """
         if assign:
             raise NotImplementedError("load_state_dict(assign=True) is not supported by fullshard")
-        return SD.load_full_state_dict(self, state_dict, strict, self._ignored)
+        kind = self._settings().state_dict_type
+        if kind is StateDictType.SHARDED_STATE_DICT:
+            return SD.load_sharded_state_dict(self, state_dict, strict, self._ignored)
+        shards = set(state_dict) if kind is StateDictType.LOCAL_STATE_DICT else ()
+        return SD.load_full_state_dict(self, state_dict, strict, self._ignored, shards=shards)
+
+    # ------------------------------------------------------------------ state-dict types
+    def _settings(self) -> StateDictSettings:
+        return self.__dict__.get("_sd_settings") or StateDictSettings(
+            StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig()
+        )
+
+    @staticmethod
+    def set_state_dict_type(
+        module: nn.Module,
+        state_dict_type: StateDictType,
+        state_dict_config: StateDictConfig | None = None,
+        optim_state_dict_config: OptimStateDictConfig | None = None,
+    ) -> StateDictSettings:
+        """Set the state-dict type (and configs) of every FSDP module in ``module``; returns the old one.
+
+        Raises:
+            TypeError: ``state_dict_type`` is not a StateDictType.
+        """
+        if not isinstance(state_dict_type, StateDictType):
+            raise TypeError(f"state_dict_type must be a fullshard.StateDictType, got {state_dict_type!r}")
+        sharded = state_dict_type is StateDictType.SHARDED_STATE_DICT
+        new = StateDictSettings(
+            state_dict_type,
+            state_dict_config or (FullStateDictConfig() if state_dict_type is StateDictType.FULL_STATE_DICT else StateDictConfig()),
+            optim_state_dict_config or (ShardedOptimStateDictConfig() if sharded else FullOptimStateDictConfig()),
+        )
+        modules = FullyShardedDataParallel.fsdp_modules(module)
+        old = modules[0]._settings() if modules else new
+        for m in modules:
+            m.__dict__["_sd_settings"] = new
+        return old
+
+    @staticmethod
+    @contextlib.contextmanager
+    def state_dict_type(
+        module: nn.Module,
+        state_dict_type: StateDictType,
+        state_dict_config: StateDictConfig | None = None,
+        optim_state_dict_config: OptimStateDictConfig | None = None,
+    ) -> Iterator[None]:
+        """Inside the context, ``state_dict()`` and the optimizer state dicts are of this type."""
+        old = FullyShardedDataParallel.set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
+        try:
+            yield
+        finally:
+            FullyShardedDataParallel.set_state_dict_type(module, old.state_dict_type, old.state_dict_config, old.optim_state_dict_config)
+
+    @staticmethod
+    def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: Any = None, group: Any = None) -> dict[str, Any]:
+        """The optimizer's state keyed by original parameter names (collective).
+
+        Full tensors by default; DTensor shards under SHARDED_STATE_DICT. Format:
+        ``{"state": {name: {key: value}}, "param_groups": [{..., "params": [names]}]}``.
+        """
+        assert isinstance(model, FullyShardedDataParallel)
+        settings = model._settings()
+        if settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
+            return OS.sharded_optim_state_dict(model, optim)
+        osd = OS.full_optim_state_dict(model, optim)
+        if getattr(settings.optim_state_dict_config, "rank0_only", False) and C.group_rank(C.default_group()) != 0:
+            return {"state": {}, "param_groups": osd["param_groups"]}
+        return osd
+
+    @staticmethod
+    def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        """Turn a name-keyed optimizer state dict (full or sharded) into one for ``optim.load_state_dict``.
+
+        Raises:
+            KeyError: ``optim_state_dict`` lacks a parameter of ``optim``; names it.
+        """
+        assert isinstance(model, FullyShardedDataParallel)
+        return OS.to_load(model, optim, optim_state_dict)
 
     # ------------------------------------------------------------------ gradient accumulation
     @contextlib.contextmanager
