@@ -132,3 +132,39 @@ def errors_body(rank: int, world: int, root: str) -> list[str]:
 def test_checkpoint_errors_reach_every_rank(tmp_path: Path) -> None:
     results = run_ranks(errors_body, 2, str(tmp_path / "ckpt"), timeout=180)
     assert results[0] == results[1] == ["crash in save", "wrong model", "truncated"]
+
+
+def convert_save_body(rank: int, world: int, root: str) -> dict:
+    from fullshard import checkpoint
+
+    ref = make_stack()
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step_both(model, opt, ref, torch.optim.SGD(ref.parameters(), lr=0.0), 0, rank, world)
+    checkpoint.save(root, 1, model, opt)
+    return model.state_dict()
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_convert_to_one_full_state_dict(tmp_path: Path, suffix: str) -> None:
+    import subprocess
+    import sys
+
+    root = tmp_path / "ckpt"
+    want = run_ranks(convert_save_body, 2, str(root), timeout=180)[0]
+    out = tmp_path / f"model{suffix}"
+    r = subprocess.run([sys.executable, "-m", "fullshard.cli", "convert", str(root), str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    if suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        state = load_file(str(out))
+    else:
+        state = torch.load(out)
+    plain = make_stack(seed=3)
+    plain.load_state_dict(state, strict=True)  # a plain model loads it for inference
+    for k, v in want.items():
+        assert torch.equal(plain.state_dict()[k], v), k
+    bad = subprocess.run([sys.executable, "-m", "fullshard.cli", "convert", str(tmp_path), str(out)], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "is not a checkpoint" in bad.stderr

@@ -240,3 +240,39 @@ def _check_against(directory: Path, target: dict[str, Any]) -> None:
         problems.append("the checkpoint holds no optimizer state")
     if problems:
         raise ValueError(f"checkpoint {directory} does not fit the model: " + "; ".join(problems))
+
+
+def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> Path:
+    """Write the model of a checkpoint as one full state dict (``.safetensors`` or ``.pt``).
+
+    Runs in one process without a process group. The result loads into the plain model with
+    ``load_state_dict(..., strict=True)``.
+
+    Raises:
+        CheckpointError: ``path`` holds no complete checkpoint.
+        ValueError: ``out`` ends in neither ``.safetensors`` nor ``.pt``.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    out = Path(out)
+    if out.suffix not in (".safetensors", ".pt"):
+        raise ValueError(f"output {out} must end in .safetensors or .pt")
+    directory = _resolve(Path(path))
+    saved = FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    state = {
+        k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+        for k, m in saved.items()
+        if k.startswith("model.") and isinstance(m, TensorStorageMetadata)
+    }
+    dcp.load(state, checkpoint_id=str(directory), no_dist=True)
+    model = {k[len("model."):]: v.contiguous() for k, v in state.items()}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        save_file(model, str(out))
+    else:
+        torch.save(model, out)
+    return out

@@ -9,7 +9,8 @@ USAGE = """usage: fullshard COMMAND ...
 
 commands:
   train JOB [options]   run a training job across processes (jobs: mnist)
-  bench WORKLOAD        time fullshard configurations (workloads: prefetch)
+  bench WORKLOAD        time fullshard configurations (workloads: prefetch, optimizer)
+  convert CKPT OUT      write a sharded checkpoint as one full state dict (.safetensors or .pt)
 """
 
 
@@ -24,6 +25,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         from fullshard.train import main as train_main
 
         return train_main(rest)
+    if command == "convert":
+        if len(rest) != 2:
+            print("usage: fullshard convert CKPT OUT  (OUT ends in .safetensors or .pt)", file=sys.stderr)
+            return 2
+        from fullshard.checkpoint import CheckpointError, consolidate
+
+        try:
+            print(f"wrote {consolidate(rest[0], rest[1])}")
+        except (CheckpointError, ValueError) as e:
+            print(f"fullshard convert: {e}", file=sys.stderr)
+            return 1
+        return 0
     if command == "bench":
         from fullshard.bench import main as bench_main
 
