@@ -121,3 +121,29 @@ def test_sigkill_in_the_middle_of_a_save(tmp_path: Path, reference: dict) -> Non
         assert torch.equal(final[k], v), k
     left = sorted(p.name for p in (tmp_path / "run-ckpt").iterdir())
     assert left == ["step_00000016", "step_00000020", "step_00000024"], left  # keep=3, no .tmp left
+
+
+def _mnist_args(tmp: Path, name: str) -> list[str]:
+    return [str(BIN / "fullshard"), "train", "mnist", "--nproc", "2", "--epochs", "2", "--checkpoint-every", "10",
+            "--checkpoint-dir", str(tmp / f"{name}-ckpt"), "--save-model", str(tmp / f"{name}.pt"), "--max-restarts", "1",
+            "--no-progress"]
+
+
+@pytest.mark.timeout(400)
+def test_mnist_sigkill_mid_epoch_resumes_exactly(tmp_path: Path) -> None:
+    """Dropout RNG, the position inside the epoch, Adadelta and StepLR all come back."""
+    r = subprocess.run(_mnist_args(tmp_path, "ref"), capture_output=True, text=True, timeout=280, env=_env())
+    assert r.returncode == 0, r.stderr[-3000:]
+    proc = subprocess.Popen(_mnist_args(tmp_path, "run"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    deadline = time.monotonic() + 200
+    while not (tmp_path / "run-ckpt" / "step_00000040").is_dir():  # step 40: inside epoch 2
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "the run did not reach step 40"
+        time.sleep(0.02)
+    os.kill(_workers(proc.pid)[1], signal.SIGKILL)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-3000:]
+    assert "resumed from" in out and "at epoch 2" in out, out[-2000:]
+    want, got = torch.load(tmp_path / "ref.pt"), torch.load(tmp_path / "run.pt")
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k

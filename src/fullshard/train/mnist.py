@@ -22,7 +22,7 @@ from torch.optim.lr_scheduler import StepLR
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from fullshard import _collectives as C
-from fullshard import launch, mnist_data
+from fullshard import checkpoint, launch, mnist_data
 from fullshard.fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
 from fullshard.memory import model_state_bytes
 from fullshard.train import _fsdp_options as fsdp_options
@@ -73,6 +73,10 @@ class MnistConfig:
     save_model: str | None = None
     metrics_file: str | None = None
     progress: bool = True
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 3
+    max_restarts: int = 0
     mixed_precision: str = "none"
     cpu_offload: bool = False
     backward_prefetch: str = "pre"
@@ -85,6 +89,10 @@ class MnistConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         fsdp_options.validate(self)
+        if self.checkpoint_every < 0 or self.keep_checkpoints < 1 or self.max_restarts < 0:
+            raise ValueError("--checkpoint-every and --max-restarts must be >= 0, --keep-checkpoints >= 1")
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise ValueError("--checkpoint-every needs --checkpoint-dir DIR")
         if self.data_dir is not None:
             if not os.path.isdir(self.data_dir):
                 raise ValueError(f"--data-dir {self.data_dir} is not a directory")
@@ -111,6 +119,10 @@ def parse_args(argv: Sequence[str]) -> MnistConfig:
     p.add_argument("--metrics-file", default=None, metavar="PATH", help="JSON lines, one per epoch")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no tqdm bar")
     fsdp_options.add_arguments(p)
+    p.add_argument("--checkpoint-dir", default=None, metavar="DIR", help="sharded checkpoints; resume from the newest on start")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="save every N optimizer steps (0: never)")
+    p.add_argument("--keep-checkpoints", type=int, default=3, help="complete checkpoints to keep")
+    p.add_argument("--max-restarts", type=int, default=0, help="restart all workers this often after a failure")
     ns = p.parse_args(list(argv))
     try:
         return MnistConfig(**vars(ns))
@@ -128,10 +140,28 @@ def _loaders(cfg: MnistConfig, rank: int, world: int) -> tuple[DataLoader, DataL
     return train, test, sampler
 
 
-def _train_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim.Optimizer, device: torch.device, bar: Any) -> torch.Tensor:
+@dataclasses.dataclass
+class _Position:
+    """Where training stands: what a checkpoint must restore for an exact resume."""
+
+    epoch: int = 1
+    batch: int = 0  # batches of ``epoch`` already trained
+    step: int = 0  # optimizer steps in all
+    stats: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.0])  # this epoch's loss sum, samples
+    rng: Any = None  # this rank's torch RNG state after ``step`` (dropout)
+
+
+def _train_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim.Optimizer, device: torch.device, bar: Any,
+                 pos: _Position, after_step: Any) -> torch.Tensor:
     model.train()
-    stats = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, samples
-    for data, target in loader:
+    stats = torch.tensor(pos.stats, dtype=torch.float64, device=device)  # loss sum, samples
+    batches = iter(loader)  # creating it draws from the RNG, so a resume restores the RNG after
+    for _ in range(pos.batch):
+        next(batches)
+    if pos.rng is not None:
+        torch.set_rng_state(pos.rng)
+        pos.rng = None
+    for data, target in batches:
         data, target = data.to(device), target.to(device)
         optimizer.zero_grad()
         loss = F.nll_loss(model(data).float(), target, reduction="sum")
@@ -139,6 +169,8 @@ def _train_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim.Op
         optimizer.step()
         stats[0] += loss.item()
         stats[1] += len(data)
+        pos.batch, pos.step, pos.stats = pos.batch + 1, pos.step + 1, stats.tolist()
+        after_step(pos)
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item() / len(data):.4f}")
@@ -178,16 +210,24 @@ def _run(cfg: MnistConfig, device: torch.device) -> dict[str, Any] | None:
         print(model, flush=True)
     optimizer = torch.optim.Adadelta(model.parameters(), lr=cfg.lr)
     scheduler = StepLR(optimizer, step_size=1, gamma=cfg.gamma)
-    metrics = MetricsFile(cfg.metrics_file, rank == 0)
+    pos = _resume(cfg, model, optimizer, scheduler)
+    metrics = MetricsFile(cfg.metrics_file, rank == 0, append=pos.step > 0)
     bar = _progress(cfg, rank, len(train_loader))
     record: dict[str, Any] | None = None
-    for epoch in range(1, cfg.epochs + 1):
+
+    def after_step(p: _Position) -> None:
+        if cfg.checkpoint_every and p.step % cfg.checkpoint_every == 0:
+            extra = {**dataclasses.asdict(p), "rng": torch.get_rng_state(), "scheduler": scheduler.state_dict()}
+            checkpoint.save(cfg.checkpoint_dir, p.step, model, optimizer, extra, keep=cfg.keep_checkpoints)  # type: ignore[arg-type]
+
+    for epoch in range(pos.epoch, cfg.epochs + 1):
         sampler.set_epoch(epoch)
         start = time.perf_counter()
         if bar is not None:
             bar.reset()
             bar.set_description(f"epoch {epoch}/{cfg.epochs}")
-        train_stats = _train_epoch(model, train_loader, optimizer, device, bar)
+        train_stats = _train_epoch(model, train_loader, optimizer, device, bar, pos, after_step)
+        pos.epoch, pos.batch, pos.stats = epoch + 1, 0, [0.0, 0.0]
         test_stats = _test(model, test_loader, device)
         scheduler.step()
         seconds = time.perf_counter() - start
@@ -216,6 +256,18 @@ def _run(cfg: MnistConfig, device: torch.device) -> dict[str, Any] | None:
     return record if rank == 0 else None
 
 
+def _resume(cfg: MnistConfig, model: FSDP, optimizer: torch.optim.Optimizer, scheduler: StepLR) -> _Position:
+    """The newest complete checkpoint of ``--checkpoint-dir`` loaded; where to continue."""
+    if not cfg.checkpoint_dir or checkpoint.latest(cfg.checkpoint_dir) is None:
+        return _Position()
+    extra = checkpoint.load(cfg.checkpoint_dir, model, optimizer)
+    scheduler.load_state_dict(extra.pop("scheduler"))
+    pos = _Position(**extra)
+    if C.group_rank(C.default_group()) == 0:
+        print(f"resumed from {checkpoint.latest(cfg.checkpoint_dir)} at epoch {pos.epoch}, batch {pos.batch}", flush=True)
+    return pos
+
+
 def _progress(cfg: MnistConfig, rank: int, total: int) -> Any:
     if rank != 0 or not cfg.progress:
         return None
@@ -240,7 +292,7 @@ def _print_epoch(r: dict[str, Any], epochs: int, bar: Any) -> None:
 def main(argv: Sequence[str]) -> int:
     """Entry point: run under an existing launcher (torchrun) or start ``--nproc`` workers."""
     cfg = parse_args(argv)
-    code, final = launch.run_job("fullshard train mnist", worker, cfg, cfg.nproc)
+    code, final = launch.run_job("fullshard train mnist", worker, cfg, cfg.nproc, max_restarts=cfg.max_restarts)
     if final is not None:
         print(f"final test accuracy {final['test_accuracy']:.4f} after {final['epoch']} epochs", flush=True)
     return code
