@@ -27,6 +27,7 @@ from fullshard.gpt import GPT, PRESETS, Block, init_module
 from fullshard.memory import model_state_bytes
 from fullshard.text_data import ByteCorpus, files_from_glob
 from fullshard.train import _fsdp_options as fsdp_options
+from fullshard.train import _resume_options as resume_options
 from fullshard.train._report import MetricsFile, gather_memory, mib
 from fullshard.wrap import transformer_auto_wrap_policy
 
@@ -68,10 +69,7 @@ class GPTJobConfig:
         for name in ("nproc", "steps", "seq_len", "batch_size", "log_interval", "eval_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        if self.checkpoint_every < 0 or self.keep_checkpoints < 1 or self.max_restarts < 0:
-            raise ValueError("--checkpoint-every and --max-restarts must be >= 0, --keep-checkpoints >= 1")
-        if self.checkpoint_every and not self.checkpoint_dir:
-            raise ValueError("--checkpoint-every needs --checkpoint-dir DIR")
+        resume_options.validate(self)
         if not self.lr > 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
         if self.seq_len > PRESETS[self.preset].max_seq_len:
@@ -122,10 +120,7 @@ def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
     fsdp_options.add_arguments(p)
     p.add_argument("--metrics-file", default=None, metavar="PATH", help="JSON lines, one per log interval")
     p.add_argument("--save-model", default=None, metavar="PATH", help="write the full state dict here")
-    p.add_argument("--checkpoint-dir", default=None, metavar="DIR", help="sharded checkpoints; resume from the newest on start")
-    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="save every N steps (0: never)")
-    p.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints, help="complete checkpoints to keep")
-    p.add_argument("--max-restarts", type=int, default=d.max_restarts, help="restart all workers this often after a failure")
+    resume_options.add_arguments(p)
     return p
 
 

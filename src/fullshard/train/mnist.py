@@ -26,6 +26,7 @@ from fullshard import checkpoint, launch, mnist_data
 from fullshard.fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
 from fullshard.memory import model_state_bytes
 from fullshard.train import _fsdp_options as fsdp_options
+from fullshard.train import _resume_options as resume_options
 from fullshard.train._report import MetricsFile, gather_memory, mib
 from fullshard.wrap import size_based_auto_wrap_policy
 
@@ -89,10 +90,7 @@ class MnistConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         fsdp_options.validate(self)
-        if self.checkpoint_every < 0 or self.keep_checkpoints < 1 or self.max_restarts < 0:
-            raise ValueError("--checkpoint-every and --max-restarts must be >= 0, --keep-checkpoints >= 1")
-        if self.checkpoint_every and not self.checkpoint_dir:
-            raise ValueError("--checkpoint-every needs --checkpoint-dir DIR")
+        resume_options.validate(self)
         if self.data_dir is not None:
             if not os.path.isdir(self.data_dir):
                 raise ValueError(f"--data-dir {self.data_dir} is not a directory")
@@ -119,10 +117,7 @@ def parse_args(argv: Sequence[str]) -> MnistConfig:
     p.add_argument("--metrics-file", default=None, metavar="PATH", help="JSON lines, one per epoch")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no tqdm bar")
     fsdp_options.add_arguments(p)
-    p.add_argument("--checkpoint-dir", default=None, metavar="DIR", help="sharded checkpoints; resume from the newest on start")
-    p.add_argument("--checkpoint-every", type=int, default=0, help="save every N optimizer steps (0: never)")
-    p.add_argument("--keep-checkpoints", type=int, default=3, help="complete checkpoints to keep")
-    p.add_argument("--max-restarts", type=int, default=0, help="restart all workers this often after a failure")
+    resume_options.add_arguments(p)
     ns = p.parse_args(list(argv))
     try:
         return MnistConfig(**vars(ns))

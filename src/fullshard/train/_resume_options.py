@@ -1,0 +1,26 @@
+"""The checkpoint and restart options every training job takes on its command line."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Add --checkpoint-dir, --checkpoint-every, --keep-checkpoints and --max-restarts."""
+    p.add_argument("--checkpoint-dir", default=None, metavar="DIR", help="sharded checkpoints; resume from the newest on start")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="save every N optimizer steps (0: never)")
+    p.add_argument("--keep-checkpoints", type=int, default=3, help="complete checkpoints to keep")
+    p.add_argument("--max-restarts", type=int, default=0, help="restart all workers this often after a failure")
+
+
+def validate(cfg: Any) -> None:
+    """Check a job config's checkpoint fields.
+
+    Raises:
+        ValueError: negative counts, or --checkpoint-every without --checkpoint-dir.
+    """
+    if cfg.checkpoint_every < 0 or cfg.keep_checkpoints < 1 or cfg.max_restarts < 0:
+        raise ValueError("--checkpoint-every and --max-restarts must be >= 0, --keep-checkpoints >= 1")
+    if cfg.checkpoint_every and not cfg.checkpoint_dir:
+        raise ValueError("--checkpoint-every needs --checkpoint-dir DIR")
