@@ -163,3 +163,11 @@ def test_idx_files_in_torchvision_layout(tmp_path: Path) -> None:
 def test_cli_bench_rejects_unknown_workload() -> None:
     r = _cli("bench", "nope")
     assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+@pytest.mark.timeout(300)
+def test_bench_compare_runs_all_three() -> None:
+    r = _cli("bench", "compare", "--compare", "tiny", "--steps", "2", "--warmup", "1", timeout=280)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [line for line in r.stdout.splitlines() if line.startswith("| ") and "implementation" not in line]
+    assert [row.split("|")[1].strip() for row in rows] == ["fullshard", "torch FSDP2", "DDP"], r.stdout

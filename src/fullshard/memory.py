@@ -12,10 +12,14 @@ from torch import nn
 
 def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once)."""
+    from torch.distributed.tensor import DTensor
+
     seen: dict[int, int] = {}
     for t in tensors:
         if t is None:
             continue
+        if isinstance(t, DTensor):  # torch FSDP2's parameters: count this rank's local shard
+            t = t.to_local()
         s = t.untyped_storage()
         seen[s.data_ptr() if s.nbytes() else id(s)] = s.nbytes()
     return sum(seen.values())
@@ -61,3 +65,13 @@ def peak_rss_bytes() -> int:
         pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def reset_peak_rss() -> bool:
+    """Restart the peak-RSS count from the current RSS (Linux: /proc/self/clear_refs); False if unsupported."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
