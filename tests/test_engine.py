@@ -267,9 +267,19 @@ def features_body(rank: int, world: int) -> list[str]:
     boom(torch.ones(2, 4)).sum().backward()
     assert boom.training_states() == [TrainingState.IDLE]
     done.append("exception")
+
+    # `param.data = ...` on a shard: the next all-gather uses the new values.
+    ref, model = _wrap()
+    with torch.no_grad():
+        for p, (name, q) in zip(model.parameters(), ref.named_parameters()):
+            p.data = p.data + 1.0
+            q.add_(1.0)
+    torch.testing.assert_close(model(batch(0, 4)[0]), ref(batch(0, 4)[0]), rtol=1e-5, atol=1e-6)
+    assert all(p.data_ptr() == ptr for m in model.fsdp_modules(model) for p, ptr in zip((sp.shard for sp in m.unit.params), m.unit._shard_ptrs) if p.numel())
+    done.append("data replaced")
     return done
 
 
 @pytest.mark.timeout(200)
 def test_no_sync_empty_root_ignored_modules_and_exceptions() -> None:
-    assert run_ranks(features_body, 2, timeout=180)[0] == ["no_sync", "empty root", "ignored", "exception"]
+    assert run_ranks(features_body, 2, timeout=180)[0] == ["no_sync", "empty root", "ignored", "exception", "data replaced"]

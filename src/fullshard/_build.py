@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from fullshard import _collectives as C
-from fullshard._init import is_meta, materialize
+from fullshard._init import is_meta, materialize, own_tensors
 from fullshard._module_wrapper import clean_name
 from fullshard._sharded_param import ParamSlot, is_sharded
 from fullshard._unit import Unit, UnitConfig
@@ -189,7 +189,7 @@ def _compute_device(
         (
             t.device
             for _, m in walk_region(module, ignored)
-            for t in _local_tensors(m)
+            for t in own_tensors(m)
             if not is_sharded(t) and not t.is_meta
         ),
         None,
@@ -215,10 +215,6 @@ def _compute_device(
             stacklevel=4,
         )
     return device
-
-
-def _local_tensors(m: nn.Module) -> list[torch.Tensor]:
-    return [t for t in list(m._parameters.values()) + list(m._buffers.values()) if t is not None]
 
 
 def _place(module: nn.Module, device: torch.device, offload: bool, ignored: set[nn.Module]) -> None:
@@ -353,8 +349,8 @@ def _broadcast_module(region: list[tuple[str, nn.Module]], group: C.ProcessGroup
     device = C.reduction_device(group)
     with torch.no_grad():
         for _, m in region:
-            for t in list(m._parameters.values()) + list(m._buffers.values()):
-                if t is not None and not is_sharded(t):
+            for t in own_tensors(m):
+                if not is_sharded(t):
                     flat = t.detach().reshape(-1).to(device).contiguous()  # NCCL needs CUDA tensors
                     C.broadcast(flat, 0, group)
                     t.detach().copy_(flat.view_as(t))

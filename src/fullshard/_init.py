@@ -17,13 +17,14 @@ import torch
 from torch import nn
 
 
-def _own_tensors(m: nn.Module) -> list[torch.Tensor]:
+def own_tensors(m: nn.Module) -> list[torch.Tensor]:
+    """The parameters and buffers ``m`` registers itself (not its children's)."""
     return [t for t in list(m._parameters.values()) + list(m._buffers.values()) if t is not None]
 
 
 def is_meta(modules: Iterable[nn.Module]) -> bool:
     """Whether any of these modules has a parameter or buffer of its own on the meta device."""
-    return any(t.is_meta for m in modules for t in _own_tensors(m))
+    return any(t.is_meta for m in modules for t in own_tensors(m))
 
 
 def materialize(

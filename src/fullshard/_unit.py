@@ -218,6 +218,17 @@ class Unit:
         split = self.world * self.grad_numel
         self.full_flat = _alias(full[:split]).requires_grad_(bool(self.trainable))
         self.frozen_full = _alias(full[split:])
+        # Fixed per unit, so computed once: where each shard must live, the split of the full
+        # buffer into parameters and padding, and the copy-out targets (views of the full
+        # buffer stay valid across resize_, which keeps its storage object).
+        self._shard_ptrs = [self._local_view(sp).data_ptr() for sp in self.params]
+        self._full_splits = [
+            [n for sp in group for n in (sp.spec.numel, sp.spec.padded_numel - sp.spec.numel)]
+            for group in (self.trainable, self.params[len(self.trainable) :])
+        ]
+        self._copy_out_targets = [
+            self._full_data[sp.full_offset : sp.full_offset + sp.spec.padded_numel].view(self.world, -1) for sp in self.params
+        ]
         if not self.aliased:
             full.untyped_storage().resize_(0)
         if self.trainable:
@@ -249,10 +260,10 @@ class Unit:
 
     def _sync_shards(self) -> None:
         """Copy back any shard whose storage was replaced (``param.data = ...``)."""
-        for sp in self.params:
+        for sp, ptr in zip(self.params, self._shard_ptrs):
             assert sp.shard is not None
-            view = self._local_view(sp)
-            if sp.shard.data_ptr() != view.data_ptr() and sp.spec.local_numel > 0:
+            if sp.shard.data_ptr() != ptr and sp.spec.local_numel > 0:
+                view = self._local_view(sp)
                 with torch.no_grad():
                     view.copy_(sp.shard.detach().reshape(view.shape))
                     sp.shard.data = view
@@ -290,12 +301,11 @@ class Unit:
     def _copy_out(self, gathered: torch.Tensor, dest: torch.Tensor | None = None) -> None:
         """Rank-major (N, S) -> param-major (N*S,) into ``dest`` (default: the full buffer)."""
         n, s = self.world, self.shard_numel
-        target = self._full_data if dest is None else dest
         sizes = [sp.spec.padded_shard_numel for sp in self.params]
-        outs = [
-            target[sp.full_offset : sp.full_offset + sp.spec.padded_numel].view(n, -1)
-            for sp in self.params
-        ]
+        if dest is None:
+            outs = self._copy_out_targets
+        else:
+            outs = [dest[sp.full_offset : sp.full_offset + sp.spec.padded_numel].view(n, -1) for sp in self.params]
         torch.split_with_sizes_copy(gathered.view(n, s), sizes, dim=1, out=outs)
 
     def gather_full(self, local: torch.Tensor) -> list[torch.Tensor]:
@@ -344,10 +354,8 @@ class Unit:
         if self.shard_state is not ShardState.UNSHARDED:
             raise RuntimeError(f"FSDP unit {self.name!r}: full parameters requested while SHARDED")
         views = []
-        for flat, group in ((self.full_flat, self.trainable), (self.frozen_full, self.params[len(self.trainable) :])):
-            sizes: list[int] = []
-            for sp in group:
-                sizes += [sp.spec.numel, sp.spec.padded_numel - sp.spec.numel]
+        groups = (self.trainable, self.params[len(self.trainable) :])
+        for flat, group, sizes in zip((self.full_flat, self.frozen_full), groups, self._full_splits):
             pieces = flat.split(sizes) if group else []
             views += [pieces[2 * i].view(sp.spec.orig_shape) for i, sp in enumerate(group)]
         return views
