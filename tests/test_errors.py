@@ -166,8 +166,27 @@ def test_cli_bench_rejects_unknown_workload() -> None:
 
 
 @pytest.mark.timeout(300)
-def test_bench_compare_runs_all_three() -> None:
-    r = _cli("bench", "compare", "--compare", "tiny", "--steps", "2", "--warmup", "1", timeout=280)
+def test_bench_compare_runs_all_three_and_writes_its_section(tmp_path: Path) -> None:
+    md, png = tmp_path / "BENCH.md", tmp_path / "chart.png"
+    md.write_text("# mine\n\nhand-written text\n")
+    args = ("bench", "compare", "--compare", "tiny", "--steps", "2", "--warmup", "1", "--rounds", "1", "--write", str(md), "--chart", str(png))
+    r = _cli(*args, timeout=280)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [line for line in r.stdout.splitlines() if line.startswith("| ") and "implementation" not in line]
-    assert [row.split("|")[1].strip() for row in rows] == ["fullshard", "torch FSDP2", "DDP"], r.stdout
+    assert [row.split("|")[1].strip() for row in rows] == ["fullshard", "torch FSDP2", "DDP", "no communication"], r.stdout
+    text = md.read_text()
+    assert text.startswith("# mine\n\nhand-written text\n") and "| fullshard |" in text and "bench compare --compare tiny" in text
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_markdown_section_is_replaced_not_appended(tmp_path: Path) -> None:
+    from fullshard.bench import write_markdown
+
+    md = tmp_path / "B.md"
+    md.write_text("# head\n")
+    write_markdown(str(md), "first table")
+    md.write_text(md.read_text() + "\n## after\n")
+    write_markdown(str(md), "second table")
+    text = md.read_text()
+    assert "first table" not in text and text.count("second table") == 1
+    assert text.startswith("# head\n") and text.rstrip().endswith("## after")

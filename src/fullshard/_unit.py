@@ -14,14 +14,18 @@ A unit keeps two flat buffers (see ``_sharded_param`` for the vocabulary):
   SHARDED; autograd's saved views keep pointing at it and see the data again after the next
   unshard refills it. With one rank, no casting and no offload it aliases the local buffer.
 
+Gradients come back rank-major: the full flat buffer's ``.grad`` is laid out like N local flat
+buffers (trainable prefix) back to back, which is the reduce-scatter's input with no further copy.
+
 Trainable parameters come first in both buffers and frozen ones (``requires_grad=False``) last,
 so the autograd leaf covers only the trainable prefix of the full buffer: frozen parameters are
 gathered with the rest but get no gradient memory and no gradient communication.
 
 The all-gather output is rank-major (N, S); the copy-out to the param-major full buffer is one
 ``split_with_sizes_copy`` (a unit with one parameter gathers in place). Gradients go the other
-way: param-major (N*S,) -> cast to the reduce dtype -> rank-major send buffer ->
-reduce-scatter -> (S,) -> cast back (and copied to CPU under offload) -> the shards' ``.grad``.
+way: per-parameter gradients -> one packing copy, rank-major (N*S_t,) -> cast to the reduce
+dtype -> reduce-scatter -> (S_t,) -> cast back (and copied to CPU under offload) -> the shards'
+``.grad``.
 Low-precision reductions divide before and after the sum so float16 cannot overflow.
 """
 
@@ -29,7 +33,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -348,17 +353,46 @@ class Unit:
     def full_params(self) -> list[torch.Tensor]:
         """Per-parameter full tensors (shape ``orig_shape``), views of the full flat buffer.
 
-        Under grad mode they are autograd views of one split, so their gradients accumulate
-        into the full flat buffer's ``.grad``. Call only while UNSHARDED.
+        Under grad mode the trainable ones come from :class:`_SplitFull`, so their gradients
+        accumulate into the full flat buffer's ``.grad``, laid out rank-major (the
+        reduce-scatter's input as it stands). Call only while UNSHARDED.
         """
         if self.shard_state is not ShardState.UNSHARDED:
             raise RuntimeError(f"FSDP unit {self.name!r}: full parameters requested while SHARDED")
-        views = []
+        views: list[torch.Tensor] = []
         groups = (self.trainable, self.params[len(self.trainable) :])
         for flat, group, sizes in zip((self.full_flat, self.frozen_full), groups, self._full_splits):
-            pieces = flat.split(sizes) if group else []
-            views += [pieces[2 * i].view(sp.spec.orig_shape) for i, sp in enumerate(group)]
+            if not group:
+                continue
+            if flat.requires_grad and torch.is_grad_enabled():
+                views += _SplitFull.apply(flat, self)
+            else:
+                pieces = flat.split(sizes)
+                views += [pieces[2 * i].view(sp.spec.orig_shape) for i, sp in enumerate(group)]
         return views
+
+    def pack_grads(self, grads: Sequence[torch.Tensor | None]) -> torch.Tensor:
+        """The trainable parameters' full gradients packed rank-major, shape (N*S_t,).
+
+        Row block r holds, parameter after parameter, the padded rows rank r owns: the layout
+        of the reduce-scatter input, so the gradient is written once, in place for the
+        collective. ``None`` (a parameter forward did not use) packs as zeros.
+        """
+        n = self.world
+        ref = next(g for g in grads if g is not None)
+        parts = []
+        for sp, g in zip(self.trainable, grads):
+            spec = sp.spec
+            if g is None:
+                parts.append(torch.zeros(n, spec.padded_shard_numel, dtype=ref.dtype, device=ref.device))
+                continue
+            rows = g.reshape(spec.rows, spec.row_numel)
+            if spec.padded_numel != spec.numel:
+                rows = torch.nn.functional.pad(rows, (0, 0, 0, n * spec.chunk_rows - spec.rows))
+            parts.append(rows.reshape(n, spec.padded_shard_numel))
+        out = torch.empty(n, self.grad_numel, dtype=ref.dtype, device=ref.device)
+        torch.cat(parts, dim=1, out=out)
+        return out.view(-1)
 
     def install_full_params(self) -> None:
         for sp, full in zip(self.params, self.full_params()):
@@ -414,8 +448,7 @@ class Unit:
             out = torch.empty(self.grad_numel, dtype=grad.dtype, device=grad.device)
         handles: list[C.Handle] = []
         if self.world > 1:
-            send = grad if len(self.trainable) == 1 else self._to_rank_major(grad)
-            h = C.reduce_scatter(out, send, self.shard_group, divide_by=1.0 if self.replicas > 1 else post, async_op=True)
+            h = C.reduce_scatter(out, grad, self.shard_group, divide_by=1.0 if self.replicas > 1 else post, async_op=True)
             assert h is not None
             handles.append(h)
         if self.replicas > 1:
@@ -427,14 +460,6 @@ class Unit:
         elif self.world == 1 and post != 1:
             out.div_(post)
         self._pending_reduce = (_Multi(handles), out)
-
-    def _to_rank_major(self, grad: torch.Tensor) -> torch.Tensor:
-        n = self.world
-        parts = [
-            grad[sp.full_offset : sp.full_offset + sp.spec.padded_numel].view(n, -1)
-            for sp in self.trainable
-        ]
-        return torch.cat(parts, dim=1).view(-1)
 
     def finish_reduce(self) -> None:
         """Wait for the pending reduction and add the result to the shards' ``.grad``."""
@@ -479,6 +504,29 @@ class Unit:
     @property
     def has_pending_reduce(self) -> bool:
         return self._pending_reduce is not None
+
+
+class _SplitFull(torch.autograd.Function):
+    """Split a unit's full flat buffer into its trainable parameters; gradients come back packed.
+
+    Forward: views of the param-major full flat buffer, one per trainable parameter, shapes
+    ``orig_shape`` (no copy). Backward: one copy of the parameters' gradients into a rank-major
+    buffer (:meth:`Unit.pack_grads`), which becomes the flat buffer's ``.grad``; autograd's own
+    split would concatenate param-major and need a second copy before the reduce-scatter.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, flat: torch.Tensor, unit: Unit) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        ctx.unit = unit
+        ctx.set_materialize_grads(False)
+        pieces = flat.split(unit._full_splits[0])
+        return tuple(pieces[2 * i].view(sp.spec.orig_shape) for i, sp in enumerate(unit.trainable))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, None]:  # type: ignore[override]
+        if all(g is None for g in grads):
+            return None, None
+        return ctx.unit.pack_grads(grads), None
 
 
 class _Multi:

@@ -12,10 +12,11 @@ here and in BENCHMARKS.md, never in test assertions.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -118,131 +119,345 @@ def optimizer_step_seconds(numel: int, steps: int = 5) -> list[tuple[str, float]
     return rows
 
 
-# The GPT workloads of the comparison (issue "benchmarks against torch FSDP2 and DDP").
-COMPARE_WORKLOADS: dict[str, dict[str, int]] = {
-    "compute": {"d_model": 256, "n_layers": 4, "n_heads": 4, "vocab": 256, "batch": 8, "seq": 128},
-    "memory": {"d_model": 1024, "n_layers": 8, "n_heads": 16, "vocab": 32000, "batch": 1, "seq": 16},
-    "tiny": {"d_model": 64, "n_layers": 2, "n_heads": 2, "vocab": 256, "batch": 2, "seq": 16},  # for tests
+# The workloads of the comparison (issue "benchmarks against torch FSDP2 and DDP").
+COMPARE_WORKLOADS: dict[str, dict[str, Any]] = {
+    "compute": {"d_model": 256, "n_layers": 4, "n_heads": 4, "vocab": 256, "batch": 8, "seq": 128, "tied": True},
+    "memory": {"d_model": 1024, "n_layers": 8, "n_heads": 16, "vocab": 32000, "batch": 1, "seq": 16, "tied": False},
+    "mnist": {"batch": 64},  # the tutorial's CNN on the bundled MNIST images, Adadelta
+    "tiny": {"d_model": 64, "n_layers": 2, "n_heads": 2, "vocab": 256, "batch": 2, "seq": 16, "tied": True},  # for tests
 }
 IMPLEMENTATIONS = ("fullshard", "torch FSDP2", "DDP")
+FLOOR = "no communication"  # each rank trains its own replica: the compute and optimizer floor
+BEGIN_MARK = "<!-- fullshard bench compare: begin (generated; edits are overwritten) -->"
+END_MARK = "<!-- fullshard bench compare: end -->"
 
 
-def _wrap(impl: str, model: nn.Module) -> nn.Module:
-    from fullshard.gpt import Block
+@dataclasses.dataclass
+class _Job:
+    """One implementation of a workload on this rank, ready to step."""
 
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    batch: tuple[torch.Tensor, torch.Tensor]
+    loss: Callable[[nn.Module, tuple[torch.Tensor, torch.Tensor]], torch.Tensor]
+    items: int  # tokens or samples per rank per step
+    params: int
+    largest_unit_bytes: int
+
+
+def _units(workload: str, model: nn.Module) -> list[nn.Module]:
+    """The modules each FSDP implementation wraps as units below the root, outermost last."""
+    if workload == "mnist":
+        return [model.fc1]  # type: ignore[list-item]  # what the tutorial's size policy (20k) picks
+    return list(model.blocks)  # type: ignore[arg-type]
+
+
+def _build_job(workload: str, impl: str, device: torch.device, rank: int) -> _Job:
+    """Build the model, wrap it for ``impl``, and make its optimizer and this rank's batch."""
+    import torch.nn.functional as F
+
+    w = COMPARE_WORKLOADS[workload]
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1 + rank)
+    model: nn.Module
+    if workload == "mnist":
+        from fullshard import mnist_data
+        from fullshard.train.mnist import Net
+
+        model = Net().to(device)
+        train, _ = mnist_data.load_bundled()
+        idx = torch.randperm(len(train), generator=g)[: w["batch"]]
+        x, y = train[idx]
+        batch = (x.to(device), y.to(device))
+
+        def loss(m: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            return F.nll_loss(m(b[0]), b[1])
+
+        items = w["batch"]
+    else:
+        from fullshard.gpt import GPT, GPTConfig
+
+        cfg = GPTConfig(
+            d_model=w["d_model"], n_layers=w["n_layers"], n_heads=w["n_heads"], vocab_size=w["vocab"],
+            max_seq_len=max(w["seq"], 16), tie_embeddings=w["tied"],
+        )
+        model = GPT(cfg).to(device)
+        tokens = torch.randint(0, w["vocab"], (w["batch"], w["seq"] + 1), generator=g).to(device)
+        batch = (tokens[:, :-1], tokens[:, 1:])
+
+        def loss(m: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            return F.cross_entropy(m(b[0]).float().flatten(0, 1), b[1].flatten())
+
+        items = w["batch"] * w["seq"]
+    params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    units = _units(workload, model)
+    unit_bytes = [sum(p.numel() * p.element_size() for p in u.parameters()) for u in units]
+    root_bytes = params * 4 - sum(unit_bytes)
+    largest = max(unit_bytes + [root_bytes])
+    model = _wrap(impl, model, units, device)
+    if workload == "mnist":
+        optimizer: torch.optim.Optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return _Job(model, optimizer, batch, loss, items, params, largest)
+
+
+def _wrap(impl: str, model: nn.Module, units: list[nn.Module], device: torch.device) -> nn.Module:
     if impl == "fullshard":
-        return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
+        chosen = {id(u) for u in units}
+        return FSDP(model, auto_wrap_policy=lambda module, recurse, nonwrapped_numel: recurse or id(module) in chosen)
     if impl == "torch FSDP2":
         from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-        for block in model.blocks:  # type: ignore[union-attr]
-            torch_fully_shard(block)
+        for unit in units:
+            torch_fully_shard(unit)
         return torch_fully_shard(model)  # type: ignore[return-value]
-    from torch.nn.parallel import DistributedDataParallel
+    if impl == "DDP":
+        from torch.nn.parallel import DistributedDataParallel
 
-    return DistributedDataParallel(model)
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    return model  # FLOOR: no wrapper, no communication
 
 
-def _bytes_sent(impl: str, param_bytes: int, blocks: int, world: int) -> int:
-    """Bytes one rank sends per step. fullshard's are counted; the peers' follow from their algorithms.
+def _step(job: _Job) -> None:
+    job.optimizer.zero_grad()
+    job.loss(job.model, job.batch).backward()
+    job.optimizer.step()
+
+
+def _bytes_sent(impl: str, param_bytes: int, world: int) -> int:
+    """Bytes one rank sends per step, for the peers (fullshard's are counted by its collectives).
 
     DDP: a ring all-reduce of the gradients, 2 (N-1)/N x P. torch FSDP2 on gloo: all-gathers in
-    forward and again in backward (the root stays gathered), (N-1)/N x P each, and its
-    reduce-scatter, which torch runs on gloo as a full all-reduce, 2 (N-1)/N x P.
+    forward and again in backward, (N-1)/N x P each, and its reduce-scatter, which torch runs on
+    gloo as a full all-reduce, 2 (N-1)/N x P. No communication: 0.
     """
     f = (world - 1) / world
-    if impl == "DDP":
-        return int(2 * f * param_bytes)
-    return int((2 + 2) * f * param_bytes)
+    return {"DDP": int(2 * f * param_bytes), "torch FSDP2": int(4 * f * param_bytes)}.get(impl, 0)
 
 
-def compare_worker(workload: str, steps: int, warmup: int) -> dict[str, dict[str, Any]] | None:
-    """One rank: every implementation in turn on the same model, data, seed and AdamW."""
+def compare_worker(workload: str, steps: int, warmup: int, rounds: int) -> dict[str, dict[str, Any]] | None:
+    """One rank: every implementation in turn, ``rounds`` times (the order reversed each round).
+
+    Each turn builds the implementation from the same seed, runs ``warmup`` untimed and
+    ``steps`` timed steps, and records the peak RSS of that turn alone (the high-water mark is
+    reset before it), the model-state bytes and the bytes sent per step.
+    """
     import gc
 
-    from fullshard.gpt import GPT, GPTConfig
+    from fullshard._unit import GATHERED
     from fullshard.memory import model_state_bytes, peak_rss_bytes, reset_peak_rss
 
     device = launch.init_process_group()
     torch.set_num_threads(1)
-    w = COMPARE_WORKLOADS[workload]
     group = C.default_group()
     rank, world = C.group_rank(group), C.group_size(group)
-    results: dict[str, dict[str, Any]] = {}
+    impls = (*IMPLEMENTATIONS, FLOOR)
+    results: dict[str, dict[str, Any]] = {i: {"times": [], "peak_rss": 0} for i in impls}
     try:
-        for impl in IMPLEMENTATIONS:
-            gc.collect()
-            reset_peak_rss()
-            torch.manual_seed(0)
-            cfg = GPTConfig(d_model=w["d_model"], n_layers=w["n_layers"], n_heads=w["n_heads"], vocab_size=w["vocab"], max_seq_len=max(w["seq"], 16))
-            model = _wrap(impl, GPT(cfg).to(device))
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            g = torch.Generator().manual_seed(1 + rank)
-            x = torch.randint(0, w["vocab"], (w["batch"], w["seq"]), generator=g, device=device)
-            C.STATS.reset()
-            times = []
-            for i in range(warmup + steps):
-                C.barrier(group)
-                start = time.perf_counter()
-                opt.zero_grad()
-                logits = model(x)
-                torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), x.flatten()).backward()
-                opt.step()
-                elapsed = torch.tensor([time.perf_counter() - start])
-                C.all_reduce_max(elapsed, group)
-                if i >= warmup:
-                    times.append(float(elapsed.item()))
-                if i == warmup - 1:
-                    C.STATS.reset()
-            state = model_state_bytes(model, opt)
-            counted = sum(C.STATS.bytes_sent.values()) // max(1, steps)
-            sent = counted if impl == "fullshard" else _bytes_sent(impl, cfg.num_params * 4, cfg.n_layers, world)
-            rss = C.all_gather_object(peak_rss_bytes(), group)
-            results[impl] = {
-                "step_s": statistics.median(times),
-                "tokens_per_s": w["batch"] * w["seq"] * world / statistics.median(times),
-                "peak_rss": max(rss),
-                "state_bytes": state["total"],
-                "bytes_sent": sent,
-                "params": cfg.num_params,
-            }
-            del model, opt
+        for r in range(rounds):
+            for impl in impls if r % 2 == 0 else impls[::-1]:
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats()
+                reset_peak_rss()
+                GATHERED.reset_peak()
+                job = _build_job(workload, impl, device, rank)
+                for i in range(warmup + steps):
+                    if i == warmup:
+                        C.STATS.reset()
+                    C.barrier(group)
+                    start = time.perf_counter()
+                    _step(job)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    elapsed = torch.tensor([time.perf_counter() - start], device=device)
+                    C.all_reduce_max(elapsed, group)
+                    if i >= warmup:
+                        results[impl]["times"].append(float(elapsed.item()))
+                C.STATS.calls.pop("all_reduce", None)  # the timing's own max-reduction
+                C.STATS.bytes_sent.pop("all_reduce", None)
+                sent = sum(C.STATS.bytes_sent.values()) // steps
+                state = model_state_bytes(job.model, job.optimizer)
+                peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else peak_rss_bytes()
+                gathered = GATHERED.peak_bytes if impl == "fullshard" else _gathered_peak(impl, job, world)
+                rss = max(C.all_gather_object(peak, group))
+                res = results[impl]
+                res.update(
+                    state_bytes=state["total"], gathered_bytes=gathered, params=job.params, items=job.items * world,
+                    largest_unit_bytes=job.largest_unit_bytes, world=world,
+                    bytes_sent=sent if impl == "fullshard" else _bytes_sent(impl, job.params * 4, world),
+                )
+                res["peak_rss"] = max(res["peak_rss"], rss)
+                del job
+        for res in results.values():
+            res["step_s"] = statistics.median(res.pop("times"))
+            res["items_per_s"] = res["items"] / res["step_s"]
+            res["device"] = str(device)
         return results if rank == 0 else None
     finally:
         launch.destroy_process_group()
 
 
+def _gathered_peak(impl: str, job: _Job, world: int) -> int:
+    """Full-parameter bytes a peer holds at its peak beyond its sharded state, from its schedule.
+
+    torch FSDP2 keeps the root's parameters gathered through forward and backward and
+    prefetches one unit ahead: root + the two largest other units. DDP and the floor hold
+    full parameters as their state: 0.
+    """
+    if impl != "torch FSDP2":
+        return 0
+    units = sorted((sum(p.numel() * p.element_size() for p in m.parameters())  # DTensor numel: global
+                    for m in job.model.modules() if m is not job.model and hasattr(m, "unshard")), reverse=True)
+    root = job.params * 4 - sum(units)
+    return root + sum(units[:2])
+
+
+def _items_name(workload: str) -> str:
+    return "samples" if workload == "mnist" else "tokens"
+
+
 def compare_table(workload: str, results: dict[str, dict[str, Any]]) -> str:
-    """A markdown table of the comparison, each figure with its ratios to torch FSDP2 and DDP."""
+    """A markdown table of one workload, each figure with its ratios to torch FSDP2 and to DDP."""
     fsdp2, ddp = results["torch FSDP2"], results["DDP"]
+    any_r = results["fullshard"]
+    items = _items_name(workload)
+    on_gpu = any_r["device"].startswith("cuda")
 
-    def cell(impl: str, key: str, fmt: str) -> str:
+    def ratio(impl: str, key: str) -> str:
         v = results[impl][key]
-        return f"{fmt.format(v)} ({v / fsdp2[key]:.2f}x / {v / ddp[key]:.2f}x)"
+        a = v / fsdp2[key] if fsdp2[key] else float("nan")
+        b = v / ddp[key] if ddp[key] else float("nan")
+        return f"{a:.2f}x / {b:.2f}x"
 
+    mem = "peak GPU memory" if on_gpu else "peak RSS"
     lines = [
-        f"Workload `{workload}`: {COMPARE_WORKLOADS[workload]}, {results['DDP']['params'] / 1e6:.1f}M parameters. "
-        "Cells: value (ratio to torch FSDP2 / ratio to DDP).",
+        f"Workload `{workload}`: {COMPARE_WORKLOADS[workload]}, {any_r['params'] / 1e6:.1f}M parameters, "
+        f"{any_r['world']} ranks. Cells: value (ratio to torch FSDP2 / ratio to DDP).",
         "",
-        "| implementation | step (s) | tokens/s | peak RSS per rank (MiB) | model state per rank (MiB) | sent per step (MiB) |",
-        "|---|---|---|---|---|---|",
+        f"| implementation | step (s) | {items}/s | {mem} per rank (MiB) | model state per rank (MiB) | of which gathered at peak (MiB) | sent per step (MiB) |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for impl in IMPLEMENTATIONS:
+    for r in results.values():
+        r["model_state"] = r["state_bytes"] + r["gathered_bytes"]
+    for impl in (*IMPLEMENTATIONS, FLOOR):
         r = results[impl]
+        state = r["model_state"]
         lines.append(
-            f"| {impl} | {cell(impl, 'step_s', '{:.3f}')} | {cell(impl, 'tokens_per_s', '{:,.0f}')} | "
-            f"{r['peak_rss'] / 2**20:,.0f} ({r['peak_rss'] / fsdp2['peak_rss']:.2f}x / {r['peak_rss'] / ddp['peak_rss']:.2f}x) | "
-            f"{r['state_bytes'] / 2**20:,.1f} ({r['state_bytes'] / fsdp2['state_bytes']:.2f}x / {r['state_bytes'] / ddp['state_bytes']:.2f}x) | "
-            f"{r['bytes_sent'] / 2**20:,.1f} |"
+            f"| {impl} | {r['step_s']:.3f} ({ratio(impl, 'step_s')}) | {r['items_per_s']:,.0f} ({ratio(impl, 'items_per_s')}) | "
+            f"{r['peak_rss'] / 2**20:,.0f} ({ratio(impl, 'peak_rss')}) | {state / 2**20:,.1f} ({ratio(impl, 'model_state')}) | "
+            f"{r['gathered_bytes'] / 2**20:,.1f} | {r['bytes_sent'] / 2**20:,.1f} |"
         )
     return "\n".join(lines)
+
+
+def target_lines(workload: str, results: dict[str, dict[str, Any]]) -> list[str]:
+    """Issue 6's targets for ``workload``, each with the measured value and met / not met."""
+    fs, fsdp2, ddp = results["fullshard"], results["torch FSDP2"], results["DDP"]
+    checks: list[tuple[str, float, float]] = []
+    if workload == "compute":
+        checks += [("step vs torch FSDP2", fs["step_s"] / fsdp2["step_s"], 0.75), ("step vs DDP", fs["step_s"] / ddp["step_s"], 1.05)]
+    if workload == "memory":
+        checks += [("step vs torch FSDP2", fs["step_s"] / fsdp2["step_s"], 0.6), ("peak RSS vs torch FSDP2", fs["peak_rss"] / fsdp2["peak_rss"], 1.0)]
+    bound = 16 * fs["params"] / fs["world"] + fs["largest_unit_bytes"]
+    if workload != "mnist":  # Adadelta keeps two state tensors too, but the bound is stated for AdamW
+        checks.append(("model state vs 16 B x P / N + largest unit", (fs["state_bytes"] + fs["gathered_bytes"]) / bound, 1.0))
+    return [f"- {name}: {value:.2f}x (target at most {limit}x): {'met' if value <= limit else 'not met'}" for name, value, limit in checks]
+
+
+def machine_line(device: str) -> str:
+    """Cores, memory, CPU (and GPU) model, torch version: where a table was measured."""
+    import os
+    import platform
+
+    cpu, mem = platform.processor() or platform.machine(), ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+        with open("/proc/meminfo") as f:
+            mem = f"{int(f.readline().split()[1]) / 2**20:.0f} GiB, "
+    except OSError:
+        pass
+    gpu = f", GPU {torch.cuda.get_device_name()}" if device.startswith("cuda") else ", no GPU"
+    return f"{os.cpu_count()} CPU cores ({cpu}), {mem}torch {torch.__version__}{gpu}"
+
+
+def write_chart(path: str, all_results: dict[str, dict[str, dict[str, Any]]]) -> None:
+    """A PNG of step time and peak memory per implementation, one column per workload."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise SystemExit("fullshard bench: --chart needs matplotlib: pip install 'fullshard[bench]'") from e
+    names = (*IMPLEMENTATIONS, FLOOR)
+    fig, axes = plt.subplots(2, len(all_results), figsize=(4.2 * len(all_results), 6.5), squeeze=False)
+    for col, (workload, res) in enumerate(all_results.items()):
+        for row, (key, label, scale) in enumerate((("step_s", "step (s)", 1.0), ("peak_rss", "peak memory per rank (MiB)", 2**-20))):
+            ax = axes[row][col]
+            ax.bar(range(len(names)), [res[n][key] * scale for n in names], color=["tab:blue", "tab:orange", "tab:green", "tab:gray"])
+            ax.set_xticks(range(len(names)), [n.replace(" ", "\n") for n in names], fontsize=8)
+            ax.set_ylabel(label)
+            if row == 0:
+                ax.set_title(f"{workload} ({res['fullshard']['params'] / 1e6:.1f}M params)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_markdown(path: str, section: str) -> None:
+    """Replace the generated section of ``path`` (between the markers), or append it."""
+    import os
+
+    text = open(path).read() if os.path.exists(path) else "# fullshard benchmarks\n"
+    block = f"{BEGIN_MARK}\n{section.rstrip()}\n{END_MARK}\n"
+    if BEGIN_MARK in text and END_MARK in text:
+        head, rest = text.split(BEGIN_MARK, 1)
+        text = head + block + rest.split(END_MARK, 1)[1].lstrip("\n")
+    else:
+        text = text.rstrip() + "\n\n" + block
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def run_compare(workloads: Sequence[str], steps: int, warmup: int, rounds: int, nproc: int) -> tuple[str, dict[str, Any]]:
+    """Run every workload; return the markdown section and the results per workload."""
+    import os
+
+    # Each turn's peak RSS is its own only if freed blocks go back to the OS between turns.
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
+    all_results: dict[str, dict[str, Any]] = {}
+    parts = []
+    for workload in workloads:
+        res = launch.launch(compare_worker, (workload, steps, warmup, rounds), nproc)[0]
+        assert res is not None
+        all_results[workload] = res
+        parts += [compare_table(workload, res), "", "Against issue 6's targets:", *target_lines(workload, res), ""]
+    device = next(iter(all_results.values()))["fullshard"]["device"]
+    backend = "NCCL" if device.startswith("cuda") else "gloo"
+    head = [
+        f"Machine: {machine_line(device)}; {nproc} ranks, {backend}, one compute thread per rank; "
+        f"median of {steps * rounds} timed steps per implementation ({rounds} rounds of {warmup} warm-up + {steps} timed, "
+        "the order reversed each round).",
+        "",
+    ]
+    return "\n".join(head + parts), all_results
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``fullshard bench``."""
     p = argparse.ArgumentParser(prog="fullshard bench", description=__doc__)
     p.add_argument("workload", choices=["prefetch", "optimizer", "compare"])
-    p.add_argument("--compare", default="compute", choices=sorted(COMPARE_WORKLOADS), help="compare: the GPT workload")
+    p.add_argument("--compare", default="compute", choices=sorted(COMPARE_WORKLOADS), help="compare: one workload")
+    p.add_argument("--workloads", nargs="+", choices=sorted(COMPARE_WORKLOADS), help="compare: several workloads (overrides --compare)")
+    p.add_argument("--rounds", type=int, default=2, help="compare: turns per implementation, the order reversed each round")
+    p.add_argument("--write", metavar="MARKDOWN", help="compare: write the tables into this file's generated section")
+    p.add_argument("--chart", metavar="PNG", help="compare: write a chart of step time and memory (needs matplotlib)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--steps", type=int, default=20)
@@ -252,14 +467,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--numel", type=int, default=62_000_000, help="optimizer: elements per rank")
     args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.workload == "compare":
-        import os
-
-        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))  # freed blocks go back: fair peak RSS per implementation
-        res = launch.launch(compare_worker, (args.compare, args.steps, args.warmup), args.nproc)[0]
-        assert res is not None
-        print(f"fullshard bench compare --compare {args.compare} --steps {args.steps}: {args.nproc} ranks, gloo, one thread "
-              f"per rank, torch {torch.__version__}, median step after {args.warmup} warm-up steps")
-        print(compare_table(args.compare, res))
+        workloads = args.workloads or [args.compare]
+        section, all_results = run_compare(workloads, args.steps, args.warmup, args.rounds, args.nproc)
+        command = "fullshard bench " + " ".join(sys.argv[1:] if argv is None else argv)
+        section = f"`{command}`\n\n{section}"
+        print(section)
+        if args.chart:
+            write_chart(args.chart, all_results)
+            section += f"\n![step time and peak memory per implementation]({args.chart})\n"
+        if args.write:
+            write_markdown(args.write, section)
         return 0
     if args.workload == "optimizer":
         torch.set_num_threads(1)

@@ -1,7 +1,7 @@
 """A decoder-only transformer for byte-level language modelling (the model of ``train gpt``).
 
 Pre-norm blocks (RMSNorm), rotary position embeddings, a SwiGLU MLP, and an output projection
-tied to the token embedding. Shapes: tokens int64 (batch, seq) -> logits (batch, seq, vocab) in
+tied to the token embedding (or its own weight with ``tie_embeddings=False``). Shapes: tokens int64 (batch, seq) -> logits (batch, seq, vocab) in
 the parameters' compute dtype.
 
 :func:`init_module` initializes one module's own parameters (normal(0, 0.02), residual
@@ -21,7 +21,10 @@ from torch import nn
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
-    """Model shape. ``mlp_hidden`` defaults to 8/3 x d_model rounded up to a multiple of 64."""
+    """Model shape. ``mlp_hidden`` defaults to 8/3 x d_model rounded up to a multiple of 64.
+
+    ``tie_embeddings``: the output projection shares the token embedding's weight (default).
+    """
 
     d_model: int
     n_layers: int
@@ -29,6 +32,7 @@ class GPTConfig:
     vocab_size: int = 256
     max_seq_len: int = 2048
     mlp_hidden: int = 0
+    tie_embeddings: bool = True
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
@@ -38,10 +42,11 @@ class GPTConfig:
 
     @property
     def num_params(self) -> int:
-        """Parameters with the embedding counted once (it is tied to the output projection)."""
+        """Parameters, a tied embedding counted once."""
         d, h = self.d_model, self.mlp_hidden
         block = 4 * d * d + 3 * d * h + 2 * d
-        return self.vocab_size * d + self.n_layers * block + d
+        embeddings = self.vocab_size * d * (1 if self.tie_embeddings else 2)
+        return embeddings + self.n_layers * block + d
 
 
 PRESETS: dict[str, GPTConfig] = {
@@ -111,7 +116,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Token embedding, ``n_layers`` Blocks, a final RMSNorm and the tied output projection."""
+    """Token embedding, ``n_layers`` Blocks, a final RMSNorm and the output projection."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -120,7 +125,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.embed.weight
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
         for m in self.modules():
             init_module(m, cfg.n_layers)
 

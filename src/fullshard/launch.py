@@ -9,6 +9,12 @@ Inside a worker, ``init_process_group()`` creates the default process group from
 launcher's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK): gloo on CPU,
 NCCL when the worker has a GPU. It uses a store prefix per restart attempt: after a restart the
 launcher's store still holds the dead attempt's gloo addresses, and reusing them hangs.
+
+``launch`` also sets ``THP_MEM_ALLOC_ENABLE=1`` for its workers unless the environment already
+says otherwise: torch's CPU allocator then backs tensors of 2 MiB and more with transparent huge
+pages. FSDP allocates and frees a unit's full parameters and gradients on every step, and on
+this project's machine a fresh 50 MB buffer cost 25 ms of page faults with 4 KiB pages against
+8 ms with huge pages (a reused one: 5 ms). Under ``torchrun``, export it yourself.
 """
 
 from __future__ import annotations
@@ -66,6 +72,7 @@ def launch(
     if max_restarts < 0:
         raise ValueError(f"--max-restarts must be 0 or more, got {max_restarts}")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # read once, at the worker's first allocation
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
