@@ -283,3 +283,20 @@ def features_body(rank: int, world: int) -> list[str]:
 @pytest.mark.timeout(200)
 def test_no_sync_empty_root_ignored_modules_and_exceptions() -> None:
     assert run_ranks(features_body, 2, timeout=180)[0] == ["no_sync", "empty root", "ignored", "exception", "data replaced"]
+
+
+def test_buffer_pool_reuses_whole_buffers_only() -> None:
+    from fullshard._collectives import BufferPool
+
+    pool = BufferPool(per_size=1)
+    a = pool.take(10, torch.float32, torch.device("cpu"))
+    pool.give(a)
+    assert pool.take(10, torch.float32, torch.device("cpu")) is a  # the same buffer comes back
+    assert pool.take(10, torch.float32, torch.device("cpu")) is not a  # and only once
+    pool.give(a)
+    pool.give(torch.empty(10))  # over per_size: dropped
+    assert pool.nbytes == 40
+    pool.give(torch.empty(20)[:10])  # a view of a larger buffer is never pooled
+    assert pool.take(10, torch.float64, torch.device("cpu")).dtype == torch.float64  # keyed by dtype too
+    pool.clear()
+    assert pool.nbytes == 0

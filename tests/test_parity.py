@@ -27,10 +27,13 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
-def run_grid(rank: int, world: int, grid: list[tuple[str, str, str]]) -> list[str]:
-    from fullshard import FSDP, ShardingStrategy
+def run_grid(rank: int, world: int, grid: list[tuple[str, str, str]], direct_gather_bytes: int | None = None) -> list[str]:
+    from fullshard import FSDP, ShardingStrategy, _unit
     from fullshard._unit import GATHERED, TrainingState
     from fullshard.wrap import ModuleWrapPolicy
+
+    if direct_gather_bytes is not None:
+        _unit.DIRECT_GATHER_BYTES = direct_gather_bytes
 
     checked = []
     for strategy, opt_kind, wrapping in grid:
@@ -38,6 +41,9 @@ def run_grid(rank: int, world: int, grid: list[tuple[str, str, str]]) -> list[st
         policy = ModuleWrapPolicy({Block}) if wrapping == "blocks" else None
         model = FSDP(copy.deepcopy(ref), sharding_strategy=ShardingStrategy[strategy], auto_wrap_policy=policy)
         opt, ref_opt = _optimizers(opt_kind, model.parameters(), ref.parameters())
+        if direct_gather_bytes is not None:  # both kinds of piece are exercised
+            kinds = {len(group) == 1 for m in model.fsdp_modules(model) for group, _, _ in m.unit._pieces}
+            assert kinds == {True, False}, kinds
         local = GLOBAL_BATCH // world
         for step in range(STEPS):
             x, y = batch(step, GLOBAL_BATCH)
@@ -85,4 +91,17 @@ GRID = [
 def test_parity_grid(world: int) -> None:
     grid = GRID if world != 3 else [g for g in GRID if g[2] == "blocks"]
     results = run_ranks(run_grid, world, grid, timeout=380)
+    assert results[0] == [f"{s}/{o}/{w}" for s, o, w in grid]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.timeout(300)
+def test_parity_with_per_parameter_gathers(world: int) -> None:
+    """Weights (padded shards of 56 bytes and more) gathered straight into the full buffer, one
+    collective each, and the biases between them as runs with a copy-out: still exact."""
+    from fullshard import _unit
+
+    assert _unit.DIRECT_GATHER_BYTES > 1000  # the default leaves these small layers to runs
+    grid = [("FULL_SHARD", "adamw", "blocks"), ("FULL_SHARD", "sgd", "single"), ("SHARD_GRAD_OP", "adamw", "blocks")]
+    results = run_ranks(run_grid, world, grid, 48, timeout=280)
     assert results[0] == [f"{s}/{o}/{w}" for s, o, w in grid]

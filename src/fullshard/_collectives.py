@@ -7,6 +7,8 @@ It hides what differs between backends and torch versions:
 - gloo has no native reduce-scatter (torch emulates it with a full all-reduce). Here a
   reduce-scatter on gloo is an all-to-all of the N chunks followed by a local sum, which moves
   half the bytes.
+- gloo's reduce-scatter at two ranks sends only the other rank's chunk and adds the received
+  one to its own (an all-to-all with the own chunk left out).
 - gloo's all-gather is about 3x slower than an all-to-all moving the same bytes (measured over
   loopback: 67 ms against 20 ms for a 24 MiB shard at 2 ranks, 136 ms against 45 ms at 3). Here
   an all-gather on gloo is N concurrent broadcasts, one rooted at each rank, straight into the
@@ -59,6 +61,42 @@ class CollectiveStats:
 
 
 STATS = CollectiveStats()
+
+
+class BufferPool:
+    """Scratch buffers kept between uses, so the next unit of the same size skips the allocator.
+
+    A fresh CPU buffer of tens of MB costs several times a copy in page faults (on this
+    project's machine: 25 ms against 5 ms for 50 MB, 8 ms with huge pages), and FSDP needs one
+    of the same size per unit per step. ``take`` returns a 1-D tensor of ``numel`` elements
+    with arbitrary contents; ``give`` returns it for reuse. At most ``per_size`` buffers are
+    kept for each (numel, dtype, device); ``clear`` drops them all.
+    """
+
+    def __init__(self, per_size: int = 2) -> None:
+        self.per_size = per_size
+        self._free: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        free = self._free.get((numel, dtype, device))
+        return free.pop() if free else torch.empty(numel, dtype=dtype, device=device)
+
+    def give(self, t: torch.Tensor) -> None:
+        if t._base is not None or not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+            return  # only whole buffers come back
+        free = self._free.setdefault((t.numel(), t.dtype, t.device), [])
+        if len(free) < self.per_size:
+            free.append(t)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for ts in self._free.values() for t in ts)
+
+    def clear(self) -> None:
+        self._free.clear()
+
+
+POOL = BufferPool()
 
 
 class Handle:
@@ -232,15 +270,33 @@ def reduce_scatter(
     nbytes = output.numel() * output.element_size() * (n - 1)
     if backend(group) == "gloo":
         STATS.record("reduce_scatter", input, nbytes)
-        received = torch.empty_like(input)
+        chunks = input.view(n, -1)
+        if n == 2:
+            # Send only the other rank's chunk and add the one that arrives to our own: no local
+            # copy of our chunk, and a receive buffer of one chunk instead of two.
+            me = group_rank(group)
+            received = POOL.take(output.numel(), input.dtype, input.device)
+            splits = [0, 0]
+            splits[1 - me] = output.numel()
+            work = dist.all_to_all_single(received, chunks[1 - me], splits, splits, group=group, async_op=async_op)
+
+            def epilogue() -> None:
+                torch.add(chunks[me], received, out=output)
+                POOL.give(received)
+                if divide_by != 1.0:
+                    output.div_(divide_by)
+
+            return _finish(work, epilogue, async_op)
+        received = POOL.take(input.numel(), input.dtype, input.device)
         work = dist.all_to_all_single(received, input, group=group, async_op=async_op)
 
-        def epilogue() -> None:
+        def epilogue_n() -> None:
             torch.sum(received.view(n, -1), dim=0, out=output)
+            POOL.give(received)
             if divide_by != 1.0:
                 output.div_(divide_by)
 
-        return _finish(work, epilogue, async_op)
+        return _finish(work, epilogue_n, async_op)
     STATS.record("reduce_scatter", input, nbytes)
     work = _reduce_scatter_fn(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
     return _finish(work, (lambda: output.div_(divide_by)) if divide_by != 1.0 else None, async_op)

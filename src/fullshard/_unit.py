@@ -21,8 +21,9 @@ Trainable parameters come first in both buffers and frozen ones (``requires_grad
 so the autograd leaf covers only the trainable prefix of the full buffer: frozen parameters are
 gathered with the rest but get no gradient memory and no gradient communication.
 
-The all-gather output is rank-major (N, S); the copy-out to the param-major full buffer is one
-``split_with_sizes_copy`` (a unit with one parameter gathers in place). Gradients go the other
+An all-gather's output is rank-major; the copy-out to the param-major full buffer is one
+``split_with_sizes_copy``. On gloo each large parameter is gathered on its own, straight into
+its region of the full buffer, which needs no copy-out (see ``Unit._plan_pieces``). Gradients go the other
 way: per-parameter gradients -> one packing copy, rank-major (N*S_t,) -> cast to the reduce
 dtype -> reduce-scatter -> (S_t,) -> cast back (and copied to CPU under offload) -> the shards'
 ``.grad``.
@@ -104,6 +105,10 @@ class GatherTracker:
 
 GATHERED = GatherTracker()
 
+# On gloo, a parameter whose padded shard has at least this many bytes is all-gathered on its
+# own, straight into the full buffer; smaller ones are gathered in runs and copied out.
+DIRECT_GATHER_BYTES = 1 << 20
+
 # When a list, units and hooks append (event, unit name): "unshard" (all-gather launched),
 # "forward" / "forward_end", "backward" (pre-backward) and "reduce". For tests of ordering.
 EVENTS: list[tuple[str, str]] | None = None
@@ -170,7 +175,7 @@ class Unit:
         self.reduce_dtype = config.reduce_dtype or self.compute_dtype
         self._build(params)
         self._pending_gather: C.Handle | None = None
-        self._pending_reduce: tuple[_Multi, torch.Tensor] | None = None
+        self._pending_reduce: tuple[_Multi, torch.Tensor, torch.Tensor | None] | None = None
         self.sync_grads = True  # False: gradients accumulate unsharded, no reduction (no_sync)
         self.on_grad_ready: Callable[[Unit], None] | None = None
 
@@ -231,13 +236,39 @@ class Unit:
             [n for sp in group for n in (sp.spec.numel, sp.spec.padded_numel - sp.spec.numel)]
             for group in (self.trainable, self.params[len(self.trainable) :])
         ]
-        self._copy_out_targets = [
-            self._full_data[sp.full_offset : sp.full_offset + sp.spec.padded_numel].view(self.world, -1) for sp in self.params
-        ]
+        self._pieces = self._plan_pieces()
         if not self.aliased:
             full.untyped_storage().resize_(0)
         if self.trainable:
             self.full_flat.register_post_accumulate_grad_hook(self._grad_accumulated)
+
+    def _plan_pieces(self) -> list[tuple[list[ShardedParam], int, int]]:
+        """How the all-gather is split: (parameters, local offset, local length) per collective.
+
+        On gloo every parameter whose padded shard reaches :data:`DIRECT_GATHER_BYTES` is its
+        own all-gather, straight into the full buffer (no temporary, no copy-out: gloo's
+        collectives are N broadcasts each, so a piece costs one round of latency and no
+        extra bandwidth); the parameters between them are gathered as runs. Elsewhere (NCCL,
+        where many small collectives cost more than a copy on the GPU) the unit is one piece.
+        """
+        gloo = self.shard_group is not None and C.backend(self.shard_group) == "gloo"
+        pieces: list[tuple[list[ShardedParam], int, int]] = []
+        run: list[ShardedParam] = []
+
+        def flush() -> None:
+            if run:
+                start = run[0].local_offset
+                pieces.append((list(run), start, run[-1].local_offset + run[-1].spec.padded_shard_numel - start))
+                run.clear()
+
+        for sp in self.params:
+            if gloo and sp.spec.padded_shard_numel * self.compute_dtype.itemsize >= DIRECT_GATHER_BYTES:
+                flush()
+                pieces.append(([sp], sp.local_offset, sp.spec.padded_shard_numel))
+            else:
+                run.append(sp)
+        flush()
+        return pieces
 
     def _local_view(self, sp: ShardedParam, flat: torch.Tensor | None = None) -> torch.Tensor:
         n = sp.spec.local_numel
@@ -295,23 +326,39 @@ class Unit:
             self._full_data.copy_(self.local_flat, non_blocking=True)  # cast and/or upload
             self.shard_state = ShardState.UNSHARDED
             return
-        direct = len(self.params) == 1
-        out = self._full_data if direct else torch.empty_like(self._full_data)
-        handle = C.all_gather(out, self._gather_input(), self.shard_group, async_op=True)
-        assert handle is not None
-        self._pending_gather = C.Handle(handle, None if direct else (lambda: self._copy_out(out)))
+        self._pending_gather = self._gather_into(self._full_data, self._gather_input())
         if not async_op:
             self.wait_unshard()
 
-    def _copy_out(self, gathered: torch.Tensor, dest: torch.Tensor | None = None) -> None:
-        """Rank-major (N, S) -> param-major (N*S,) into ``dest`` (default: the full buffer)."""
-        n, s = self.world, self.shard_numel
-        sizes = [sp.spec.padded_shard_numel for sp in self.params]
-        if dest is None:
-            outs = self._copy_out_targets
-        else:
-            outs = [dest[sp.full_offset : sp.full_offset + sp.spec.padded_numel].view(n, -1) for sp in self.params]
-        torch.split_with_sizes_copy(gathered.view(n, s), sizes, dim=1, out=outs)
+    def _gather_into(self, full: torch.Tensor, local: torch.Tensor) -> C.Handle:
+        """Start all-gathering ``local`` (S,) of every rank into the param-major ``full`` (N*S,).
+
+        Each piece of :attr:`_pieces` is one all-gather: a lone parameter lands in its own
+        region of ``full`` directly (its N padded shards back to back are its padded full
+        tensor); a run of parameters lands rank-major in a temporary buffer and is copied out.
+        """
+        n = self.world
+        handles: list[C.Handle] = []
+        copy_outs: list[tuple[torch.Tensor, list[ShardedParam]]] = []
+        for group, start, length in self._pieces:
+            src = local[start : start + length]
+            if len(group) == 1:
+                sp = group[0]
+                out = full[sp.full_offset : sp.full_offset + sp.spec.padded_numel]
+            else:
+                out = torch.empty(n * length, dtype=local.dtype, device=local.device)
+                copy_outs.append((out, group))
+            h = C.all_gather(out, src, self.shard_group, async_op=True)
+            assert h is not None
+            handles.append(h)
+
+        def epilogue() -> None:
+            for gathered, group in copy_outs:
+                sizes = [sp.spec.padded_shard_numel for sp in group]
+                outs = [full[sp.full_offset : sp.full_offset + sp.spec.padded_numel].view(n, -1) for sp in group]
+                torch.split_with_sizes_copy(gathered.view(n, -1), sizes, dim=1, out=outs)
+
+        return C.Handle(handles, epilogue if copy_outs else None)
 
     def gather_full(self, local: torch.Tensor) -> list[torch.Tensor]:
         """All-gather a buffer laid out like the local flat buffer, in its own dtype (collective).
@@ -327,11 +374,8 @@ class Unit:
         if self.world == 1 or self.shard_numel == 0:
             full = src.clone()
         else:
-            gathered = torch.empty(self.world * self.shard_numel, dtype=src.dtype, device=src.device)
-            C.all_gather(gathered, src, self.shard_group)
-            full = gathered if len(self.params) == 1 else torch.empty_like(gathered)
-            if len(self.params) > 1:
-                self._copy_out(gathered, full)
+            full = torch.empty(self.world * self.shard_numel, dtype=src.dtype, device=src.device)
+            self._gather_into(full, src).wait()
         return [full[sp.full_offset : sp.full_offset + sp.spec.numel].view(sp.spec.orig_shape) for sp in self.params]
 
     def local_grads(self) -> torch.Tensor:
@@ -390,9 +434,9 @@ class Unit:
             if spec.padded_numel != spec.numel:
                 rows = torch.nn.functional.pad(rows, (0, 0, 0, n * spec.chunk_rows - spec.rows))
             parts.append(rows.reshape(n, spec.padded_shard_numel))
-        out = torch.empty(n, self.grad_numel, dtype=ref.dtype, device=ref.device)
-        torch.cat(parts, dim=1, out=out)
-        return out.view(-1)
+        out = C.POOL.take(n * self.grad_numel, ref.dtype, ref.device)
+        torch.cat(parts, dim=1, out=out.view(n, self.grad_numel))
+        return out
 
     def install_full_params(self) -> None:
         for sp, full in zip(self.params, self.full_params()):
@@ -459,15 +503,17 @@ class Unit:
             handles.append(h2)
         elif self.world == 1 and post != 1:
             out.div_(post)
-        self._pending_reduce = (_Multi(handles), out)
+        self._pending_reduce = (_Multi(handles), out, grad if self.world > 1 else None)
 
     def finish_reduce(self) -> None:
         """Wait for the pending reduction and add the result to the shards' ``.grad``."""
         if self._pending_reduce is None:
             return
-        handle, out = self._pending_reduce
+        handle, out, sent = self._pending_reduce
         handle.wait()
         self._pending_reduce = None
+        if sent is not None:
+            C.POOL.give(sent)  # the packed gradient: the next unit of this size packs into it
         keep_low = self.config.keep_low_precision_grads
         grad_dtype = out.dtype if keep_low else self.dtype
         if out.dtype != grad_dtype or out.device != self._shard_device:

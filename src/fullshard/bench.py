@@ -236,66 +236,45 @@ def _bytes_sent(impl: str, param_bytes: int, world: int) -> int:
     return {"DDP": int(2 * f * param_bytes), "torch FSDP2": int(4 * f * param_bytes)}.get(impl, 0)
 
 
-def compare_worker(workload: str, steps: int, warmup: int, rounds: int) -> dict[str, dict[str, Any]] | None:
-    """One rank: every implementation in turn, ``rounds`` times (the order reversed each round).
-
-    Each turn builds the implementation from the same seed, runs ``warmup`` untimed and
-    ``steps`` timed steps, and records the peak RSS of that turn alone (the high-water mark is
-    reset before it), the model-state bytes and the bytes sent per step.
+def compare_worker(workload: str, impl: str, steps: int, warmup: int) -> dict[str, Any] | None:
+    """One rank, one implementation: build it from the seed, run ``warmup`` untimed and ``steps``
+    timed steps; rank 0 returns the step times, the peak RSS (or peak GPU memory) over ranks, the
+    model-state bytes and the bytes sent per step.
     """
-    import gc
-
     from fullshard._unit import GATHERED
-    from fullshard.memory import model_state_bytes, peak_rss_bytes, reset_peak_rss
+    from fullshard.memory import model_state_bytes, peak_rss_bytes
 
     device = launch.init_process_group()
     torch.set_num_threads(1)
     group = C.default_group()
     rank, world = C.group_rank(group), C.group_size(group)
-    impls = (*IMPLEMENTATIONS, FLOOR)
-    results: dict[str, dict[str, Any]] = {i: {"times": [], "peak_rss": 0} for i in impls}
     try:
-        for r in range(rounds):
-            for impl in impls if r % 2 == 0 else impls[::-1]:
-                gc.collect()
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-                    torch.cuda.reset_peak_memory_stats()
-                reset_peak_rss()
-                GATHERED.reset_peak()
-                job = _build_job(workload, impl, device, rank)
-                for i in range(warmup + steps):
-                    if i == warmup:
-                        C.STATS.reset()
-                    C.barrier(group)
-                    start = time.perf_counter()
-                    _step(job)
-                    if device.type == "cuda":
-                        torch.cuda.synchronize()
-                    elapsed = torch.tensor([time.perf_counter() - start], device=device)
-                    C.all_reduce_max(elapsed, group)
-                    if i >= warmup:
-                        results[impl]["times"].append(float(elapsed.item()))
-                C.STATS.calls.pop("all_reduce", None)  # the timing's own max-reduction
-                C.STATS.bytes_sent.pop("all_reduce", None)
-                sent = sum(C.STATS.bytes_sent.values()) // steps
-                state = model_state_bytes(job.model, job.optimizer)
-                peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else peak_rss_bytes()
-                gathered = GATHERED.peak_bytes if impl == "fullshard" else _gathered_peak(impl, job, world)
-                rss = max(C.all_gather_object(peak, group))
-                res = results[impl]
-                res.update(
-                    state_bytes=state["total"], gathered_bytes=gathered, params=job.params, items=job.items * world,
-                    largest_unit_bytes=job.largest_unit_bytes, world=world,
-                    bytes_sent=sent if impl == "fullshard" else _bytes_sent(impl, job.params * 4, world),
-                )
-                res["peak_rss"] = max(res["peak_rss"], rss)
-                del job
-        for res in results.values():
-            res["step_s"] = statistics.median(res.pop("times"))
-            res["items_per_s"] = res["items"] / res["step_s"]
-            res["device"] = str(device)
-        return results if rank == 0 else None
+        job = _build_job(workload, impl, device, rank)
+        times = []
+        for i in range(warmup + steps):
+            if i == warmup:
+                C.STATS.reset()
+            C.barrier(group)
+            start = time.perf_counter()
+            _step(job)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            elapsed = torch.tensor([time.perf_counter() - start], device=device)
+            C.all_reduce_max(elapsed, group)
+            if i >= warmup:
+                times.append(float(elapsed.item()))
+        C.STATS.bytes_sent.pop("all_reduce", None)  # the timing's own max-reduction
+        sent = sum(C.STATS.bytes_sent.values()) // steps
+        state = model_state_bytes(job.model, job.optimizer)
+        peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else peak_rss_bytes()
+        peaks = C.all_gather_object(peak, group)
+        result = {
+            "times": times, "peak_rss": max(peaks), "state_bytes": state["total"], "params": job.params,
+            "gathered_bytes": GATHERED.peak_bytes if impl == "fullshard" else _gathered_peak(impl, job, world),
+            "items": job.items * world, "largest_unit_bytes": job.largest_unit_bytes, "world": world, "device": str(device),
+            "bytes_sent": sent if impl == "fullshard" else _bytes_sent(impl, job.params * 4, world),
+        }
+        return result if rank == 0 else None
     finally:
         launch.destroy_process_group()
 
@@ -426,24 +405,38 @@ def write_markdown(path: str, section: str) -> None:
 
 
 def run_compare(workloads: Sequence[str], steps: int, warmup: int, rounds: int, nproc: int) -> tuple[str, dict[str, Any]]:
-    """Run every workload; return the markdown section and the results per workload."""
-    import os
+    """Run every workload; return the markdown section and the results per workload.
 
-    # Each turn's peak RSS is its own only if freed blocks go back to the OS between turns.
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
+    Each turn (one implementation of one workload) runs in freshly started worker processes, so
+    its peak RSS is its own and no allocator state carries over; ``rounds`` turns per
+    implementation, the order reversed every other round, so drift in the machine's speed
+    hits all of them alike.
+    """
+    impls = (*IMPLEMENTATIONS, FLOOR)
     all_results: dict[str, dict[str, Any]] = {}
     parts = []
     for workload in workloads:
-        res = launch.launch(compare_worker, (workload, steps, warmup, rounds), nproc)[0]
-        assert res is not None
+        res: dict[str, dict[str, Any]] = {}
+        for r in range(rounds):
+            for impl in impls if r % 2 == 0 else impls[::-1]:
+                turn = launch.launch(compare_worker, (workload, impl, steps, warmup), nproc)[0]
+                assert turn is not None
+                if impl in res:
+                    res[impl]["times"] += turn["times"]
+                    res[impl]["peak_rss"] = max(res[impl]["peak_rss"], turn["peak_rss"])
+                else:
+                    res[impl] = turn
+        for one in res.values():
+            one["step_s"] = statistics.median(one.pop("times"))
+            one["items_per_s"] = one["items"] / one["step_s"]
         all_results[workload] = res
         parts += [compare_table(workload, res), "", "Against issue 6's targets:", *target_lines(workload, res), ""]
     device = next(iter(all_results.values()))["fullshard"]["device"]
     backend = "NCCL" if device.startswith("cuda") else "gloo"
     head = [
         f"Machine: {machine_line(device)}; {nproc} ranks, {backend}, one compute thread per rank; "
-        f"median of {steps * rounds} timed steps per implementation ({rounds} rounds of {warmup} warm-up + {steps} timed, "
-        "the order reversed each round).",
+        f"median of {steps * rounds} timed steps per implementation ({rounds} turns of {warmup} warm-up + {steps} timed "
+        "steps, each turn in fresh processes, the order reversed every other round).",
         "",
     ]
     return "\n".join(head + parts), all_results
@@ -455,7 +448,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("workload", choices=["prefetch", "optimizer", "compare"])
     p.add_argument("--compare", default="compute", choices=sorted(COMPARE_WORKLOADS), help="compare: one workload")
     p.add_argument("--workloads", nargs="+", choices=sorted(COMPARE_WORKLOADS), help="compare: several workloads (overrides --compare)")
-    p.add_argument("--rounds", type=int, default=2, help="compare: turns per implementation, the order reversed each round")
+    p.add_argument("--rounds", type=int, default=2, help="compare: turns per implementation, the order reversed every other round")
     p.add_argument("--write", metavar="MARKDOWN", help="compare: write the tables into this file's generated section")
     p.add_argument("--chart", metavar="PNG", help="compare: write a chart of step time and memory (needs matplotlib)")
     p.add_argument("--warmup", type=int, default=3)
