@@ -300,3 +300,22 @@ def test_buffer_pool_reuses_whole_buffers_only() -> None:
     assert pool.take(10, torch.float64, torch.device("cpu")).dtype == torch.float64  # keyed by dtype too
     pool.clear()
     assert pool.nbytes == 0
+
+
+def _thp_setting() -> str | None:
+    import os
+
+    return os.environ.get("THP_MEM_ALLOC_ENABLE")
+
+
+@pytest.mark.timeout(120)
+def test_launch_turns_on_huge_pages_for_workers_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from fullshard import launch
+
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    assert launch.launch(_thp_setting, (), 1)[0] == "1"
+    assert "THP_MEM_ALLOC_ENABLE" not in os.environ  # the caller's environment is left as it was
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
+    assert launch.launch(_thp_setting, (), 1)[0] == "0"  # an explicit choice is kept

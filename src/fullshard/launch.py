@@ -72,7 +72,6 @@ def launch(
     if max_restarts < 0:
         raise ValueError(f"--max-restarts must be 0 or more, got {max_restarts}")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # read once, at the worker's first allocation
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -85,6 +84,10 @@ def launch(
         monitor_interval=0.1,
         start_method="spawn",
     )
+    # For the workers only (they inherit it when spawned); the caller's environment is restored.
+    thp_added = "THP_MEM_ALLOC_ENABLE" not in os.environ
+    if thp_added:
+        os.environ["THP_MEM_ALLOC_ENABLE"] = "1"  # read once, at a worker's first allocation
     try:
         return elastic_launch(config, fn)(*args)
     except ChildFailedError as e:
@@ -92,6 +95,9 @@ def launch(
         rank, failure = first
         message = failure.message if isinstance(failure.message, str) else str(failure.message)
         raise WorkerFailed(f"worker rank {rank} failed (exit code {failure.exitcode}): {message}") from None
+    finally:
+        if thp_added:
+            os.environ.pop("THP_MEM_ALLOC_ENABLE", None)
 
 
 def run_job(name: str, worker: Callable[[Any], Any], cfg: Any, nproc: int, max_restarts: int = 0) -> tuple[int, Any]:
