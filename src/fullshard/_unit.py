@@ -237,6 +237,13 @@ class Unit:
             for group in (self.trainable, self.params[len(self.trainable) :])
         ]
         self._pieces = self._plan_pieces()
+        # Per run piece, its copy-out: split sizes and target views of the full buffer (views
+        # stay valid across resize_, which keeps the storage object).
+        self._run_sizes = [[sp.spec.padded_shard_numel for sp in group] for group, _, _ in self._pieces]
+        self._run_targets = [
+            [self._full_data[sp.full_offset : sp.full_offset + sp.spec.padded_numel].view(self.world, -1) for sp in group]
+            for group, _, _ in self._pieces
+        ]
         if not self.aliased:
             full.untyped_storage().resize_(0)
         if self.trainable:
@@ -339,24 +346,27 @@ class Unit:
         """
         n = self.world
         handles: list[C.Handle] = []
-        copy_outs: list[tuple[torch.Tensor, list[ShardedParam]]] = []
-        for group, start, length in self._pieces:
+        copy_outs: list[tuple[torch.Tensor, int]] = []
+        for k, (group, start, length) in enumerate(self._pieces):
             src = local[start : start + length]
             if len(group) == 1:
                 sp = group[0]
                 out = full[sp.full_offset : sp.full_offset + sp.spec.padded_numel]
             else:
                 out = torch.empty(n * length, dtype=local.dtype, device=local.device)
-                copy_outs.append((out, group))
+                copy_outs.append((out, k))
             h = C.all_gather(out, src, self.shard_group, async_op=True)
             assert h is not None
             handles.append(h)
 
         def epilogue() -> None:
-            for gathered, group in copy_outs:
-                sizes = [sp.spec.padded_shard_numel for sp in group]
-                outs = [full[sp.full_offset : sp.full_offset + sp.spec.padded_numel].view(n, -1) for sp in group]
-                torch.split_with_sizes_copy(gathered.view(n, -1), sizes, dim=1, out=outs)
+            for gathered, k in copy_outs:
+                group = self._pieces[k][0]
+                if full is self._full_data:  # the usual case: views built once at construction
+                    outs = self._run_targets[k]
+                else:
+                    outs = [full[sp.full_offset : sp.full_offset + sp.spec.padded_numel].view(n, -1) for sp in group]
+                torch.split_with_sizes_copy(gathered.view(n, -1), self._run_sizes[k], dim=1, out=outs)
 
         return C.Handle(handles, epilogue if copy_outs else None)
 
