@@ -319,3 +319,55 @@ def test_launch_turns_on_huge_pages_for_workers_only(monkeypatch: pytest.MonkeyP
     assert "THP_MEM_ALLOC_ENABLE" not in os.environ  # the caller's environment is left as it was
     monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
     assert launch.launch(_thp_setting, (), 1)[0] == "0"  # an explicit choice is kept
+
+
+def _threads() -> int:
+    """This process's gloo threads (its run loops and its TCP loop), counted by name."""
+    import os
+
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            pass  # the thread ended meanwhile
+    return sum("gloo" in n for n in names)
+
+
+def _train_once() -> object:
+    """Wrap, step once, gather an object (as the jobs do last); return a weak ref to a unit."""
+    import weakref
+
+    from fullshard import _collectives as C
+
+    _, model = _wrap()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rank = C.group_rank(C.default_group())
+    _step(model, opt, rank, C.group_size(C.default_group()))
+    C.all_gather_object(rank, C.default_group())
+    return weakref.ref(model._fsdp_state.unit)
+
+
+def _threads_around_a_job() -> tuple[int, int, int, bool]:
+    from fullshard import launch
+
+    before = _threads()  # 0
+    launch.init_process_group()
+    unit = _train_once()
+    during = _threads()
+    launch.destroy_process_group()
+    return before, during, _threads(), unit() is None  # type: ignore[operator]
+
+
+@pytest.mark.timeout(120)
+def test_destroy_process_group_frees_units_and_ends_gloo_threads() -> None:
+    """A unit is collectable once its model is dropped, and destroying the groups joins gloo's
+    threads then, not at interpreter exit (where one releasing a finished collective's tensors
+    aborted the process: "terminate called without an active exception")."""
+    from fullshard import launch
+
+    for before, during, after, unit_freed in launch.launch(_threads_around_a_job, (), 2).values():
+        assert unit_freed
+        assert during > before
+        assert after == before, (before, during, after)

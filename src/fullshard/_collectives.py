@@ -346,6 +346,11 @@ def init_process_group(
     device_id: torch.device | None = None,
 ) -> None:
     """Create the default process group on the launcher's TCPStore under ``store_prefix``."""
+    # torch.distributed.nn.functional binds ``group.WORLD`` as default arguments when first
+    # imported (optimizers and torch._dynamo import it). Imported after this point, it would
+    # keep the default group, and gloo's threads, alive past destroy_process_group.
+    import torch.distributed.nn.functional  # noqa: F401
+
     store = dist.TCPStore(master_addr, master_port, world_size, is_master=False)
     kwargs: dict[str, Any] = {}
     if device_id is not None:
@@ -361,6 +366,21 @@ def init_process_group(
 
 
 def destroy_process_group() -> None:
+    """Destroy every process group and let gloo's worker threads end now.
+
+    A gloo group's threads stop only when its last reference goes. Units reference their
+    groups through cycles, so after the groups are unregistered a collection runs here: with
+    the model already out of scope, the threads are joined now (see also
+    :func:`init_process_group` for a reference torch itself can keep). Left to interpreter exit, a
+    thread still releasing a finished collective's tensors needs the GIL while the
+    interpreter is finalizing and aborts the process ("terminate called without an active
+    exception"), roughly one run in six of a short job on this project's machine.
+    """
+    import gc
+
     _GLOBAL_RANKS.clear()
+    _HYBRID_CACHE.clear()
+    POOL.clear()
     if is_initialized():
         dist.destroy_process_group()
+    gc.collect()

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -247,7 +248,10 @@ class Unit:
         if not self.aliased:
             full.untyped_storage().resize_(0)
         if self.trainable:
-            self.full_flat.register_post_accumulate_grad_hook(self._grad_accumulated)
+            # Through a weak reference: the tensor's hook table is invisible to Python's cycle
+            # collector, so a bound method here would keep the unit (and its process group,
+            # whose threads then outlive the interpreter) alive forever.
+            self.full_flat.register_post_accumulate_grad_hook(_weak_hook(self))
 
     def _plan_pieces(self) -> list[tuple[list[ShardedParam], int, int]]:
         """How the all-gather is split: (parameters, local offset, local length) per collective.
@@ -560,6 +564,18 @@ class Unit:
     @property
     def has_pending_reduce(self) -> bool:
         return self._pending_reduce is not None
+
+
+def _weak_hook(unit: Unit) -> Callable[[torch.Tensor], None]:
+    """``unit``'s gradient-ready hook, holding the unit only weakly."""
+    ref = weakref.ref(unit)
+
+    def hook(full_flat: torch.Tensor) -> None:
+        target = ref()
+        if target is not None:
+            target._grad_accumulated(full_flat)
+
+    return hook
 
 
 class _SplitFull(torch.autograd.Function):

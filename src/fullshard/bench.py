@@ -75,17 +75,21 @@ def prefetch_worker(d: int, layers: int, batch: int, steps: int) -> list[tuple[s
     device = launch.init_process_group()
     torch.set_num_threads(1)
     try:
-        models = []
-        for _, kwargs in PREFETCH_CONFIGS:
-            torch.manual_seed(0)
-            stack = nn.Sequential(*[_Layer(d) for _ in range(layers)]).to(device)
-            models.append(FSDP(stack, auto_wrap_policy=ModuleWrapPolicy({_Layer}), **kwargs))
-        x = torch.randn(batch, d, device=device)
-        medians = interleaved_medians(models, x, steps)
-        rows = [(name, t) for (name, _), t in zip(PREFETCH_CONFIGS, medians)]
+        rows = _prefetch_rows(device, d, layers, batch, steps)
         return rows if C.group_rank(C.default_group()) == 0 else None
     finally:
-        launch.destroy_process_group()
+        launch.destroy_process_group()  # the models are out of scope here: their groups end now
+
+
+def _prefetch_rows(device: torch.device, d: int, layers: int, batch: int, steps: int) -> list[tuple[str, float]]:
+    models = []
+    for _, kwargs in PREFETCH_CONFIGS:
+        torch.manual_seed(0)
+        stack = nn.Sequential(*[_Layer(d) for _ in range(layers)]).to(device)
+        models.append(FSDP(stack, auto_wrap_policy=ModuleWrapPolicy({_Layer}), **kwargs))
+    x = torch.randn(batch, d, device=device)
+    medians = interleaved_medians(models, x, steps)
+    return [(name, t) for (name, _), t in zip(PREFETCH_CONFIGS, medians)]
 
 
 def optimizer_step_seconds(numel: int, steps: int = 5) -> list[tuple[str, float]]:
@@ -241,42 +245,47 @@ def compare_worker(workload: str, impl: str, steps: int, warmup: int) -> dict[st
     timed steps; rank 0 returns the step times, the peak RSS (or peak GPU memory) over ranks, the
     model-state bytes and the bytes sent per step.
     """
+    device = launch.init_process_group()
+    torch.set_num_threads(1)
+    try:
+        result = _compare_turn(workload, impl, steps, warmup, device)
+        return result if C.group_rank(C.default_group()) == 0 else None
+    finally:
+        launch.destroy_process_group()  # the job is out of scope here: its groups end now
+
+
+def _compare_turn(workload: str, impl: str, steps: int, warmup: int, device: torch.device) -> dict[str, Any]:
     from fullshard._unit import GATHERED
     from fullshard.memory import model_state_bytes, peak_rss_bytes
 
-    device = launch.init_process_group()
-    torch.set_num_threads(1)
     group = C.default_group()
     rank, world = C.group_rank(group), C.group_size(group)
-    try:
-        job = _build_job(workload, impl, device, rank)
-        times = []
-        for i in range(warmup + steps):
-            if i == warmup:
-                C.STATS.reset()
-            C.barrier(group)
-            start = time.perf_counter()
-            _step(job)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            elapsed = torch.tensor([time.perf_counter() - start], device=device)
-            C.all_reduce_max(elapsed, group)
-            if i >= warmup:
-                times.append(float(elapsed.item()))
-        C.STATS.bytes_sent.pop("all_reduce", None)  # the timing's own max-reduction
-        sent = sum(C.STATS.bytes_sent.values()) // steps
-        state = model_state_bytes(job.model, job.optimizer)
-        peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else peak_rss_bytes()
-        peaks = C.all_gather_object(peak, group)
-        result = {
-            "times": times, "peak_rss": max(peaks), "state_bytes": state["total"], "params": job.params,
-            "gathered_bytes": GATHERED.peak_bytes if impl == "fullshard" else _gathered_peak(impl, job, world),
-            "items": job.items * world, "largest_unit_bytes": job.largest_unit_bytes, "world": world, "device": str(device),
-            "bytes_sent": sent if impl == "fullshard" else _bytes_sent(impl, job.params * 4, world),
-        }
-        return result if rank == 0 else None
-    finally:
-        launch.destroy_process_group()
+    job = _build_job(workload, impl, device, rank)
+    times = []
+    for i in range(warmup + steps):
+        if i == warmup:
+            C.STATS.reset()
+        C.barrier(group)
+        start = time.perf_counter()
+        _step(job)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = torch.tensor([time.perf_counter() - start], device=device)
+        C.all_reduce_max(elapsed, group)
+        if i >= warmup:
+            times.append(float(elapsed.item()))
+    C.STATS.bytes_sent.pop("all_reduce", None)  # the timing's own max-reduction
+    sent = sum(C.STATS.bytes_sent.values()) // steps
+    state = model_state_bytes(job.model, job.optimizer)
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else peak_rss_bytes()
+    peaks = C.all_gather_object(peak, group)
+    result = {
+        "times": times, "peak_rss": max(peaks), "state_bytes": state["total"], "params": job.params,
+        "gathered_bytes": GATHERED.peak_bytes if impl == "fullshard" else _gathered_peak(impl, job, world),
+        "items": job.items * world, "largest_unit_bytes": job.largest_unit_bytes, "world": world, "device": str(device),
+        "bytes_sent": sent if impl == "fullshard" else _bytes_sent(impl, job.params * 4, world),
+    }
+    return result
 
 
 def _gathered_peak(impl: str, job: _Job, world: int) -> int:

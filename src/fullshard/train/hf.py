@@ -108,14 +108,18 @@ def worker(cfg: HFJobConfig) -> dict[str, Any] | None:
     """One rank of the job. Returns the last log record on rank 0, None elsewhere."""
     device = launch.init_process_group()
     try:
-        torch.manual_seed(cfg.seed)
-        build, default_cls = HF_CONFIGS[cfg.config]
-        model = CausalLMLogits(build()).to(device)
-        names = (cfg.wrap_cls or default_cls).split(",")
-        wrapped = wrap_hf(model, names, **fsdp_options.fsdp_kwargs(cfg))
-        return train_loop(cfg, device, wrapped, f"transformers {cfg.config} ({', '.join(names)} per unit)")
+        return _run(cfg, device)
     finally:
-        launch.destroy_process_group()
+        launch.destroy_process_group()  # the model is out of scope here: its groups end now
+
+
+def _run(cfg: HFJobConfig, device: torch.device) -> dict[str, Any] | None:
+    torch.manual_seed(cfg.seed)
+    build, default_cls = HF_CONFIGS[cfg.config]
+    model = CausalLMLogits(build()).to(device)
+    names = (cfg.wrap_cls or default_cls).split(",")
+    wrapped = wrap_hf(model, names, **fsdp_options.fsdp_kwargs(cfg))
+    return train_loop(cfg, device, wrapped, f"transformers {cfg.config} ({', '.join(names)} per unit)")
 
 
 def main(argv: Sequence[str]) -> int:
