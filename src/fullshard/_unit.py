@@ -346,7 +346,8 @@ class Unit:
 
         Each piece of :attr:`_pieces` is one all-gather: a lone parameter lands in its own
         region of ``full`` directly (its N padded shards back to back are its padded full
-        tensor); a run of parameters lands rank-major in a temporary buffer and is copied out.
+        tensor); a run of parameters lands rank-major in a scratch buffer from :data:`C.POOL`
+        (the next unit of the same size reuses it: no fresh pages to fault in) and is copied out.
         """
         n = self.world
         handles: list[C.Handle] = []
@@ -357,7 +358,7 @@ class Unit:
                 sp = group[0]
                 out = full[sp.full_offset : sp.full_offset + sp.spec.padded_numel]
             else:
-                out = torch.empty(n * length, dtype=local.dtype, device=local.device)
+                out = C.POOL.take(n * length, local.dtype, local.device)
                 copy_outs.append((out, k))
             h = C.all_gather(out, src, self.shard_group, async_op=True)
             assert h is not None
@@ -371,6 +372,7 @@ class Unit:
                 else:
                     outs = [full[sp.full_offset : sp.full_offset + sp.spec.padded_numel].view(n, -1) for sp in group]
                 torch.split_with_sizes_copy(gathered.view(n, -1), self._run_sizes[k], dim=1, out=outs)
+                C.POOL.give(gathered)
 
         return C.Handle(handles, epilogue if copy_outs else None)
 
