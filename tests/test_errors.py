@@ -189,4 +189,30 @@ def test_bench_markdown_section_is_replaced_not_appended(tmp_path: Path) -> None
     write_markdown(str(md), "second table")
     text = md.read_text()
     assert "first table" not in text and text.count("second table") == 1
-    assert text.startswith("# head\n") and text.rstrip().endswith("## after")
+    assert text.startswith("# head\n") and text.rstrip().endswith("\n\n## after")  # the blank line kept
+
+
+@pytest.mark.timeout(300)
+def test_bench_gpu_code_path_runs_the_same_model_everywhere(tmp_path: Path) -> None:
+    """``bench gpu`` on the CPU (--allow-cpu): every implementation trains the same model on the
+    same batch (equal first-step losses, up to bf16 rounding), and its section goes beside the
+    compare section, not over it."""
+    import torch
+
+    md = tmp_path / "B.md"
+    from fullshard.bench import write_markdown
+
+    write_markdown(str(md), "compare table")
+    if not torch.cuda.is_available():
+        r = _cli("bench", "gpu", timeout=60)
+        assert r.returncode != 0 and "--allow-cpu" in r.stderr, r.stderr[-2000:]
+    r = _cli("bench", "gpu", "--allow-cpu", "--preset", "tiny", "--offload-presets", "tiny", "--batch", "2", "--seq", "32",
+             "--steps", "1", "--warmup", "1", "--rounds", "1", "--offload-steps", "1", "--offload-batch", "2", "--write", str(md), timeout=280)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): line.split("|") for line in r.stdout.splitlines() if line.startswith("| ") and "---" not in line}
+    impls = ["fullshard", "torch FSDP2", "unwrapped, autocast bf16", "unwrapped, bf16 parameters"]
+    losses = [float(rows[i][-2]) for i in impls]
+    assert max(losses) - min(losses) < 0.02 and 4.0 < losses[0] < 7.0, losses  # about ln(256) = 5.55 at init
+    assert "tiny" in rows and "did not train" not in rows["tiny"][3], r.stdout
+    text = md.read_text()
+    assert "compare table" in text and "| fullshard |" in text and "bench gpu --allow-cpu" in text

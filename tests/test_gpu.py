@@ -113,3 +113,18 @@ def test_parameters_on_two_devices_are_refused() -> None:
             FSDP(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2).cuda()))
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.timeout(300)
+def test_bench_gpu_on_cuda(tmp_path: Path) -> None:
+    """The CUDA path of ``bench gpu``: all four implementations train the same tiny model (equal
+    first-step losses), and the CPU-offload run trains."""
+    cmd = [str(Path(sys.executable).parent / "fullshard"), "bench", "gpu", "--preset", "tiny", "--offload-presets", "tiny",
+           "--batch", "2", "--seq", "64", "--steps", "2", "--warmup", "1", "--rounds", "1", "--offload-steps", "1"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {ln.split("|")[1].strip(): ln.split("|") for ln in r.stdout.splitlines() if ln.startswith("| ") and "---" not in ln}
+    losses = [float(rows[i][-2]) for i in ("fullshard", "torch FSDP2", "unwrapped, autocast bf16", "unwrapped, bf16 parameters")]
+    assert max(losses) - min(losses) < 0.02, losses
+    assert "did not train" not in rows["tiny"][3], r.stdout
+    assert f"GPU {torch.cuda.get_device_name()}" in r.stdout, r.stdout

@@ -3,6 +3,8 @@
 ``fullshard bench optimizer [--numel 62000000]`` times one CPU AdamW step over one rank's shards
 (the step that CPU offload moves to the host) for the for-loop, foreach and fused variants.
 
+``fullshard bench gpu`` measures the GPT presets on one CUDA device (see :mod:`fullshard.bench_gpu`).
+
 ``fullshard bench prefetch [--nproc 2] [--steps 12]`` trains a stack of large Linear layers
 (communication-heavy: many parameters, small batch) with FULL_SHARD under each prefetch setting
 and prints the median step time of each, with its ratio to the no-prefetch run. Timings belong
@@ -396,15 +398,16 @@ def write_chart(path: str, all_results: dict[str, dict[str, dict[str, Any]]]) ->
     plt.close(fig)
 
 
-def write_markdown(path: str, section: str) -> None:
-    """Replace the generated section of ``path`` (between the markers), or append it."""
+def write_markdown(path: str, section: str, begin: str = BEGIN_MARK, end: str = END_MARK) -> None:
+    """Replace the generated section of ``path`` (between ``begin`` and ``end``), or append it."""
     import os
 
     text = open(path).read() if os.path.exists(path) else "# fullshard benchmarks\n"
-    block = f"{BEGIN_MARK}\n{section.rstrip()}\n{END_MARK}\n"
-    if BEGIN_MARK in text and END_MARK in text:
-        head, rest = text.split(BEGIN_MARK, 1)
-        text = head + block + rest.split(END_MARK, 1)[1].lstrip("\n")
+    block = f"{begin}\n{section.rstrip()}\n{end}\n"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        tail = rest.split(end, 1)[1].lstrip("\n")
+        text = head + block + ("\n" + tail if tail else "")
     else:
         text = text.rstrip() + "\n\n" + block
     tmp = path + ".tmp"
@@ -453,8 +456,13 @@ def run_compare(workloads: Sequence[str], steps: int, warmup: int, rounds: int, 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``fullshard bench``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["gpu"]:
+        from fullshard import bench_gpu
+
+        return bench_gpu.main(argv[1:])
     p = argparse.ArgumentParser(prog="fullshard bench", description=__doc__)
-    p.add_argument("workload", choices=["prefetch", "optimizer", "compare"])
+    p.add_argument("workload", choices=["prefetch", "optimizer", "compare", "gpu"])
     p.add_argument("--compare", default="compute", choices=sorted(COMPARE_WORKLOADS), help="compare: one workload")
     p.add_argument("--workloads", nargs="+", choices=sorted(COMPARE_WORKLOADS), help="compare: several workloads (overrides --compare)")
     p.add_argument("--rounds", type=int, default=2, help="compare: turns per implementation, the order reversed every other round")
@@ -467,11 +475,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--numel", type=int, default=62_000_000, help="optimizer: elements per rank")
-    args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
+    args = p.parse_args(argv)
     if args.workload == "compare":
         workloads = args.workloads or [args.compare]
         section, all_results = run_compare(workloads, args.steps, args.warmup, args.rounds, args.nproc)
-        command = "fullshard bench " + " ".join(sys.argv[1:] if argv is None else argv)
+        command = "fullshard bench " + " ".join(argv)
         section = f"`{command}`\n\n{section}"
         print(section)
         if args.chart:

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 USAGE = """usage: fullshard COMMAND ...
 
 commands:
-  train JOB [options]   run a training job across processes (jobs: mnist)
-  bench WORKLOAD        time fullshard configurations (workloads: prefetch, optimizer)
+  train JOB [options]   run a training job across processes (jobs: mnist, gpt, hf)
+  bench WORKLOAD        time fullshard (workloads: compare, gpu, prefetch, optimizer)
   convert CKPT OUT      write a sharded checkpoint as one full state dict (.safetensors or .pt)
 """
 
