@@ -128,3 +128,19 @@ def test_bench_gpu_on_cuda(tmp_path: Path) -> None:
     assert max(losses) - min(losses) < 0.02, losses
     assert "did not train" not in rows["tiny"][3], r.stdout
     assert f"GPU {torch.cuda.get_device_name()}" in r.stdout, r.stdout
+
+
+@pytest.mark.timeout(300)
+def test_gpt_job_on_gpu_checkpoints_and_resumes(tmp_path: Path) -> None:
+    """The GPT job on CUDA: bf16, a sharded checkpoint (its error flag and loss sums are CPU
+    scalars reduced over NCCL), then a second run resuming from it."""
+    exe = str(Path(sys.executable).parent / "fullshard")
+    metrics, ckpt = tmp_path / "m.jsonl", tmp_path / "ckpt"
+    args = ["train", "gpt", "--preset", "tiny", "--nproc", str(torch.cuda.device_count()), "--mixed-precision", "bf16", "--seq-len", "64",
+            "--log-interval", "10", "--eval-batches", "2", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "10", "--metrics-file", str(metrics)]
+    r = subprocess.run([exe, *args, "--steps", "20"], capture_output=True, text=True, timeout=140)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = subprocess.run([exe, *args, "--steps", "30"], capture_output=True, text=True, timeout=140)
+    assert r.returncode == 0 and "resumed from" in r.stdout and "at step 20" in r.stdout, (r.stdout[-2000:], r.stderr[-3000:])
+    recs = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [rec["step"] for rec in recs] == [10, 20, 30] and recs[-1]["train_loss"] < recs[0]["train_loss"], recs

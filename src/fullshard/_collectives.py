@@ -302,26 +302,59 @@ def reduce_scatter(
     return _finish(work, (lambda: output.div_(divide_by)) if divide_by != 1.0 else None, async_op)
 
 
+def _staged(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """``tensor`` itself when ``group`` can reduce it where it lives, else a copy on the device
+    that can (a CPU scalar on an NCCL group: a loss sum, an error flag, a norm)."""
+    device = reduction_device(group)
+    return tensor if tensor.device == device else tensor.to(device)
+
+
+def _copy_back(staged: torch.Tensor, tensor: torch.Tensor, then: Callable[[], Any] | None = None) -> Callable[[], Any] | None:
+    """The epilogue that returns a staged result to ``tensor`` (and runs ``then``), or ``then``."""
+    if staged is tensor:
+        return then
+
+    def epilogue() -> None:
+        tensor.copy_(staged)
+        if then is not None:
+            then()
+
+    return epilogue
+
+
 def all_reduce(
     tensor: torch.Tensor, group: ProcessGroup, divide_by: float = 1.0, async_op: bool = False
 ) -> Handle | None:
-    """Sum ``tensor`` over ranks in place, then divide by ``divide_by``."""
+    """Sum ``tensor`` over ranks in place, then divide by ``divide_by``.
+
+    A tensor on a device the group's backend cannot reduce on (a CPU tensor on an NCCL group) is
+    reduced through a copy on the group's device and written back.
+    """
     n = group_size(group)
     STATS.record("all_reduce", tensor, 2 * tensor.numel() * tensor.element_size() * (n - 1) // n)
-    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-    return _finish(work, (lambda: tensor.div_(divide_by)) if divide_by != 1.0 else None, async_op)
+    staged = _staged(tensor, group)
+    work = dist.all_reduce(staged, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    divide = (lambda: tensor.div_(divide_by)) if divide_by != 1.0 else None
+    return _finish(work, _copy_back(staged, tensor, divide), async_op)
 
 
 def all_reduce_max(tensor: torch.Tensor, group: ProcessGroup) -> None:
-    """Element-wise maximum over ranks, in place, synchronous."""
+    """Element-wise maximum over ranks, in place, synchronous (staged like :func:`all_reduce`)."""
     STATS.record("all_reduce", tensor, tensor.numel() * tensor.element_size())
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    staged = _staged(tensor, group)
+    dist.all_reduce(staged, op=dist.ReduceOp.MAX, group=group)
+    if staged is not tensor:
+        tensor.copy_(staged)
 
 
 def broadcast(tensor: torch.Tensor, src_rank: int, group: ProcessGroup) -> None:
-    """Copy ``tensor`` from group rank ``src_rank`` to every rank, in place, synchronous."""
+    """Copy ``tensor`` from group rank ``src_rank`` to every rank, in place, synchronous (staged
+    like :func:`all_reduce`)."""
     STATS.record("broadcast", tensor, tensor.numel() * tensor.element_size())
-    dist.broadcast(tensor, src=dist.get_global_rank(group, src_rank), group=group)
+    staged = _staged(tensor, group)
+    dist.broadcast(staged, src=dist.get_global_rank(group, src_rank), group=group)
+    if staged is not tensor:
+        tensor.copy_(staged)
 
 
 def all_gather_object(obj: Any, group: ProcessGroup) -> list[Any]:

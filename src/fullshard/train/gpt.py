@@ -204,7 +204,7 @@ def train_loop(cfg: GPTJobConfig, device: torch.device, model: FSDP, title: str)
     first = _resume(cfg, model, optimizer)
     metrics = MetricsFile(cfg.metrics_file, rank == 0, append=first > 0)
     record: dict[str, Any] | None = None
-    window_loss = torch.zeros(2, dtype=torch.float64)
+    window_loss = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, steps: no sync per step
     start = last = time.perf_counter()
     for step in range(first, cfg.steps):
         for g in optimizer.param_groups:
@@ -216,7 +216,8 @@ def train_loop(cfg: GPTJobConfig, device: torch.device, model: FSDP, title: str)
         if cfg.grad_clip > 0:
             model.clip_grad_norm_(cfg.grad_clip)
         optimizer.step()
-        window_loss += torch.tensor([loss.item(), 1.0], dtype=torch.float64)
+        window_loss[0] += loss.detach()
+        window_loss[1] += 1
         if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps):
             extra = {"step": step + 1, "rng": torch.get_rng_state()}
             checkpoint.save(cfg.checkpoint_dir, step + 1, model, optimizer, extra, keep=cfg.keep_checkpoints)  # type: ignore[arg-type]
