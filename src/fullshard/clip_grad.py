@@ -23,7 +23,7 @@ def _group_key(param: torch.Tensor) -> Any:
     return owner.shard_group if owner is not None else None
 
 
-def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+def total_grad_norm(parameters: torch.Tensor | Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
     """The ``norm_type``-norm of all gradients of ``parameters``, as if unsharded.
 
     Returns:
@@ -35,37 +35,42 @@ def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) 
     p = float(norm_type)
     if not p > 0:
         raise ValueError(f"norm_type must be positive (or inf), got {norm_type}")
-    params = list(parameters)
-    groups_seen = [g for g in (_group_key(q) for q in params) if g is not None]
-    # Partial sums live where their group can reduce them (CUDA for NCCL, even when the
-    # gradients are offloaded to CPU).
-    device = C.reduction_device(groups_seen[0]) if groups_seen else torch.device("cpu")
-    partial: dict[int, torch.Tensor] = {}
-    groups: dict[int, Any] = {}
-    whole = torch.zeros((), dtype=torch.float32, device=device)
-    for q in params:
+    inf = math.isinf(p)
+    groups: dict[int, Any] = {}  # shard groups in order of first appearance: the same on every rank
+    buckets: dict[tuple[int, torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for q in params_list(parameters):
         group = _group_key(q)
         key = id(group) if group is not None else 0
-        if group is not None and key not in partial:
-            partial[key] = torch.zeros((), dtype=torch.float32, device=device)
-            groups[key] = group
-        if q.grad is None or q.grad.numel() == 0:
-            continue
-        g = q.grad.detach().to(device, torch.float32)
-        term = g.abs().max() if math.isinf(p) else g.abs().pow(p).sum()
-        if group is None:
-            whole = torch.maximum(whole, term) if math.isinf(p) else whole + term
-        else:
-            partial[key] = torch.maximum(partial[key], term) if math.isinf(p) else partial[key] + term
-    total = whole
-    for key, value in partial.items():  # same order on every rank: first appearance
-        if math.isinf(p):
+        if group is not None:
+            groups.setdefault(key, group)
+        if q.grad is not None and q.grad.numel() > 0:
+            buckets.setdefault((key, q.grad.device, q.grad.dtype), []).append(q.grad.detach())
+    # Partial sums live where their group can reduce them (CUDA for NCCL, even when the gradients
+    # are offloaded to CPU); without sharded groups, where the gradients are.
+    if groups:
+        device = C.reduction_device(next(iter(groups.values())))
+    else:
+        device = next((d for (_, d, _) in buckets), torch.device("cpu"))
+    partial = {key: torch.zeros((), dtype=torch.float32, device=device) for key in [0, *groups]}
+    for (key, _, _), grads in buckets.items():
+        # One multi-tensor kernel per bucket: the p-norm of each gradient, in float32.
+        norms = torch.stack(torch._foreach_norm(grads, p, dtype=torch.float32)).to(device)
+        term = norms.max() if inf else norms.pow(p).sum()
+        partial[key] = torch.maximum(partial[key], term) if inf else partial[key] + term
+    total = partial.pop(0)
+    for key, value in partial.items():
+        if inf:
             C.all_reduce_max(value, groups[key])
             total = torch.maximum(total, value)
         else:
             C.all_reduce(value, groups[key])
             total = total + value
-    return total if math.isinf(p) else total.pow(1.0 / p)
+    return total if inf else total.pow(1.0 / p)
+
+
+def params_list(parameters: torch.Tensor | Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """``parameters`` as a list (one tensor becomes a list of one)."""
+    return [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
 
 
 def clip_grad_norm_(
@@ -84,10 +89,13 @@ def clip_grad_norm_(
     Returns:
         the total norm before clipping (float32 scalar tensor).
     """
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    params = params_list(parameters)
     total = total_grad_norm(params, norm_type)
     coef = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
-    grads = [q.grad for q in params if q.grad is not None]
-    for g in grads:
-        g.mul_(coef.to(g.device, g.dtype))
+    buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for q in params:
+        if q.grad is not None:
+            buckets.setdefault((q.grad.device, q.grad.dtype), []).append(q.grad.detach())
+    for (device, dtype), grads in buckets.items():
+        torch._foreach_mul_(grads, coef.to(device, dtype))
     return total
