@@ -302,23 +302,28 @@ def test_buffer_pool_reuses_whole_buffers_only() -> None:
     assert pool.nbytes == 0
 
 
-def _thp_setting() -> str | None:
+def _worker_settings() -> tuple[str | None, str | None, int]:
     import os
 
-    return os.environ.get("THP_MEM_ALLOC_ENABLE")
+    return os.environ.get("THP_MEM_ALLOC_ENABLE"), os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()
 
 
 @pytest.mark.timeout(120)
-def test_launch_turns_on_huge_pages_for_workers_only(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_launch_sets_huge_pages_and_threads_for_workers_only(monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
     from fullshard import launch
 
     monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
-    assert launch.launch(_thp_setting, (), 1)[0] == "1"
-    assert "THP_MEM_ALLOC_ENABLE" not in os.environ  # the caller's environment is left as it was
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)  # read in this process, where launch decides
+    threads = {rank: s[2] for rank, s in launch.launch(_worker_settings, (), 2).items()}
+    assert threads == {0: 2, 1: 2}  # 4 cores shared by 2 workers: torch in each uses 2 threads
+    assert launch.launch(_worker_settings, (), 1)[0][:2] == ("1", "4")
+    assert "THP_MEM_ALLOC_ENABLE" not in os.environ and "OMP_NUM_THREADS" not in os.environ  # the caller's left as it was
     monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
-    assert launch.launch(_thp_setting, (), 1)[0] == "0"  # an explicit choice is kept
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert launch.launch(_worker_settings, (), 2)[0][:2] == ("0", "3")  # an explicit choice is kept
 
 
 def _threads() -> int:
@@ -371,3 +376,43 @@ def test_destroy_process_group_frees_units_and_ends_gloo_threads() -> None:
         assert unit_freed
         assert during > before
         assert after == before, (before, during, after)
+
+
+def collectives_body(rank: int, world: int) -> int:
+    """All-gather and reduce-scatter on gloo against their definitions, each path of each."""
+    from fullshard import _collectives as C
+
+    group = C.default_group()
+    checked = 0
+    for dtype in (torch.float32, torch.bfloat16):
+        for s in (1, 5, 4096):
+            inputs = [torch.arange(s, dtype=torch.float32).add(1000 * r).to(dtype) for r in range(world)]
+            want = torch.cat(inputs)
+            for async_op in (False, True):
+                out = torch.full((world * s,), float("nan"), dtype=dtype)
+                h = C.all_gather(out, inputs[rank].clone(), group, async_op=async_op)
+                if h is not None:
+                    h.wait()
+                assert torch.equal(out, want), (dtype, s, async_op)
+                # In place: the input is this rank's slice of the output.
+                out = torch.full((world * s,), float("nan"), dtype=dtype)
+                out[rank * s : (rank + 1) * s] = inputs[rank]
+                C.all_gather(out, out[rank * s : (rank + 1) * s], group)
+                assert torch.equal(out, want), (dtype, s, "in place")
+                # Reduce-scatter: rank r's input is (r+1) * [0, 1, ...]; chunk k of the sum kept on rank k.
+                full = torch.arange(world * s, dtype=torch.float32)
+                grads = full.mul(rank + 1).to(dtype)
+                red = torch.full((s,), float("nan"), dtype=dtype)
+                h = C.reduce_scatter(red, grads, group, divide_by=world, async_op=async_op)
+                if h is not None:
+                    h.wait()
+                expect = (full[rank * s : (rank + 1) * s] * (world + 1) / 2).to(dtype)
+                torch.testing.assert_close(red, expect, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=0)
+                checked += 1
+    return checked
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3])
+def test_collectives_match_their_definitions(world: int) -> None:
+    assert run_ranks(collectives_body, world, timeout=100) == [12] * world

@@ -12,7 +12,8 @@ It hides what differs between backends and torch versions:
 - gloo's all-gather is about 3x slower than an all-to-all moving the same bytes (measured over
   loopback: 67 ms against 20 ms for a 24 MiB shard at 2 ranks, 136 ms against 45 ms at 3). Here
   an all-gather on gloo is N concurrent broadcasts, one rooted at each rank, straight into the
-  output's slices; the bytes on the wire are the same.
+  output's slices; the bytes on the wire are the same. At two ranks it is one all-to-all with
+  the own chunk left out (one gloo operation instead of two).
 - torch 2.13 renamed ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` to
   ``all_gather_single`` / ``reduce_scatter_single``; torch 2.11 has only the old names.
 
@@ -221,12 +222,20 @@ def all_gather(
         )
     STATS.record("all_gather", input, input.numel() * input.element_size() * (n - 1))
     if n > 1 and backend(group) == "gloo":
-        # One broadcast rooted at each rank; the root sends its input as is, the others
-        # receive into their slice of the output. Gloo runs them concurrently.
         rank = group_rank(group)
         slices = output.view(n, -1)
         if slices[rank].data_ptr() != input.data_ptr():
             slices[rank].copy_(input)
+        if n == 2:
+            # One all-to-all that sends our input to the other rank and receives its input
+            # straight into its slice: one gloo operation instead of two broadcasts (1.5 MiB:
+            # 1.06 ms against 1.29 ms on this project's machine).
+            splits = [0, 0]
+            splits[1 - rank] = input.numel()
+            work = dist.all_to_all_single(slices[1 - rank], input, splits, splits, group=group, async_op=async_op)
+            return _finish(work, None, async_op)
+        # One broadcast rooted at each rank; the root sends its input as is, the others
+        # receive into their slice of the output. Gloo runs them concurrently.
         works = [
             dist.broadcast(input if src == rank else slices[src], src=_global_ranks(group)[src], group=group, async_op=True)
             for src in range(n)
