@@ -174,6 +174,7 @@ def test_bench_compare_runs_all_three_and_writes_its_section(tmp_path: Path) -> 
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [line for line in r.stdout.splitlines() if line.startswith("| ") and "implementation" not in line]
     assert [row.split("|")[1].strip() for row in rows] == ["fullshard", "torch FSDP2", "DDP", "no communication"], r.stdout
+    assert all(float(row.split("|")[3]) > 0 for row in rows), r.stdout  # CPU seconds per step, measured
     text = md.read_text()
     assert text.startswith("# mine\n\nhand-written text\n") and "| fullshard |" in text and "bench compare --compare tiny" in text
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

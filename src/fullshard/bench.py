@@ -244,7 +244,8 @@ def _bytes_sent(impl: str, param_bytes: int, world: int) -> int:
 
 def compare_worker(workload: str, impl: str, steps: int, warmup: int) -> dict[str, Any] | None:
     """One rank, one implementation: build it from the seed, run ``warmup`` untimed and ``steps``
-    timed steps; rank 0 returns the step times, the peak RSS (or peak GPU memory) over ranks, the
+    timed steps; rank 0 returns the step times, the CPU seconds per step (user + system, all
+    threads, mean over ranks), the peak RSS (or peak GPU memory) over ranks, the
     model-state bytes and the bytes sent per step.
     """
     device = launch.init_process_group()
@@ -263,31 +264,43 @@ def _compare_turn(workload: str, impl: str, steps: int, warmup: int, device: tor
     group = C.default_group()
     rank, world = C.group_rank(group), C.group_size(group)
     job = _build_job(workload, impl, device, rank)
-    times = []
+    times, cpu = [], []
     for i in range(warmup + steps):
         if i == warmup:
             C.STATS.reset()
         C.barrier(group)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), _cpu_seconds()
         _step(job)
         if device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = torch.tensor([time.perf_counter() - start], device=device)
+        spent = _cpu_seconds() - cpu_start
         C.all_reduce_max(elapsed, group)
         if i >= warmup:
             times.append(float(elapsed.item()))
+            cpu.append(spent)
     C.STATS.bytes_sent.pop("all_reduce", None)  # the timing's own max-reduction
     sent = sum(C.STATS.bytes_sent.values()) // steps
     state = model_state_bytes(job.model, job.optimizer)
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else peak_rss_bytes()
     peaks = C.all_gather_object(peak, group)
+    cpus = C.all_gather_object(cpu, group)
     result = {
-        "times": times, "peak_rss": max(peaks), "state_bytes": state["total"], "params": job.params,
+        "times": times, "cpu_times": [sum(c) / world for c in zip(*cpus)],  # CPU: mean over ranks, per step
+        "peak_rss": max(peaks), "state_bytes": state["total"], "params": job.params,
         "gathered_bytes": GATHERED.peak_bytes if impl == "fullshard" else _gathered_peak(impl, job, world),
         "items": job.items * world, "largest_unit_bytes": job.largest_unit_bytes, "world": world, "device": str(device),
         "bytes_sent": sent if impl == "fullshard" else _bytes_sent(impl, job.params * 4, world),
     }
     return result
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU seconds of this process so far, all its threads (gloo's included)."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def _gathered_peak(impl: str, job: _Job, world: int) -> int:
@@ -327,8 +340,9 @@ def compare_table(workload: str, results: dict[str, dict[str, Any]]) -> str:
         f"Workload `{workload}`: {COMPARE_WORKLOADS[workload]}, {any_r['params'] / 1e6:.1f}M parameters, "
         f"{any_r['world']} ranks. Cells: value (ratio to torch FSDP2 / ratio to DDP).",
         "",
-        f"| implementation | step (s) | {items}/s | {mem} per rank (MiB) | model state per rank (MiB) | of which gathered at peak (MiB) | sent per step (MiB) |",
-        "|---|---|---|---|---|---|---|",
+        f"| implementation | step (s) | CPU per step per rank (s) | {items}/s | {mem} per rank (MiB) | model state per rank (MiB) "
+        "| of which gathered at peak (MiB) | sent per step (MiB) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in results.values():
         r["model_state"] = r["state_bytes"] + r["gathered_bytes"]
@@ -336,7 +350,7 @@ def compare_table(workload: str, results: dict[str, dict[str, Any]]) -> str:
         r = results[impl]
         state = r["model_state"]
         lines.append(
-            f"| {impl} | {r['step_s']:.3f} ({ratio(impl, 'step_s')}) | {r['items_per_s']:,.0f} ({ratio(impl, 'items_per_s')}) | "
+            f"| {impl} | {r['step_s']:.3f} ({ratio(impl, 'step_s')}) | {r['cpu_s']:.3f} | {r['items_per_s']:,.0f} ({ratio(impl, 'items_per_s')}) | "
             f"{r['peak_rss'] / 2**20:,.0f} ({ratio(impl, 'peak_rss')}) | {state / 2**20:,.1f} ({ratio(impl, 'model_state')}) | "
             f"{r['gathered_bytes'] / 2**20:,.1f} | {r['bytes_sent'] / 2**20:,.1f} |"
         )
@@ -435,11 +449,13 @@ def run_compare(workloads: Sequence[str], steps: int, warmup: int, rounds: int, 
                 assert turn is not None
                 if impl in res:
                     res[impl]["times"] += turn["times"]
+                    res[impl]["cpu_times"] += turn["cpu_times"]
                     res[impl]["peak_rss"] = max(res[impl]["peak_rss"], turn["peak_rss"])
                 else:
                     res[impl] = turn
         for one in res.values():
             one["step_s"] = statistics.median(one.pop("times"))
+            one["cpu_s"] = statistics.median(one.pop("cpu_times"))
             one["items_per_s"] = one["items"] / one["step_s"]
         all_results[workload] = res
         parts += [compare_table(workload, res), "", "Against issue 6's targets:", *target_lines(workload, res), ""]
