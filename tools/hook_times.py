@@ -1,0 +1,77 @@
+"""Wall time per step inside fullshard's hooks, unit methods and collective waits (inclusive:
+nested calls count in both), median over steps, for the `compute` bench workload at 2 ranks.
+
+    python tools/hook_times.py 10
+
+Columns: rank 0 ms, rank 1 ms, calls per step.
+"""
+import collections
+import statistics
+import sys
+import time
+
+import torch
+
+from fullshard import _collectives as C
+from fullshard import _hooks as H
+from fullshard import bench, launch
+from fullshard._unit import Unit
+
+ACC = collections.defaultdict(float)
+CNT = collections.defaultdict(int)
+
+
+def timed(owner, name, label=None):
+    fn = getattr(owner, name)
+    label = label or name
+
+    def wrapper(*a, **k):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            ACC[label] += time.perf_counter() - t
+            CNT[label] += 1
+
+    setattr(owner, name, wrapper)
+
+
+for n in ("pre_forward", "post_forward", "_pre_backward", "post_backward", "finish_backward", "prepare_inputs"):
+    timed(H, n)
+for n in ("unshard", "wait_unshard", "reduce_grads", "finish_reduce", "pack_grads", "reshard", "install_full_params", "uninstall_full_params", "full_params", "_sync_shards"):
+    timed(Unit, n, "Unit." + n)
+timed(C, "all_gather", "C.all_gather")
+timed(C, "reduce_scatter", "C.reduce_scatter")
+timed(C.Handle, "wait", "Handle.wait")
+
+
+def worker(steps, warmup):
+    dev = launch.init_process_group()
+    torch.set_num_threads(1)
+    try:
+        g = C.default_group()
+        job = bench._build_job("compute", "fullshard", dev, C.group_rank(g))
+        per = collections.defaultdict(list)
+        for i in range(warmup + steps):
+            C.barrier(g)
+            ACC.clear()
+            CNT.clear()
+            t0 = time.perf_counter()
+            bench._step(job)
+            total = time.perf_counter() - t0
+            if i >= warmup:
+                per["step"].append(total)
+                for k, v in ACC.items():
+                    per[k].append(v)
+                cnt = dict(CNT)
+        out = {k: statistics.median(v) for k, v in per.items()}
+        return (out, cnt)
+    finally:
+        launch.destroy_process_group()
+
+
+if __name__ == "__main__":
+    res = launch.launch(worker, (int(sys.argv[1]) if len(sys.argv) > 1 else 10, 3), 2)
+    (a, cnt), (b, _) = res[0], res[1]
+    for k in sorted(a, key=lambda k: -a[k]):
+        print(f"{k:28s} {a[k]*1e3:8.2f} {b.get(k, 0)*1e3:8.2f} ms  x{cnt.get(k, 1)}")
