@@ -97,6 +97,10 @@ class BufferPool:
         self._free.clear()
 
 
+# Scratch (packed gradients, receive buffers) and the full-parameter buffers of CPU units (see
+# ``fullshard._unit``), kept across steps: the next buffer of a size reuses the memory the last
+# one gave back instead of faulting in and zeroing fresh pages (a unit's full buffer and its
+# packed gradient have the same size, so they take turns). Cleared with the process group.
 POOL = BufferPool()
 
 

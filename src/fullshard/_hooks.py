@@ -24,7 +24,6 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map
 
-from fullshard import _collectives as C
 from fullshard._module_wrapper import clean_name
 from fullshard._unit import ShardState, TrainingState, Unit, record
 from fullshard.api import BackwardPrefetch, MixedPrecision
@@ -227,7 +226,6 @@ def finish_backward(root: RootState) -> None:
     for unit in root.units:
         unit.reshard()
         unit.training_state = TrainingState.IDLE
-    C.POOL.clear()  # units of one size reuse each other's scratch within a backward, not beyond
     root.last_reduced = None
     root.callback_queued = False
     root.pre_backward_done.clear()

@@ -110,6 +110,13 @@ GATHERED = GatherTracker()
 # own, straight into the full buffer; smaller ones are gathered in runs and copied out.
 DIRECT_GATHER_BYTES = 1 << 20
 
+# On CPU a freed full buffer's memory is kept in :data:`C.POOL` and handed to the next unit
+# of the same size by swapping data pointers between storages: the storage object that
+# autograd's saved views hold stays the unit's own, and no fresh pages are faulted in and zeroed
+# (on this project's machine that zeroing was most of a memory-bound step's system time). Torch
+# versions without the swap, and CUDA (whose caching allocator already reuses memory), resize.
+_SWAP_STORAGE = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
 # When a list, units and hooks append (event, unit name): "unshard" (all-gather launched),
 # "forward" / "forward_end", "backward" (pre-backward) and "reduce". For tests of ordering.
 EVENTS: list[tuple[str, str]] | None = None
@@ -176,6 +183,10 @@ class Unit:
         self.reduce_dtype = config.reduce_dtype or self.compute_dtype
         self._build(params)
         self._pending_gather: C.Handle | None = None
+        self._lent: torch.Tensor | None = None  # while gathered from the pool: holds the empty storage
+        self._last_reduce_out: torch.Tensor | None = None
+        # The contexts of this unit's _SplitFull nodes that autograd may still run backward on.
+        self._open_splits: weakref.WeakSet[Any] = weakref.WeakSet()
         self._pending_reduce: tuple[_Multi, torch.Tensor, torch.Tensor | None] | None = None
         self.sync_grads = True  # False: gradients accumulate unsharded, no reduction (no_sync)
         self.on_grad_ready: Callable[[Unit], None] | None = None
@@ -331,7 +342,7 @@ class Unit:
             return
         self._sync_shards()
         record("unshard", self)
-        self._full_data.untyped_storage().resize_(self.full_nbytes)
+        self._allocate_full()
         GATHERED.add(self.full_nbytes)
         if self.world == 1:
             self._full_data.copy_(self.local_flat, non_blocking=True)  # cast and/or upload
@@ -340,6 +351,26 @@ class Unit:
         self._pending_gather = self._gather_into(self._full_data, self._gather_input())
         if not async_op:
             self.wait_unshard()
+
+    def _allocate_full(self) -> None:
+        """Give the full flat buffer's storage its memory: pooled on CPU, else a resize."""
+        storage = self._full_data.untyped_storage()
+        if _SWAP_STORAGE and self.device.type == "cpu":
+            lent = C.POOL.take(self._full_data.numel(), self._full_data.dtype, self.device)
+            storage._swap_data_ptr_(lent.untyped_storage())  # type: ignore[attr-defined]
+            self._lent = lent  # now the owner of the storage's former (empty) allocation
+        else:
+            storage.resize_(self.full_nbytes)
+
+    def _free_full(self) -> None:
+        """Take the full flat buffer's memory away: back to the pool, or resized to 0 bytes."""
+        storage = self._full_data.untyped_storage()
+        if self._lent is not None:
+            storage._swap_data_ptr_(self._lent.untyped_storage())  # type: ignore[attr-defined]
+            C.POOL.give(self._lent)
+            self._lent = None
+        else:
+            storage.resize_(0)
 
     def _gather_into(self, full: torch.Tensor, local: torch.Tensor) -> C.Handle:
         """Start all-gathering ``local`` (S,) of every rank into the param-major ``full`` (N*S,).
@@ -454,6 +485,18 @@ class Unit:
         torch.cat(parts, dim=1, out=out.view(n, self.grad_numel))
         return out
 
+    def free_full_for_packing(self) -> None:
+        """Free the full parameters now that autograd has no more use for them (the last of the
+        unit's split nodes is running its backward), so the packed gradient can take their
+        memory: the unit never holds its full parameters, their gradients and the packed gradient
+        at once. Kept when frozen parameters share the buffer (their users may run later) or
+        when it aliases the shards. The unit stays UNSHARDED until :meth:`reshard`.
+        """
+        if self.aliased or self.shard_numel == 0 or len(self.trainable) != len(self.params):
+            return
+        if self.shard_state is ShardState.UNSHARDED and self._pending_gather is None:
+            self._free_full()
+
     def install_full_params(self) -> None:
         for sp, full in zip(self.params, self.full_params()):
             sp.install_full(full)
@@ -472,7 +515,7 @@ class Unit:
         if self.aliased or self.shard_numel == 0:
             GATHERED.remove(0)
         else:
-            self._full_data.untyped_storage().resize_(0)
+            self._free_full()
             GATHERED.remove(self.full_nbytes)
         self.shard_state = ShardState.SHARDED
 
@@ -505,7 +548,7 @@ class Unit:
         if self.world == 1:
             out = grad
         else:
-            out = torch.empty(self.grad_numel, dtype=grad.dtype, device=grad.device)
+            out = self._reduce_output(grad.dtype, grad.device)
         handles: list[C.Handle] = []
         if self.world > 1:
             h = C.reduce_scatter(out, grad, self.shard_group, divide_by=1.0 if self.replicas > 1 else post, async_op=True)
@@ -520,6 +563,19 @@ class Unit:
         elif self.world == 1 and post != 1:
             out.div_(post)
         self._pending_reduce = (_Multi(handles), out, grad if self.world > 1 else None)
+
+    def _reduce_output(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Where the reduce-scatter writes this rank's gradient shard, shape (S_t,).
+
+        On CPU, last step's buffer when nothing holds it any more (``zero_grad`` dropped the
+        shards' ``.grad`` views): reused, it costs no fresh pages. Otherwise a new buffer.
+        """
+        last = self._last_reduce_out
+        if last is not None and last.dtype == dtype and last.device == device and _sole_owner(last):
+            return last
+        out = torch.empty(self.grad_numel, dtype=dtype, device=device)
+        self._last_reduce_out = out if device.type == "cpu" else None
+        return out
 
     def finish_reduce(self) -> None:
         """Wait for the pending reduction and add the result to the shards' ``.grad``."""
@@ -568,6 +624,21 @@ class Unit:
         return self._pending_reduce is not None
 
 
+def _use_count(t: torch.Tensor) -> int:
+    """How many references hold ``t``'s storage (``t`` itself included)."""
+    return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
+
+
+_LONE = torch.empty(1)
+_STORAGE_USES = _use_count(_LONE)  # the count of a storage that one tensor alone uses
+del _LONE
+
+
+def _sole_owner(t: torch.Tensor) -> bool:
+    """Whether no tensor but ``t`` itself uses ``t``'s storage (no views handed out remain)."""
+    return _use_count(t) == _STORAGE_USES
+
+
 def _weak_hook(unit: Unit) -> Callable[[torch.Tensor], None]:
     """``unit``'s gradient-ready hook, holding the unit only weakly."""
     ref = weakref.ref(unit)
@@ -593,14 +664,19 @@ class _SplitFull(torch.autograd.Function):
     def forward(ctx: Any, flat: torch.Tensor, unit: Unit) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         ctx.unit = unit
         ctx.set_materialize_grads(False)
+        unit._open_splits.add(ctx)
         pieces = flat.split(unit._full_splits[0])
         return tuple(pieces[2 * i].view(sp.spec.orig_shape) for i, sp in enumerate(unit.trainable))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, None]:  # type: ignore[override]
+        unit: Unit = ctx.unit
+        unit._open_splits.discard(ctx)
         if all(g is None for g in grads):
             return None, None
-        return ctx.unit.pack_grads(grads), None
+        if not unit._open_splits:  # no later backward reads the full parameters
+            unit.free_full_for_packing()
+        return unit.pack_grads(grads), None
 
 
 class _Multi:

@@ -1,0 +1,130 @@
+"""CPU buffer reuse across steps: a unit's full parameters, its packed gradients and its gradient
+shards come from the memory the last step gave back (no fresh pages to fault in), never from
+memory a user still holds; and a unit's full parameters are freed before its gradients are
+packed, unless something may still read them (a unit called twice, frozen parameters)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from dist import run_ranks
+from models import Block, batch, local, make_stack
+from torch import nn
+
+
+def _fsdp(module: nn.Module) -> nn.Module:
+    from fullshard import FSDP
+    from fullshard.wrap import ModuleWrapPolicy
+
+    return FSDP(module, auto_wrap_policy=ModuleWrapPolicy({Block}))
+
+
+def _train_step(model: nn.Module, opt: torch.optim.Optimizer, step: int, rank: int, world: int) -> None:
+    x, y = batch(step, 12)
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(local(x, rank, world)), local(y, rank, world)).backward()
+    opt.step()
+
+
+def reuse_body(rank: int, world: int) -> dict:
+    from fullshard import FSDP
+    from fullshard import _collectives as C
+
+    model = _fsdp(make_stack())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    units = [m.unit for m in FSDP.fsdp_modules(model)]
+    _train_step(model, opt, 0, rank, world)
+    pooled = {t.data_ptr() for ts in C.POOL._free.values() for t in ts}
+    grad_ptrs = [u._local_view(u.trainable[0], u._last_reduce_out).data_ptr() for u in units]
+
+    # Step 2: every unit's full parameters live in memory the pool kept from step 1.
+    during: list[int] = []
+    by_name = {u.name: u for u in units}
+    hooks = [b.lin.register_forward_hook(lambda m, i, o, u=by_name[f"blocks.{k}"]: during.append(u._full_data.untyped_storage().data_ptr()))
+             for k, b in enumerate(model.module.blocks)]
+    _train_step(model, opt, 1, rank, world)
+    for h in hooks:
+        h.remove()
+    reused_grads = [sp.shard.grad.data_ptr() == p for u, p in zip(units, grad_ptrs) for sp in u.trainable[:1]]
+
+    # Step 3 while the user holds step 2's gradients: they must stay as they were.
+    held = [p.grad for p in model.parameters()]
+    kept = [g.clone() for g in held]
+    _train_step(model, opt, 2, rank, world)
+    untouched = all(torch.equal(a, b) for a, b in zip(held, kept))
+    aliased = any(p.grad.data_ptr() == g.data_ptr() for p, g in zip(model.parameters(), held) if g.numel())
+    return {
+        "pooled": len(pooled), "from_pool": [ptr in pooled for ptr in during], "reused_grads": reused_grads,
+        "untouched": untouched, "aliased": aliased, "idle": all(u.shard_state.name == "SHARDED" for u in units),
+    }
+
+
+def test_buffers_come_back_from_the_last_step_and_never_alias_held_gradients() -> None:
+    for r in run_ranks(reuse_body, 2):
+        assert r["pooled"] > 0
+        assert r["from_pool"] and all(r["from_pool"]), r["from_pool"]
+        assert all(r["reused_grads"]), r["reused_grads"]
+        assert r["untouched"] and not r["aliased"], r
+        assert r["idle"]
+
+
+class _Twice(nn.Module):
+    """One Block applied twice: its unit gets two split nodes in one backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Linear(6, 13)
+        self.block = Block(13, 13)
+        self.head = nn.Linear(13, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(self.block(self.stem(x))))
+
+
+def _with_frozen() -> nn.Module:
+    model = make_stack()
+    model.blocks[1].norm.weight.requires_grad_(False)  # a frozen parameter inside a unit
+    return model
+
+
+def pack_order_body(rank: int, world: int, build: str) -> dict:
+    from fullshard._unit import Unit
+
+    ref = _Twice() if build == "twice" else _with_frozen()
+    model = _fsdp(copy.deepcopy(ref))
+    full_at_pack: list[tuple[str, int]] = []
+    original = Unit.pack_grads
+
+    def spy(self: Unit, grads):  # type: ignore[no-untyped-def]
+        full_at_pack.append((self.name, self._full_data.untyped_storage().nbytes()))
+        return original(self, grads)
+
+    Unit.pack_grads = spy  # type: ignore[method-assign]
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+    for step in range(3):
+        _train_step(model, opt, step, rank, world)
+        _train_step(ref, ref_opt, step, 0, 1)
+    Unit.pack_grads = original  # type: ignore[method-assign]
+    from fullshard import FSDP
+
+    with FSDP.summon_full_params(model):
+        diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+    return {"full_at_pack": full_at_pack, "diff": diff}
+
+
+def test_full_parameters_are_freed_before_packing_only_when_nothing_reads_them_later() -> None:
+    for r in run_ranks(pack_order_body, 2, "twice"):
+        assert r["diff"] < 1e-5, r["diff"]
+        block = [n for name, n in r["full_at_pack"] if name == "block"]
+        # Per step: the first of the two split nodes packs with the parameters still gathered
+        # (the second use's backward still reads them), the last one after they were freed.
+        assert block[:2] and block[0] > 0 and block[1] == 0, block
+        assert all(n == 0 for name, n in r["full_at_pack"] if name == "<root>")
+    for r in run_ranks(pack_order_body, 2, "frozen"):
+        assert r["diff"] < 1e-5, r["diff"]
+        sizes = dict(r["full_at_pack"][:5])
+        assert sizes["blocks.1"] > 0, sizes  # shares its buffer with a frozen parameter
+        assert sizes["blocks.0"] == 0 and sizes["blocks.2"] == 0, sizes
