@@ -29,13 +29,13 @@ def _train_step(model: nn.Module, opt: torch.optim.Optimizer, step: int, rank: i
 
 def reuse_body(rank: int, world: int) -> dict:
     from fullshard import FSDP
-    from fullshard import _collectives as C
+    from fullshard import _buffers as B
 
     model = _fsdp(make_stack())
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     units = [m.unit for m in FSDP.fsdp_modules(model)]
     _train_step(model, opt, 0, rank, world)
-    pooled = {t.data_ptr() for ts in C.POOL._free.values() for t in ts}
+    pooled = {t.data_ptr() for t in B.POOL.buffers()}
     grad_ptrs = [u._local_view(u.trainable[0], u._last_reduce_out).data_ptr() for u in units]
 
     # Step 2: every unit's full parameters live in memory the pool kept from step 1.

@@ -286,7 +286,7 @@ def test_no_sync_empty_root_ignored_modules_and_exceptions() -> None:
 
 
 def test_buffer_pool_reuses_whole_buffers_only() -> None:
-    from fullshard._collectives import BufferPool
+    from fullshard._buffers import BufferPool
 
     pool = BufferPool(per_size=1)
     a = pool.take(10, torch.float32, torch.device("cpu"))

@@ -34,6 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fullshard._buffers import POOL
+
 ProcessGroup = Any  # torch's ProcessGroup type moves between versions
 
 _all_gather_fn: Callable[..., Any] = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -62,46 +64,6 @@ class CollectiveStats:
 
 
 STATS = CollectiveStats()
-
-
-class BufferPool:
-    """Scratch buffers kept between uses, so the next unit of the same size skips the allocator.
-
-    A fresh CPU buffer of tens of MB costs several times a copy in page faults (on this
-    project's machine: 25 ms against 5 ms for 50 MB, 8 ms with huge pages), and FSDP needs one
-    of the same size per unit per step. ``take`` returns a 1-D tensor of ``numel`` elements
-    with arbitrary contents; ``give`` returns it for reuse. At most ``per_size`` buffers are
-    kept for each (numel, dtype, device); ``clear`` drops them all.
-    """
-
-    def __init__(self, per_size: int = 2) -> None:
-        self.per_size = per_size
-        self._free: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
-
-    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        free = self._free.get((numel, dtype, device))
-        return free.pop() if free else torch.empty(numel, dtype=dtype, device=device)
-
-    def give(self, t: torch.Tensor) -> None:
-        if t._base is not None or not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
-            return  # only whole buffers come back
-        free = self._free.setdefault((t.numel(), t.dtype, t.device), [])
-        if len(free) < self.per_size:
-            free.append(t)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for ts in self._free.values() for t in ts)
-
-    def clear(self) -> None:
-        self._free.clear()
-
-
-# Scratch (packed gradients, receive buffers) and the full-parameter buffers of CPU units (see
-# ``fullshard._unit``), kept across steps: the next buffer of a size reuses the memory the last
-# one gave back instead of faulting in and zeroing fresh pages (a unit's full buffer and its
-# packed gradient have the same size, so they take turns). Cleared with the process group.
-POOL = BufferPool()
 
 
 class Handle:

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fullshard import _buffers as B
 from fullshard import _collectives as C
 from fullshard._sharded_param import ParamSlot, ShardedParam, ShardSpec
 
@@ -109,13 +110,6 @@ GATHERED = GatherTracker()
 # On gloo, a parameter whose padded shard has at least this many bytes is all-gathered on its
 # own, straight into the full buffer; smaller ones are gathered in runs and copied out.
 DIRECT_GATHER_BYTES = 1 << 20
-
-# On CPU a freed full buffer's memory is kept in :data:`C.POOL` and handed to the next unit
-# of the same size by swapping data pointers between storages: the storage object that
-# autograd's saved views hold stays the unit's own, and no fresh pages are faulted in and zeroed
-# (on this project's machine that zeroing was most of a memory-bound step's system time). Torch
-# versions without the swap, and CUDA (whose caching allocator already reuses memory), resize.
-_SWAP_STORAGE = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
 # When a list, units and hooks append (event, unit name): "unshard" (all-gather launched),
 # "forward" / "forward_end", "backward" (pre-backward) and "reduce". For tests of ordering.
@@ -353,31 +347,21 @@ class Unit:
             self.wait_unshard()
 
     def _allocate_full(self) -> None:
-        """Give the full flat buffer's storage its memory: pooled on CPU, else a resize."""
-        storage = self._full_data.untyped_storage()
-        if _SWAP_STORAGE and self.device.type == "cpu":
-            lent = C.POOL.take(self._full_data.numel(), self._full_data.dtype, self.device)
-            storage._swap_data_ptr_(lent.untyped_storage())  # type: ignore[attr-defined]
-            self._lent = lent  # now the owner of the storage's former (empty) allocation
-        else:
-            storage.resize_(self.full_nbytes)
+        """Give the full flat buffer's storage its memory (reused memory on CPU, see ``_buffers``)."""
+        data = self._full_data
+        self._lent = B.lend(data.untyped_storage(), data.numel(), data.dtype, self.device)
 
     def _free_full(self) -> None:
-        """Take the full flat buffer's memory away: back to the pool, or resized to 0 bytes."""
-        storage = self._full_data.untyped_storage()
-        if self._lent is not None:
-            storage._swap_data_ptr_(self._lent.untyped_storage())  # type: ignore[attr-defined]
-            C.POOL.give(self._lent)
-            self._lent = None
-        else:
-            storage.resize_(0)
+        """Take the full flat buffer's memory away again (0 bytes; a no-op when already freed)."""
+        B.take_back(self._full_data.untyped_storage(), self._lent)
+        self._lent = None
 
     def _gather_into(self, full: torch.Tensor, local: torch.Tensor) -> C.Handle:
         """Start all-gathering ``local`` (S,) of every rank into the param-major ``full`` (N*S,).
 
         Each piece of :attr:`_pieces` is one all-gather: a lone parameter lands in its own
         region of ``full`` directly (its N padded shards back to back are its padded full
-        tensor); a run of parameters lands rank-major in a scratch buffer from :data:`C.POOL`
+        tensor); a run of parameters lands rank-major in a scratch buffer from :data:`B.POOL`
         (the next unit of the same size reuses it: no fresh pages to fault in) and is copied out.
         """
         n = self.world
@@ -389,7 +373,7 @@ class Unit:
                 sp = group[0]
                 out = full[sp.full_offset : sp.full_offset + sp.spec.padded_numel]
             else:
-                out = C.POOL.take(n * length, local.dtype, local.device)
+                out = B.POOL.take(n * length, local.dtype, local.device)
                 copy_outs.append((out, k))
             h = C.all_gather(out, src, self.shard_group, async_op=True)
             assert h is not None
@@ -403,7 +387,7 @@ class Unit:
                 else:
                     outs = [full[sp.full_offset : sp.full_offset + sp.spec.padded_numel].view(n, -1) for sp in group]
                 torch.split_with_sizes_copy(gathered.view(n, -1), self._run_sizes[k], dim=1, out=outs)
-                C.POOL.give(gathered)
+                B.POOL.give(gathered)
 
         return C.Handle(handles, epilogue if copy_outs else None)
 
@@ -481,7 +465,7 @@ class Unit:
             if spec.padded_numel != spec.numel:
                 rows = torch.nn.functional.pad(rows, (0, 0, 0, n * spec.chunk_rows - spec.rows))
             parts.append(rows.reshape(n, spec.padded_shard_numel))
-        out = C.POOL.take(n * self.grad_numel, ref.dtype, ref.device)
+        out = B.POOL.take(n * self.grad_numel, ref.dtype, ref.device)
         torch.cat(parts, dim=1, out=out.view(n, self.grad_numel))
         return out
 
@@ -571,7 +555,7 @@ class Unit:
         shards' ``.grad`` views): reused, it costs no fresh pages. Otherwise a new buffer.
         """
         last = self._last_reduce_out
-        if last is not None and last.dtype == dtype and last.device == device and _sole_owner(last):
+        if last is not None and last.dtype == dtype and last.device == device and B.sole_owner(last):
             return last
         out = torch.empty(self.grad_numel, dtype=dtype, device=device)
         self._last_reduce_out = out if device.type == "cpu" else None
@@ -585,7 +569,7 @@ class Unit:
         handle.wait()
         self._pending_reduce = None
         if sent is not None:
-            C.POOL.give(sent)  # the packed gradient: the next unit of this size packs into it
+            B.POOL.give(sent)  # the packed gradient: the next unit of this size packs into it
         keep_low = self.config.keep_low_precision_grads
         grad_dtype = out.dtype if keep_low else self.dtype
         if out.dtype != grad_dtype or out.device != self._shard_device:
@@ -622,21 +606,6 @@ class Unit:
     @property
     def has_pending_reduce(self) -> bool:
         return self._pending_reduce is not None
-
-
-def _use_count(t: torch.Tensor) -> int:
-    """How many references hold ``t``'s storage (``t`` itself included)."""
-    return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
-
-
-_LONE = torch.empty(1)
-_STORAGE_USES = _use_count(_LONE)  # the count of a storage that one tensor alone uses
-del _LONE
-
-
-def _sole_owner(t: torch.Tensor) -> bool:
-    """Whether no tensor but ``t`` itself uses ``t``'s storage (no views handed out remain)."""
-    return _use_count(t) == _STORAGE_USES
 
 
 def _weak_hook(unit: Unit) -> Callable[[torch.Tensor], None]:
