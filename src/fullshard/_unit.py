@@ -10,9 +10,12 @@ A unit keeps two flat buffers (see ``_sharded_param`` for the vocabulary):
   precision) on the compute device: padded full parameters back to back (param-major). It is an
   autograd leaf: each forward takes per-parameter views of it, so the gradients of all the
   unit's parameters accumulate into one flat gradient, and one post-accumulate-grad hook says
-  when the unit's gradient is complete. Its storage is freed (resized to 0) while the unit is
+  when the unit's gradient is complete. Its storage is empty (0 bytes) while the unit is
   SHARDED; autograd's saved views keep pointing at it and see the data again after the next
-  unshard refills it. With one rank, no casting and no offload it aliases the local buffer.
+  unshard refills it (on CPU with memory lent from ``_buffers.POOL``, elsewhere by a resize).
+  Once the last backward that reads it has run, it is emptied before the gradients are packed,
+  and the packed gradient takes the same memory. With one rank, no casting and no offload it
+  aliases the local buffer.
 
 Gradients come back rank-major: the full flat buffer's ``.grad`` is laid out like N local flat
 buffers (trainable prefix) back to back, which is the reduce-scatter's input with no further copy.

@@ -368,6 +368,8 @@ def target_lines(workload: str, results: dict[str, dict[str, Any]]) -> list[str]
     bound = 16 * fs["params"] / fs["world"] + fs["largest_unit_bytes"]
     if workload != "mnist":  # Adadelta keeps two state tensors too, but the bound is stated for AdamW
         checks.append(("model state vs 16 B x P / N + largest unit", (fs["state_bytes"] + fs["gathered_bytes"]) / bound, 1.0))
+    if not checks:
+        return ["- none for this workload"]
     return [f"- {name}: {value:.2f}x (target at most {limit}x): {'met' if value <= limit else 'not met'}" for name, value, limit in checks]
 
 
