@@ -472,17 +472,15 @@ class Unit:
         torch.cat(parts, dim=1, out=out.view(n, self.grad_numel))
         return out
 
-    def free_full_for_packing(self) -> None:
-        """Free the full parameters now that autograd has no more use for them (the last of the
+    def reshard_for_packing(self) -> None:
+        """Reshard now that autograd has no more use for the full parameters (the last of the
         unit's split nodes is running its backward), so the packed gradient can take their
-        memory: the unit never holds its full parameters, their gradients and the packed gradient
-        at once. Kept when frozen parameters share the buffer (their users may run later) or
-        when it aliases the shards. The unit stays UNSHARDED until :meth:`reshard`.
+        memory: the unit never holds its full parameters, their gradients and the packed
+        gradient at once. Skipped when frozen parameters share the buffer (their users may run
+        later) or when it aliases the shards.
         """
-        if self.aliased or self.shard_numel == 0 or len(self.trainable) != len(self.params):
-            return
-        if self.shard_state is ShardState.UNSHARDED and self._pending_gather is None:
-            self._free_full()
+        if not self.aliased and len(self.trainable) == len(self.params):
+            self.reshard()
 
     def install_full_params(self) -> None:
         for sp, full in zip(self.params, self.full_params()):
@@ -647,7 +645,7 @@ class _SplitFull(torch.autograd.Function):
         if all(g is None for g in grads):
             return None, None
         if not unit._open_splits:  # no later backward reads the full parameters
-            unit.free_full_for_packing()
+            unit.reshard_for_packing()
         return unit.pack_grads(grads), None
 
 
