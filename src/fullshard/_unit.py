@@ -26,11 +26,9 @@ gathered with the rest but get no gradient memory and no gradient communication.
 
 An all-gather's output is rank-major; the copy-out to the param-major full buffer is one
 ``split_with_sizes_copy``. On gloo each large parameter is gathered on its own, straight into
-its region of the full buffer, which needs no copy-out (see ``Unit._plan_pieces``). Gradients go the other
-way: per-parameter gradients -> one packing copy, rank-major (N*S_t,) -> cast to the reduce
-dtype -> reduce-scatter -> (S_t,) -> cast back (and copied to CPU under offload) -> the shards'
-``.grad``.
-Low-precision reductions divide before and after the sum so float16 cannot overflow.
+its region of the full buffer, which needs no copy-out (see ``Unit._plan_pieces``). Gradients
+go the other way, in ``_reduce``: per-parameter gradients -> one packing copy, rank-major
+(N*S_t,) -> reduce-scatter -> (S_t,) -> the shards' ``.grad``.
 """
 
 from __future__ import annotations
@@ -46,6 +44,8 @@ from torch import nn
 
 from fullshard import _buffers as B
 from fullshard import _collectives as C
+from fullshard import _reduce as R
+from fullshard._reduce import _Multi
 from fullshard._sharded_param import ParamSlot, ShardedParam, ShardSpec
 
 ParamEntry = tuple[str, nn.Parameter, list[ParamSlot]]
@@ -131,14 +131,6 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def predivide_factor(ranks: int) -> int:
-    """A power of two near sqrt(ranks) to divide gradients by before a low-precision sum."""
-    factor = 1
-    while ranks % (factor * 2) == 0 and ranks // (factor * 2) >= factor * 2:
-        factor *= 2
-    return factor
-
-
 class Unit:
     """The sharded parameters of one FSDP unit and the collectives that move them.
 
@@ -182,6 +174,7 @@ class Unit:
         self._pending_gather: C.Handle | None = None
         self._lent: torch.Tensor | None = None  # while gathered from the pool: holds the empty storage
         self._last_reduce_out: torch.Tensor | None = None
+        self._host_grad: torch.Tensor | None = None  # under offload: where gradients land on the host
         # The contexts of this unit's _SplitFull nodes that autograd may still run backward on.
         self._open_splits: weakref.WeakSet[Any] = weakref.WeakSet()
         self._pending_reduce: tuple[_Multi, torch.Tensor, torch.Tensor | None] | None = None
@@ -449,29 +442,6 @@ class Unit:
                 views += [pieces[2 * i].view(sp.spec.orig_shape) for i, sp in enumerate(group)]
         return views
 
-    def pack_grads(self, grads: Sequence[torch.Tensor | None]) -> torch.Tensor:
-        """The trainable parameters' full gradients packed rank-major, shape (N*S_t,).
-
-        Row block r holds, parameter after parameter, the padded rows rank r owns: the layout
-        of the reduce-scatter input, so the gradient is written once, in place for the
-        collective. ``None`` (a parameter forward did not use) packs as zeros.
-        """
-        n = self.world
-        ref = next(g for g in grads if g is not None)
-        parts = []
-        for sp, g in zip(self.trainable, grads):
-            spec = sp.spec
-            if g is None:
-                parts.append(torch.zeros(n, spec.padded_shard_numel, dtype=ref.dtype, device=ref.device))
-                continue
-            rows = g.reshape(spec.rows, spec.row_numel)
-            if spec.padded_numel != spec.numel:
-                rows = torch.nn.functional.pad(rows, (0, 0, 0, n * spec.chunk_rows - spec.rows))
-            parts.append(rows.reshape(n, spec.padded_shard_numel))
-        out = B.POOL.take(n * self.grad_numel, ref.dtype, ref.device)
-        torch.cat(parts, dim=1, out=out.view(n, self.grad_numel))
-        return out
-
     def reshard_for_packing(self) -> None:
         """Reshard now that autograd has no more use for the full parameters (the last of the
         unit's split nodes is running its backward), so the packed gradient can take their
@@ -510,103 +480,26 @@ class Unit:
             for sp, value in zip(self.params, full):
                 self._local_view(sp).copy_(sp.spec.local_slice(value))
 
-    # ---------------------------------------------------------------- gradients
-    def _grad_accumulated(self, full_flat: torch.Tensor) -> None:
-        if self.on_grad_ready is not None:
-            self.on_grad_ready(self)
+    # ---------------------------------------------------------------- gradients (see _reduce)
+    def pack_grads(self, grads: Sequence[torch.Tensor | None]) -> torch.Tensor:
+        """The trainable parameters' full gradients packed rank-major, (N*S_t,): :func:`_reduce.pack_grads`."""
+        return R.pack_grads(self, grads)
 
     def reduce_grads(self) -> None:
-        """Launch the reduce-scatter (and replica all-reduce) of the accumulated full gradient."""
-        grad = self.full_flat.grad
-        if grad is None:
-            return
-        self.full_flat.grad = None
-        record("reduce", self)
-        ranks = self.world * self.replicas
-        low = self.reduce_dtype in (torch.float16, torch.bfloat16)
-        pre = predivide_factor(ranks) if low else 1
-        if grad.dtype != self.reduce_dtype:
-            grad = grad.to(self.reduce_dtype)
-        if pre > 1:
-            grad.div_(pre)
-        post = ranks / pre
-        if self.world == 1:
-            out = grad
-        else:
-            out = self._reduce_output(grad.dtype, grad.device)
-        handles: list[C.Handle] = []
-        if self.world > 1:
-            h = C.reduce_scatter(out, grad, self.shard_group, divide_by=1.0 if self.replicas > 1 else post, async_op=True)
-            assert h is not None
-            handles.append(h)
-        if self.replicas > 1:
-            for h in handles:  # the all-reduce follows the reduce-scatter's local epilogue
-                h.wait()
-            h2 = C.all_reduce(out, self.replicate_group, divide_by=post, async_op=True)
-            assert h2 is not None
-            handles.append(h2)
-        elif self.world == 1 and post != 1:
-            out.div_(post)
-        self._pending_reduce = (_Multi(handles), out, grad if self.world > 1 else None)
-
-    def _reduce_output(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """Where the reduce-scatter writes this rank's gradient shard, shape (S_t,).
-
-        On CPU, last step's buffer when nothing holds it any more (``zero_grad`` dropped the
-        shards' ``.grad`` views): reused, it costs no fresh pages. Otherwise a new buffer.
-        """
-        last = self._last_reduce_out
-        if last is not None and last.dtype == dtype and last.device == device and B.sole_owner(last):
-            return last
-        out = torch.empty(self.grad_numel, dtype=dtype, device=device)
-        self._last_reduce_out = out if device.type == "cpu" else None
-        return out
+        """Launch the reduce-scatter of the accumulated full gradient: :func:`_reduce.reduce_grads`."""
+        R.reduce_grads(self)
 
     def finish_reduce(self) -> None:
-        """Wait for the pending reduction and add the result to the shards' ``.grad``."""
-        if self._pending_reduce is None:
-            return
-        handle, out, sent = self._pending_reduce
-        handle.wait()
-        self._pending_reduce = None
-        if sent is not None:
-            B.POOL.give(sent)  # the packed gradient: the next unit of this size packs into it
-        keep_low = self.config.keep_low_precision_grads
-        grad_dtype = out.dtype if keep_low else self.dtype
-        if out.dtype != grad_dtype or out.device != self._shard_device:
-            host = self._grad_buffer(out.shape, grad_dtype)
-            host.copy_(out, non_blocking=host.is_pinned())
-            out = host
-        for sp in self.trainable:
-            assert sp.shard is not None
-            g = self._local_view(sp, out)
-            if sp.shard.grad is None:
-                if g.dtype != sp.shard.dtype:  # keep_low_precision_grads: .data takes any dtype
-                    sp.shard.grad = torch.empty_strided(g.shape, (0,) * g.dim(), dtype=sp.shard.dtype, device=g.device)
-                    sp.shard.grad.data = g
-                else:
-                    sp.shard.grad = g
-            else:
-                sp.shard.grad.add_(g)
-
-    def _grad_buffer(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        """Where cast or offloaded gradients land: reused while no shard still holds the last one.
-
-        Pinned allocations are slow, so under offload the buffer is kept between steps; it is
-        replaced when gradients are being accumulated (a shard's ``.grad`` may be a view of it).
-        """
-        cached = getattr(self, "_host_grad", None)
-        if cached is not None and cached.dtype == dtype and all(sp.shard is not None and sp.shard.grad is None for sp in self.trainable):
-            return cached
-        pin = self.config.offload and torch.cuda.is_available()
-        buffer = torch.empty(shape, dtype=dtype, device=self._shard_device, pin_memory=pin)
-        if self.config.offload:
-            self._host_grad = buffer
-        return buffer
+        """Wait for the pending reduction; the shards' ``.grad`` get it: :func:`_reduce.finish_reduce`."""
+        R.finish_reduce(self)
 
     @property
     def has_pending_reduce(self) -> bool:
         return self._pending_reduce is not None
+
+    def _grad_accumulated(self, full_flat: torch.Tensor) -> None:
+        if self.on_grad_ready is not None:
+            self.on_grad_ready(self)
 
 
 def _weak_hook(unit: Unit) -> Callable[[torch.Tensor], None]:
@@ -647,14 +540,3 @@ class _SplitFull(torch.autograd.Function):
         if not unit._open_splits:  # no later backward reads the full parameters
             unit.reshard_for_packing()
         return unit.pack_grads(grads), None
-
-
-class _Multi:
-    """Waits on several handles in order."""
-
-    def __init__(self, handles: list[C.Handle]) -> None:
-        self._handles = handles
-
-    def wait(self) -> None:
-        for h in self._handles:
-            h.wait()
