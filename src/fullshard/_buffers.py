@@ -90,15 +90,22 @@ def take_back(storage: torch.UntypedStorage, lent: torch.Tensor | None) -> None:
         storage.resize_(0)
 
 
+_STORAGE_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)  # some older CPU builds lack it
+
+
 def _use_count(t: torch.Tensor) -> int:
-    return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
+    assert _STORAGE_USE_COUNT is not None
+    return int(_STORAGE_USE_COUNT(t.untyped_storage()._cdata))
 
 
-_LONE = torch.empty(1)
-_ALONE_USES = _use_count(_LONE)  # the count of a storage that one tensor alone uses
-del _LONE
+# The count of a storage that one tensor alone uses, measured rather than assumed (the Python
+# storage object torch keeps may hold a reference of its own).
+_ALONE_USES = _use_count(torch.empty(1)) if _STORAGE_USE_COUNT is not None else -1
 
 
 def sole_owner(t: torch.Tensor) -> bool:
-    """Whether no tensor but ``t`` uses ``t``'s storage (every view handed out is gone)."""
-    return _use_count(t) == _ALONE_USES
+    """Whether no tensor but ``t`` uses ``t``'s storage (every view handed out is gone).
+
+    False where torch cannot count a storage's users: then nothing is reused.
+    """
+    return _STORAGE_USE_COUNT is not None and _use_count(t) == _ALONE_USES
