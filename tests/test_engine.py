@@ -298,6 +298,9 @@ def test_buffer_pool_reuses_whole_buffers_only() -> None:
     assert pool.nbytes == 40
     pool.give(torch.empty(20)[:10])  # a view of a larger buffer is never pooled
     assert pool.take(10, torch.float64, torch.device("cpu")).dtype == torch.float64  # keyed by dtype too
+    pool.give(torch.empty(10, device="meta"))  # stands in for a GPU buffer
+    pool.clear(keep_cpu=True)  # after a backward: CPU memory stays for the next step, the rest goes
+    assert [t.device.type for t in pool.buffers()] == ["cpu"]
     pool.clear()
     assert pool.nbytes == 0
 

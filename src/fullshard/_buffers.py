@@ -8,8 +8,8 @@ step: the full parameters, the packed gradients, the reduce-scatter's receive bu
 gradient shards. So fullshard keeps them:
 
 - :data:`POOL` holds buffers given back after use, at most ``per_size`` of each (numel, dtype,
-  device), across steps (on CUDA the caching allocator does the same); it is cleared with the
-  process group. A unit's full flat buffer and its packed gradient have the same size, so the
+  device): CPU buffers across steps until the process group is destroyed, GPU buffers within one
+  backward (across steps CUDA's caching allocator reuses memory itself). A unit's full flat buffer and its packed gradient have the same size, so the
   memory one gives back serves the other.
 - :func:`lend` and :func:`take_back` move a pooled buffer's memory into a storage that must keep
   its identity (a unit's full flat buffer, whose storage autograd's saved views hold), by
@@ -54,8 +54,12 @@ class BufferPool:
         """The buffers held for reuse (for tests and measurements)."""
         return [t for ts in self._free.values() for t in ts]
 
-    def clear(self) -> None:
-        self._free.clear()
+    def clear(self, keep_cpu: bool = False) -> None:
+        """Drop the buffers held (with ``keep_cpu``, only those not in CPU memory)."""
+        if keep_cpu:
+            self._free = {key: ts for key, ts in self._free.items() if key[2].type == "cpu"}
+        else:
+            self._free.clear()
 
 
 POOL = BufferPool()

@@ -24,6 +24,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map
 
+from fullshard import _buffers as B
 from fullshard._module_wrapper import clean_name
 from fullshard._unit import ShardState, TrainingState, Unit, record
 from fullshard.api import BackwardPrefetch, MixedPrecision
@@ -226,6 +227,7 @@ def finish_backward(root: RootState) -> None:
     for unit in root.units:
         unit.reshard()
         unit.training_state = TrainingState.IDLE
+    B.POOL.clear(keep_cpu=True)  # CPU memory is kept for the next step; CUDA's allocator caches its own
     root.last_reduced = None
     root.callback_queued = False
     root.pre_backward_done.clear()
