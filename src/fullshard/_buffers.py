@@ -3,14 +3,15 @@
 A fresh CPU buffer costs more than the copy into it: torch's CPU allocator hands large blocks
 back to the operating system when they are freed, and the next allocation of that size faults
 its pages in again, each one zeroed by the kernel (on this project's machine about 0.75 ms per
-MiB, against 0.2 ms for the copy). FSDP needs a buffer of each unit's size several times per
+MiB, against about 0.1 ms per MiB for a copy). FSDP needs a buffer of each unit's size several times per
 step: the full parameters, the packed gradients, the reduce-scatter's receive buffer, the
 gradient shards. So fullshard keeps them:
 
 - :data:`POOL` holds buffers given back after use, at most ``per_size`` of each (numel, dtype,
-  device): CPU buffers across steps until the process group is destroyed, GPU buffers within one
-  backward (across steps CUDA's caching allocator reuses memory itself). A unit's full flat buffer and its packed gradient have the same size, so the
-  memory one gives back serves the other.
+  device): CPU buffers across steps until the process group is destroyed, GPU buffers within
+  one backward (across steps CUDA's caching allocator reuses memory itself). A unit's full flat
+  buffer and its packed gradient have the same size, so the memory one gives back serves the
+  other.
 - :func:`lend` and :func:`take_back` move a pooled buffer's memory into a storage that must keep
   its identity (a unit's full flat buffer, whose storage autograd's saved views hold), by
   swapping data pointers, and back into the pool.
