@@ -312,7 +312,7 @@ def _worker_settings() -> tuple[str | None, str | None, int]:
 
 
 @pytest.mark.timeout(120)
-def test_launch_sets_huge_pages_and_threads_for_workers_only(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_launch_sets_threads_and_asked_variables_for_workers_only(monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
     from fullshard import launch
@@ -322,11 +322,12 @@ def test_launch_sets_huge_pages_and_threads_for_workers_only(monkeypatch: pytest
     monkeypatch.setattr(os, "cpu_count", lambda: 4)  # read in this process, where launch decides
     threads = {rank: s[2] for rank, s in launch.launch(_worker_settings, (), 2).items()}
     assert threads == {0: 2, 1: 2}  # 4 cores shared by 2 workers: torch in each uses 2 threads
-    assert launch.launch(_worker_settings, (), 1)[0][:2] == ("1", "4")
+    assert launch.launch(_worker_settings, (), 1)[0][:2] == (None, "4")  # huge pages: the caller's choice
+    assert launch.launch(_worker_settings, (), 1, env={"THP_MEM_ALLOC_ENABLE": "1"})[0][:2] == ("1", "4")  # as the bench asks
     assert "THP_MEM_ALLOC_ENABLE" not in os.environ and "OMP_NUM_THREADS" not in os.environ  # the caller's left as it was
     monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert launch.launch(_worker_settings, (), 2)[0][:2] == ("0", "3")  # an explicit choice is kept
+    assert launch.launch(_worker_settings, (), 2, env={"THP_MEM_ALLOC_ENABLE": "1"})[0][:2] == ("0", "3")  # an explicit choice is kept
 
 
 def _threads() -> int:

@@ -10,13 +10,14 @@ launcher's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK):
 NCCL when the worker has a GPU. It uses a store prefix per restart attempt: after a restart the
 launcher's store still holds the dead attempt's gloo addresses, and reusing them hangs.
 
-``launch`` also sets two variables for its workers unless the environment already sets them
-(see :func:`worker_environment`): ``OMP_NUM_THREADS``, the CPU cores divided among the workers
-(``torchrun`` sets 1), and ``THP_MEM_ALLOC_ENABLE=1``: torch's CPU allocator then backs tensors
-of 2 MiB and more with transparent huge pages. FSDP allocates and frees a unit's full
-parameters and gradients on every step, and on this project's machine a fresh 50 MB buffer
-cost 25 ms of page faults with 4 KiB pages against 8 ms with huge pages (a reused one: 5 ms).
-Under ``torchrun``, export ``THP_MEM_ALLOC_ENABLE=1`` yourself.
+``launch`` also sets ``OMP_NUM_THREADS`` for its workers unless the environment already sets it
+(see :func:`worker_environment`): the CPU cores divided among the workers (``torchrun`` sets 1).
+Huge pages (``THP_MEM_ALLOC_ENABLE=1``, torch's CPU allocator backing tensors of 2 MiB and more
+with transparent huge pages) are left to the caller: fullshard reuses its buffers across steps
+(``fullshard._buffers``), so they no longer pay here (the tiny GPT job: 66 s and 0.55 GiB per
+rank without, 70 s and 1.1-1.2 GiB with; the 166M memory-bound benchmark 4% faster with), and
+``fullshard bench`` turns them on for every implementation it compares (torch FSDP2's
+memory-bound step is 1.65x longer without them).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def launch(
     args: tuple,
     nproc: int,
     max_restarts: int = 0,
+    env: dict[str, str] | None = None,
 ) -> dict[int, Any]:
     """Run ``fn(*args)`` in ``nproc`` local worker processes; return {rank: return value}.
 
@@ -61,6 +63,8 @@ def launch(
         args: its arguments (picklable).
         nproc: number of workers, >= 1.
         max_restarts: how often the whole group is restarted after a worker dies.
+        env: more environment variables for the workers, each unless the environment already
+            sets it (as :func:`worker_environment`'s).
 
     Raises:
         ValueError: ``nproc`` < 1 or ``max_restarts`` < 0.
@@ -87,7 +91,8 @@ def launch(
         start_method="spawn",
     )
     # For the workers only (they inherit them when spawned); the caller's environment is restored.
-    added = {k: v for k, v in worker_environment(nproc).items() if k not in os.environ}
+    wanted = {**worker_environment(nproc), **(env or {})}
+    added = {k: v for k, v in wanted.items() if k not in os.environ}
     os.environ.update(added)
     try:
         return elastic_launch(config, fn)(*args)
@@ -104,14 +109,12 @@ def launch(
 def worker_environment(nproc: int) -> dict[str, str]:
     """What ``launch`` sets for its workers where the environment does not say otherwise.
 
-    - ``THP_MEM_ALLOC_ENABLE=1``: huge pages for tensors of 2 MiB and more (read once, at a
-      worker's first allocation).
-    - ``OMP_NUM_THREADS``: the CPU cores divided among the ``nproc`` workers (at least 1), as
-      ``torchrun`` does. With torch's default of one intra-op thread per core in every worker,
-      the workers' threads outnumber the cores, and on gloo each collective then waits for a
-      core: on the 2-core machine the GPT job's steps took twice as long at 2 ranks.
+    ``OMP_NUM_THREADS``: the CPU cores divided among the ``nproc`` workers (at least 1), as
+    ``torchrun`` does. With torch's default of one intra-op thread per core in every worker, the
+    workers' threads outnumber the cores, and on gloo each collective then waits for a core: on
+    the 2-core machine the GPT job's steps took twice as long at 2 ranks.
     """
-    return {"THP_MEM_ALLOC_ENABLE": "1", "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))}
+    return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))}
 
 
 def run_job(name: str, worker: Callable[[Any], Any], cfg: Any, nproc: int, max_restarts: int = 0) -> tuple[int, Any]:
