@@ -3,9 +3,9 @@
 A fresh CPU buffer costs more than the copy into it: torch's CPU allocator hands large blocks
 back to the operating system when they are freed, and the next allocation of that size faults
 its pages in again, each one zeroed by the kernel (on this project's machine about 0.75 ms per
-MiB, against about 0.1 ms per MiB for a copy). FSDP needs a buffer of each unit's size several times per
-step: the full parameters, the packed gradients, the reduce-scatter's receive buffer, the
-gradient shards. So fullshard keeps them:
+MiB, against about 0.1 ms per MiB for a copy). FSDP needs a buffer of each unit's size several
+times per step: the full parameters, the packed gradients, the reduce-scatter's receive buffer,
+the gradient shards. So fullshard keeps them:
 
 - :data:`POOL` holds buffers given back after use, at most ``per_size`` of each (numel, dtype,
   device): CPU buffers across steps until the process group is destroyed, GPU buffers within
