@@ -25,12 +25,12 @@ class Stack(nn.Module):
     Input float32 (batch, 6), output float32 (batch, 3).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, scale_shape: tuple[int, ...] = ()) -> None:
         super().__init__()
         self.stem = nn.Linear(6, 13)
         self.blocks = nn.ModuleList([Block(13, 13), Block(13, 7), Block(7, 7), Block(7, 13)])
         self.head = nn.Linear(13, 3)
-        self.scale = nn.Parameter(torch.tensor(1.5))  # a 0-dim parameter
+        self.scale = nn.Parameter(torch.full(scale_shape, 1.5))  # 0-dim by default
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.stem(x)
@@ -39,9 +39,11 @@ class Stack(nn.Module):
         return self.head(x) * self.scale
 
 
-def make_stack(seed: int = 0) -> Stack:
+def make_stack(seed: int = 0, scale_shape: tuple[int, ...] = ()) -> Stack:
+    """A seeded Stack; ``scale_shape=(1,)`` for fully_shard, which (as torch's) refuses 0-dim
+    parameters."""
     torch.manual_seed(seed)
-    return Stack()
+    return Stack(scale_shape)
 
 
 def batch(step: int, n: int, seed: int = 100) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,3 +70,65 @@ def step_both(model, opt, ref, ref_opt, step: int, rank: int, world: int, global
     ref_opt.zero_grad()
     torch.nn.functional.mse_loss(ref(x), y).backward()
     ref_opt.step()
+
+
+class _Attention(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (w(x).view(b, t, self.heads, d // self.heads).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, t, d))
+
+
+class TinyBlock(nn.Module):
+    """Pre-norm attention + GELU MLP, the shape of pytorch/examples' FSDP2 transformer block."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.attention_norm = nn.LayerNorm(dim)
+        self.attention = _Attention(dim, heads)
+        self.ffn_norm = nn.LayerNorm(dim)
+        self.w1 = nn.Linear(dim, 4 * dim)
+        self.w2 = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.w2(torch.nn.functional.gelu(self.w1(self.ffn_norm(h))))
+
+
+class TinyLM(nn.Module):
+    """Token and position embeddings, ``layers`` TinyBlocks, a norm and an untied head.
+
+    Vocabulary 37 and 10 positions: dim 0 of the embeddings divides none of 2, 3, 4. Input int64
+    (batch, seq <= 10); output float32 logits (batch, seq, 37).
+    """
+
+    def __init__(self, layers: int = 3, dim: int = 12, heads: int = 2, vocab: int = 37, max_seq: int = 10) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.pos_embeddings = nn.Embedding(max_seq, dim)
+        self.layers = nn.ModuleList([TinyBlock(dim, heads) for _ in range(layers)])
+        self.norm = nn.LayerNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens) + self.pos_embeddings(torch.arange(tokens.shape[1], device=tokens.device))
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h)).float()
+
+    def init_weights(self) -> None:
+        """Reset every submodule's parameters (after ``to_empty``)."""
+        for m in self.modules():
+            if m is not self and hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+
+
+def tokens(step: int, n: int, seq: int = 8, vocab: int = 37, seed: int = 200) -> torch.Tensor:
+    """A deterministic global batch of token ids, int64 (n, seq), for step ``step``."""
+    return torch.randint(0, vocab, (n, seq), generator=torch.Generator().manual_seed(seed + step))

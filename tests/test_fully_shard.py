@@ -28,7 +28,7 @@ def parity_body(rank: int, world: int) -> list[str]:
     done = []
     for reshard in (True, False):
         for opt_kind in ("sgd", "adamw"):
-            ref = make_stack()
+            ref = make_stack(scale_shape=(1,))
             model = _shard(copy.deepcopy(ref), reshard_after_forward=reshard)
             assert isinstance(model, FSDPModule) and type(model).__name__ == "FSDPStack"
             assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
@@ -62,7 +62,7 @@ def api_body(rank: int, world: int) -> list[str]:
     done = []
     mse = torch.nn.functional.mse_loss
     # set_requires_gradient_sync(False) for k micro-batches, then a synced one == one big step.
-    ref = make_stack()
+    ref = make_stack(scale_shape=(1,))
     model = _shard(copy.deepcopy(ref))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -97,11 +97,11 @@ def api_body(rank: int, world: int) -> list[str]:
     done.append("unshard/reshard")
 
     # load_state_dict takes DTensors (resharded) and full tensors.
-    other = make_stack(seed=5)
-    fresh = _shard(copy.deepcopy(make_stack(seed=9)))
+    other = make_stack(seed=5, scale_shape=(1,))
+    fresh = _shard(copy.deepcopy(make_stack(seed=9, scale_shape=(1,))))
     fresh.load_state_dict(other.state_dict())
     donor = _shard(copy.deepcopy(other))
-    again = _shard(copy.deepcopy(make_stack(seed=11)))
+    again = _shard(copy.deepcopy(make_stack(seed=11, scale_shape=(1,))))
     again.load_state_dict(donor.state_dict())
     for m in (fresh, again):
         for k, v in other.state_dict().items():
@@ -111,7 +111,7 @@ def api_body(rank: int, world: int) -> list[str]:
     # MixedPrecisionPolicy: bf16 compute and wire, fp32 output at the root, fp32 shards.
     from fullshard import fully_shard
 
-    model = make_stack()
+    model = make_stack(scale_shape=(1,))
     for block in model.blocks:
         fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32))
@@ -132,7 +132,7 @@ def hsdp_body(rank: int, world: int) -> int:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    ref = make_stack()
+    ref = make_stack(scale_shape=(1,))
     model = _shard(copy.deepcopy(ref), mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)

@@ -105,3 +105,31 @@ def test_parity_with_per_parameter_gathers(world: int) -> None:
     grid = [("FULL_SHARD", "adamw", "blocks"), ("FULL_SHARD", "sgd", "single"), ("SHARD_GRAD_OP", "adamw", "blocks")]
     results = run_ranks(run_grid, world, grid, 48, timeout=280)
     assert results[0] == [f"{s}/{o}/{w}" for s, o, w in grid]
+
+
+def optimizer_before_wrap_body(rank: int, world: int) -> list[float]:
+    """An optimizer built before wrapping (Accelerate's order) trains the wrapped model: the
+    original Parameter objects stay registered, their data now this rank's shard."""
+    from fullshard import FSDP
+    from fullshard.wrap import ModuleWrapPolicy
+    from models import step_both
+
+    ref = make_stack()
+    model = copy.deepcopy(ref)
+    originals = list(model.parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    wrapped = FSDP(model, use_orig_params=True, auto_wrap_policy=ModuleWrapPolicy({Block}))
+    assert [id(p) for p in wrapped.parameters()] == [id(p) for p in originals]
+    errors = []
+    for step in range(4):
+        step_both(wrapped, opt, ref, ref_opt, step, rank, world)
+        full = wrapped.state_dict()
+        errors.append(max(_rel_err(full[k], v) for k, v in ref.state_dict().items()))
+    return errors
+
+
+@pytest.mark.timeout(200)
+def test_optimizer_built_before_wrapping_trains() -> None:
+    errors = run_ranks(optimizer_before_wrap_body, 2, timeout=180)[0]
+    assert max(errors) <= RTOL, errors

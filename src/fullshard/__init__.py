@@ -23,7 +23,15 @@ from fullshard.api import (
     StateDictType,
 )
 from fullshard.clip_grad import clip_grad_norm_
-from fullshard.fully_shard import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from fullshard.fully_shard import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    UnshardHandle,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 from fullshard.fully_sharded_data_parallel import FSDP, FullyShardedDataParallel
 from fullshard.memory import model_state_bytes, peak_rss_bytes
 
@@ -51,6 +59,8 @@ __all__ = [
     "checkpoint_wrapper",
     "clip_grad_norm_",
     "fully_shard",
+    "register_fsdp_forward_method",
+    "UnshardHandle",
     "model_state_bytes",
     "peak_rss_bytes",
 ]

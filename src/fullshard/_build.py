@@ -70,12 +70,17 @@ def build_unit(
     param_init_fn: Callable[[nn.Module], None] | None,
     sync_module_states: bool,
     buffer_dtype: torch.dtype | None,
+    materialize_meta: bool = True,
 ) -> Unit:
-    """The unit of ``module``: the parameters no nested unit owns, materialized and sharded."""
+    """The unit of ``module``: the parameters no nested unit owns, materialized and sharded.
+
+    With ``materialize_meta=False`` (``fully_shard``) parameters on the meta device stay there,
+    sharded, until the program materializes them (``to_empty`` and its own initialization).
+    """
     ignored = prepared.ignored
     region = list(walk_region(module, ignored))
     params = owned_params(module, ignored, exclude)
-    if prepared.meta:  # nested units have materialized theirs; now this unit's own
+    if prepared.meta and materialize_meta:  # nested units have materialized theirs; now this unit's own
         named = [(clean_name(n).rstrip("."), m) for n, m in region]
         params = materialize(named, params, prepared.device, param_init_fn)
         _place(module, prepared.device, config.offload, ignored)
@@ -94,6 +99,7 @@ def unit_config(
     reshard_after_forward: bool,
     mp: MixedPrecision | None,
     offload: bool,
+    keep_param_objects: bool = False,
 ) -> UnitConfig:
     """A UnitConfig from the front ends' settings (offload only means something on a GPU)."""
     return UnitConfig(
@@ -103,6 +109,7 @@ def unit_config(
         reduce_dtype=mp.reduce_dtype if mp else None,
         keep_low_precision_grads=bool(mp and mp.keep_low_precision_grads),
         offload=offload and device.type != "cpu",
+        keep_param_objects=keep_param_objects,
     )
 
 
@@ -319,21 +326,15 @@ def owned_params(
     while stack:
         m, prefix, nested = stack.pop()
         for name, p in m._parameters.items():
-            if p is None or id(p) in exclude:
+            if p is None or id(p) in exclude or hasattr(p, "_fullshard_ignored"):
                 continue
-            if hasattr(p, "_fullshard_sharded_as"):
+            if is_sharded(p) and nested:
+                continue  # the nested unit's own parameter
+            tied_to = p._fullshard_param.fqn if is_sharded(p) else getattr(p, "_fullshard_sharded_as", None)  # type: ignore[attr-defined]
+            if tied_to is not None:
                 raise ValueError(
-                    f"parameter {clean_name(prefix + name)} is tied to {p._fullshard_sharded_as}, which a "
-                    "nested FSDP unit already sharded; wrap the modules that share it inside one unit "
-                    "(let one auto_wrap_policy wrap the whole model, which keeps tied parameters in "
-                    "their common ancestor)"
-                )
-            if is_sharded(p):
-                if nested:
-                    continue  # the nested unit's own parameter
-                raise ValueError(
-                    f"parameter {clean_name(prefix + name)} is shared with a module that is already a "
-                    "nested FSDP unit; wrap the modules that share it inside one unit (let one "
+                    f"parameter {clean_name(prefix + name)} is tied to {tied_to}, which a nested FSDP unit "
+                    "already sharded; wrap the modules that share it inside one unit (let one "
                     "auto_wrap_policy wrap the whole model, which keeps tied parameters in their "
                     "common ancestor)"
                 )

@@ -42,6 +42,7 @@ class RootState:
     callback_queued: bool = False
     last_reduced: Unit | None = None
     pre_backward_done: set[int] = dataclasses.field(default_factory=set)
+    post_optim_event: Any = None  # a CUDA event the next forward's all-gathers wait for
 
 
 @dataclasses.dataclass
@@ -54,6 +55,10 @@ class UnitHooks:
     mixed_precision: MixedPrecision | None = None
     backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE
     forward_prefetch: bool = False
+    # Set by FSDPModule.set_modules_to_{forward,backward}_prefetch: the units whose all-gathers
+    # this unit's forward / backward starts, instead of the neighbour in the recorded order.
+    prefetch_in_forward: list[Unit] | None = None
+    prefetch_in_backward: list[Unit] | None = None
 
 
 def lazy_init(module: nn.Module) -> UnitHooks:
@@ -65,9 +70,13 @@ def lazy_init(module: nn.Module) -> UnitHooks:
     state: UnitHooks = module.__dict__["_fsdp_state"]
     if state.root is not None:
         return state
-    members = [(clean_name(n) or "<root>", m.__dict__["_fsdp_state"]) for n, m in module.named_modules() if "_fsdp_state" in m.__dict__]
-    root = RootState([h.unit for _, h in members], state.backward_prefetch, state.forward_prefetch)
-    for name, h in members:
+    members: dict[int, tuple[str, UnitHooks]] = {}  # one entry per unit (fully_shard of a list shares one)
+    for n, m in module.named_modules():
+        if "_fsdp_state" in m.__dict__:
+            members.setdefault(id(m.__dict__["_fsdp_state"]), (clean_name(n) or "<root>", m.__dict__["_fsdp_state"]))
+    members_list = list(members.values())
+    root = RootState([h.unit for _, h in members_list], state.backward_prefetch, state.forward_prefetch)
+    for name, h in members_list:
         h.unit.name = name
         h.is_root = h is state
         h.root = root
@@ -135,10 +144,15 @@ def root_pre_forward(hooks: UnitHooks) -> None:
     if _in_backward():
         return  # a recomputation (activation checkpointing of the root)
     if root.callback_queued or any(
-        u.training_state is not TrainingState.IDLE or u.shard_state is ShardState.UNSHARDED or u.has_pending_reduce
+        u.training_state is not TrainingState.IDLE
+        or (u.shard_state is ShardState.UNSHARDED and u.reshard_after_backward)
+        or u.has_pending_reduce
         for u in root.units
     ):
         finish_backward(root)
+    if root.post_optim_event is not None:
+        torch.cuda.current_stream().wait_event(root.post_optim_event)
+        root.post_optim_event = None
     if torch.is_grad_enabled():
         if root.forward_order:
             root.last_forward_order = root.forward_order
@@ -158,8 +172,12 @@ def pre_forward(hooks: UnitHooks) -> None:
     record("forward", unit)
     if torch.is_grad_enabled() and unit not in root.forward_order:
         root.forward_order.append(unit)
-    if root.forward_prefetch and unit.training_state is TrainingState.FORWARD:  # not in recomputation
-        _prefetch(_neighbour(root.last_forward_order, unit, +1))
+    if unit.training_state is TrainingState.FORWARD:  # not in recomputation
+        if hooks.prefetch_in_forward is not None:
+            for other in hooks.prefetch_in_forward:
+                _prefetch(other)
+        elif root.forward_prefetch:
+            _prefetch(_neighbour(root.last_forward_order, unit, +1))
 
 
 def post_forward(hooks: UnitHooks, output: Any) -> Any:
@@ -198,7 +216,10 @@ def _pre_backward(hooks: UnitHooks, grad: torch.Tensor) -> torch.Tensor:
     unit.training_state = TrainingState.PRE_BACKWARD
     unit.unshard()
     unit.install_full_params()  # for forward recomputation under activation checkpointing
-    if root.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+    if hooks.prefetch_in_backward is not None:
+        for other in hooks.prefetch_in_backward:
+            _prefetch(other)
+    elif root.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
         _prefetch(_neighbour(root.forward_order, unit, -1))
     return grad
 
@@ -211,7 +232,8 @@ def post_backward(unit: Unit, root: RootState) -> None:
             root.last_reduced.finish_reduce()  # keep one reduction in flight, not all
         unit.reduce_grads()
         root.last_reduced = unit
-    unit.reshard()
+    if unit.reshard_after_backward:
+        unit.reshard()
     if root.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
         _prefetch(_neighbour(root.forward_order, unit, -1))
 
@@ -225,7 +247,8 @@ def finish_backward(root: RootState) -> None:
         # them: the CPU optimizer may touch neither before those copies are done.
         torch.cuda.current_stream().synchronize()
     for unit in root.units:
-        unit.reshard()
+        if unit.reshard_after_backward:
+            unit.reshard()
         unit.training_state = TrainingState.IDLE
     B.POOL.clear(keep_cpu=True)  # CPU memory is kept for the next step; CUDA's allocator caches its own
     root.last_reduced = None

@@ -64,12 +64,13 @@ def reduce_grads(unit: Unit) -> None:
     record("reduce", unit)
     ranks = unit.world * unit.replicas
     low = unit.reduce_dtype in (torch.float16, torch.bfloat16)
-    pre = predivide_factor(ranks) if low else 1
+    pre = predivide_factor(ranks) if low and unit.divide_factor is None else 1
     if grad.dtype != unit.reduce_dtype:
         grad = grad.to(unit.reduce_dtype)
     if pre > 1:
         grad.div_(pre)
-    post = ranks / pre
+    post = (unit.divide_factor or ranks) / pre
+    all_reduce = unit.replicas > 1 and unit.all_reduce_grads
     if unit.world == 1:
         out = grad
     else:
@@ -79,15 +80,19 @@ def reduce_grads(unit: Unit) -> None:
         h = C.reduce_scatter(out, grad, unit.shard_group, divide_by=1.0 if unit.replicas > 1 else post, async_op=True)
         assert h is not None
         handles.append(h)
-    if unit.replicas > 1:
+    if all_reduce:
         for h in handles:  # the all-reduce follows the reduce-scatter's local epilogue
             h.wait()
+        if unit._partial_reduce is not None:  # reduce-scattered while the all-reduce was off
+            out.add_(unit._partial_reduce)
+            unit._partial_reduce = None
         h2 = C.all_reduce(out, unit.replicate_group, divide_by=post, async_op=True)
         assert h2 is not None
         handles.append(h2)
-    elif unit.world == 1 and post != 1:
+    elif unit.world == 1 and post != 1 and unit.replicas == 1:
         out.div_(post)
-    unit._pending_reduce = (_Multi(handles), out, grad if unit.world > 1 else None)
+    partial = unit.replicas > 1 and not all_reduce
+    unit._pending_reduce = (_Multi(handles), out, grad if unit.world > 1 else None, partial)
 
 
 def _reduce_output(unit: Unit, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -108,11 +113,17 @@ def finish_reduce(unit: Unit) -> None:
     """Wait for the pending reduction and add the result to the shards' ``.grad``."""
     if unit._pending_reduce is None:
         return
-    handle, out, sent = unit._pending_reduce
+    handle, out, sent, partial = unit._pending_reduce
     handle.wait()
     unit._pending_reduce = None
     if sent is not None:
         B.POOL.give(sent)  # the packed gradient: the next unit of this size packs into it
+    if partial:  # set_requires_all_reduce(False): sums kept until an all-reduce takes them
+        if unit._partial_reduce is None:
+            unit._partial_reduce = out.clone()
+        else:
+            unit._partial_reduce.add_(out)
+        return
     keep_low = unit.config.keep_low_precision_grads
     grad_dtype = out.dtype if keep_low else unit.dtype
     if out.dtype != grad_dtype or out.device != unit._shard_device:
@@ -122,14 +133,15 @@ def finish_reduce(unit: Unit) -> None:
     for sp in unit.trainable:
         assert sp.shard is not None
         g = unit._local_view(sp, out)
-        if sp.shard.grad is None:
+        current = sp.local_grad()
+        if current is None:
             if g.dtype != sp.shard.dtype:  # keep_low_precision_grads: .data takes any dtype
                 sp.shard.grad = torch.empty_strided(g.shape, (0,) * g.dim(), dtype=sp.shard.dtype, device=g.device)
                 sp.shard.grad.data = g
             else:
-                sp.shard.grad = g
+                sp.set_grad(g)
         else:
-            sp.shard.grad.add_(g)
+            current.add_(g)
 
 
 def _grad_buffer(unit: Unit, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:

@@ -12,8 +12,11 @@ Vocabulary (used throughout fullshard):
   flat buffer of padded shards (its all-gather input) and, while unsharded, a full flat buffer
   of padded full parameters (its all-gather output after the copy-out).
 
-The registered ``nn.Parameter`` is the local shard: a plain tensor of shape (rows, *rest) in the
-parameter's original dtype, a view into the unit's local flat buffer.
+The registered ``nn.Parameter`` is the local shard of shape (rows, *rest) in the parameter's
+original dtype, a view into the unit's local flat buffer: a plain tensor under the FSDP1 wrapper,
+and under ``fully_shard`` a ``DTensor`` of the full shape (placement ``Shard(0)``, or
+``(Replicate(), Shard(0))`` on a 2-D mesh) whose local tensor is that view, as torch's FSDP2
+registers. The engine reads and writes only the local tensors (:func:`local_tensor`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,16 +133,44 @@ class ShardedParam:
         self.shard_group: Any = None  # the unit's shard group (None: one rank holds it whole)
         self.local_offset = 0  # element offset in the unit's local flat buffer
         self.full_offset = 0  # element offset in the unit's full flat buffer
+        self.dtensor_spec: Any = None  # a DTensorSpec when the shard is registered as a DTensor
+        self.swapped = False  # another tensor is registered in the shard's place for now
+
+    @property
+    def local(self) -> torch.Tensor:
+        """The registered shard's plain tensor, shape ``spec.local_shape`` (a DTensor's local tensor)."""
+        assert self.shard is not None
+        return local_tensor(self.shard)
+
+    def local_grad(self) -> torch.Tensor | None:
+        """The shard's gradient as a plain tensor of the shard's shape, or None."""
+        assert self.shard is not None
+        grad = self.shard.grad
+        return None if grad is None else local_tensor(grad)
+
+    def as_registered(self, local: torch.Tensor) -> torch.Tensor:
+        """``local`` (shape ``spec.local_shape``) as the registered shard presents it: itself, or
+        a DTensor of the full shape over the unit's mesh sharing its storage."""
+        if self.dtensor_spec is None:
+            return local
+        return DTensor(local, self.dtensor_spec, requires_grad=False)
+
+    def set_grad(self, grad: torch.Tensor) -> None:
+        """Make ``grad`` (a plain tensor of the shard's shape) the shard's ``.grad``."""
+        assert self.shard is not None
+        self.shard.grad = self.as_registered(grad)
 
     def register_shard(self, shard: nn.Parameter) -> None:
         """Put ``shard`` in place of the original parameter at every slot."""
         shard._fullshard_param = self  # type: ignore[attr-defined]
         self.shard = shard
+        self.swapped = False
         for slot in self.slots:
             slot.module._parameters[slot.attr] = shard
 
     def swap_registered(self, param: nn.Parameter) -> None:
         """Register ``param`` instead of the shard at every slot (``register_shard`` undoes it)."""
+        self.swapped = True
         for slot in self.slots:
             slot.module._parameters[slot.attr] = param
 
@@ -155,6 +187,11 @@ class ShardedParam:
     def uninstall_full(self) -> None:
         for slot in self.slots:
             slot.module.__dict__.pop(slot.attr, None)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor behind ``t``: a DTensor's local tensor, else ``t`` itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def is_sharded(param: torch.Tensor) -> bool:

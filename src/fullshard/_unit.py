@@ -46,7 +46,7 @@ from fullshard import _buffers as B
 from fullshard import _collectives as C
 from fullshard import _reduce as R
 from fullshard._reduce import _Multi
-from fullshard._sharded_param import ParamSlot, ShardedParam, ShardSpec
+from fullshard._sharded_param import ParamSlot, ShardedParam, ShardSpec, local_tensor
 
 ParamEntry = tuple[str, nn.Parameter, list[ParamSlot]]
 
@@ -74,6 +74,9 @@ class UnitConfig:
         reduce_dtype: dtype of the gradient reduction (None: the compute dtype).
         keep_low_precision_grads: leave the shards' gradients in the reduce dtype.
         offload: keep shards and their gradients in CPU memory (pinned when CUDA exists).
+        keep_param_objects: register the original Parameter objects, their ``.data`` now the
+            shard (torch FSDP1's ``use_orig_params``: an optimizer built before wrapping trains
+            them); otherwise new Parameters.
     """
 
     compute_device: torch.device
@@ -82,6 +85,7 @@ class UnitConfig:
     reduce_dtype: torch.dtype | None = None
     keep_low_precision_grads: bool = False
     offload: bool = False
+    keep_param_objects: bool = False
 
 
 class GatherTracker:
@@ -177,9 +181,15 @@ class Unit:
         self._host_grad: torch.Tensor | None = None  # under offload: where gradients land on the host
         # The contexts of this unit's _SplitFull nodes that autograd may still run backward on.
         self._open_splits: weakref.WeakSet[Any] = weakref.WeakSet()
-        self._pending_reduce: tuple[_Multi, torch.Tensor, torch.Tensor | None] | None = None
+        # (handles, output, packed input to give back, output is a partial sum to keep)
+        self._pending_reduce: tuple[_Multi, torch.Tensor, torch.Tensor | None, bool] | None = None
         self.sync_grads = True  # False: gradients accumulate unsharded, no reduction (no_sync)
+        self.reshard_after_backward = True  # False: stay gathered after backward (FSDP2's setter)
+        self.all_reduce_grads = True  # False: reduce-scatter only; the replica all-reduce waits
+        self.divide_factor: float | None = None  # None: average over the data-parallel ranks
+        self._partial_reduce: torch.Tensor | None = None  # reduce-scattered, not yet all-reduced
         self.on_grad_ready: Callable[[Unit], None] | None = None
+        self.on_reshard: Callable[[Unit], None] | None = None  # e.g. register the shards again
 
     # ---------------------------------------------------------------- construction
     def _common_dtype(self, params: list[ParamEntry]) -> torch.dtype:
@@ -211,37 +221,53 @@ class Unit:
         self.shard_numel = local_off  # S
         self.trainable = [sp for sp in self.params if sp.requires_grad]
         self.grad_numel = sum(sp.spec.padded_shard_numel for sp in self.trainable)  # S_t <= S
-        pin = self.config.offload and torch.cuda.is_available()
-        self.local_flat = torch.zeros(local_off, dtype=self.dtype, device=self._shard_device, pin_memory=pin)
+        # On the meta device (fully_shard of a model built under torch.device("meta")) the
+        # shards stay meta until the program materializes them (to_empty, then its own init);
+        # the buffers are allocated when the first unshard finds real values (_sync_shards).
+        self.meta = any(p.is_meta for _, p, _ in params)
+        self.local_flat = self._new_local_flat()
         with torch.no_grad():
             for (_, p, _), sp in zip(params, self.params):
                 view = self._local_view(sp)
-                view.copy_(sp.spec.local_slice(p.detach()))
-                sp.register_shard(nn.Parameter(view, requires_grad=p.requires_grad))
-                p._fullshard_sharded_as = sp.fqn  # type: ignore[attr-defined]  # met again: tied
-        # With one rank, no cast and no offload the full buffer is the local buffer itself.
-        self.aliased = self.world == 1 and self.compute_dtype == self.dtype and not self.config.offload
-        if self.aliased:
-            full = _alias(self.local_flat)
-        else:
-            full = torch.empty(self.world * local_off, dtype=self.compute_dtype, device=self.device)
-        self._full_data = _alias(full)  # writes here leave autograd's version counter alone
-        # The autograd leaf (trainable prefix) and the frozen rest: aliases of one storage.
-        split = self.world * self.grad_numel
-        self.full_flat = _alias(full[:split]).requires_grad_(bool(self.trainable))
-        self.frozen_full = _alias(full[split:])
-        # Fixed per unit, so computed once: where each shard must live, the split of the full
-        # buffer into parameters and padding, and the copy-out targets (views of the full
-        # buffer stay valid across resize_, which keeps its storage object).
-        self._shard_ptrs = [self._local_view(sp).data_ptr() for sp in self.params]
+                if not self.meta:
+                    view.copy_(sp.spec.local_slice(p.detach()))
+                if self.config.keep_param_objects and not self.meta:
+                    p.data, p.grad = view, None  # the user's Parameter is now the shard
+                    sp.register_shard(p)
+                else:
+                    sp.register_shard(nn.Parameter(view, requires_grad=p.requires_grad))
+                    p._fullshard_sharded_as = sp.fqn  # type: ignore[attr-defined]  # met again: tied
         self._full_splits = [
             [n for sp in group for n in (sp.spec.numel, sp.spec.padded_numel - sp.spec.numel)]
             for group in (self.trainable, self.params[len(self.trainable) :])
         ]
         self._pieces = self._plan_pieces()
-        # Per run piece, its copy-out: split sizes and target views of the full buffer (views
-        # stay valid across resize_, which keeps the storage object).
         self._run_sizes = [[sp.spec.padded_shard_numel for sp in group] for group, _, _ in self._pieces]
+        # With one rank, no cast and no offload the full buffer is the local buffer itself.
+        self.aliased = self.world == 1 and self.compute_dtype == self.dtype and not self.config.offload
+        self._shard_ptrs = [self._local_view(sp).data_ptr() for sp in self.params]
+        if not self.meta:
+            self._allocate_buffers()
+
+    def _new_local_flat(self) -> torch.Tensor:
+        if self.meta:
+            return torch.zeros(self.shard_numel, dtype=self.dtype, device="meta")
+        pin = self.config.offload and torch.cuda.is_available()
+        return torch.zeros(self.shard_numel, dtype=self.dtype, device=self._shard_device, pin_memory=pin)
+
+    def _allocate_buffers(self) -> None:
+        """The full flat buffer (storage emptied until the first unshard), its autograd leaf and
+        views, for a unit whose local flat buffer holds real values."""
+        full = _alias(self.local_flat) if self.aliased else torch.empty(
+            self.world * self.shard_numel, dtype=self.compute_dtype, device=self.device
+        )
+        self._full_data = _alias(full)  # writes here leave autograd's version counter alone
+        # The autograd leaf (trainable prefix) and the frozen rest: aliases of one storage.
+        split = self.world * self.grad_numel
+        self.full_flat = _alias(full[:split]).requires_grad_(bool(self.trainable))
+        self.frozen_full = _alias(full[split:])
+        # Per run piece, its copy-out targets: views of the full buffer, built once (they stay
+        # valid across resize_, which keeps the storage object).
         self._run_targets = [
             [self._full_data[sp.full_offset : sp.full_offset + sp.spec.padded_numel].view(self.world, -1) for sp in group]
             for group, _, _ in self._pieces
@@ -253,6 +279,38 @@ class Unit:
             # collector, so a bound method here would keep the unit (and its process group,
             # whose threads then outlive the interpreter) alive forever.
             self.full_flat.register_post_accumulate_grad_hook(_weak_hook(self))
+
+    def _materialize(self) -> None:
+        """Leave the meta device: real buffers on the shard device, into which ``_sync_shards``
+        then copies the values the program gave the shards (``to_empty`` and its own init).
+
+        Raises:
+            RuntimeError: a shard is still on the meta device.
+        """
+        still = [sp.fqn for sp in self.params if sp.local.is_meta and sp.spec.local_numel > 0]
+        if still:
+            raise RuntimeError(
+                f"FSDP unit {self.name!r}: parameters {still} are still on the meta device; call "
+                "model.to_empty(device=...) and initialize them (e.g. model.reset_parameters()), or "
+                "load a state dict with assign=True, before the first forward"
+            )
+        self.meta = False
+        self.local_flat = self._new_local_flat()
+        self._shard_ptrs = [self._local_view(sp).data_ptr() for sp in self.params]
+        self._allocate_buffers()
+
+    def register_dtensors(self, mesh: Any, placements: Sequence[Any]) -> None:
+        """Register every shard as a DTensor of the full shape on ``mesh`` with ``placements``
+        (torch FSDP2's parameters); its local tensor is the same view of the local flat buffer.
+        """
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+        for sp in self.params:
+            shape = sp.spec.orig_shape
+            stride = torch.empty(shape, device="meta").stride()
+            sp.dtensor_spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, stride, self.dtype))
+            local = self._local_view(sp)
+            sp.register_shard(nn.Parameter(sp.as_registered(local), requires_grad=sp.requires_grad))
 
     def _plan_pieces(self) -> list[tuple[list[ShardedParam], int, int]]:
         """How the all-gather is split: (parameters, local offset, local length) per collective.
@@ -290,7 +348,7 @@ class Unit:
     @property
     def full_nbytes(self) -> int:
         """Bytes of the full flat buffer while gathered (0 when it aliases the shards)."""
-        return 0 if self.aliased else self.world * self.shard_numel * self._full_data.element_size()
+        return 0 if self.aliased else self.world * self.shard_numel * self.compute_dtype.itemsize
 
     @property
     def sharded_nbytes(self) -> int:
@@ -307,14 +365,51 @@ class Unit:
             )
 
     def _sync_shards(self) -> None:
-        """Copy back any shard whose storage was replaced (``param.data = ...``)."""
+        """Take back any shard whose storage was replaced (``param.data = ...``, ``to_empty``, a
+        DTensor's local tensor swapped) or whose registered parameter was replaced
+        (``load_state_dict(assign=True)``): copy its values into the local flat buffer and make
+        it a view of that buffer again."""
+        for sp in self.params:
+            registered = sp.slots[0].module._parameters.get(sp.slots[0].attr)
+            if registered is not None and registered is not sp.shard and not sp.swapped:
+                self._check_replacement(sp, registered)
+                sp.register_shard(registered)  # type: ignore[arg-type]
+        if self.meta:
+            self._materialize()
         for sp, ptr in zip(self.params, self._shard_ptrs):
-            assert sp.shard is not None
-            if sp.shard.data_ptr() != ptr and sp.spec.local_numel > 0:
+            local = sp.local
+            if local.data_ptr() != ptr and sp.spec.local_numel > 0 and not local.is_meta:
                 view = self._local_view(sp)
                 with torch.no_grad():
-                    view.copy_(sp.shard.detach().reshape(view.shape))
-                    sp.shard.data = view
+                    view.copy_(local.detach().reshape(view.shape))
+                shard: Any = sp.shard
+                if local is shard:
+                    shard.data = view
+                else:
+                    shard._local_tensor = view
+                shard._fullshard_param = sp  # lost by a tensor swap (to_empty)
+
+    def _check_replacement(self, sp: ShardedParam, new: torch.Tensor) -> None:
+        """A parameter put in a shard's place (``load_state_dict(assign=True)``) must be laid
+        out like the shard: a DTensor on the unit's mesh with its placements (fully_shard), or
+        a plain tensor of the shard's shape (the FSDP1 wrapper).
+
+        Raises:
+            ValueError: another mesh, placements or shape, naming the parameter and the fix.
+        """
+        spec = sp.dtensor_spec
+        placements = getattr(new, "placements", None)
+        if spec is not None and (getattr(new, "device_mesh", None) != spec.mesh or tuple(placements or ()) != spec.placements):
+            raise ValueError(
+                f"FSDP unit {self.name!r}: parameter {sp.fqn} was replaced by a "
+                f"{type(new).__name__} on mesh {getattr(new, 'device_mesh', None)} with placements {placements}, "
+                f"but the unit shards it over {spec.mesh} as {spec.placements}: build the value with "
+                "distribute_tensor(full, param.device_mesh, param.placements) from the model's own parameter"
+            )
+        shape = tuple(new.shape) if spec is not None else tuple(local_tensor(new).shape)
+        want = tuple(sp.spec.orig_shape) if spec is not None else tuple(sp.spec.local_shape)
+        if shape != want:
+            raise ValueError(f"FSDP unit {self.name!r}: parameter {sp.fqn} was replaced by one of shape {shape}, expected {want}")
 
     def _gather_input(self) -> torch.Tensor:
         """This rank's padded shards on the compute device in the compute dtype."""
@@ -326,11 +421,11 @@ class Unit:
             if not async_op:
                 self.wait_unshard()
             return
+        self._sync_shards()
         if self.aliased or self.shard_numel == 0:
             self.shard_state = ShardState.UNSHARDED
             GATHERED.add(0)
             return
-        self._sync_shards()
         record("unshard", self)
         self._allocate_full()
         GATHERED.add(self.full_nbytes)
@@ -409,9 +504,9 @@ class Unit:
         """The shards' gradients packed like the local flat buffer (zeros where None), (S,)."""
         flat = torch.zeros_like(self.local_flat)
         for sp in self.params:
-            assert sp.shard is not None
-            if sp.shard.grad is not None:
-                self._local_view(sp, flat).copy_(sp.shard.grad)
+            grad = sp.local_grad()
+            if grad is not None:
+                self._local_view(sp, flat).copy_(grad)
         return flat
 
     def wait_unshard(self) -> None:
@@ -449,7 +544,7 @@ class Unit:
         gradient at once. Skipped when frozen parameters share the buffer (their users may run
         later) or when it aliases the shards.
         """
-        if not self.aliased and len(self.trainable) == len(self.params):
+        if not self.aliased and len(self.trainable) == len(self.params) and self.reshard_after_backward:
             self.reshard()
 
     def install_full_params(self) -> None:
@@ -467,6 +562,8 @@ class Unit:
         if self._pending_gather is not None:
             self.wait_unshard()
         self.uninstall_full_params()
+        if self.on_reshard is not None:
+            self.on_reshard(self)
         if self.aliased or self.shard_numel == 0:
             GATHERED.remove(0)
         else:

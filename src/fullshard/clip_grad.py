@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from fullshard import _collectives as C
+from fullshard._sharded_param import local_tensor
 
 
 def _group_key(param: torch.Tensor) -> Any:
@@ -43,8 +44,9 @@ def total_grad_norm(parameters: torch.Tensor | Iterable[torch.Tensor], norm_type
         key = id(group) if group is not None else 0
         if group is not None:
             groups.setdefault(key, group)
-        if q.grad is not None and q.grad.numel() > 0:
-            buckets.setdefault((key, q.grad.device, q.grad.dtype), []).append(q.grad.detach())
+        grad = None if q.grad is None else local_tensor(q.grad)
+        if grad is not None and grad.numel() > 0:
+            buckets.setdefault((key, grad.device, grad.dtype), []).append(grad.detach())
     # Partial sums live where their group can reduce them (CUDA for NCCL, even when the gradients
     # are offloaded to CPU); without sharded groups, where the gradients are.
     if groups:
@@ -95,7 +97,8 @@ def clip_grad_norm_(
     buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for q in params:
         if q.grad is not None:
-            buckets.setdefault((q.grad.device, q.grad.dtype), []).append(q.grad.detach())
+            grad = local_tensor(q.grad)
+            buckets.setdefault((grad.device, grad.dtype), []).append(grad.detach())
     for (device, dtype), grads in buckets.items():
         torch._foreach_mul_(grads, coef.to(device, dtype))
     return total

@@ -68,7 +68,9 @@ class FullyShardedDataParallel(ModuleWrapper):
         forward_prefetch: start the next unit's all-gather during the current forward.
         limit_all_gathers: accepted; fullshard never has more than the current unit's and one
             prefetched all-gather in flight.
-        use_orig_params: accepted; names and shapes are always the original ones.
+        use_orig_params: accepted; names and shapes are always the original ones, and the
+            original Parameter objects stay registered (their ``.data`` becomes this rank's
+            shard), so an optimizer built before wrapping trains the model.
         ignored_states: parameters or modules to ignore (like ``ignored_modules``).
         device_mesh: a 1-D DeviceMesh whose group to shard over.
 
@@ -151,7 +153,7 @@ class FullyShardedDataParallel(ModuleWrapper):
         self.sharding_strategy = strategy
         self._ignored = ignored
         reshard = strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
-        config = B.unit_config(prepared.device, reshard, mp_policy, offload.offload_params)
+        config = B.unit_config(prepared.device, reshard, mp_policy, offload.offload_params, keep_param_objects=True)
         buffer_dtype = mp_policy.buffer_dtype if mp_policy else None
         unit = B.build_unit(module, prepared, groups, config, exclude, param_init_fn, sync_module_states, buffer_dtype)
         self.mixed_precision = mp_policy

@@ -1,0 +1,473 @@
+"""FSDP2's contract: fullshard's ``fully_shard`` against torch's own, in the same process group.
+
+Each body builds the same model twice (same seed), shards one with ``torch.distributed.fsdp``
+and one with ``fullshard``, runs both the same way and compares: DTensor placements and shapes,
+losses, torch's ``clip_grad_norm_`` / ``get_total_norm`` results, and the parameters bitwise
+after each optimizer step (fp32: same layouts, same reductions, so the same bits).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+from dist import run_ranks
+from models import TinyLM, tokens
+
+
+def _impls():
+    import torch.distributed.fsdp as tf
+
+    import fullshard as fs
+
+    return {"torch": (tf.fully_shard, tf.MixedPrecisionPolicy), "fullshard": (fs.fully_shard, fs.MixedPrecisionPolicy)}
+
+
+def shard_lm(model, fully_shard, **kw):
+    for layer in model.layers:
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def pair(mesh=None, mp=None, seed=0, layers=3):
+    """(torch-sharded, fullshard-sharded) copies of one seeded TinyLM."""
+    torch.manual_seed(seed)
+    base = TinyLM(layers=layers)
+    out = []
+    for fully_shard, MP in _impls().values():
+        kw = {"mesh": mesh} if mesh is not None else {}
+        if mp is not None:
+            kw["mp_policy"] = MP(param_dtype=mp, reduce_dtype=torch.float32)
+        out.append(shard_lm(copy.deepcopy(base), fully_shard, **kw))
+    return out
+
+
+def my_tokens(step, rank, world, per_rank=2):
+    return tokens(step, per_rank * world)[rank * per_rank : (rank + 1) * per_rank]
+
+
+def train_step(model, opt, x, clip=1.0):
+    loss = model(x).logsumexp(-1).mean()
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip) if clip else None
+    opt.step()
+    opt.zero_grad()
+    return loss.detach(), norm
+
+
+def exact(model) -> bool:
+    """Whether results can be bitwise torch's: a sum of two ranks' gradients is the same in any
+    order, but of three or more it depends on the order, and gloo's reduce-scatter (an
+    all-reduce) adds in another order than fullshard's all-to-all and local sum."""
+    mesh = next(model.parameters()).device_mesh
+    return mesh.size(mesh.ndim - 1) <= 2
+
+
+def assert_close(got, want, is_exact, what):
+    if is_exact:
+        assert torch.equal(got, want), f"{what}: differs by {(got - want).abs().max():.3e}"
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{what}: {m}")
+
+
+def assert_same_params(a, b, what):
+    from torch.distributed.tensor import DTensor
+
+    is_exact = exact(a)
+    for (name, p), (name2, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert name == name2, (name, name2)
+        assert isinstance(q, DTensor), f"{what}: {name} is a {type(q).__name__}"
+        assert q.placements == p.placements and q.shape == p.shape, (what, name, q.placements, p.placements)
+        assert_close(q.to_local(), p.to_local(), is_exact, f"{what}: {name}")
+
+
+OPTIMIZERS = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+    "adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+    "adam_foreach": lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=True),
+    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+}
+
+
+def contract_body(rank: int, world: int, mesh_shape: tuple[int, ...]) -> list[str]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard")) if len(mesh_shape) == 2 else None
+    done = []
+    for opt_name, make_opt in OPTIMIZERS.items():
+        ref, ours = pair(mesh)
+        assert_same_params(ref, ours, "after fully_shard")
+        for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
+            assert torch.equal(q.full_tensor(), p.full_tensor()), name
+        ref_opt, opt = make_opt(ref.parameters()), make_opt(ours.parameters())
+        steps = 10 if opt_name in ("adamw", "sgd_momentum") else 3
+        for step in range(steps):
+            x = my_tokens(step, rank, world)
+            loss_ref = ref(x).logsumexp(-1).mean()
+            loss = ours(x).logsumexp(-1).mean()
+            assert_close(loss, loss_ref, exact(ours), f"{opt_name} step {step} loss")
+            loss_ref.backward()
+            loss.backward()
+            grads = [p.grad for p in ours.parameters()]
+            assert all(isinstance(g, DTensor) for g in grads), opt_name
+            total = torch.nn.utils.get_total_norm(grads)
+            norm_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+            norm = torch.nn.utils.clip_grad_norm_(ours.parameters(), 0.5)
+            assert isinstance(norm, DTensor)
+            assert_close(norm.full_tensor(), norm_ref.full_tensor(), exact(ours), f"{opt_name} step {step} norm")
+            assert_close(total.full_tensor(), norm.full_tensor(), True, f"{opt_name} step {step} total norm")
+            ref_opt.step()
+            opt.step()
+            ref_opt.zero_grad()
+            opt.zero_grad()
+            assert_same_params(ref, ours, f"{opt_name} step {step}")
+        state = opt.state_dict()["state"]
+        assert all(isinstance(v, DTensor) for s in state.values() for k, v in s.items() if k != "step"), opt_name
+        done.append(opt_name)
+    return done
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("mesh_shape", [(1,), (2,), (3,), (2, 2)], ids=["w1", "w2", "w3", "hsdp2x2"])
+def test_matches_torch_fully_shard(mesh_shape: tuple[int, ...]) -> None:
+    world = 1
+    for n in mesh_shape:
+        world *= n
+    assert run_ranks(contract_body, world, mesh_shape, timeout=380)[0] == list(OPTIMIZERS)
+
+
+def mixed_precision_body(rank: int, world: int) -> list[float]:
+    ref, ours = pair(mp=torch.bfloat16)
+    ref_opt, opt = torch.optim.AdamW(ref.parameters(), lr=1e-2), torch.optim.AdamW(ours.parameters(), lr=1e-2)
+    diffs = []
+    for step in range(4):
+        x = my_tokens(step, rank, world)
+        loss_ref, _ = train_step(ref, ref_opt, x)
+        loss, _ = train_step(ours, opt, x)
+        diffs.append(abs(loss.item() - loss_ref.item()) / abs(loss_ref.item()))
+    for p, q in zip(ref.parameters(), ours.parameters()):
+        assert q.dtype == torch.float32 and q.placements == p.placements
+        torch.testing.assert_close(q.to_local(), p.to_local(), rtol=0, atol=0)
+    # After unshard(), the unit's registered parameters are the gathered bf16 ones (torch's too).
+    for model in (ref, ours):
+        for unit in (model.layers[0], model):
+            own = [p for n, p in unit.named_parameters() if not n.startswith("layers")]
+            unit.unshard()
+            assert {p.dtype for p in unit.parameters() if not hasattr(p, "placements")} == {torch.bfloat16}
+            unit.reshard()
+            assert {p.dtype for p in unit.parameters()} == {torch.float32}
+            assert [p for n, p in unit.named_parameters() if not n.startswith("layers")] == own
+    return diffs
+
+
+@pytest.mark.timeout(300)
+def test_mixed_precision_matches_torch() -> None:
+    diffs = run_ranks(mixed_precision_body, 2, timeout=280)[0]
+    assert max(diffs) == 0.0, diffs
+
+
+def dcp_body(rank: int, world: int, tmp: str, phase: str) -> str:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.distributed.tensor import DTensor
+
+    full_opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    if phase == "save":
+        for opt_name in ("adamw", "sgd_momentum"):
+            make_opt = OPTIMIZERS[opt_name]
+            ref, ours = pair()
+            ref_opt, opt = make_opt(ref.parameters()), make_opt(ours.parameters())
+            for step in range(3):
+                train_step(ref, ref_opt, my_tokens(step, rank, world))
+                train_step(ours, opt, my_tokens(step, rank, world))
+            # Full and sharded state dicts equal torch's.
+            for opts in (full_opts, StateDictOptions()):
+                a, b = get_model_state_dict(ref, options=opts), get_model_state_dict(ours, options=opts)
+                oa, ob = get_optimizer_state_dict(ref, ref_opt, options=opts), get_optimizer_state_dict(ours, opt, options=opts)
+                if opts.full_state_dict and rank != 0:  # cpu_offload: full values on rank 0 only
+                    assert a == b == oa == ob == {}, (list(b), list(ob))
+                    continue
+                assert a.keys() == b.keys() and oa["state"].keys() == ob["state"].keys()
+                for k in a:
+                    va, vb = a[k], b[k]
+                    if isinstance(va, DTensor):
+                        assert isinstance(vb, DTensor) and vb.placements == va.placements
+                        va, vb = va.to_local(), vb.to_local()
+                    assert torch.equal(va, vb), k
+                for k in oa["state"]:
+                    for name, va in oa["state"][k].items():
+                        vb = ob["state"][k][name]
+                        assert type(va) is type(vb), (k, name)
+                        assert torch.equal(va.to_local() if isinstance(va, DTensor) else va, vb.to_local() if isinstance(vb, DTensor) else vb), (k, name)
+            # Load a full state dict from rank 0 only into fresh models; both continue identically.
+            full, ofull = get_model_state_dict(ours, options=full_opts), get_optimizer_state_dict(ours, opt, options=full_opts)
+            load_opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+            fresh_ref, fresh = pair(seed=7)
+            fresh_ref_opt, fresh_opt = make_opt(fresh_ref.parameters()), make_opt(fresh.parameters())
+            for model, o in ((fresh_ref, fresh_ref_opt), (fresh, fresh_opt)):  # torch's calls change the dicts
+                set_model_state_dict(model, dict(full) if rank == 0 else {}, options=load_opts)
+                set_optimizer_state_dict(model, o, copy.deepcopy(ofull) if rank == 0 else {}, options=load_opts)
+            for step in range(3, 5):
+                for model, o in ((ref, ref_opt), (ours, opt), (fresh_ref, fresh_ref_opt), (fresh, fresh_opt)):
+                    train_step(model, o, my_tokens(step, rank, world))
+            assert_same_params(ref, ours, f"{opt_name} continued")
+            assert_same_params(ref, fresh, f"{opt_name} loaded from rank 0")
+            assert_same_params(ref, fresh_ref, f"{opt_name} torch loaded from rank 0")
+        # Sharded save with torch.distributed.checkpoint, for the loads at other world sizes.
+        state = {"model": get_model_state_dict(ours), "optim": get_optimizer_state_dict(ours, opt)}
+        dcp.save(state, checkpoint_id=os.path.join(tmp, "ckpt"))
+        expect = {"model": get_model_state_dict(ours, options=full_opts), "optim": get_optimizer_state_dict(ours, opt, options=full_opts)}
+        if rank == 0:
+            torch.save(expect, os.path.join(tmp, "expect.pt"))
+        return "saved"
+    # phase "load": another world size reads the sharded checkpoint into a fresh model.
+    _, ours = pair(seed=3)
+    opt = OPTIMIZERS["sgd_momentum"](ours.parameters())
+    train_step(ours, opt, my_tokens(0, rank, world))  # optimizer state exists, to be overwritten
+    state = {"model": get_model_state_dict(ours), "optim": get_optimizer_state_dict(ours, opt)}
+    dcp.load(state, checkpoint_id=os.path.join(tmp, "ckpt"))
+    set_model_state_dict(ours, state["model"])
+    set_optimizer_state_dict(ours, opt, state["optim"])
+    expect = torch.load(os.path.join(tmp, "expect.pt"), weights_only=False)
+    got = get_model_state_dict(ours, options=full_opts)
+    got_o = get_optimizer_state_dict(ours, opt, options=full_opts)
+    if rank != 0:  # cpu_offload: the full values are on rank 0 only
+        assert got == got_o == {}
+        return "loaded"
+    assert all(torch.equal(got[k], v) for k, v in expect["model"].items())
+    for k, s in expect["optim"]["state"].items():
+        for name, v in s.items():
+            assert torch.equal(got_o["state"][k][name], v), (k, name)
+    return "loaded"
+
+
+@pytest.mark.timeout(500)
+def test_dcp_state_dict_functions_and_resharding(tmp_path) -> None:
+    assert run_ranks(dcp_body, 2, str(tmp_path), "save", timeout=280) == ["saved"] * 2
+    for world in (1, 3):
+        assert run_ranks(dcp_body, world, str(tmp_path), "load", timeout=200)[0] == "loaded"
+
+
+def meta_body(rank: int, world: int) -> list[str]:
+    import torch.nn as nn
+    from torch.distributed.tensor import distribute_tensor
+
+    done = []
+    impls = _impls()
+    # pytorch/examples' FSDP2 flow: build on meta, shard, to_empty, initialize, train.
+    models = []
+    for fully_shard, _ in impls.values():
+        with torch.device("meta"):
+            model = TinyLM()
+        rng = torch.get_rng_state()
+        shard_lm(model, fully_shard)
+        assert torch.equal(rng, torch.get_rng_state()), "fully_shard consumed the RNG"
+        assert all(p.is_meta and p.to_local().is_meta for p in model.parameters())
+        model.to_empty(device="cpu")
+        torch.manual_seed(1)
+        model.init_weights()
+        models.append(model)
+    ref, ours = models
+    assert_same_params(ref, ours, "initialized")
+    ref_opt, opt = torch.optim.AdamW(ref.parameters(), lr=1e-2), torch.optim.AdamW(ours.parameters(), lr=1e-2)
+    for step in range(3):
+        train_step(ref, ref_opt, my_tokens(step, rank, world))
+        train_step(ours, opt, my_tokens(step, rank, world))
+    assert_same_params(ref, ours, "meta-built, trained")
+    done.append("to_empty")
+    # A full state dict through distribute_tensor + load_state_dict(assign=True), then training.
+    torch.manual_seed(4)
+    full_sd = TinyLM().state_dict()
+    models = []
+    for fully_shard, _ in impls.values():
+        with torch.device("meta"):
+            model = shard_lm(TinyLM(), fully_shard)
+        meta_sd = model.state_dict()
+        sharded = {k: nn.Parameter(distribute_tensor(v, meta_sd[k].device_mesh, meta_sd[k].placements)) for k, v in full_sd.items()}
+        model.load_state_dict(sharded, strict=False, assign=True)
+        models.append(model)
+    ref, ours = models
+    assert_same_params(ref, ours, "assigned")
+    ref_opt, opt = torch.optim.AdamW(ref.parameters(), lr=1e-2), torch.optim.AdamW(ours.parameters(), lr=1e-2)
+    for step in range(3):
+        train_step(ref, ref_opt, my_tokens(step, rank, world))
+        train_step(ours, opt, my_tokens(step, rank, world))
+    assert_same_params(ref, ours, "assigned, trained")
+    done.append("assign")
+    return done
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 3])
+def test_meta_init_and_assign_like_torch(world: int) -> None:
+    assert run_ranks(meta_body, world, timeout=280)[0] == ["to_empty", "assign"]
+
+
+def methods_body(rank: int, world: int) -> list[str]:
+    from fullshard import _unit as U
+
+    done = []
+    # Explicit prefetching, as pytorch/examples' FSDP2 example sets it (two layers ahead).
+    ref, ours = pair(layers=4)
+    for model in (ref, ours):
+        layers = list(model.layers)
+        for i, layer in enumerate(layers):
+            layer.set_modules_to_forward_prefetch(layers[i + 1 : i + 3])
+            layer.set_modules_to_backward_prefetch(layers[max(0, i - 2) : i][::-1])
+    ref_opt, opt = torch.optim.AdamW(ref.parameters(), lr=1e-2), torch.optim.AdamW(ours.parameters(), lr=1e-2)
+    U.EVENTS = []
+    for step in range(3):
+        for model, o in ((ref, ref_opt), (ours, opt)):
+            model.unshard()
+            train_step(model, o, my_tokens(step, rank, world))
+    events, U.EVENTS = U.EVENTS, None
+    assert_same_params(ref, ours, "explicit prefetch")
+    first = events[: events.index(("forward", "layers.1"))]
+    assert ("unshard", "layers.1") in first and ("unshard", "layers.2") in first, first
+    done.append("prefetch")
+    # Gradient accumulation without resharding or reducing, then one synced micro-batch.
+    ref, ours = pair()
+    ref_opt, opt = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(ours.parameters(), lr=0.1)
+    for model, o in ((ref, ref_opt), (ours, opt)):
+        model.set_requires_gradient_sync(False)
+        model.set_reshard_after_backward(False)
+        for micro in range(2):
+            model(my_tokens(micro, rank, world)).logsumexp(-1).mean().backward()
+        model.set_requires_gradient_sync(True)
+        model.set_reshard_after_backward(True)
+        model.set_is_last_backward(True)
+        model(my_tokens(2, rank, world)).logsumexp(-1).mean().backward()
+        o.step()
+        o.zero_grad()
+    assert_same_params(ref, ours, "accumulation")
+    done.append("accumulate")
+    # A gradient divide factor of 1 (a sum over ranks; torch's needs PREMUL_SUM, which gloo
+    # lacks, so torch's averaged gradients times the world size are the reference), and
+    # reshard_after_forward=False.
+    ref, ours = pair()
+    ours.set_gradient_divide_factor(1.0)
+    ours.set_reshard_after_forward(False)
+    for model in (ref, ours):
+        model(my_tokens(0, rank, world)).logsumexp(-1).mean().backward()
+    for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
+        assert torch.equal(q.grad.to_local(), p.grad.to_local() * world), name
+    done.append("divide factor")
+    return done
+
+
+@pytest.mark.timeout(300)
+def test_fsdp_module_methods_like_torch() -> None:
+    assert run_ranks(methods_body, 2, timeout=280)[0] == ["prefetch", "accumulate", "divide factor"]
+
+
+def shapes_body(rank: int, world: int) -> list[str]:
+    """fully_shard of a list of modules, ignored_params, register_fsdp_forward_method, hybrid
+    sharding with the replica all-reduce deferred."""
+    import torch.distributed.fsdp as tf
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fullshard as fs
+
+    done = []
+    torch.manual_seed(0)
+    base = TinyLM()
+    models = []
+    for mod in (tf, fs):
+        model = copy.deepcopy(base)
+        mod.fully_shard([model.layers[0], model.layers[1]])
+        mod.fully_shard(model.layers[2], ignored_params={model.layers[2].w1.bias})
+        mod.fully_shard(model)
+        models.append(model)
+    ref, ours = models
+    ref_opt, opt = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(ours.parameters(), lr=0.1)
+    for step in range(2):
+        train_step(ref, ref_opt, my_tokens(step, rank, world), clip=0)
+        train_step(ours, opt, my_tokens(step, rank, world), clip=0)
+    for (n, p), q in zip(ref.named_parameters(), ours.parameters()):
+        assert type(p) is type(q), n
+        assert_close(_local(q), _local(p), world <= 2, n)
+    done.append("list+ignored")
+    # A method other than forward, run with the gathered parameters.
+    for mod in (tf, fs):
+        torch.manual_seed(0)
+        block = TinyBlock_with_method()
+        mod.fully_shard(block)
+        mod.register_fsdp_forward_method(block, "project")
+        out = block.project(torch.ones(2, 12))
+        assert out.shape == (2, 48)
+        done.append(f"method:{mod.__name__.split('.')[0]}:{out.sum().item():.5f}")
+    if world == 4:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        ref, ours = pair(mesh=mesh)
+        ref_opt, opt = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(ours.parameters(), lr=0.1)
+        for model, o in ((ref, ref_opt), (ours, opt)):
+            model.set_requires_all_reduce(False)
+            model(my_tokens(0, rank, world)).logsumexp(-1).mean().backward()
+            model.set_requires_all_reduce(True)
+            model(my_tokens(1, rank, world)).logsumexp(-1).mean().backward()
+            o.step()
+        assert_same_params(ref, ours, "deferred all-reduce")
+        done.append("hsdp all-reduce")
+    return done
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t.detach()
+
+
+class TinyBlock_with_method(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = torch.nn.Linear(12, 48)
+
+    def forward(self, x):
+        return self.w1(x)
+
+    def project(self, x):
+        return self.w1(x) * 2
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 4])
+def test_list_ignored_method_and_hsdp_like_torch(world: int) -> None:
+    done = run_ranks(shapes_body, world, timeout=280)[0]
+    assert done[0] == "list+ignored"
+    assert done[1].split(":")[2] == done[2].split(":")[2], done
+    assert ("hsdp all-reduce" in done) == (world == 4)
+
+
+def errors_body(rank: int, world: int) -> list[str]:
+    import torch.nn as nn
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from fullshard import fully_shard
+    from models import make_stack
+
+    done = []
+    with pytest.raises(ValueError, match="0-dim parameter 'scale'.*shape \\(1,\\)"):
+        fully_shard(make_stack())
+    done.append("0-dim")
+    model = shard_lm(TinyLM(), fully_shard)
+    weight = model.output.weight
+    wrong = nn.Parameter(distribute_tensor(torch.zeros(weight.shape), weight.device_mesh, [Replicate()]))
+    model.load_state_dict({"output.weight": wrong}, strict=False, assign=True)
+    with pytest.raises(ValueError, match=r"output.weight was replaced .*placements \(Replicate\(\),\).*distribute_tensor"):
+        model(my_tokens(0, rank, world))
+    done.append("mesh")
+    return done
+
+
+@pytest.mark.timeout(200)
+def test_misuse_errors_on_every_rank() -> None:
+    assert run_ranks(errors_body, 2, timeout=180) == [["0-dim", "mesh"]] * 2
