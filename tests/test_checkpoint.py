@@ -12,54 +12,72 @@ from dist import run_ranks
 from models import Block, make_stack, step_both
 
 
-def _model():
-    from fullshard import FSDP
+def _model(api: str = "fsdp1"):
+    from fullshard import FSDP, fully_shard
     from fullshard.wrap import ModuleWrapPolicy
 
+    if api == "fsdp2":  # fully_shard refuses 0-dim parameters, as torch's does
+        model = copy.deepcopy(make_stack(scale_shape=(1,)))
+        for block in model.blocks:
+            fully_shard(block)
+        return fully_shard(model)
     return FSDP(copy.deepcopy(make_stack()), auto_wrap_policy=ModuleWrapPolicy({Block}))
 
 
 def _full_optim(model, opt) -> dict:
+    from fullshard import FSDPModule
     from fullshard._optim_state import full_optim_state_dict
 
-    return {f"{n}.{k}": v.clone() if isinstance(v, torch.Tensor) else v for n, e in full_optim_state_dict(model, opt)["state"].items() for k, v in e.items()}
+    if isinstance(model, FSDPModule):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    else:
+        osd = full_optim_state_dict(model, opt)
+    return {f"{n}.{k}": v.clone() if isinstance(v, torch.Tensor) else v for n, e in osd["state"].items() for k, v in e.items()}
 
 
-def save_body(rank: int, world: int, root: str) -> tuple[dict, dict]:
+def _full_model(model) -> dict:
+    # full_tensor() on a one-rank mesh is the parameter itself: clone, training goes on after
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for k, v in model.state_dict().items()}
+
+
+def save_body(rank: int, world: int, root: str, api: str = "fsdp1") -> tuple[dict, dict]:
     from fullshard import checkpoint
 
-    ref = make_stack()
-    model = _model()
+    ref = make_stack(scale_shape=(1,) if api == "fsdp2" else ())
+    model = _model(api)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     for step in range(3):
         step_both(model, opt, ref, ref_opt, step, rank, world)
         checkpoint.save(root, step, model, opt, extra={"rank": rank, "step": step}, keep=2)
-    return model.state_dict(), _full_optim(model, opt)
+    return _full_model(model), _full_optim(model, opt)
 
 
-def load_body(rank: int, world: int, root: str, saved_world: int) -> tuple[dict, dict, dict]:
+def load_body(rank: int, world: int, root: str, saved_world: int, api: str = "fsdp1") -> tuple[dict, dict, dict]:
     from fullshard import checkpoint
 
-    model = _model()
+    model = _model(api)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     extra = checkpoint.load(root, model, opt)
-    full, optim = model.state_dict(), _full_optim(model, opt)
+    full, optim = _full_model(model), _full_optim(model, opt)
     # Training continues from the loaded state.
-    ref = make_stack()
+    ref = make_stack(scale_shape=(1,) if api == "fsdp2" else ())
     step_both(model, opt, ref, torch.optim.SGD(ref.parameters(), lr=0.0), 3, rank, world)
     return full, optim, extra
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.parametrize("api", ["fsdp1", "fsdp2"])
 @pytest.mark.parametrize("saved,loaded", [(2, [1, 3, 4]), (4, [2])])
-def test_checkpoint_reshards(tmp_path: Path, saved: int, loaded: list[int]) -> None:
+def test_checkpoint_reshards(tmp_path: Path, saved: int, loaded: list[int], api: str) -> None:
     root = str(tmp_path / "ckpt")
-    want_model, want_optim = run_ranks(save_body, saved, root, timeout=180)[0]
+    want_model, want_optim = run_ranks(save_body, saved, root, api, timeout=180)[0]
     names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     assert names == ["step_00000001", "step_00000002"], names  # keep=2
     for world in loaded:
-        results = run_ranks(load_body, world, root, saved, timeout=180)
+        results = run_ranks(load_body, world, root, saved, api, timeout=180)
         full, optim, extra = results[0]
         for k, v in want_model.items():
             assert torch.equal(full[k], v), (world, k)
@@ -134,25 +152,25 @@ def test_checkpoint_errors_reach_every_rank(tmp_path: Path) -> None:
     assert results[0] == results[1] == ["crash in save", "wrong model", "truncated"]
 
 
-def convert_save_body(rank: int, world: int, root: str) -> dict:
+def convert_save_body(rank: int, world: int, root: str, api: str) -> dict:
     from fullshard import checkpoint
 
-    ref = make_stack()
-    model = _model()
+    ref = make_stack(scale_shape=(1,) if api == "fsdp2" else ())
+    model = _model(api)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     step_both(model, opt, ref, torch.optim.SGD(ref.parameters(), lr=0.0), 0, rank, world)
     checkpoint.save(root, 1, model, opt)
-    return model.state_dict()
+    return _full_model(model)
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
-def test_convert_to_one_full_state_dict(tmp_path: Path, suffix: str) -> None:
+@pytest.mark.parametrize("suffix,api", [(".safetensors", "fsdp1"), (".pt", "fsdp1"), (".safetensors", "fsdp2")])
+def test_convert_to_one_full_state_dict(tmp_path: Path, suffix: str, api: str) -> None:
     import subprocess
     import sys
 
     root = tmp_path / "ckpt"
-    want = run_ranks(convert_save_body, 2, str(root), timeout=180)[0]
+    want = run_ranks(convert_save_body, 2, str(root), api, timeout=180)[0]
     out = tmp_path / f"model{suffix}"
     r = subprocess.run([sys.executable, "-m", "fullshard.cli", "convert", str(root), str(out)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -162,7 +180,7 @@ def test_convert_to_one_full_state_dict(tmp_path: Path, suffix: str) -> None:
         state = load_file(str(out))
     else:
         state = torch.load(out)
-    plain = make_stack(seed=3)
+    plain = make_stack(seed=3, scale_shape=(1,) if api == "fsdp2" else ())
     plain.load_state_dict(state, strict=True)  # a plain model loads it for inference
     for k, v in want.items():
         assert torch.equal(plain.state_dict()[k], v), k

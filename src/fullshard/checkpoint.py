@@ -70,14 +70,46 @@ def latest(root: str | os.PathLike) -> Path | None:
 
 
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """The sharded state to save or load into: DTensor shards under the original names.
+
+    A ``fully_shard`` model already registers DTensor parameters, so torch's own
+    ``get_model_state_dict`` / ``get_optimizer_state_dict`` give it; the FSDP1 wrapper maps
+    its plain shards itself. Both write the same keys, so ``convert`` reads either.
+    """
+    from fullshard.fully_shard import FSDPModule
     from fullshard.fully_sharded_data_parallel import FullyShardedDataParallel
 
+    if isinstance(model, FSDPModule):
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        state: dict[str, Any] = {"model": get_model_state_dict(model)}
+        if optimizer is not None:
+            state["optim"] = get_optimizer_state_dict(model, optimizer)
+        return state
     if not isinstance(model, FullyShardedDataParallel):
-        raise TypeError(f"model must be the root FullyShardedDataParallel, got {type(model).__name__}")
-    state: dict[str, Any] = {"model": sharded_state_dict(model, model._ignored)}
+        raise TypeError(
+            f"model must be the root FullyShardedDataParallel or a module given to fully_shard, got {type(model).__name__}"
+        )
+    state = {"model": sharded_state_dict(model, model._ignored)}
     if optimizer is not None:
         state["optim"] = sharded_optim_state_dict(model, optimizer)
     return state
+
+
+def _apply(model: nn.Module, optimizer: torch.optim.Optimizer | None, target: dict[str, Any]) -> None:
+    """Copy the loaded sharded state into the model and optimizer."""
+    from fullshard.fully_shard import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        set_model_state_dict(model, target["model"])
+        if optimizer is not None:
+            set_optimizer_state_dict(model, optimizer, target["optim"])
+        return
+    load_sharded_state_dict(model, target["model"], True, model._ignored)  # type: ignore[arg-type]
+    if optimizer is not None:
+        load_sharded_optim_state_dict(model, optimizer, target["optim"])  # type: ignore[arg-type]
 
 
 def save(
@@ -93,7 +125,7 @@ def save(
     Args:
         root: the checkpoint folder (created if needed).
         step: the training step; names the directory.
-        model: the root FullyShardedDataParallel.
+        model: the root FullyShardedDataParallel, or the root module given to ``fully_shard``.
         optimizer: an optimizer over ``model.parameters()``.
         extra: this rank's own picklable state (RNG states, a scheduler, data position).
         keep: keep only this many newest complete checkpoints (None: all).
@@ -175,9 +207,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     target = _everywhere(f"load from {directory}", read)
 
     def apply() -> dict[str, Any]:
-        load_sharded_state_dict(model, target["model"], True, model._ignored)  # type: ignore[arg-type]
-        if optimizer is not None:
-            load_sharded_optim_state_dict(model, optimizer, target["optim"])  # type: ignore[arg-type]
+        _apply(model, optimizer, target)
         extra = directory / f"extra_rank{rank}.pt"
         return torch.load(extra, weights_only=False) if extra.is_file() else {}
 

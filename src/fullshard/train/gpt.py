@@ -22,7 +22,7 @@ from torch import nn
 from fullshard import _collectives as C
 from fullshard import checkpoint, launch
 from fullshard.activation_checkpointing import apply_activation_checkpointing
-from fullshard.fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
+from fullshard._build import is_unit
 from fullshard.gpt import GPT, PRESETS, Block, init_module
 from fullshard.memory import model_state_bytes
 from fullshard.text_data import ByteCorpus, files_from_glob
@@ -56,6 +56,7 @@ class GPTJobConfig:
     cpu_offload: bool = False
     backward_prefetch: str = "pre"
     forward_prefetch: bool = False
+    api: str = "fsdp1"
     metrics_file: str | None = None
     save_model: str | None = None
     checkpoint_dir: str | None = None
@@ -132,20 +133,25 @@ def lr_at(step: int, cfg: GPTJobConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def build_model(cfg: GPTJobConfig, device: torch.device) -> FSDP:
-    """The preset's GPT, built on the meta device and materialized shard by shard, one unit per Block."""
+def build_model(cfg: GPTJobConfig, device: torch.device) -> nn.Module:
+    """The preset's GPT, built on the meta device, one unit per Block. The FSDP1 wrapper
+    materializes it shard by shard (``param_init_fn``); under ``--api fsdp2`` the program does,
+    as FSDP2 programs do: ``to_empty`` on the device, then the GPT recipe on the DTensor shards
+    (each rank draws its own rows, so the initial weights differ from the FSDP1 path's)."""
     model_cfg = PRESETS[cfg.preset]
     with torch.device("meta"):
         model = GPT(model_cfg)
     if cfg.activation_checkpointing:
         apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
-    return FSDP(
-        model,
-        auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}),
-        param_init_fn=functools.partial(init_module, n_layers=model_cfg.n_layers),
-        device_id=device if device.type == "cuda" else None,
-        **fsdp_options.fsdp_kwargs(cfg),
-    )
+    init = functools.partial(init_module, n_layers=model_cfg.n_layers)
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
+    if cfg.api == "fsdp1":
+        return fsdp_options.shard_model(model, cfg, policy, param_init_fn=init, device_id=device if device.type == "cuda" else None)
+    sharded = fsdp_options.shard_model(model, cfg, policy)
+    sharded.to_empty(device=device)
+    for m in sharded.modules():
+        init(m)
+    return sharded
 
 
 def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -188,7 +194,7 @@ def _run(cfg: GPTJobConfig, device: torch.device) -> dict[str, Any] | None:
     return train_loop(cfg, device, model, f"GPT preset {cfg.preset}: {PRESETS[cfg.preset].num_params / 1e6:.2f}M parameters")
 
 
-def train_loop(cfg: GPTJobConfig, device: torch.device, model: FSDP, title: str) -> dict[str, Any] | None:
+def train_loop(cfg: GPTJobConfig, device: torch.device, model: nn.Module, title: str) -> dict[str, Any] | None:
     """Train ``model`` (byte tokens (batch, seq) -> logits (batch, seq, 256)) on the corpus.
 
     Returns the last log record on rank 0, None elsewhere.
@@ -198,7 +204,7 @@ def train_loop(cfg: GPTJobConfig, device: torch.device, model: FSDP, title: str)
     corpus = ByteCorpus.load(cfg.data)
     val = corpus.val_batches(cfg.eval_batches, cfg.batch_size, cfg.seq_len, cfg.seed)
     if rank == 0:
-        print(f"{title}, {len(model.fsdp_modules(model))} FSDP units, {world} ranks, "
+        print(f"{title}, {sum(1 for m in model.modules() if is_unit(m))} FSDP units ({cfg.api}), {world} ranks, "
               f"{cfg.batch_size * world} x {cfg.seq_len} bytes per step", flush=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=True)
     first = _resume(cfg, model, optimizer)
@@ -214,7 +220,7 @@ def train_loop(cfg: GPTJobConfig, device: torch.device, model: FSDP, title: str)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if cfg.grad_clip > 0:
-            model.clip_grad_norm_(cfg.grad_clip)
+            fsdp_options.clip_grad_norm_(model, cfg.grad_clip)
         optimizer.step()
         window_loss[0] += loss.detach()
         window_loss[1] += 1
@@ -229,14 +235,14 @@ def train_loop(cfg: GPTJobConfig, device: torch.device, model: FSDP, title: str)
             window_loss.zero_()
             last = time.perf_counter()
     if cfg.save_model:
-        state = model.state_dict()  # collective: every rank gathers, rank 0 writes
+        state = fsdp_options.full_state_dict(model)  # collective: every rank gathers, rank 0 writes
         if rank == 0:
-            torch.save({k: v.cpu() for k, v in state.items()}, cfg.save_model)
+            torch.save(state, cfg.save_model)
             print(f"saved the full state dict to {cfg.save_model}", flush=True)
     return record if rank == 0 else None
 
 
-def _resume(cfg: GPTJobConfig, model: FSDP, optimizer: torch.optim.Optimizer) -> int:
+def _resume(cfg: GPTJobConfig, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Load the newest complete checkpoint of ``--checkpoint-dir``; the step to continue from.
 
     Everything that decides the rest of the run comes back: parameters, optimizer state, the
@@ -252,7 +258,7 @@ def _resume(cfg: GPTJobConfig, model: FSDP, optimizer: torch.optim.Optimizer) ->
     return int(extra.get("step", 0))
 
 
-def _log(cfg: GPTJobConfig, model: FSDP, optimizer: torch.optim.Optimizer, val: list, device: torch.device,
+def _log(cfg: GPTJobConfig, model: nn.Module, optimizer: torch.optim.Optimizer, val: list, device: torch.device,
          step: int, window_loss: torch.Tensor, seconds: float, start: float) -> dict[str, Any]:
     group = C.default_group()
     world = C.group_size(group)

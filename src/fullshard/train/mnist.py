@@ -23,7 +23,6 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from fullshard import _collectives as C
 from fullshard import checkpoint, launch, mnist_data
-from fullshard.fully_sharded_data_parallel import FullyShardedDataParallel as FSDP
 from fullshard.memory import model_state_bytes
 from fullshard.train import _fsdp_options as fsdp_options
 from fullshard.train import _resume_options as resume_options
@@ -82,6 +81,7 @@ class MnistConfig:
     cpu_offload: bool = False
     backward_prefetch: str = "pre"
     forward_prefetch: bool = False
+    api: str = "fsdp1"
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
@@ -200,7 +200,7 @@ def _run(cfg: MnistConfig, device: torch.device) -> dict[str, Any] | None:
     torch.manual_seed(cfg.seed)
     train_loader, test_loader, sampler = _loaders(cfg, rank, world)
     policy = functools.partial(size_based_auto_wrap_policy, min_num_params=cfg.min_num_params)
-    model = FSDP(Net().to(device), auto_wrap_policy=policy, **fsdp_options.fsdp_kwargs(cfg))
+    model = fsdp_options.shard_model(Net().to(device), cfg, policy)
     if rank == 0:
         print(model, flush=True)
     optimizer = torch.optim.Adadelta(model.parameters(), lr=cfg.lr)
@@ -244,14 +244,14 @@ def _run(cfg: MnistConfig, device: torch.device) -> dict[str, Any] | None:
     if bar is not None:
         bar.close()
     if cfg.save_model:
-        state_dict = model.state_dict()  # collective: every rank gathers, rank 0 writes
+        state_dict = fsdp_options.full_state_dict(model)  # collective: every rank gathers, rank 0 writes
         if rank == 0:
-            torch.save({k: v.cpu() for k, v in state_dict.items()}, cfg.save_model)
+            torch.save(state_dict, cfg.save_model)
             print(f"saved the full state dict to {cfg.save_model}", flush=True)
     return record if rank == 0 else None
 
 
-def _resume(cfg: MnistConfig, model: FSDP, optimizer: torch.optim.Optimizer, scheduler: StepLR) -> _Position:
+def _resume(cfg: MnistConfig, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: StepLR) -> _Position:
     """The newest complete checkpoint of ``--checkpoint-dir`` loaded; where to continue."""
     if not cfg.checkpoint_dir or checkpoint.latest(cfg.checkpoint_dir) is None:
         return _Position()
