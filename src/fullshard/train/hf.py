@@ -9,6 +9,7 @@ corpus and loop as ``train gpt``. Needs the ``transformers`` package (the ``hf``
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any, Callable
 
@@ -118,7 +119,9 @@ def _run(cfg: HFJobConfig, device: torch.device) -> dict[str, Any] | None:
     build, default_cls = HF_CONFIGS[cfg.config]
     model = CausalLMLogits(build()).to(device)
     names = (cfg.wrap_cls or default_cls).split(",")
-    wrapped = wrap_hf(model, names, **fsdp_options.fsdp_kwargs(cfg))
+    classes = layer_classes(model, names)
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=classes)
+    wrapped = fsdp_options.shard_model(model, cfg, policy)
     return train_loop(cfg, device, wrapped, f"transformers {cfg.config} ({', '.join(names)} per unit)")
 
 
