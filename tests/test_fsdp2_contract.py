@@ -471,3 +471,32 @@ def errors_body(rank: int, world: int) -> list[str]:
 @pytest.mark.timeout(200)
 def test_misuse_errors_on_every_rank() -> None:
     assert run_ranks(errors_body, 2, timeout=180) == [["0-dim", "mesh"]] * 2
+
+
+def optimizer_hooks_body(rank: int, world: int) -> list[str]:
+    """fullshard steps optimizers on the local tensors; outside step() they hold DTensors."""
+    from torch.distributed.tensor import DTensor
+
+    _, ours = pair()
+    opt = torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9)
+    params = list(ours.parameters())
+    train_step(ours, opt, my_tokens(0, rank, world))
+    assert all(a is b for a, b in zip(opt.param_groups[0]["params"], params))
+    assert list(opt.state) == params and all(isinstance(s["momentum_buffer"], DTensor) for s in opt.state.values())
+    buffers = [s["momentum_buffer"] for s in opt.state.values()]
+
+    def failing_closure():
+        raise RuntimeError("closure failed")
+
+    ours(my_tokens(1, rank, world)).logsumexp(-1).mean().backward()
+    with pytest.raises(RuntimeError, match="closure failed"):
+        opt.step(failing_closure)
+    opt.step()  # the failed step's stand-ins are put back first
+    assert all(a is b for a, b in zip(opt.param_groups[0]["params"], params))
+    assert all(s["momentum_buffer"] is b for s, b in zip(opt.state.values(), buffers))  # the same DTensors, updated in place
+    return ["hooks"]
+
+
+@pytest.mark.timeout(200)
+def test_optimizer_steps_on_local_tensors() -> None:
+    assert run_ranks(optimizer_hooks_body, 2, timeout=180)[0] == ["hooks"]

@@ -135,6 +135,7 @@ class ShardedParam:
         self.full_offset = 0  # element offset in the unit's full flat buffer
         self.dtensor_spec: Any = None  # a DTensorSpec when the shard is registered as a DTensor
         self.swapped = False  # another tensor is registered in the shard's place for now
+        self.stand_in: nn.Parameter | None = None  # plain alias of a DTensor shard for optimizer steps
 
     @property
     def local(self) -> torch.Tensor:
@@ -151,9 +152,15 @@ class ShardedParam:
     def as_registered(self, local: torch.Tensor) -> torch.Tensor:
         """``local`` (shape ``spec.local_shape``) as the registered shard presents it: itself, or
         a DTensor of the full shape over the unit's mesh sharing its storage."""
-        if self.dtensor_spec is None:
+        spec = self.dtensor_spec
+        if spec is None:
             return local
-        return DTensor(local, self.dtensor_spec, requires_grad=False)
+        if local.dtype != spec.tensor_meta.dtype:  # e.g. optimizer state kept in another dtype
+            from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+            meta = TensorMeta(spec.tensor_meta.shape, spec.tensor_meta.stride, local.dtype)
+            spec = DTensorSpec(spec.mesh, spec.placements, tensor_meta=meta)
+        return DTensor(local, spec, requires_grad=False)
 
     def set_grad(self, grad: torch.Tensor) -> None:
         """Make ``grad`` (a plain tensor of the shard's shape) the shard's ``.grad``."""

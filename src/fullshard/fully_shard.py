@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_map
 from fullshard import _build as B
 from fullshard import _collectives as C
 from fullshard import _hooks as H
+from fullshard import _optim_local
 from fullshard._unit import ShardState, Unit
 from fullshard.api import BackwardPrefetch, MixedPrecision, ShardingStrategy
 
@@ -295,6 +296,7 @@ def fully_shard(
     from torch.distributed.tensor import Replicate, Shard
 
     unit.register_dtensors(mesh, [Replicate(), Shard(0)] if hybrid else [Shard(0)])
+    _optim_local.install()  # optimizer steps run on the local tensors (same bits, no DTensor dispatch)
     state = H.UnitHooks(unit, mixed_precision=mp, backward_prefetch=BackwardPrefetch.BACKWARD_PRE)
     output_dtype = mp_policy.output_dtype if mp_policy else None
     _register_forward_hooks(modules, state, output_dtype)
