@@ -24,7 +24,7 @@ from fullshard import _collectives as C
 from fullshard import _hooks as H
 from fullshard._state_dict import as_dtensor
 from fullshard._unit import Unit
-from fullshard.api import BackwardPrefetch, MixedPrecision, ShardingStrategy
+from fullshard.api import BackwardPrefetch, MixedPrecision, ShardingStrategy, as_mp_policy, as_offload_policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,16 +112,20 @@ def fully_shard(
         mesh: a 1-D DeviceMesh to shard over, a 2-D one (replicate, shard) for hybrid
             sharding, or None for the whole world.
         reshard_after_forward: free the full parameters after forward (the root keeps them).
-        mp_policy: a MixedPrecisionPolicy.
-        offload_policy: CPUOffloadPolicy() to keep shards in CPU memory (GPU runs).
+        mp_policy: a MixedPrecisionPolicy (fullshard's or torch.distributed.fsdp's).
+        offload_policy: CPUOffloadPolicy() to keep shards in CPU memory (GPU runs); fullshard's
+            or torch.distributed.fsdp's.
 
     Returns:
         ``module``, now also an FSDPModule.
 
     Raises:
         ValueError: ``module`` already heads a unit; a mesh of more than 2 dimensions.
+        TypeError: a policy of a type neither fullshard's nor torch's.
         RuntimeError: no process group is initialized.
     """
+    mp_policy = as_mp_policy(mp_policy, MixedPrecisionPolicy)
+    offload_policy = as_offload_policy(offload_policy, OffloadPolicy, CPUOffloadPolicy)
     if B.is_unit(module):
         raise ValueError(f"{type(module).__name__} is already sharded (fully_shard or FullyShardedDataParallel); apply it once")
     hybrid = mesh is not None and mesh.ndim == 2
