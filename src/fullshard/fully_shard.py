@@ -120,10 +120,12 @@ def fully_shard(
         ``module``, now also an FSDPModule.
 
     Raises:
-        ValueError: ``module`` already heads a unit; a mesh of more than 2 dimensions.
+        ValueError: ``module`` already heads a unit; it or a submodule was sharded by torch's FSDP
+            or is a fullshard FullyShardedDataParallel; a mesh of more than 2 dimensions.
         TypeError: a policy of a type neither fullshard's nor torch's.
         RuntimeError: no process group is initialized.
     """
+    B.check_not_sharded_elsewhere(module, "fully_shard")
     mp_policy = as_mp_policy(mp_policy, MixedPrecisionPolicy)
     offload_policy = as_offload_policy(offload_policy, OffloadPolicy, CPUOffloadPolicy)
     if B.is_unit(module):

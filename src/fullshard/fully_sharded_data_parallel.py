@@ -86,7 +86,9 @@ class FullyShardedDataParallel(ModuleWrapper):
 
     Raises:
         RuntimeError: no process group is initialized and none is given.
-        ValueError: the module is already wrapped, parameters on several devices, an unknown
+        ValueError: the module is already wrapped (by fullshard, or by torch's
+            FullyShardedDataParallel or fully_shard anywhere in its tree), contains a module
+            given to fullshard's ``fully_shard``, has parameters on several devices, an unknown
             strategy name, or conflicting arguments.
         NotImplementedError: an argument whose feature fullshard does not have yet.
         TypeError: an unknown keyword argument; an option of a type neither fullshard's nor torch's.
@@ -124,6 +126,7 @@ class FullyShardedDataParallel(ModuleWrapper):
             )
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+        B.check_not_sharded_elsewhere(module, "FullyShardedDataParallel")
         strategy = parse_sharding_strategy(sharding_strategy)
         mp_policy = as_mixed_precision(mixed_precision)
         offload = as_cpu_offload(cpu_offload)
