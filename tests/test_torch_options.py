@@ -178,9 +178,16 @@ def wrapper_cases(rank: int, world: int) -> list[str]:
 
 
 # ---------------------------------------------------------------------- fully_shard's options
+def _stack_for_fully_shard() -> nn.Module:
+    """The test Stack with its 0-dim ``scale`` made shape (1,): fully_shard, as torch's, may refuse 0-dim parameters."""
+    model = make_stack(0)
+    model.scale = nn.Parameter(model.scale.detach().reshape(1))
+    return model
+
+
 def _fully_sharded(blocks: dict, root: dict) -> nn.Module:
     """The test Stack with fully_shard on each Block (``blocks`` options) and then the root."""
-    model = make_stack(0)
+    model = _stack_for_fully_shard()
     for block in model.blocks:
         fully_shard(block, **blocks)
     return fully_shard(model, **root)
@@ -397,7 +404,7 @@ def accelerate_body(rank: int, world: int) -> list[Any]:
     fsdp2_kwargs = {"reshard_after_forward": plugin2.reshard_after_forward, "offload_policy": plugin2.cpu_offload,
                     "mp_policy": plugin2.mixed_precision_policy or tf.MixedPrecisionPolicy(), "mesh": None}
     assert isinstance(fsdp2_kwargs["mp_policy"], tf.MixedPrecisionPolicy) and isinstance(fsdp2_kwargs["offload_policy"], tf.OffloadPolicy)
-    sharded = make_stack(0)
+    sharded = _stack_for_fully_shard()
     for block in sharded.blocks:
         fully_shard(block, **fsdp2_kwargs)
     fully_shard(sharded, **{k: v for k, v in fsdp2_kwargs.items() if k != "reshard_after_forward"})
