@@ -9,6 +9,7 @@ A module that already heads a unit carries its hook state in ``module.__dict__["
 from __future__ import annotations
 
 import dataclasses
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -18,7 +19,7 @@ from torch import nn
 
 from fullshard import _collectives as C
 from fullshard._init import is_meta, materialize, own_tensors
-from fullshard._module_wrapper import clean_name
+from fullshard._module_wrapper import FSDP_WRAPPED, ModuleWrapper, clean_name
 from fullshard._sharded_param import ParamSlot, is_sharded
 from fullshard._unit import Unit, UnitConfig
 from fullshard.api import MixedPrecision, ShardingStrategy
@@ -31,6 +32,52 @@ ParamEntry = tuple[str, nn.Parameter, list[ParamSlot]]
 def is_unit(module: nn.Module) -> bool:
     """Whether ``module`` heads an FSDP unit (a wrapper, or a module given to fully_shard)."""
     return "_fsdp_state" in module.__dict__
+
+
+_WRAPPER = "FullyShardedDataParallel"
+_ONE_FRONT_END = (
+    "FullyShardedDataParallel and fully_shard cannot be mixed in one model: use one of them for "
+    "the whole model (fully_shard on each block and then on the root, or FullyShardedDataParallel "
+    "on the root with an auto_wrap_policy for the blocks)"
+)
+
+
+def check_not_sharded_elsewhere(module: nn.Module, front_end: str) -> None:
+    """Refuse a tree that torch's FSDP, or fullshard's other front end, has already sharded.
+
+    Runs before any collective, so every rank raises the same error.
+
+    Args:
+        module: the module about to be wrapped or given to ``fully_shard``.
+        front_end: the caller, "FullyShardedDataParallel" or "fully_shard".
+
+    Raises:
+        ValueError: ``module`` or a submodule is torch's FullyShardedDataParallel or a module
+            torch's ``fully_shard`` sharded, or a unit of fullshard's other front end.
+    """
+    torch_fsdp = sys.modules.get("torch.distributed.fsdp")  # torch's FSDP objects exist only once it is loaded
+    for name, m in module.named_modules():
+        where = f"submodule {clean_name(name)!r} ({type(m).__name__})" if name else f"module ({type(m).__name__})"
+        if torch_fsdp is not None and isinstance(m, torch_fsdp.FullyShardedDataParallel):
+            raise ValueError(
+                f"{where} is already wrapped by torch.distributed.fsdp.FullyShardedDataParallel, so "
+                f"fullshard's {front_end} cannot shard it: build the model without torch's wrapper and "
+                "import FullyShardedDataParallel from fullshard instead of torch.distributed.fsdp"
+            )
+        if torch_fsdp is not None and isinstance(m, torch_fsdp.FSDPModule):
+            raise ValueError(
+                f"{where} was already sharded by torch.distributed.fsdp.fully_shard, so fullshard's "
+                f"{front_end} cannot shard it: build the model afresh and import fully_shard from "
+                "fullshard instead of torch.distributed.fsdp for every call"
+            )
+        if is_unit(m) and _is_wrapper(m) != (front_end == _WRAPPER):
+            other = "a fullshard FullyShardedDataParallel" if _is_wrapper(m) else "sharded by fullshard's fully_shard"
+            raise ValueError(f"{where} is {other}; {_ONE_FRONT_END}")
+
+
+def _is_wrapper(module: nn.Module) -> bool:
+    """Whether ``module`` is a fullshard FullyShardedDataParallel (without importing that front end)."""
+    return isinstance(module, ModuleWrapper) and module.wrapped_key == FSDP_WRAPPED
 
 
 @dataclasses.dataclass

@@ -32,7 +32,7 @@ from fullshard import _collectives as C
 from fullshard import _hooks as H
 from fullshard import _optim_local
 from fullshard._unit import ShardState, Unit
-from fullshard.api import BackwardPrefetch, MixedPrecision, ShardingStrategy
+from fullshard.api import BackwardPrefetch, MixedPrecision, ShardingStrategy, as_mp_policy, as_offload_policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,15 +256,18 @@ def fully_shard(
             see :func:`_as_reshard_after_forward` for None and ints.
         shard_placement_fn: may return ``Shard(0)`` or None for each parameter (other dims are
             not supported).
-        mp_policy: a MixedPrecisionPolicy.
-        offload_policy: CPUOffloadPolicy() to keep shards in CPU memory (GPU runs).
+        mp_policy: a MixedPrecisionPolicy (fullshard's or torch.distributed.fsdp's).
+        offload_policy: CPUOffloadPolicy() to keep shards in CPU memory (GPU runs); fullshard's
+            or torch.distributed.fsdp's.
         ignored_params: parameters to leave unsharded, unreduced and where they are.
 
     Returns:
         ``module``, now also an FSDPModule (the list, for a list).
 
     Raises:
-        ValueError: ``module`` already heads a unit; a mesh of more than 2 dimensions; a 0-dim
+        TypeError: a policy of a type neither fullshard's nor torch's.
+        ValueError: ``module`` already heads a unit; it or a submodule was sharded by torch's
+            FSDP or is a fullshard FullyShardedDataParallel; a mesh of more than 2 dimensions; a 0-dim
             parameter (as torch's fully_shard: make it shape (1,) or ignore it).
         NotImplementedError: a placement other than Shard(0).
         RuntimeError: no process group is initialized.
@@ -272,6 +275,10 @@ def fully_shard(
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules:
         raise ValueError("fully_shard: module is an empty list; pass a module or a non-empty list of modules")
+    for m in modules:
+        B.check_not_sharded_elsewhere(m, "fully_shard")
+    mp_policy = as_mp_policy(mp_policy, MixedPrecisionPolicy)
+    offload_policy = as_offload_policy(offload_policy, OffloadPolicy, CPUOffloadPolicy)
     for m in modules:
         if B.is_unit(m):
             raise ValueError(f"{type(m).__name__} is already sharded (fully_shard or FullyShardedDataParallel); apply it once")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -35,12 +35,19 @@ from fullshard.api import (
     CPUOffload,
     MixedPrecision,
     ShardingStrategy,
+    as_backward_prefetch,
     as_cpu_offload,
     as_mixed_precision,
+    as_optim_state_dict_config,
+    as_state_dict_config,
+    as_state_dict_type,
     parse_sharding_strategy,
 )
 from fullshard.clip_grad import clip_grad_norm_
 from fullshard.wrap import apply_policy, as_policy
+
+if TYPE_CHECKING:  # torch's option types, accepted as well as fullshard's
+    from torch.distributed import fsdp as torch_fsdp
 
 
 class FullyShardedDataParallel(ModuleWrapper):
@@ -52,13 +59,18 @@ class FullyShardedDataParallel(ModuleWrapper):
     be 0), in p's dtype. Names are the original module's. Any ``torch.optim`` optimizer then
     keeps about 1/N of the optimizer state.
 
+    The options ``ShardingStrategy``, ``CPUOffload``, ``BackwardPrefetch`` and ``MixedPrecision``
+    may be torch's (``torch.distributed.fsdp``) as well as fullshard's: a program that switched
+    only its imports keeps working. They are translated by member name and field values (see
+    ``fullshard.api``).
+
     Args:
         module: the module to wrap; its parameters must all be on one device (CPU with gloo,
             CUDA with NCCL).
         process_group: the group to shard over (default: the world group).
         sharding_strategy: a ShardingStrategy or its name (default FULL_SHARD).
         cpu_offload: CPUOffload or bool.
-        auto_wrap_policy: a policy from ``fullshard.wrap`` (or a set of module classes).
+        auto_wrap_policy: a policy from ``fullshard.wrap`` or torch's (or a set of module classes).
         backward_prefetch: BACKWARD_PRE (default), BACKWARD_POST or None.
         mixed_precision: a MixedPrecision, or a dtype (torch.bfloat16) for all three dtypes.
         ignored_modules: modules whose parameters are neither sharded nor reduced.
@@ -76,10 +88,12 @@ class FullyShardedDataParallel(ModuleWrapper):
 
     Raises:
         RuntimeError: no process group is initialized and none is given.
-        ValueError: the module is already wrapped, parameters on several devices, an unknown
+        ValueError: the module is already wrapped (by fullshard, or by torch's
+            FullyShardedDataParallel or fully_shard anywhere in its tree), contains a module
+            given to fullshard's ``fully_shard``, has parameters on several devices, an unknown
             strategy name, or conflicting arguments.
         NotImplementedError: an argument whose feature fullshard does not have yet.
-        TypeError: an unknown keyword argument.
+        TypeError: an unknown keyword argument; an option of a type neither fullshard's nor torch's.
     """
 
     wrapped_key = WRAPPED
@@ -88,11 +102,11 @@ class FullyShardedDataParallel(ModuleWrapper):
         self,
         module: nn.Module,
         process_group: C.ProcessGroup | None = None,
-        sharding_strategy: None | str | ShardingStrategy = None,
-        cpu_offload: None | bool | CPUOffload = None,
+        sharding_strategy: None | str | ShardingStrategy | torch_fsdp.ShardingStrategy = None,
+        cpu_offload: None | bool | CPUOffload | torch_fsdp.CPUOffload = None,
         auto_wrap_policy: Any | None = None,
-        backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
-        mixed_precision: None | torch.dtype | MixedPrecision = None,
+        backward_prefetch: BackwardPrefetch | torch_fsdp.BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
+        mixed_precision: None | torch.dtype | MixedPrecision | torch_fsdp.MixedPrecision = None,
         ignored_modules: Iterable[nn.Module] | None = None,
         param_init_fn: Callable[[nn.Module], None] | None = None,
         device_id: None | int | torch.device = None,
@@ -114,14 +128,11 @@ class FullyShardedDataParallel(ModuleWrapper):
             )
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+        B.check_not_sharded_elsewhere(module, "FullyShardedDataParallel")
         strategy = parse_sharding_strategy(sharding_strategy)
         mp_policy = as_mixed_precision(mixed_precision)
         offload = as_cpu_offload(cpu_offload)
-        if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
-            raise TypeError(
-                f"backward_prefetch must be a fullshard.BackwardPrefetch or None, got "
-                f"{backward_prefetch!r}"
-            )
+        prefetch = as_backward_prefetch(backward_prefetch)
         groups = B.resolve_groups(process_group, device_mesh, strategy)
         ignored = B.ignored_modules(module, ignored_modules, ignored_states)
         prepared = B.prepare(module, device_id, offload.offload_params, ignored)
@@ -129,7 +140,7 @@ class FullyShardedDataParallel(ModuleWrapper):
         self._fsdp_kwargs: dict[str, Any] = dict(
             process_group=groups.given,
             sharding_strategy=strategy,
-            backward_prefetch=backward_prefetch,
+            backward_prefetch=prefetch,
             forward_prefetch=forward_prefetch,
             limit_all_gathers=limit_all_gathers,
             use_orig_params=use_orig_params,
@@ -158,7 +169,7 @@ class FullyShardedDataParallel(ModuleWrapper):
         unit = B.build_unit(module, prepared, groups, config, exclude, param_init_fn, sync_module_states, buffer_dtype)
         self.mixed_precision = mp_policy
         self.cpu_offload = offload
-        self._fsdp_state = H.UnitHooks(unit, mixed_precision=mp_policy, backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch)
+        self._fsdp_state = H.UnitHooks(unit, mixed_precision=mp_policy, backward_prefetch=prefetch, forward_prefetch=forward_prefetch)
         self.add_module(WRAPPED, module)
 
     # ------------------------------------------------------------------ structure
@@ -252,17 +263,28 @@ class FullyShardedDataParallel(ModuleWrapper):
     @staticmethod
     def set_state_dict_type(
         module: nn.Module,
-        state_dict_type: StateDictType,
-        state_dict_config: StateDictConfig | None = None,
-        optim_state_dict_config: OptimStateDictConfig | None = None,
+        state_dict_type: StateDictType | torch_fsdp.StateDictType,
+        state_dict_config: StateDictConfig | torch_fsdp.StateDictConfig | None = None,
+        optim_state_dict_config: OptimStateDictConfig | torch_fsdp.OptimStateDictConfig | None = None,
     ) -> StateDictSettings:
         """Set the state-dict type (and configs) of every FSDP module in ``module``; returns the old one.
 
+        Args:
+            module: an FSDP module, or a module containing FSDP modules.
+            state_dict_type: a StateDictType, fullshard's or torch's.
+            state_dict_config: a StateDictConfig (fullshard's or torch's; default: the type's own).
+            optim_state_dict_config: an OptimStateDictConfig (fullshard's or torch's; default:
+                full, or sharded under SHARDED_STATE_DICT).
+
+        Returns:
+            the settings in force before, in fullshard's types.
+
         Raises:
-            TypeError: ``state_dict_type`` is not a StateDictType.
+            TypeError: an argument of a type neither fullshard's nor torch's.
         """
-        if not isinstance(state_dict_type, StateDictType):
-            raise TypeError(f"state_dict_type must be a fullshard.StateDictType, got {state_dict_type!r}")
+        state_dict_type = as_state_dict_type(state_dict_type)
+        state_dict_config = as_state_dict_config(state_dict_config)
+        optim_state_dict_config = as_optim_state_dict_config(optim_state_dict_config)
         sharded = state_dict_type is StateDictType.SHARDED_STATE_DICT
         new = StateDictSettings(
             state_dict_type,
@@ -279,11 +301,17 @@ class FullyShardedDataParallel(ModuleWrapper):
     @contextlib.contextmanager
     def state_dict_type(
         module: nn.Module,
-        state_dict_type: StateDictType,
-        state_dict_config: StateDictConfig | None = None,
-        optim_state_dict_config: OptimStateDictConfig | None = None,
+        state_dict_type: StateDictType | torch_fsdp.StateDictType,
+        state_dict_config: StateDictConfig | torch_fsdp.StateDictConfig | None = None,
+        optim_state_dict_config: OptimStateDictConfig | torch_fsdp.OptimStateDictConfig | None = None,
     ) -> Iterator[None]:
-        """Inside the context, ``state_dict()`` and the optimizer state dicts are of this type."""
+        """Inside the context, ``state_dict()`` and the optimizer state dicts are of this type.
+
+        Takes the arguments of :meth:`set_state_dict_type` (fullshard's types or torch's).
+
+        Raises:
+            TypeError: an argument of a type neither fullshard's nor torch's.
+        """
         old = FullyShardedDataParallel.set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
         try:
             yield
