@@ -1,4 +1,4 @@
-"""torch FSDP1's older optimizer-state functions.
+"""torch FSDP1's older optimizer-state functions, and wrapping by hand (enable_wrap / wrap).
 
 One ``run_ranks`` call per world size runs the grid. For AdamW and SGD with momentum, after two
 steps, each way of saving and loading the optimizer state must let a freshly wrapped model
@@ -185,6 +185,33 @@ def _errors(rank: int, world: int, done: list[str]) -> None:
     done.append("errors")
 
 
+def _manual_wrap(rank: int, world: int, done: list[str]) -> None:
+    """wrap() outside enable_wrap is the identity; inside it builds FSDP units that train."""
+    from fullshard import FSDP, ShardingStrategy
+    from fullshard.wrap import enable_wrap, wrap
+
+    block = Block(4, 4)
+    assert wrap(block) is block
+    with enable_wrap(wrapper_cls=FSDP, sharding_strategy=ShardingStrategy.SHARD_GRAD_OP):
+        inner = wrap(Block(4, 4))
+        overridden = wrap(Block(4, 4), sharding_strategy=ShardingStrategy.FULL_SHARD)
+        ref = make_stack()
+        model = copy.deepcopy(ref)
+        model.blocks = nn.ModuleList([wrap(b) for b in model.blocks])
+    assert isinstance(inner, FSDP) and inner.sharding_strategy is ShardingStrategy.SHARD_GRAD_OP
+    assert isinstance(overridden, FSDP) and overridden.sharding_strategy is ShardingStrategy.FULL_SHARD
+    assert wrap(block) is block  # the context is gone
+    model = FSDP(model)
+    assert len(FSDP.fsdp_modules(model)) == 5
+    opt, ref_opt = OPTIMIZERS["sgd"](model.parameters()), OPTIMIZERS["sgd"](ref.parameters())
+    for step in range(2):
+        step_both(model, opt, ref, ref_opt, step, rank, world)
+    full = model.state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6)
+    done.append("manual_wrap")
+
+
 def legacy_body(rank: int, world: int) -> list[str]:
     torch.manual_seed(0)
     done: list[str] = []
@@ -192,6 +219,7 @@ def legacy_body(rank: int, world: int) -> list[str]:
         _grid_stack(opt_name, rank, world, done)
         _grid_plain(opt_name, rank, world, done)
     _errors(rank, world, done)
+    _manual_wrap(rank, world, done)
     return done
 
 
@@ -206,6 +234,7 @@ EXPECTED = [
         )
     ],
     "errors",
+    "manual_wrap",
 ]
 
 
@@ -214,3 +243,37 @@ EXPECTED = [
 def test_legacy_optim_state_functions(world: int) -> None:
     results = run_ranks(legacy_body, world, timeout=220)
     assert all(r == EXPECTED for r in results), results
+
+
+class _Recorder(nn.Module):
+    """A stand-in wrapper class that records its constructor arguments."""
+
+    def __init__(self, module: nn.Module, **kwargs) -> None:
+        super().__init__()
+        self.inner, self.kwargs = module, kwargs
+
+
+@pytest.mark.timeout(30)
+def test_enable_wrap_and_wrap() -> None:
+    from fullshard.wrap import enable_wrap, wrap
+
+    lin = nn.Linear(2, 2)
+    assert wrap(lin) is lin
+    with enable_wrap(wrapper_cls=_Recorder, a=1, b=2):
+        w = wrap(lin, b=3, c=4)
+        assert isinstance(w, _Recorder) and w.inner is lin and w.kwargs == {"a": 1, "b": 3, "c": 4}
+        lin._wrap_overrides = {"a": 9}  # a module's own overrides win, as in torch
+        assert wrap(lin, a=5).kwargs == {"a": 9, "b": 2}
+        del lin._wrap_overrides
+        with pytest.raises(NotImplementedError, match="do not nest"):
+            with enable_wrap(wrapper_cls=_Recorder):
+                pass
+        assert isinstance(wrap(lin), _Recorder)  # the failed nesting left the outer context alone
+    assert wrap(lin) is lin
+    with pytest.raises(RuntimeError, match="boom"):
+        with enable_wrap(wrapper_cls=_Recorder):
+            raise RuntimeError("boom")
+    assert wrap(lin) is lin  # an exception inside the context still ends it
+    with pytest.raises(TypeError, match="wrapper_cls"):
+        with enable_wrap(wrapper_cls=None):  # type: ignore[arg-type]
+            pass
