@@ -339,6 +339,14 @@ def all_gather_object(obj: Any, group: ProcessGroup) -> list[Any]:
     return out
 
 
+def broadcast_object(obj: Any, src_rank: int, group: ProcessGroup) -> Any:
+    """Send a picklable object from group rank ``src_rank`` to every rank; returns it on all
+    (``obj`` is ignored on the other ranks)."""
+    box = [obj if group_rank(group) == src_rank else None]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, src_rank), group=group)
+    return box[0]
+
+
 def barrier(group: ProcessGroup) -> None:
     dist.barrier(group=group)
 

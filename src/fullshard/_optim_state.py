@@ -11,20 +11,21 @@ Format: ``{"state": {name: {key: value}}, "param_groups": [{hyper-parameters, "p
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
+from fullshard._module_wrapper import clean_name
 from fullshard._state_dict import _sharded, _unit_of_param, as_dtensor, unit_mesh
-
-if TYPE_CHECKING:
-    from fullshard.fully_sharded_data_parallel import FullyShardedDataParallel
 
 
 def param_names(model: nn.Module) -> dict[int, str]:
-    """id(parameter) -> its original name (the first, for a tied parameter)."""
-    return {id(p): name for name, p in model.named_parameters()}
+    """id(parameter) -> its original name (the first, for a tied parameter).
+
+    ``model`` may be a FullyShardedDataParallel or any module containing some.
+    """
+    return {id(p): clean_name(name) for name, p in model.named_parameters()}
 
 
 def init_state(optimizer: torch.optim.Optimizer) -> None:
@@ -49,7 +50,7 @@ def init_state(optimizer: torch.optim.Optimizer) -> None:
         p.grad = saved_grads[p]
 
 
-def sharded_optim_state_dict(model: FullyShardedDataParallel, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def sharded_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer's state by parameter name, shard-shaped tensors as DTensors (full shape).
 
     The DTensors share storage with the optimizer's tensors, so a checkpoint load writes them
@@ -79,7 +80,7 @@ def sharded_optim_state_dict(model: FullyShardedDataParallel, optimizer: torch.o
     return {"state": state, "param_groups": groups}
 
 
-def load_sharded_optim_state_dict(model: FullyShardedDataParallel, optimizer: torch.optim.Optimizer, osd: dict[str, Any]) -> None:
+def load_sharded_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, osd: dict[str, Any]) -> None:
     """Copy a sharded (this rank's layout) or full optimizer state dict into the optimizer.
 
     Raises:
@@ -123,19 +124,34 @@ def _local(value: Any, sp: Any, current: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def full_optim_state_dict(model: FullyShardedDataParallel, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's state by parameter name with full tensors (collective)."""
+def full_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, keep: bool = True, offload_to_cpu: bool = False) -> dict[str, Any]:
+    """The optimizer's state by parameter name with full tensors (collective).
+
+    Every rank gathers each parameter's state in turn; with ``keep`` False a rank drops it at
+    once (holding one parameter's state at a time) and returns an empty ``state``. With
+    ``offload_to_cpu`` each value moves to CPU memory as soon as it is gathered. Values that
+    need no gathering (``step``) are copied: the optimizer steps its own in place.
+    """
     from torch.distributed.tensor import DTensor
 
     osd = sharded_optim_state_dict(model, optimizer)
-    for entry in osd["state"].values():
-        for k, v in entry.items():
-            if isinstance(v, DTensor):
-                entry[k] = v.full_tensor()
-    return osd
+    state: dict[str, dict[str, Any]] = {}
+    for name, entry in osd["state"].items():
+        full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in entry.items()}
+        if keep:
+            state[name] = {k: _snapshot(entry[k], v, offload_to_cpu) for k, v in full.items()}
+    return {"state": state, "param_groups": osd["param_groups"]}
 
 
-def to_load(model: FullyShardedDataParallel, optimizer: torch.optim.Optimizer, osd: dict[str, Any]) -> dict[str, Any]:
+def _snapshot(before: Any, value: Any, offload_to_cpu: bool) -> Any:
+    """``value`` (``before`` gathered) as a tensor the optimizer does not hold, on CPU if asked."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    device = torch.device("cpu") if offload_to_cpu else value.device
+    return value.to(device, copy=value is before)
+
+
+def to_load(model: nn.Module, optimizer: torch.optim.Optimizer, osd: dict[str, Any]) -> dict[str, Any]:
     """A name-keyed (full or sharded) optimizer state dict in torch's index-keyed form, this rank's rows.
 
     Raises:

@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from fullshard import _collectives as C
+from fullshard._build import is_unit
 from fullshard._module_wrapper import ModuleWrapper
 from fullshard._sharded_param import ShardedParam
 from fullshard._unit import Unit
@@ -198,8 +199,10 @@ def _sharded_value(t: torch.Tensor, units: dict[int, Unit]) -> Any:
     return as_dtensor(sp, t, unit, mesh, [Shard(0)])
 
 
-def _unit_of_param(root: "FullyShardedDataParallel") -> dict[int, Unit]:
-    return {id(sp): m.unit for m in root.fsdp_modules(root) for sp in m.unit.params}
+def _unit_of_param(root: nn.Module) -> dict[int, Unit]:
+    """id(sharded parameter) -> its unit, for every unit in ``root``'s tree (root need not be one)."""
+    units = [m.__dict__["_fsdp_state"].unit for m in root.modules() if is_unit(m)]
+    return {id(sp): unit for unit in units for sp in unit.params}
 
 
 def sharded_state_dict(root: "FullyShardedDataParallel", ignored: set[nn.Module]) -> "OrderedDict[str, Any]":

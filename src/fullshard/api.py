@@ -305,6 +305,19 @@ class ShardedOptimStateDictConfig(OptimStateDictConfig):
     """Sharded (DTensor) optimizer state dicts."""
 
 
+class OptimStateKeyType(enum.Enum):
+    """How an optimizer state dict names its parameters (see ``rekey_optim_state_dict``).
+
+    PARAM_NAME: by original parameter name (``"blocks.0.lin.weight"``), as the FSDP optimizer
+        state dicts are.
+    PARAM_ID: by position in the optimizer's parameter groups (0, 1, ...), as
+        ``torch.optim.Optimizer.state_dict()`` is.
+    """
+
+    PARAM_NAME = 1
+    PARAM_ID = 2
+
+
 @dataclasses.dataclass
 class LocalOptimStateDictConfig(OptimStateDictConfig):
     """The optimizer config that goes with LOCAL_STATE_DICT (optimizer state dicts are full there)."""

@@ -22,6 +22,7 @@ from fullshard import _state_dict as SD
 from fullshard._module_wrapper import FSDP_WRAPPED as WRAPPED
 from fullshard._module_wrapper import ModuleWrapper
 from fullshard._unit import TrainingState, Unit
+from fullshard import _optim_legacy as L
 from fullshard import _optim_state as OS
 from fullshard.api import (
     FullOptimStateDictConfig,
@@ -343,6 +344,14 @@ class FullyShardedDataParallel(ModuleWrapper):
         """
         assert isinstance(model, FullyShardedDataParallel)
         return OS.to_load(model, optim, optim_state_dict)
+
+    # torch FSDP1's older optimizer-state functions (deprecated there as here); see _optim_legacy.
+    full_optim_state_dict = staticmethod(L.full_optim_state_dict)
+    sharded_optim_state_dict = staticmethod(L.sharded_optim_state_dict)
+    shard_full_optim_state_dict = staticmethod(L.shard_full_optim_state_dict)
+    scatter_full_optim_state_dict = staticmethod(L.scatter_full_optim_state_dict)
+    flatten_sharded_optim_state_dict = staticmethod(L.flatten_sharded_optim_state_dict)
+    rekey_optim_state_dict = staticmethod(L.rekey_optim_state_dict)
 
     # ------------------------------------------------------------------ gradient accumulation
     @contextlib.contextmanager

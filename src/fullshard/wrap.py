@@ -1,23 +1,27 @@
-"""Auto-wrap policies: which submodules become their own FSDP units.
+"""Wrapping: which submodules become their own FSDP units, by policy or by hand.
 
 The call signatures are torch's (``torch.distributed.fsdp.wrap``): a policy is called as
 ``policy(module=m, recurse=bool, nonwrapped_numel=int)``. With ``recurse=True`` it answers
 whether to look inside ``m``'s children; with ``recurse=False`` whether ``m`` itself becomes a
-unit, given the number of its parameters not already in a nested unit.
+unit, given the number of its parameters not already in a nested unit. By hand: inside
+``enable_wrap(wrapper_cls=FSDP, **kwargs)``, ``wrap(m)`` returns ``FSDP(m, **kwargs)``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from torch import nn
 
 __all__ = [
     "ModuleWrapPolicy",
+    "enable_wrap",
     "lambda_auto_wrap_policy",
     "size_based_auto_wrap_policy",
     "transformer_auto_wrap_policy",
+    "wrap",
 ]
 
 
@@ -159,3 +163,60 @@ def apply_policy(
 
     visit(root, only_children=True)
 
+
+# ---------------------------------------------------------------------------- wrapping by hand
+_wrap_context: dict[str, Any] | None = None  # wrapper_cls and its kwargs while enable_wrap is active
+
+
+@contextlib.contextmanager
+def enable_wrap(*, wrapper_cls: Callable[..., nn.Module], **wrapper_kwargs: Any) -> Iterator[None]:
+    """Inside the context, :func:`wrap` wraps modules in ``wrapper_cls(module, **wrapper_kwargs)``.
+
+    Lets a model's constructor mark the layers to shard (``self.l1 = wrap(nn.Linear(5, 5))``) and
+    be built with or without sharding unchanged. Process-wide, like torch's.
+
+    Args:
+        wrapper_cls: the wrapper class (keyword only), e.g. ``FullyShardedDataParallel``.
+        **wrapper_kwargs: constructor arguments for every wrap inside the context.
+
+    Raises:
+        TypeError: ``wrapper_cls`` is not callable.
+        NotImplementedError: already inside an ``enable_wrap`` context (torch does not nest them
+            either); pass per-module arguments to ``wrap`` instead.
+    """
+    global _wrap_context
+    if not callable(wrapper_cls):
+        raise TypeError(f"enable_wrap(wrapper_cls=...) must be a class such as FullyShardedDataParallel, got {wrapper_cls!r}")
+    if _wrap_context is not None:
+        raise NotImplementedError(
+            "enable_wrap is already active; contexts do not nest (as in torch): pass per-module arguments "
+            "to wrap(module, **overrides) instead"
+        )
+    _wrap_context = {"wrapper_cls": wrapper_cls, "kwargs": dict(wrapper_kwargs)}
+    try:
+        yield
+    finally:
+        _wrap_context = None
+
+
+def wrap(module: nn.Module, **wrap_overrides: Any) -> nn.Module:
+    """``wrapper_cls(module, **kwargs)`` inside :func:`enable_wrap`; ``module`` itself outside.
+
+    Args:
+        module: the module to wrap.
+        **wrap_overrides: constructor arguments that take precedence over ``enable_wrap``'s for
+            this module. A module's own ``_wrap_overrides`` dict (as torch honours it) takes
+            precedence over both.
+
+    Returns:
+        The wrapped module inside the context, else ``module`` unchanged.
+
+    Raises:
+        TypeError: ``module`` is not an nn.Module.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"wrap(module) takes an nn.Module, got {type(module).__name__}")
+    if _wrap_context is None:
+        return module
+    kwargs = {**_wrap_context["kwargs"], **wrap_overrides, **getattr(module, "_wrap_overrides", {})}
+    return _wrap_context["wrapper_cls"](module, **kwargs)
