@@ -45,8 +45,9 @@ from torch import nn
 from fullshard import _buffers as B
 from fullshard import _collectives as C
 from fullshard import _reduce as R
+from fullshard import _shard_sync as S
 from fullshard._reduce import _Multi
-from fullshard._sharded_param import ParamSlot, ShardedParam, ShardSpec, local_tensor
+from fullshard._sharded_param import ParamSlot, ShardedParam, ShardSpec
 
 ParamEntry = tuple[str, nn.Parameter, list[ParamSlot]]
 
@@ -223,7 +224,7 @@ class Unit:
         self.grad_numel = sum(sp.spec.padded_shard_numel for sp in self.trainable)  # S_t <= S
         # On the meta device (fully_shard of a model built under torch.device("meta")) the
         # shards stay meta until the program materializes them (to_empty, then its own init);
-        # the buffers are allocated when the first unshard finds real values (_sync_shards).
+        # the buffers are allocated when the first unshard finds real values (_shard_sync).
         self.meta = any(p.is_meta for _, p, _ in params)
         self.local_flat = self._new_local_flat()
         with torch.no_grad():
@@ -280,38 +281,6 @@ class Unit:
             # whose threads then outlive the interpreter) alive forever.
             self.full_flat.register_post_accumulate_grad_hook(_weak_hook(self))
 
-    def _materialize(self) -> None:
-        """Leave the meta device: real buffers on the shard device, into which ``_sync_shards``
-        then copies the values the program gave the shards (``to_empty`` and its own init).
-
-        Raises:
-            RuntimeError: a shard is still on the meta device.
-        """
-        still = [sp.fqn for sp in self.params if sp.local.is_meta and sp.spec.local_numel > 0]
-        if still:
-            raise RuntimeError(
-                f"FSDP unit {self.name!r}: parameters {still} are still on the meta device; call "
-                "model.to_empty(device=...) and initialize them (e.g. model.reset_parameters()), or "
-                "load a state dict with assign=True, before the first forward"
-            )
-        self.meta = False
-        self.local_flat = self._new_local_flat()
-        self._shard_ptrs = [self._local_view(sp).data_ptr() for sp in self.params]
-        self._allocate_buffers()
-
-    def register_dtensors(self, mesh: Any, placements: Sequence[Any]) -> None:
-        """Register every shard as a DTensor of the full shape on ``mesh`` with ``placements``
-        (torch FSDP2's parameters); its local tensor is the same view of the local flat buffer.
-        """
-        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-
-        for sp in self.params:
-            shape = sp.spec.orig_shape
-            stride = torch.empty(shape, device="meta").stride()
-            sp.dtensor_spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, stride, self.dtype))
-            local = self._local_view(sp)
-            sp.register_shard(nn.Parameter(sp.as_registered(local), requires_grad=sp.requires_grad))
-
     def _plan_pieces(self) -> list[tuple[list[ShardedParam], int, int]]:
         """How the all-gather is split: (parameters, local offset, local length) per collective.
 
@@ -364,53 +333,6 @@ class Unit:
                 f"{self.training_state.name}, expected {names}"
             )
 
-    def _sync_shards(self) -> None:
-        """Take back any shard whose storage was replaced (``param.data = ...``, ``to_empty``, a
-        DTensor's local tensor swapped) or whose registered parameter was replaced
-        (``load_state_dict(assign=True)``): copy its values into the local flat buffer and make
-        it a view of that buffer again."""
-        for sp in self.params:
-            registered = sp.slots[0].module._parameters.get(sp.slots[0].attr)
-            if registered is not None and registered is not sp.shard and not sp.swapped:
-                self._check_replacement(sp, registered)
-                sp.register_shard(registered)  # type: ignore[arg-type]
-        if self.meta:
-            self._materialize()
-        for sp, ptr in zip(self.params, self._shard_ptrs):
-            local = sp.local
-            if local.data_ptr() != ptr and sp.spec.local_numel > 0 and not local.is_meta:
-                view = self._local_view(sp)
-                with torch.no_grad():
-                    view.copy_(local.detach().reshape(view.shape))
-                shard: Any = sp.shard
-                if local is shard:
-                    shard.data = view
-                else:
-                    shard._local_tensor = view
-                shard._fullshard_param = sp  # lost by a tensor swap (to_empty)
-
-    def _check_replacement(self, sp: ShardedParam, new: torch.Tensor) -> None:
-        """A parameter put in a shard's place (``load_state_dict(assign=True)``) must be laid
-        out like the shard: a DTensor on the unit's mesh with its placements (fully_shard), or
-        a plain tensor of the shard's shape (the FSDP1 wrapper).
-
-        Raises:
-            ValueError: another mesh, placements or shape, naming the parameter and the fix.
-        """
-        spec = sp.dtensor_spec
-        placements = getattr(new, "placements", None)
-        if spec is not None and (getattr(new, "device_mesh", None) != spec.mesh or tuple(placements or ()) != spec.placements):
-            raise ValueError(
-                f"FSDP unit {self.name!r}: parameter {sp.fqn} was replaced by a "
-                f"{type(new).__name__} on mesh {getattr(new, 'device_mesh', None)} with placements {placements}, "
-                f"but the unit shards it over {spec.mesh} as {spec.placements}: build the value with "
-                "distribute_tensor(full, param.device_mesh, param.placements) from the model's own parameter"
-            )
-        shape = tuple(new.shape) if spec is not None else tuple(local_tensor(new).shape)
-        want = tuple(sp.spec.orig_shape) if spec is not None else tuple(sp.spec.local_shape)
-        if shape != want:
-            raise ValueError(f"FSDP unit {self.name!r}: parameter {sp.fqn} was replaced by one of shape {shape}, expected {want}")
-
     def _gather_input(self) -> torch.Tensor:
         """This rank's padded shards on the compute device in the compute dtype."""
         return self.local_flat.to(self.device, self.compute_dtype, non_blocking=True)
@@ -421,7 +343,7 @@ class Unit:
             if not async_op:
                 self.wait_unshard()
             return
-        self._sync_shards()
+        S.sync_shards(self)
         if self.aliased or self.shard_numel == 0:
             self.shard_state = ShardState.UNSHARDED
             GATHERED.add(0)

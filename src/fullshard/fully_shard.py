@@ -31,6 +31,7 @@ from fullshard import _build as B
 from fullshard import _collectives as C
 from fullshard import _hooks as H
 from fullshard import _optim_local
+from fullshard._shard_sync import register_dtensors
 from fullshard._unit import ShardState, Unit
 from fullshard.api import BackwardPrefetch, MixedPrecision, ShardingStrategy, as_mp_policy, as_offload_policy
 
@@ -302,7 +303,7 @@ def fully_shard(
     unit = B.build_unit(holder, prepared, groups, config, set(), None, False, None, materialize_meta=False)
     from torch.distributed.tensor import Replicate, Shard
 
-    unit.register_dtensors(mesh, [Replicate(), Shard(0)] if hybrid else [Shard(0)])
+    register_dtensors(unit, mesh, [Replicate(), Shard(0)] if hybrid else [Shard(0)])
     _optim_local.install()  # optimizer steps run on the local tensors (same bits, no DTensor dispatch)
     state = H.UnitHooks(unit, mixed_precision=mp, backward_prefetch=BackwardPrefetch.BACKWARD_PRE)
     output_dtype = mp_policy.output_dtype if mp_policy else None
