@@ -500,3 +500,56 @@ def optimizer_hooks_body(rank: int, world: int) -> list[str]:
 @pytest.mark.timeout(200)
 def test_optimizer_steps_on_local_tensors() -> None:
     assert run_ranks(optimizer_hooks_body, 2, timeout=180)[0] == ["hooks"]
+
+
+def reshard_to_smaller_group_body(rank: int, world: int) -> list[int]:
+    """reshard_after_forward=2 at 4 ranks: between forward and backward each rank keeps half of
+    each block's parameters, backward all-gathers within 2 ranks, and training is torch's."""
+    import torch.distributed.fsdp as tf
+
+    import fullshard as fs
+    from fullshard import _collectives as C
+    from fullshard._unit import ShardState
+
+    torch.manual_seed(0)
+    base = TinyLM()
+    models = []
+    for mod in (tf, fs):
+        model = copy.deepcopy(base)
+        for layer in model.layers:
+            mod.fully_shard(layer, reshard_after_forward=2)
+        mod.fully_shard(model)
+        models.append(model)
+    ref, ours = models
+    ref_opt, opt = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(ours.parameters(), lr=0.1)
+    sizes: list[int] = []
+    real_all_gather = C.all_gather
+
+    def counting(output, input, group, async_op=False):
+        sizes.append(C.group_size(group))
+        return real_all_gather(output, input, group, async_op=async_op)
+
+    C.all_gather = counting
+    try:
+        for step in range(3):
+            x = my_tokens(step, rank, world)
+            train_step(ref, ref_opt, x, clip=0)
+            loss = ours(x).logsumexp(-1).mean()
+            units = [layer.__dict__["_fsdp_state"].unit for layer in ours.layers]
+            assert all(u.shard_state is ShardState.SHARDED and u._partial is not None for u in units)
+            assert all(u._partial.numel() * 2 == u.shard_numel * world for u in units)
+            loss.backward()
+            assert all(u._partial is None for u in units)
+            opt.step()
+            opt.zero_grad()
+    finally:
+        C.all_gather = real_all_gather
+    assert_same_params(ref, ours, "reshard_after_forward=2")
+    with pytest.raises(ValueError, match="reshard_after_forward=3 must divide"):
+        fs.fully_shard(TinyLM().layers[0], reshard_after_forward=3)
+    return sorted(set(sizes))
+
+
+@pytest.mark.timeout(200)
+def test_reshard_after_forward_to_a_smaller_group() -> None:
+    assert run_ranks(reshard_to_smaller_group_body, 4, timeout=180)[0] == [2, 4]

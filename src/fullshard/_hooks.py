@@ -25,6 +25,7 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fullshard import _buffers as B
+from fullshard import _post_forward as PF
 from fullshard._module_wrapper import clean_name
 from fullshard._unit import ShardState, TrainingState, Unit, record
 from fullshard.api import BackwardPrefetch, MixedPrecision
@@ -189,7 +190,9 @@ def post_forward(hooks: UnitHooks, output: Any) -> Any:
     in_recompute = unit.training_state is not TrainingState.FORWARD
     if not in_recompute:
         unit.training_state = TrainingState.IDLE
-        if not grad or (unit.reshard_after_forward and not hooks.is_root):
+        if grad and unit.reshard_after_forward and not hooks.is_root and unit.post_forward_group is not None:
+            PF.keep_partial(unit)  # reshard_after_forward=M: 1/M kept for backward's smaller gather
+        elif not grad or (unit.reshard_after_forward and not hooks.is_root):
             unit.reshard()
     if grad and not in_recompute:
         _register_pre_backward(hooks, output)

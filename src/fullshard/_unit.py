@@ -44,6 +44,7 @@ from torch import nn
 
 from fullshard import _buffers as B
 from fullshard import _collectives as C
+from fullshard import _post_forward as PF
 from fullshard import _reduce as R
 from fullshard import _shard_sync as S
 from fullshard._reduce import _Multi
@@ -189,6 +190,10 @@ class Unit:
         self.all_reduce_grads = True  # False: reduce-scatter only; the replica all-reduce waits
         self.divide_factor: float | None = None  # None: average over the data-parallel ranks
         self._partial_reduce: torch.Tensor | None = None  # reduce-scattered, not yet all-reduced
+        # reshard_after_forward=M: the group of M ranks to reshard to after forward, and this
+        # rank's 1/M of the full parameters kept until backward (see _post_forward).
+        self.post_forward_group: C.ProcessGroup | None = None
+        self._partial: torch.Tensor | None = None
         self.on_grad_ready: Callable[[Unit], None] | None = None
         self.on_reshard: Callable[[Unit], None] | None = None  # e.g. register the shards again
 
@@ -351,6 +356,11 @@ class Unit:
         record("unshard", self)
         self._allocate_full()
         GATHERED.add(self.full_nbytes)
+        if self._partial is not None:  # resharded to a smaller group after forward
+            self._pending_gather = PF.gather_partial(self)
+            if not async_op:
+                self.wait_unshard()
+            return
         if self.world == 1:
             self._full_data.copy_(self.local_flat, non_blocking=True)  # cast and/or upload
             self.shard_state = ShardState.UNSHARDED
@@ -478,7 +488,9 @@ class Unit:
             sp.uninstall_full()
 
     def reshard(self) -> None:
-        """Free the full parameters (a no-op for the buffer when it aliases the shards)."""
+        """Free the full parameters (a no-op for the buffer when it aliases the shards), and
+        what a reshard to a smaller group kept."""
+        PF.drop_partial(self)
         if self.shard_state is ShardState.SHARDED:
             return
         if self._pending_gather is not None:

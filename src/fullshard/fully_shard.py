@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 from collections.abc import Iterable
 from typing import Any, Callable, Optional, Union
 
@@ -210,25 +209,42 @@ def _mesh_device(mesh: Any) -> torch.device | None:
     return torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device(mesh.device_type)
 
 
-def _as_reshard_after_forward(value: Union[bool, int, None], shard_size: int) -> bool:
-    """FSDP2's ``reshard_after_forward``: a bool, None (True; the root keeps its parameters
-    anyway), or an int (reshard to that many ranks after forward: 1 keeps the full parameters,
-    the shard size is True; other sizes reshard fully, with a warning)."""
+def _as_reshard_after_forward(value: Union[bool, int, None], shard_size: int) -> tuple[bool, int | None]:
+    """FSDP2's ``reshard_after_forward`` as (reshard, size of the group to reshard to).
+
+    A bool; None (True: the root keeps its parameters anyway); or an int M dividing the shard
+    group's size: after forward each rank keeps 1/M of the parameters and backward all-gathers
+    within a group of M ranks (1 keeps the full parameters, the shard group's size is True).
+
+    Raises:
+        ValueError: an int that does not divide the shard group's size, or another type.
+    """
     if value is None or isinstance(value, bool):
-        return True if value is None else value
+        return (True if value is None else value), None
     if isinstance(value, int) and value >= 1:
-        if value == 1:
-            return False
-        if value != shard_size:
-            warnings.warn(
-                f"fully_shard(reshard_after_forward={value}): fullshard reshards to the full shard "
-                f"group ({shard_size} ranks) after forward; the results are the same, with less memory "
-                "and one more all-gather of the whole group in backward",
-                UserWarning,
-                stacklevel=3,
+        if shard_size % value:
+            raise ValueError(
+                f"fully_shard: reshard_after_forward={value} must divide the shard group's size ({shard_size}), "
+                "as torch's: the number of ranks to reshard to after forward"
             )
-        return True
+        if value == 1:
+            return False, None
+        return True, (value if value != shard_size else None)
     raise ValueError(f"fully_shard: reshard_after_forward must be a bool, None or a positive int, got {value!r}")
+
+
+_POST_FORWARD_MESHES: dict[tuple[int, int], Any] = {}
+
+
+def _post_forward_group(mesh: Any, size: int) -> Any:
+    """The group of ``size`` consecutive ranks of the mesh's shard dimension holding this rank
+    (created collectively, once per mesh and size, as torch's: the mesh viewed as (-1, size))."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    key = (id(mesh), size)
+    if key not in _POST_FORWARD_MESHES:
+        _POST_FORWARD_MESHES[key] = DeviceMesh(mesh.device_type, mesh.mesh.reshape(-1, size))
+    return _POST_FORWARD_MESHES[key].get_group(1)
 
 
 def fully_shard(
@@ -254,7 +270,8 @@ def fully_shard(
         mesh: a 1-D DeviceMesh to shard over, a 2-D one (replicate, shard) for hybrid
             sharding, or None for the whole world (on the accelerator if there is one).
         reshard_after_forward: free the full parameters after forward (the root keeps them);
-            see :func:`_as_reshard_after_forward` for None and ints.
+            an int M keeps 1/M of them so backward gathers within M ranks; see
+            :func:`_as_reshard_after_forward`.
         shard_placement_fn: may return ``Shard(0)`` or None for each parameter (other dims are
             not supported).
         mp_policy: a MixedPrecisionPolicy (fullshard's or torch.distributed.fsdp's).
@@ -299,8 +316,11 @@ def fully_shard(
     if mp_policy is not None:
         mp = MixedPrecision(mp_policy.param_dtype, mp_policy.reduce_dtype, cast_forward_inputs=mp_policy.cast_forward_inputs)
     shard_size = C.group_size(groups.shard) if groups.shard is not None else 1
-    config = B.unit_config(prepared.device, _as_reshard_after_forward(reshard_after_forward, shard_size), mp, offload)
+    reshard, post_forward_size = _as_reshard_after_forward(reshard_after_forward, shard_size)
+    config = B.unit_config(prepared.device, reshard, mp, offload)
     unit = B.build_unit(holder, prepared, groups, config, set(), None, False, None, materialize_meta=False)
+    if post_forward_size is not None:
+        unit.post_forward_group = _post_forward_group(mesh, post_forward_size)
     from torch.distributed.tensor import Replicate, Shard
 
     register_dtensors(unit, mesh, [Replicate(), Shard(0)] if hybrid else [Shard(0)])
