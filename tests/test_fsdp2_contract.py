@@ -259,6 +259,16 @@ def test_dcp_state_dict_functions_and_resharding(tmp_path) -> None:
         assert run_ranks(dcp_body, world, str(tmp_path), "load", timeout=200)[0] == "loaded"
 
 
+def train_both_and_compare(ref, ours, rank: int, world: int, what: str, steps: int = 3) -> None:
+    """Equal parameters before training and after each of ``steps`` AdamW steps on both."""
+    assert_same_params(ref, ours, what)
+    ref_opt, opt = torch.optim.AdamW(ref.parameters(), lr=1e-2), torch.optim.AdamW(ours.parameters(), lr=1e-2)
+    for step in range(steps):
+        train_step(ref, ref_opt, my_tokens(step, rank, world))
+        train_step(ours, opt, my_tokens(step, rank, world))
+        assert_same_params(ref, ours, f"{what}, step {step}")
+
+
 def meta_body(rank: int, world: int) -> list[str]:
     import torch.nn as nn
     from torch.distributed.tensor import distribute_tensor
@@ -278,13 +288,7 @@ def meta_body(rank: int, world: int) -> list[str]:
         torch.manual_seed(1)
         model.init_weights()
         models.append(model)
-    ref, ours = models
-    assert_same_params(ref, ours, "initialized")
-    ref_opt, opt = torch.optim.AdamW(ref.parameters(), lr=1e-2), torch.optim.AdamW(ours.parameters(), lr=1e-2)
-    for step in range(3):
-        train_step(ref, ref_opt, my_tokens(step, rank, world))
-        train_step(ours, opt, my_tokens(step, rank, world))
-    assert_same_params(ref, ours, "meta-built, trained")
+    train_both_and_compare(*models, rank, world, "meta-built")
     done.append("to_empty")
     # A full state dict through distribute_tensor + load_state_dict(assign=True), then training.
     torch.manual_seed(4)
@@ -297,13 +301,7 @@ def meta_body(rank: int, world: int) -> list[str]:
         sharded = {k: nn.Parameter(distribute_tensor(v, meta_sd[k].device_mesh, meta_sd[k].placements)) for k, v in full_sd.items()}
         model.load_state_dict(sharded, strict=False, assign=True)
         models.append(model)
-    ref, ours = models
-    assert_same_params(ref, ours, "assigned")
-    ref_opt, opt = torch.optim.AdamW(ref.parameters(), lr=1e-2), torch.optim.AdamW(ours.parameters(), lr=1e-2)
-    for step in range(3):
-        train_step(ref, ref_opt, my_tokens(step, rank, world))
-        train_step(ours, opt, my_tokens(step, rank, world))
-    assert_same_params(ref, ours, "assigned, trained")
+    train_both_and_compare(*models, rank, world, "assigned")
     done.append("assign")
     return done
 

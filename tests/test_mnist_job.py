@@ -74,13 +74,15 @@ def test_mnist_under_torchrun(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(500)
 def test_mnist_bf16_reaches_094(tmp_path: Path) -> None:
-    """--mixed-precision bf16: bf16 all-gathers and compute, fp32 shards, same accuracy bar."""
+    """--mixed-precision bf16: bf16 all-gathers and compute, fp32 shards, the same accuracy bar
+    after 3 epochs instead of 10: a bf16 epoch takes 35-50 s on this CPU (no bf16 instructions),
+    and the run measured 0.935, 0.956, 0.965 after epochs 1-3 (0.969 after 10)."""
     metrics = tmp_path / "bf16.jsonl"
     _run(
         [str(BIN / "fullshard"), "train", "mnist", "--nproc", "2", "--mixed-precision", "bf16",
-         "--forward-prefetch", "--metrics-file", str(metrics)],
+         "--forward-prefetch", "--epochs", "3", "--metrics-file", str(metrics)],
         tmp_path,
         timeout=480,
     )
     last = _records(metrics)[-1]
-    assert last["epoch"] == 10 and last["test_accuracy"] >= 0.94, last
+    assert last["epoch"] == 3 and last["test_accuracy"] >= 0.94, last
