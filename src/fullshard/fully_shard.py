@@ -60,8 +60,7 @@ class CPUOffloadPolicy(OffloadPolicy):
 class UnshardHandle:
     """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes the all-gather."""
 
-    def __init__(self, module: FSDPModule, unit: Unit) -> None:
-        self._module = module
+    def __init__(self, unit: Unit) -> None:
         self._unit = unit
 
     def wait(self) -> None:
@@ -107,19 +106,20 @@ class FSDPModule:
             unit.reshard_after_backward = reshard_after_backward
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Accepted for torch's API. fullshard always waits for every reduction at the end of
-        backward, so results never depend on this flag (torch may then skip that wait)."""
-        self._is_last_backward = is_last_backward
+        """Accepted for torch's API and ignored: fullshard always waits for every reduction at
+        the end of backward, so results never depend on this flag (torch may then skip that
+        wait)."""
 
     def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide reduced gradients by ``factor`` instead of the data-parallel world size.
+        """Divide this module's reduced gradients by ``factor`` instead of the data-parallel
+        world size (this module's own unit only, as torch's; call it on each module to change).
 
         Raises:
             ValueError: ``factor`` is not positive.
         """
         if not factor > 0:
             raise ValueError(f"set_gradient_divide_factor: factor must be positive, got {factor}")
-        for unit in self._units(recurse=True):
+        for unit in self._units(recurse=False):
             unit.divide_factor = float(factor)
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
@@ -147,7 +147,7 @@ class FSDPModule:
         unit = self._units(recurse=False)[0]
         unit.unshard(async_op=async_op)
         if async_op:
-            return UnshardHandle(self, unit)
+            return UnshardHandle(unit)
         _register_unsharded(unit)
         return None
 

@@ -104,9 +104,10 @@ def shard_model(model: nn.Module, cfg: Any, policy: Callable[..., bool], **fsdp1
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Clip by the global gradient norm: the wrapper's method, or torch's own function on
     fully_shard's DTensor gradients (what FSDP2 programs call). Returns the norm (a scalar)."""
-    method = getattr(model, "clip_grad_norm_", None)
-    if method is not None:
-        return method(max_norm)
+    from fullshard.fully_sharded_data_parallel import FullyShardedDataParallel
+
+    if isinstance(model, FullyShardedDataParallel):
+        return model.clip_grad_norm_(max_norm)
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
@@ -116,8 +117,9 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from fullshard import _collectives as C
+    from fullshard.fully_sharded_data_parallel import FullyShardedDataParallel
 
-    if hasattr(model, "clip_grad_norm_"):  # the FSDP1 wrapper: full tensors on every rank
+    if isinstance(model, FullyShardedDataParallel):  # full tensors on every rank
         state = model.state_dict()
         return {k: v.cpu() for k, v in state.items()} if C.group_rank(C.default_group()) == 0 else {}
     return dict(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))  # type: ignore[arg-type]
