@@ -6,23 +6,23 @@ import torch
 
 
 def fail_on_rank1(message: str) -> int:
-    from fullshard import _collectives as C
-    from fullshard import launch
+    from fullshard.comm import collectives
+    from fullshard.jobs import launch
 
     launch.init_process_group(timeout_s=600)
-    if C.group_rank(C.default_group()) == 1:
+    if collectives.group_rank(collectives.default_group()) == 1:
         raise ValueError(message)
     t = torch.ones(1)
-    C.all_reduce(t, C.default_group())  # rank 0 would wait here for the dead rank 1
+    collectives.all_reduce(t, collectives.default_group())  # rank 0 would wait here for the dead rank 1
     return 0
 
 
 def world_sum() -> float:
-    from fullshard import _collectives as C
-    from fullshard import launch
+    from fullshard.comm import collectives
+    from fullshard.jobs import launch
 
     launch.init_process_group()
     t = torch.ones(1)
-    C.all_reduce(t, C.default_group())
+    collectives.all_reduce(t, collectives.default_group())
     launch.destroy_process_group()
     return float(t.item())

@@ -15,7 +15,7 @@ from torch import nn
 
 def _fsdp(module: nn.Module) -> nn.Module:
     from fullshard import FSDP
-    from fullshard.wrap import ModuleWrapPolicy
+    from fullshard.frontend.wrap import ModuleWrapPolicy
 
     return FSDP(module, auto_wrap_policy=ModuleWrapPolicy({Block}))
 
@@ -29,13 +29,13 @@ def _train_step(model: nn.Module, opt: torch.optim.Optimizer, step: int, rank: i
 
 def reuse_body(rank: int, world: int) -> dict:
     from fullshard import FSDP
-    from fullshard import _buffers as B
+    from fullshard.comm import buffers
 
     model = _fsdp(make_stack())
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     units = [m.unit for m in FSDP.fsdp_modules(model)]
     _train_step(model, opt, 0, rank, world)
-    pooled = {t.data_ptr() for t in B.POOL.buffers()}
+    pooled = {t.data_ptr() for t in buffers.POOL.buffers()}
     grad_ptrs = [u._local_view(u.trainable[0], u._last_reduce_out).data_ptr() for u in units]
 
     # Step 2: every unit's full parameters live in memory the pool kept from step 1.
@@ -90,7 +90,7 @@ def _with_frozen() -> nn.Module:
 
 
 def pack_order_body(rank: int, world: int, build: str) -> dict:
-    from fullshard._unit import Unit
+    from fullshard.engine.unit import Unit
 
     ref = _Twice() if build == "twice" else _with_frozen()
     model = _fsdp(copy.deepcopy(ref))

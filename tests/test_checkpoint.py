@@ -7,14 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from dist import run_ranks
 from models import Block, make_stack, step_both
 
 
 def _model(api: str = "fsdp1"):
     from fullshard import FSDP, fully_shard
-    from fullshard.wrap import ModuleWrapPolicy
+    from fullshard.frontend.wrap import ModuleWrapPolicy
 
     if api == "fsdp2":  # fully_shard refuses 0-dim parameters, as torch's does
         model = copy.deepcopy(make_stack(scale_shape=(1,)))
@@ -26,7 +25,7 @@ def _model(api: str = "fsdp1"):
 
 def _full_optim(model, opt) -> dict:
     from fullshard import FSDPModule
-    from fullshard._optim_state import full_optim_state_dict
+    from fullshard.state.optim_state import full_optim_state_dict
 
     if isinstance(model, FSDPModule):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -43,7 +42,7 @@ def _full_model(model) -> dict:
 
 
 def save_body(rank: int, world: int, root: str, api: str = "fsdp1") -> tuple[dict, dict]:
-    from fullshard import checkpoint
+    from fullshard.state import checkpoint
 
     ref = make_stack(scale_shape=(1,) if api == "fsdp2" else ())
     model = _model(api)
@@ -56,7 +55,7 @@ def save_body(rank: int, world: int, root: str, api: str = "fsdp1") -> tuple[dic
 
 
 def load_body(rank: int, world: int, root: str, saved_world: int, api: str = "fsdp1") -> tuple[dict, dict, dict]:
-    from fullshard import checkpoint
+    from fullshard.state import checkpoint
 
     model = _model(api)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -90,7 +89,7 @@ def test_checkpoint_reshards(tmp_path: Path, saved: int, loaded: list[int], api:
 
 def errors_body(rank: int, world: int, root: str) -> list[str]:
     from fullshard import FSDP, checkpoint
-    from fullshard.checkpoint import CheckpointError
+    from fullshard.state.checkpoint import CheckpointError
 
     done = []
     model = _model()
@@ -127,7 +126,7 @@ def errors_body(rank: int, world: int, root: str) -> list[str]:
         checkpoint.load(good, other)
     wrong = copy.deepcopy(make_stack())
     wrong.head = torch.nn.Linear(13, 4)
-    from fullshard.wrap import ModuleWrapPolicy
+    from fullshard.frontend.wrap import ModuleWrapPolicy
 
     wrong = FSDP(wrong, auto_wrap_policy=ModuleWrapPolicy({Block}))
     with pytest.raises(CheckpointError, match=r"shape mismatch for head.weight: checkpoint \(3, 13\), model \(4, 13\)"):
@@ -153,7 +152,7 @@ def test_checkpoint_errors_reach_every_rank(tmp_path: Path) -> None:
 
 
 def convert_save_body(rank: int, world: int, root: str, api: str) -> dict:
-    from fullshard import checkpoint
+    from fullshard.state import checkpoint
 
     ref = make_stack(scale_shape=(1,) if api == "fsdp2" else ())
     model = _model(api)

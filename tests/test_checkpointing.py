@@ -18,7 +18,7 @@ def parity_body(rank: int, world: int) -> list[str]:
         apply_activation_checkpointing,
         checkpoint_wrapper,
     )
-    from fullshard.wrap import ModuleWrapPolicy
+    from fullshard.frontend.wrap import ModuleWrapPolicy
 
     done = []
     for placement in ("inside", "outside", "offload"):
@@ -88,7 +88,7 @@ class Wide(nn.Module):
 def peak_body(rank: int, world: int, checkpointed: bool) -> dict:
     """Peak RSS of two training steps of a 12-block ``Wide``, with or without activation checkpointing."""
     from fullshard import FSDP, apply_activation_checkpointing, peak_rss_bytes
-    from fullshard.wrap import ModuleWrapPolicy
+    from fullshard.frontend.wrap import ModuleWrapPolicy
 
     x = torch.randn(4096, 256, generator=torch.Generator().manual_seed(1))
     torch.manual_seed(0)

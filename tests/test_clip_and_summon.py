@@ -64,7 +64,7 @@ def test_clip_grad_norm_matches_unsharded(world: int) -> None:
 
 def summon_body(rank: int, world: int) -> list[str]:
     from fullshard import FSDP
-    from fullshard.wrap import ModuleWrapPolicy
+    from fullshard.frontend.wrap import ModuleWrapPolicy
 
     done = []
     ref = make_stack()

@@ -14,7 +14,7 @@ from models import Block, batch, make_stack
 
 def _wrap(strategy: str = "FULL_SHARD", **kw):
     from fullshard import FSDP, ShardingStrategy
-    from fullshard.wrap import ModuleWrapPolicy
+    from fullshard.frontend.wrap import ModuleWrapPolicy
 
     ref = make_stack()
     model = FSDP(copy.deepcopy(ref), sharding_strategy=ShardingStrategy[strategy], auto_wrap_policy=ModuleWrapPolicy({Block}), **kw)
@@ -32,7 +32,7 @@ def _step(model, opt, rank: int, world: int, step: int = 0) -> None:
 
 def memory_body(rank: int, world: int) -> dict:
     from fullshard import model_state_bytes
-    from fullshard._unit import GATHERED
+    from fullshard.engine.unit import GATHERED
 
     ref, model = _wrap()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -69,7 +69,7 @@ def memory_body(rank: int, world: int) -> dict:
 
 
 def prefetch_peak_body(rank: int, world: int) -> tuple[int, int]:
-    from fullshard._unit import GATHERED
+    from fullshard.engine.unit import GATHERED
 
     _, model = _wrap(forward_prefetch=True)
     x, _ = batch(0, 12)
@@ -98,14 +98,14 @@ def test_prefetch_keeps_at_most_one_more_unit_gathered() -> None:
 
 
 def count_body(rank: int, world: int, strategy: str) -> dict:
-    from fullshard import _collectives as C
+    from fullshard.comm import collectives
 
     _, model = _wrap(strategy)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     _step(model, opt, rank, world, 0)
-    C.STATS.reset()
+    collectives.STATS.reset()
     _step(model, opt, rank, world, 1)
-    return dict(C.STATS.calls)
+    return dict(collectives.STATS.calls)
 
 
 @pytest.mark.timeout(200)
@@ -168,10 +168,10 @@ def _late_all_reduce(real):
 def late_body(rank: int, world: int) -> list[str]:
     import torch.distributed as dist
 
-    from fullshard import _collectives as C
+    from fullshard.comm import collectives
 
-    C._all_gather_fn = _make_late(C._all_gather_fn)
-    C._reduce_scatter_fn = _make_late(C._reduce_scatter_fn)
+    collectives._all_gather_fn = _make_late(collectives._all_gather_fn)
+    collectives._reduce_scatter_fn = _make_late(collectives._reduce_scatter_fn)
     dist.all_to_all_single = _make_late(dist.all_to_all_single)
     dist.all_reduce = _late_all_reduce(dist.all_reduce)
     done = []
@@ -199,9 +199,9 @@ def features_body(rank: int, world: int) -> list[str]:
     from torch import nn
 
     from fullshard import FSDP
-    from fullshard._sharded_param import is_sharded
-    from fullshard._unit import TrainingState
-    from fullshard.wrap import ModuleWrapPolicy
+    from fullshard.engine.sharded_param import is_sharded
+    from fullshard.engine.unit import TrainingState
+    from fullshard.frontend.wrap import ModuleWrapPolicy
 
     done = []
     n = 12 // world
@@ -286,7 +286,7 @@ def test_no_sync_empty_root_ignored_modules_and_exceptions() -> None:
 
 
 def test_buffer_pool_reuses_whole_buffers_only() -> None:
-    from fullshard._buffers import BufferPool
+    from fullshard.comm.buffers import BufferPool
 
     pool = BufferPool(per_size=1)
     a = pool.take(10, torch.float32, torch.device("cpu"))
@@ -315,7 +315,7 @@ def _worker_settings() -> tuple[str | None, str | None, int]:
 def test_launch_sets_threads_and_asked_variables_for_workers_only(monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
-    from fullshard import launch
+    from fullshard.jobs import launch
 
     monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
@@ -348,18 +348,18 @@ def _train_once() -> object:
     """Wrap, step once, gather an object (as the jobs do last); return a weak ref to a unit."""
     import weakref
 
-    from fullshard import _collectives as C
+    from fullshard.comm import collectives
 
     _, model = _wrap()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    rank = C.group_rank(C.default_group())
-    _step(model, opt, rank, C.group_size(C.default_group()))
-    C.all_gather_object(rank, C.default_group())
+    rank = collectives.group_rank(collectives.default_group())
+    _step(model, opt, rank, collectives.group_size(collectives.default_group()))
+    collectives.all_gather_object(rank, collectives.default_group())
     return weakref.ref(model._fsdp_state.unit)
 
 
 def _threads_around_a_job() -> tuple[int, int, int, bool]:
-    from fullshard import launch
+    from fullshard.jobs import launch
 
     before = _threads()  # 0
     launch.init_process_group()
@@ -374,7 +374,7 @@ def test_destroy_process_group_frees_units_and_ends_gloo_threads() -> None:
     """A unit is collectable once its model is dropped, and destroying the groups joins gloo's
     threads then, not at interpreter exit (where one releasing a finished collective's tensors
     aborted the process: "terminate called without an active exception")."""
-    from fullshard import launch
+    from fullshard.jobs import launch
 
     for before, during, after, unit_freed in launch.launch(_threads_around_a_job, (), 2).values():
         assert unit_freed
@@ -384,9 +384,9 @@ def test_destroy_process_group_frees_units_and_ends_gloo_threads() -> None:
 
 def collectives_body(rank: int, world: int) -> int:
     """All-gather and reduce-scatter on gloo against their definitions, each path of each."""
-    from fullshard import _collectives as C
+    from fullshard.comm import collectives
 
-    group = C.default_group()
+    group = collectives.default_group()
     checked = 0
     for dtype in (torch.float32, torch.bfloat16):
         for s in (1, 5, 4096):
@@ -394,20 +394,20 @@ def collectives_body(rank: int, world: int) -> int:
             want = torch.cat(inputs)
             for async_op in (False, True):
                 out = torch.full((world * s,), float("nan"), dtype=dtype)
-                h = C.all_gather(out, inputs[rank].clone(), group, async_op=async_op)
+                h = collectives.all_gather(out, inputs[rank].clone(), group, async_op=async_op)
                 if h is not None:
                     h.wait()
                 assert torch.equal(out, want), (dtype, s, async_op)
                 # In place: the input is this rank's slice of the output.
                 out = torch.full((world * s,), float("nan"), dtype=dtype)
                 out[rank * s : (rank + 1) * s] = inputs[rank]
-                C.all_gather(out, out[rank * s : (rank + 1) * s], group)
+                collectives.all_gather(out, out[rank * s : (rank + 1) * s], group)
                 assert torch.equal(out, want), (dtype, s, "in place")
                 # Reduce-scatter: rank r's input is (r+1) * [0, 1, ...]; chunk k of the sum kept on rank k.
                 full = torch.arange(world * s, dtype=torch.float32)
                 grads = full.mul(rank + 1).to(dtype)
                 red = torch.full((s,), float("nan"), dtype=dtype)
-                h = C.reduce_scatter(red, grads, group, divide_by=world, async_op=async_op)
+                h = collectives.reduce_scatter(red, grads, group, divide_by=world, async_op=async_op)
                 if h is not None:
                     h.wait()
                 expect = (full[rank * s : (rank + 1) * s] * (world + 1) / 2).to(dtype)

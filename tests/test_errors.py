@@ -37,7 +37,7 @@ def _raises(fn, exc, text: str) -> str:
 
 def errors_body(rank: int, world: int) -> list[str]:
     from fullshard import FSDP, MixedPrecision
-    from fullshard.wrap import size_based_auto_wrap_policy
+    from fullshard.frontend.wrap import size_based_auto_wrap_policy
 
     seen = []
     wrapped = FSDP(nn.Linear(4, 4))
@@ -110,7 +110,7 @@ def test_cli_unknown_command_and_job() -> None:
 def test_failure_on_one_rank_stops_the_others() -> None:
     import jobs
 
-    from fullshard.launch import WorkerFailed, launch
+    from fullshard.jobs.launch import WorkerFailed, launch
 
     start = time.monotonic()
     with pytest.raises(WorkerFailed, match="rank 1.*boom on rank 1"):
@@ -122,7 +122,7 @@ def test_failure_on_one_rank_stops_the_others() -> None:
 def test_launch_runs_every_rank() -> None:
     import jobs
 
-    from fullshard.launch import launch
+    from fullshard.jobs.launch import launch
 
     assert launch(jobs.world_sum, (), nproc=3) == {0: 3.0, 1: 3.0, 2: 3.0}
     with pytest.raises(ValueError, match="--nproc must be at least 1"):
@@ -139,7 +139,7 @@ def _write_idx(path: Path, array: np.ndarray, gz: bool) -> None:
 
 
 def test_idx_files_in_torchvision_layout(tmp_path: Path) -> None:
-    from fullshard import mnist_data
+    from fullshard.jobs.data import mnist as mnist_data
 
     raw = tmp_path / "MNIST" / "raw"
     raw.mkdir(parents=True)
@@ -181,7 +181,7 @@ def test_bench_compare_runs_every_implementation_and_writes_its_section(tmp_path
 
 
 def test_bench_markdown_section_is_replaced_not_appended(tmp_path: Path) -> None:
-    from fullshard.bench import write_markdown
+    from fullshard.jobs.bench.compare import write_markdown
 
     md = tmp_path / "B.md"
     md.write_text("# head\n")
@@ -201,7 +201,7 @@ def test_bench_gpu_code_path_runs_the_same_model_everywhere(tmp_path: Path) -> N
     import torch
 
     md = tmp_path / "B.md"
-    from fullshard.bench import write_markdown
+    from fullshard.jobs.bench.compare import write_markdown
 
     write_markdown(str(md), "compare table")
     if not torch.cuda.is_available():

@@ -39,8 +39,8 @@ class LoRANet(nn.Module):
 
 def frozen_body(rank: int, world: int) -> list[str]:
     from fullshard import FSDP, model_state_bytes
-    from fullshard import _collectives as C
-    from fullshard.wrap import ModuleWrapPolicy
+    from fullshard.comm import collectives
+    from fullshard.frontend.wrap import ModuleWrapPolicy
 
     torch.manual_seed(0)
     ref = LoRANet()
@@ -50,12 +50,12 @@ def frozen_body(rank: int, world: int) -> list[str]:
     g = torch.Generator().manual_seed(1)
     for step in range(5):
         x, y = torch.randn(12, 9, generator=g), torch.randn(12, 2, generator=g)
-        C.STATS.reset()
-        C.STATS.log = []
+        collectives.STATS.reset()
+        collectives.STATS.log = []
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(local(x, rank, world)), local(y, rank, world)).backward()
         opt.step()
-        log, C.STATS.log = C.STATS.log, None
+        log, collectives.STATS.log = collectives.STATS.log, None
         ref_opt.zero_grad()
         torch.nn.functional.mse_loss(ref(x), y).backward()
         ref_opt.step()
@@ -97,7 +97,7 @@ class TiedLM(nn.Module):
 
 def tied_body(rank: int, world: int) -> list[str]:
     from fullshard import FSDP
-    from fullshard.wrap import ModuleWrapPolicy
+    from fullshard.frontend.wrap import ModuleWrapPolicy
 
     torch.manual_seed(0)
     ref = TiedLM()

@@ -13,7 +13,6 @@ import os
 
 import pytest
 import torch
-
 from dist import run_ranks
 from models import TinyLM, tokens
 
@@ -313,7 +312,7 @@ def test_meta_init_and_assign_like_torch(world: int) -> None:
 
 
 def methods_body(rank: int, world: int) -> list[str]:
-    from fullshard import _unit as U
+    from fullshard.engine import unit as U
 
     done = []
     # Explicit prefetching, as pytorch/examples' FSDP2 example sets it (two layers ahead).
@@ -448,10 +447,10 @@ def test_list_ignored_method_and_hsdp_like_torch(world: int) -> None:
 
 def errors_body(rank: int, world: int) -> list[str]:
     import torch.nn as nn
+    from models import make_stack
     from torch.distributed.tensor import Replicate, distribute_tensor
 
     from fullshard import fully_shard
-    from models import make_stack
 
     done = []
     with pytest.raises(ValueError, match="0-dim parameter 'scale'.*shape \\(1,\\)"):
@@ -507,8 +506,8 @@ def reshard_to_smaller_group_body(rank: int, world: int) -> list[int]:
     import torch.distributed.fsdp as tf
 
     import fullshard as fs
-    from fullshard import _collectives as C
-    from fullshard._unit import ShardState
+    from fullshard.comm import collectives
+    from fullshard.engine.unit import ShardState
 
     torch.manual_seed(0)
     base = TinyLM()
@@ -522,13 +521,13 @@ def reshard_to_smaller_group_body(rank: int, world: int) -> list[int]:
     ref, ours = models
     ref_opt, opt = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(ours.parameters(), lr=0.1)
     sizes: list[int] = []
-    real_all_gather = C.all_gather
+    real_all_gather = collectives.all_gather
 
     def counting(output, input, group, async_op=False):
-        sizes.append(C.group_size(group))
+        sizes.append(collectives.group_size(group))
         return real_all_gather(output, input, group, async_op=async_op)
 
-    C.all_gather = counting
+    collectives.all_gather = counting
     try:
         for step in range(3):
             x = my_tokens(step, rank, world)
@@ -542,7 +541,7 @@ def reshard_to_smaller_group_body(rank: int, world: int) -> list[int]:
             opt.step()
             opt.zero_grad()
     finally:
-        C.all_gather = real_all_gather
+        collectives.all_gather = real_all_gather
     assert_same_params(ref, ours, "reshard_after_forward=2")
     with pytest.raises(ValueError, match="reshard_after_forward=3 must divide"):
         fs.fully_shard(TinyLM().layers[0], reshard_after_forward=3)

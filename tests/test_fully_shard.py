@@ -6,7 +6,6 @@ import copy
 
 import pytest
 import torch
-
 from dist import run_ranks
 from models import batch, local, make_stack, step_both
 
@@ -23,7 +22,7 @@ def parity_body(rank: int, world: int) -> list[str]:
     from torch.distributed.tensor import DTensor
 
     from fullshard import FSDPModule
-    from fullshard._unit import TrainingState
+    from fullshard.engine.unit import TrainingState
 
     done = []
     for reshard in (True, False):
@@ -56,8 +55,8 @@ def test_fully_shard_parity(world: int) -> None:
 
 def api_body(rank: int, world: int) -> list[str]:
     from fullshard import MixedPrecisionPolicy, clip_grad_norm_
-    from fullshard import _collectives as C
-    from fullshard._unit import ShardState
+    from fullshard.comm import collectives
+    from fullshard.engine.unit import ShardState
 
     done = []
     mse = torch.nn.functional.mse_loss
@@ -68,10 +67,10 @@ def api_body(rank: int, world: int) -> list[str]:
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     micro = [batch(s, 12) for s in range(3)]
     model.set_requires_gradient_sync(False)
-    C.STATS.reset()
+    collectives.STATS.reset()
     for x, y in micro[:2]:
         mse(model(local(x, rank, world)), local(y, rank, world)).backward()
-    assert C.STATS.calls["reduce_scatter"] == 0
+    assert collectives.STATS.calls["reduce_scatter"] == 0
     model.set_requires_gradient_sync(True)
     x, y = micro[2]
     mse(model(local(x, rank, world)), local(y, rank, world)).backward()

@@ -32,7 +32,7 @@ def test_tiny_preset_defaults_reach_2_5_nats_per_byte(tmp_path: Path) -> None:
     assert all(rec["tokens_per_second"] > 0 and len(rec["peak_rss_bytes"]) == 2 for rec in records)
     assert "5 FSDP units" in r.stdout and "final validation loss" in r.stdout
 
-    from fullshard.gpt import GPT, PRESETS
+    from fullshard.jobs.models.gpt import GPT, PRESETS
 
     plain = GPT(PRESETS["tiny"])
     plain.load_state_dict(torch.load(saved), strict=True)
@@ -68,7 +68,7 @@ def test_gpt_job_on_fully_shard_checkpoints_and_resumes(tmp_path: Path) -> None:
     assert "5 FSDP units (fsdp2)" in r.stdout, r.stdout[-2000:]
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert records[-1]["val_loss"] < records[0]["val_loss"], records
-    from fullshard.gpt import GPT, PRESETS
+    from fullshard.jobs.models.gpt import GPT, PRESETS
 
     GPT(PRESETS["tiny"]).load_state_dict(torch.load(saved), strict=True)
     # A second start resumes from the newest checkpoint (step 10) and has nothing left to do.

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.gpu
 
 def cuda_parity_body(rank: int, world: int) -> int:
     from fullshard import FSDP, ShardingStrategy
-    from fullshard.wrap import ModuleWrapPolicy
+    from fullshard.frontend.wrap import ModuleWrapPolicy
 
     device = torch.device("cuda", rank)
     checked = 0
@@ -55,7 +55,7 @@ def test_mnist_job_on_gpu(tmp_path: Path) -> None:
 
 def offload_body(rank: int, world: int) -> list[str]:
     from fullshard import FSDP, CPUOffload, MixedPrecision
-    from fullshard.wrap import ModuleWrapPolicy
+    from fullshard.frontend.wrap import ModuleWrapPolicy
 
     device = torch.device("cuda", rank)
     done = []

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from dist import run_ranks
 from models import local
 
@@ -17,7 +16,7 @@ pytest.importorskip("transformers")
 
 
 def hf_parity_body(rank: int, world: int, config: str) -> str:
-    from fullshard.train.hf import HF_CONFIGS, CausalLMLogits, wrap_hf
+    from fullshard.jobs.train.hf import HF_CONFIGS, CausalLMLogits, wrap_hf
 
     build, layer = HF_CONFIGS[config]
     torch.manual_seed(0)

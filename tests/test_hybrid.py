@@ -16,8 +16,8 @@ def hybrid_body(rank: int, world: int) -> list[str]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from fullshard import FSDP, ShardingStrategy
-    from fullshard import _collectives as C
-    from fullshard.wrap import ModuleWrapPolicy
+    from fullshard.comm import collectives
+    from fullshard.frontend.wrap import ModuleWrapPolicy
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     os.environ["LOCAL_WORLD_SIZE"] = "2"  # the default hybrid groups: shard within a "node" of 2
@@ -34,10 +34,10 @@ def hybrid_body(rank: int, world: int) -> list[str]:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
             ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
             for step in range(4):
-                C.STATS.reset()
+                collectives.STATS.reset()
                 step_both(model, opt, ref, ref_opt, step, rank, world)
                 total = model.clip_grad_norm_(1e9)  # a norm over shards and replicas, no clipping
-            calls = dict(C.STATS.calls)
+            calls = dict(collectives.STATS.calls)
             assert calls["reduce_scatter"] == len(units) and calls["all_reduce"] >= len(units), calls
             full = model.state_dict()
             for k, v in ref.state_dict().items():
@@ -50,7 +50,7 @@ def hybrid_body(rank: int, world: int) -> list[str]:
     with pytest.raises(ValueError, match="needs 1"):
         FSDP(make_stack(), device_mesh=mesh)
     with pytest.raises(ValueError, match="world size is 4"):
-        FSDP(make_stack(), sharding_strategy=ShardingStrategy.HYBRID_SHARD, process_group=(mesh.get_group("shard"), C.default_group()))
+        FSDP(make_stack(), sharding_strategy=ShardingStrategy.HYBRID_SHARD, process_group=(mesh.get_group("shard"), collectives.default_group()))
     with pytest.raises(ValueError, match="not FULL_SHARD"):
         FSDP(make_stack(), process_group=(mesh.get_group("shard"), mesh.get_group("replicate")))
     return done

@@ -25,7 +25,7 @@ def _materialize_like_fsdp(model: nn.Sequential) -> None:
 
 def meta_body(rank: int, world: int) -> list[str]:
     from fullshard import FSDP
-    from fullshard.wrap import ModuleWrapPolicy
+    from fullshard.frontend.wrap import ModuleWrapPolicy
 
     done = []
     policy = ModuleWrapPolicy({nn.Linear, nn.LayerNorm})
@@ -93,8 +93,8 @@ UNIT_MB = 4 * 2048 * 2048 / 2**20  # one Linear(2048, 2048) in fp32: 16 MiB
 def init_memory_body(rank: int, world: int, meta: bool) -> float:
     """Growth of peak RSS (MiB) while building and wrapping 8 x Linear(2048, 2048)."""
     from fullshard import FSDP, peak_rss_bytes
-    from fullshard.memory import reset_peak_rss
-    from fullshard.wrap import ModuleWrapPolicy
+    from fullshard.frontend.wrap import ModuleWrapPolicy
+    from fullshard.jobs.memory import reset_peak_rss
 
     # First-use costs stay out of the measure: lazy imports, group set-up, and about 34 MiB that
     # the first materialization of a large meta module costs once (seen in a per-unit trace;

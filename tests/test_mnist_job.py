@@ -45,7 +45,7 @@ def test_mnist_defaults_two_processes_reach_094(tmp_path: Path) -> None:
     assert "(fc1): FullyShardedDataParallel(" in r.stdout
     assert "final test accuracy" in r.stdout
 
-    from fullshard.train.mnist import Net
+    from fullshard.jobs.models.net import Net
 
     net = Net()
     net.load_state_dict(torch.load(saved), strict=True)

@@ -14,10 +14,9 @@ import warnings
 
 import pytest
 import torch
-from torch import nn
-
 from dist import run_ranks
 from models import Block, make_stack, step_both
+from torch import nn
 
 OPTIMIZERS = {
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2),
@@ -35,7 +34,7 @@ MODELS = {"stack": make_stack, "plain": _plain}
 
 def _wrapped(kind: str, seed: int = 0) -> nn.Module:
     from fullshard import FSDP
-    from fullshard.wrap import ModuleWrapPolicy
+    from fullshard.frontend.wrap import ModuleWrapPolicy
 
     return FSDP(MODELS[kind](seed), auto_wrap_policy=ModuleWrapPolicy({Block}))
 
@@ -188,7 +187,7 @@ def _errors(rank: int, world: int, done: list[str]) -> None:
 def _manual_wrap(rank: int, world: int, done: list[str]) -> None:
     """wrap() outside enable_wrap is the identity; inside it builds FSDP units that train."""
     from fullshard import FSDP, ShardingStrategy
-    from fullshard.wrap import enable_wrap, wrap
+    from fullshard.frontend.wrap import enable_wrap, wrap
 
     block = Block(4, 4)
     assert wrap(block) is block
@@ -255,7 +254,7 @@ class _Recorder(nn.Module):
 
 @pytest.mark.timeout(30)
 def test_enable_wrap_and_wrap() -> None:
-    from fullshard.wrap import enable_wrap, wrap
+    from fullshard.frontend.wrap import enable_wrap, wrap
 
     lin = nn.Linear(2, 2)
     assert wrap(lin) is lin

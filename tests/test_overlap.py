@@ -10,8 +10,9 @@ from models import Block, batch, make_stack
 
 
 def _events(backward_prefetch, forward_prefetch: bool, rank: int, world: int) -> list[tuple[str, str]]:
-    from fullshard import FSDP, _unit
-    from fullshard.wrap import ModuleWrapPolicy
+    from fullshard import FSDP
+    from fullshard.engine import unit as _unit
+    from fullshard.frontend.wrap import ModuleWrapPolicy
 
     model = FSDP(copy.deepcopy(make_stack()), auto_wrap_policy=ModuleWrapPolicy({Block}),
                  backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch)

@@ -28,12 +28,13 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def run_grid(rank: int, world: int, grid: list[tuple[str, str, str]], direct_gather_bytes: int | None = None) -> list[str]:
-    from fullshard import FSDP, ShardingStrategy, _unit
-    from fullshard._unit import GATHERED, TrainingState
-    from fullshard.wrap import ModuleWrapPolicy
+    from fullshard import FSDP, ShardingStrategy
+    from fullshard.engine import unit
+    from fullshard.engine.unit import GATHERED, TrainingState
+    from fullshard.frontend.wrap import ModuleWrapPolicy
 
     if direct_gather_bytes is not None:
-        _unit.DIRECT_GATHER_BYTES = direct_gather_bytes
+        unit.DIRECT_GATHER_BYTES = direct_gather_bytes
 
     checked = []
     for strategy, opt_kind, wrapping in grid:
@@ -71,10 +72,10 @@ def run_grid(rank: int, world: int, grid: list[tuple[str, str, str]], direct_gat
 
 
 def run_sum(value: int) -> int:
-    from fullshard import _collectives as C
+    from fullshard.comm import collectives
 
     t = torch.tensor([value], dtype=torch.int64)
-    C.all_reduce(t, C.default_group())
+    collectives.all_reduce(t, collectives.default_group())
     return int(t.item())
 
 
@@ -99,9 +100,9 @@ def test_parity_grid(world: int) -> None:
 def test_parity_with_per_parameter_gathers(world: int) -> None:
     """Weights (padded shards of 56 bytes and more) gathered straight into the full buffer, one
     collective each, and the biases between them as runs with a copy-out: still exact."""
-    from fullshard import _unit
+    from fullshard.engine import unit
 
-    assert _unit.DIRECT_GATHER_BYTES > 1000  # the default leaves these small layers to runs
+    assert unit.DIRECT_GATHER_BYTES > 1000  # the default leaves these small layers to runs
     grid = [("FULL_SHARD", "adamw", "blocks"), ("FULL_SHARD", "sgd", "single"), ("SHARD_GRAD_OP", "adamw", "blocks")]
     results = run_ranks(run_grid, world, grid, 48, timeout=280)
     assert results[0] == [f"{s}/{o}/{w}" for s, o, w in grid]
@@ -110,9 +111,10 @@ def test_parity_with_per_parameter_gathers(world: int) -> None:
 def optimizer_before_wrap_body(rank: int, world: int) -> list[float]:
     """An optimizer built before wrapping (Accelerate's order) trains the wrapped model: the
     original Parameter objects stay registered, their data now this rank's shard."""
-    from fullshard import FSDP
-    from fullshard.wrap import ModuleWrapPolicy
     from models import step_both
+
+    from fullshard import FSDP
+    from fullshard.frontend.wrap import ModuleWrapPolicy
 
     ref = make_stack()
     model = copy.deepcopy(ref)

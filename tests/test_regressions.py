@@ -27,9 +27,10 @@ class _FailOnce(torch.autograd.Function):
 
 
 def body(rank: int, world: int, strategy: str) -> list[str]:
-    from fullshard import FSDP, ShardingStrategy, _unit, checkpoint_wrapper
-    from fullshard._unit import ShardState, TrainingState
-    from fullshard.wrap import ModuleWrapPolicy
+    from fullshard import FSDP, ShardingStrategy, checkpoint_wrapper
+    from fullshard.engine import unit as _unit
+    from fullshard.engine.unit import ShardState, TrainingState
+    from fullshard.frontend.wrap import ModuleWrapPolicy
 
     mse = torch.nn.functional.mse_loss
     done = []

@@ -38,7 +38,7 @@ def _train(model, rank: int, steps: int = 15) -> tuple[float, float]:
 def snippets_body(rank: int, world: int) -> list[tuple[float, float]]:
     from fullshard import CPUOffload, ShardingStrategy
     from fullshard import FullyShardedDataParallel as FSDP
-    from fullshard.wrap import size_based_auto_wrap_policy
+    from fullshard.frontend.wrap import size_based_auto_wrap_policy
 
     results = []
     torch.manual_seed(0)
@@ -70,7 +70,7 @@ def test_seed_snippets_train() -> None:
 
 def offload_warning_body(rank: int, world: int) -> int:
     from fullshard import FSDP
-    from fullshard import fully_sharded_data_parallel as F
+    from fullshard.frontend import fsdp1 as F
 
     F._warned_offload_on_cpu = False
     with warnings.catch_warnings(record=True) as caught:

@@ -12,7 +12,7 @@ from models import Block, batch, make_stack
 
 def state_dict_body(rank: int, world: int) -> list[str]:
     from fullshard import FSDP
-    from fullshard.wrap import ModuleWrapPolicy
+    from fullshard.frontend.wrap import ModuleWrapPolicy
 
     ref = make_stack()
     ref.register_buffer("counter", torch.arange(5.0))

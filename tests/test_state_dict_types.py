@@ -6,15 +6,14 @@ import copy
 
 import pytest
 import torch
-from torch import nn
-
 from dist import run_ranks
 from models import Block, make_stack, step_both
+from torch import nn
 
 
 def _pair():
     from fullshard import FSDP
-    from fullshard.wrap import ModuleWrapPolicy
+    from fullshard.frontend.wrap import ModuleWrapPolicy
 
     ref = make_stack()
     model = FSDP(copy.deepcopy(ref), auto_wrap_policy=ModuleWrapPolicy({Block}))
@@ -72,7 +71,7 @@ UNIT_MB = 4 * 2048 * 2048 / 2**20
 
 def rank0_memory_body(rank: int, world: int) -> tuple[float, int]:
     from fullshard import FSDP, FullStateDictConfig, StateDictType, peak_rss_bytes
-    from fullshard.wrap import ModuleWrapPolicy
+    from fullshard.frontend.wrap import ModuleWrapPolicy
 
     with torch.device("meta"):
         warm = nn.Sequential(nn.Linear(2048, 1024, bias=False))

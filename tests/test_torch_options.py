@@ -22,7 +22,7 @@ from torch import nn
 
 import fullshard as fs
 from fullshard import FSDP, fully_shard
-from fullshard.wrap import ModuleWrapPolicy
+from fullshard.frontend.wrap import ModuleWrapPolicy
 
 BF16 = torch.bfloat16
 F32 = torch.float32
@@ -211,14 +211,14 @@ FULLY_SHARD_CASES = [
 
 
 def fully_shard_cases(rank: int, world: int) -> list[str]:
-    from fullshard import _build
+    from fullshard.engine import build
 
     done = []
     for name, theirs, ours in FULLY_SHARD_CASES:
         runs, warned = [], []
         for kwargs in (theirs, ours):
             # On a CPU run offloading only shows as this once-per-process warning: re-arm it.
-            _build._warned_offload_on_cpu = False
+            build._warned_offload_on_cpu = False
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 model = _fully_sharded(*kwargs)
@@ -295,42 +295,43 @@ def test_every_torch_field_is_carried_over_or_warned() -> None:
     same values; the fields fullshard has no counterpart for warn (and only when they ask for
     something fullshard does not do)."""
     from fullshard import api
+    from fullshard.frontend import options
 
     mp = dict(param_dtype=BF16, reduce_dtype=torch.float16, buffer_dtype=F32, keep_low_precision_grads=True, cast_forward_inputs=True, cast_root_forward_inputs=False)
     pairs = [
-        (api.as_mixed_precision, tf.MixedPrecision(**mp, _module_classes_to_ignore=()), fs.MixedPrecision(**mp)),
-        (api.as_cpu_offload, tf.CPUOffload(offload_params=True), fs.CPUOffload(offload_params=True)),
-        (api.as_state_dict_config, tf.StateDictConfig(offload_to_cpu=True), api.StateDictConfig(offload_to_cpu=True)),
-        (api.as_state_dict_config, tf.FullStateDictConfig(offload_to_cpu=True, rank0_only=True), fs.FullStateDictConfig(offload_to_cpu=True, rank0_only=True)),
-        (api.as_state_dict_config, tf.ShardedStateDictConfig(offload_to_cpu=True, _use_dtensor=True), fs.ShardedStateDictConfig(offload_to_cpu=True)),
-        (api.as_state_dict_config, tf.LocalStateDictConfig(offload_to_cpu=True), fs.LocalStateDictConfig(offload_to_cpu=True)),
-        (api.as_optim_state_dict_config, tf.OptimStateDictConfig(offload_to_cpu=False), api.OptimStateDictConfig(offload_to_cpu=False)),
-        (api.as_optim_state_dict_config, tf.FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=True), fs.FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=True)),
-        (api.as_optim_state_dict_config, tf.ShardedOptimStateDictConfig(offload_to_cpu=False, _use_dtensor=True), fs.ShardedOptimStateDictConfig(offload_to_cpu=False)),
-        (api.as_optim_state_dict_config, tf.LocalOptimStateDictConfig(offload_to_cpu=True), fs.LocalOptimStateDictConfig(offload_to_cpu=True)),
-        (functools.partial(api.as_mp_policy, policy=fs.MixedPrecisionPolicy), tf.MixedPrecisionPolicy(BF16, torch.float16, F32, False), fs.MixedPrecisionPolicy(BF16, torch.float16, F32, False)),
-        (functools.partial(api.as_offload_policy, no_offload=fs.OffloadPolicy, cpu_offload=fs.CPUOffloadPolicy), tf.CPUOffloadPolicy(pin_memory=False), fs.CPUOffloadPolicy(pin_memory=False)),
+        (options.as_mixed_precision, tf.MixedPrecision(**mp, _module_classes_to_ignore=()), fs.MixedPrecision(**mp)),
+        (options.as_cpu_offload, tf.CPUOffload(offload_params=True), fs.CPUOffload(offload_params=True)),
+        (options.as_state_dict_config, tf.StateDictConfig(offload_to_cpu=True), api.StateDictConfig(offload_to_cpu=True)),
+        (options.as_state_dict_config, tf.FullStateDictConfig(offload_to_cpu=True, rank0_only=True), fs.FullStateDictConfig(offload_to_cpu=True, rank0_only=True)),
+        (options.as_state_dict_config, tf.ShardedStateDictConfig(offload_to_cpu=True, _use_dtensor=True), fs.ShardedStateDictConfig(offload_to_cpu=True)),
+        (options.as_state_dict_config, tf.LocalStateDictConfig(offload_to_cpu=True), fs.LocalStateDictConfig(offload_to_cpu=True)),
+        (options.as_optim_state_dict_config, tf.OptimStateDictConfig(offload_to_cpu=False), api.OptimStateDictConfig(offload_to_cpu=False)),
+        (options.as_optim_state_dict_config, tf.FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=True), fs.FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=True)),
+        (options.as_optim_state_dict_config, tf.ShardedOptimStateDictConfig(offload_to_cpu=False, _use_dtensor=True), fs.ShardedOptimStateDictConfig(offload_to_cpu=False)),
+        (options.as_optim_state_dict_config, tf.LocalOptimStateDictConfig(offload_to_cpu=True), fs.LocalOptimStateDictConfig(offload_to_cpu=True)),
+        (functools.partial(options.as_mp_policy, policy=fs.MixedPrecisionPolicy), tf.MixedPrecisionPolicy(BF16, torch.float16, F32, False), fs.MixedPrecisionPolicy(BF16, torch.float16, F32, False)),
+        (functools.partial(options.as_offload_policy, no_offload=fs.OffloadPolicy, cpu_offload=fs.CPUOffloadPolicy), tf.CPUOffloadPolicy(pin_memory=False), fs.CPUOffloadPolicy(pin_memory=False)),
     ]
     for normalize, theirs, ours in pairs:
         for field in dataclasses.fields(theirs):  # a field added in a later torch must be looked at here
-            assert hasattr(ours, field.name) or field.name in api._NO_COUNTERPART, f"{type(theirs).__name__}.{field.name}"
+            assert hasattr(ours, field.name) or field.name in options._NO_COUNTERPART, f"{type(theirs).__name__}.{field.name}"
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             got = normalize(theirs)
         assert type(got) is type(ours) and got == ours, f"{theirs} -> {got}, want {ours}"
-    no_offload = api.as_offload_policy(tf.OffloadPolicy(), fs.OffloadPolicy, fs.CPUOffloadPolicy)
+    no_offload = options.as_offload_policy(tf.OffloadPolicy(), fs.OffloadPolicy, fs.CPUOffloadPolicy)
     assert type(no_offload) is fs.OffloadPolicy
     for theirs_enum, ours_enum, normalize in [
-        (tf.ShardingStrategy, fs.ShardingStrategy, api.parse_sharding_strategy),
-        (tf.BackwardPrefetch, fs.BackwardPrefetch, api.as_backward_prefetch),
-        (tf.StateDictType, fs.StateDictType, api.as_state_dict_type),
+        (tf.ShardingStrategy, fs.ShardingStrategy, options.parse_sharding_strategy),
+        (tf.BackwardPrefetch, fs.BackwardPrefetch, options.as_backward_prefetch),
+        (tf.StateDictType, fs.StateDictType, options.as_state_dict_type),
     ]:
         assert [normalize(m) for m in theirs_enum] == list(ours_enum)
     # Torch's defaults that fullshard does not follow warn, naming the field and why.
     for normalize, theirs in [
-        (api.as_mixed_precision, tf.MixedPrecision(param_dtype=BF16)),
-        (api.as_state_dict_config, tf.ShardedStateDictConfig()),
-        (api.as_optim_state_dict_config, tf.ShardedOptimStateDictConfig()),
+        (options.as_mixed_precision, tf.MixedPrecision(param_dtype=BF16)),
+        (options.as_state_dict_config, tf.ShardedStateDictConfig()),
+        (options.as_optim_state_dict_config, tf.ShardedOptimStateDictConfig()),
     ]:
         with pytest.warns(UserWarning, match=NO_COUNTERPART) as record:
             normalize(theirs)

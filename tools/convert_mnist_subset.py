@@ -1,4 +1,4 @@
-"""Convert ../shared/data/mnist_5k.csv.gz into src/fullshard/data/mnist_5k.npz (run once).
+"""Convert ../shared/data/mnist_5k.csv.gz into src/fullshard/jobs/data/mnist_5k.npz (run once).
 
 The CSV holds one image a line: 784 pixel values 0-255 then the label. The .npz holds
 ``images`` (uint8, shape (5000, 28, 28)) and ``labels`` (uint8, shape (5000,)) in the CSV's
@@ -23,4 +23,4 @@ def main(src: str, dst: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*(sys.argv[1:] or ["../shared/data/mnist_5k.csv.gz", "src/fullshard/data/mnist_5k.npz"]))
+    main(*(sys.argv[1:] or ["../shared/data/mnist_5k.csv.gz", "src/fullshard/jobs/data/mnist_5k.npz"]))

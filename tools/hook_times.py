@@ -12,10 +12,11 @@ import time
 
 import torch
 
-from fullshard import _collectives as C
-from fullshard import _hooks as H
-from fullshard import bench, launch
-from fullshard._unit import Unit
+from fullshard.jobs import launch
+from fullshard.jobs.bench import compare as bench
+from fullshard.comm import collectives
+from fullshard.engine import hooks
+from fullshard.engine.unit import Unit
 
 ACC = collections.defaultdict(float)
 CNT = collections.defaultdict(int)
@@ -37,23 +38,23 @@ def timed(owner, name, label=None):
 
 
 for n in ("pre_forward", "post_forward", "_pre_backward", "post_backward", "finish_backward", "prepare_inputs"):
-    timed(H, n)
+    timed(hooks, n)
 for n in ("unshard", "wait_unshard", "reduce_grads", "finish_reduce", "pack_grads", "reshard", "install_full_params", "uninstall_full_params", "full_params", "_sync_shards"):
     timed(Unit, n, "Unit." + n)
-timed(C, "all_gather", "C.all_gather")
-timed(C, "reduce_scatter", "C.reduce_scatter")
-timed(C.Handle, "wait", "Handle.wait")
+timed(collectives, "all_gather", "collectives.all_gather")
+timed(collectives, "reduce_scatter", "collectives.reduce_scatter")
+timed(collectives.Handle, "wait", "Handle.wait")
 
 
 def worker(steps, warmup):
     dev = launch.init_process_group()
     torch.set_num_threads(1)
     try:
-        g = C.default_group()
-        job = bench._build_job("compute", "fullshard", dev, C.group_rank(g))
+        g = collectives.default_group()
+        job = bench._build_job("compute", "fullshard", dev, collectives.group_rank(g))
         per = collections.defaultdict(list)
         for i in range(warmup + steps):
-            C.barrier(g)
+            collectives.barrier(g)
             ACC.clear()
             CNT.clear()
             t0 = time.perf_counter()

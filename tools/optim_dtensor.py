@@ -12,13 +12,13 @@ import time
 
 import torch
 
-from fullshard import launch
+from fullshard.jobs import launch
 
 
 def worker() -> list[tuple[str, float, int]] | None:
     from fullshard import FSDP, fully_shard
-    from fullshard import _collectives as C
-    from fullshard.gpt import GPT, Block, GPTConfig
+    from fullshard.comm import collectives
+    from fullshard.jobs.models.gpt import GPT, Block, GPTConfig
 
     launch.init_process_group()
     torch.set_num_threads(1)
@@ -38,13 +38,13 @@ def worker() -> list[tuple[str, float, int]] | None:
         for _, model, opt, times in jobs:
             opt.zero_grad()
             model(x).float().sum().backward()
-            C.barrier(C.default_group())
+            collectives.barrier(collectives.default_group())
             start = time.perf_counter()
             opt.step()
             if step >= 5:
                 times.append(time.perf_counter() - start)
     rows = [(name, statistics.median(times), sum(1 for _ in model.parameters())) for name, model, _, times in jobs]
-    rank = C.group_rank(C.default_group())
+    rank = collectives.group_rank(collectives.default_group())
     launch.destroy_process_group()
     return rows if rank == 0 else None
 

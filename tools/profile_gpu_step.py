@@ -18,8 +18,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from fullshard import launch
-from fullshard.bench_gpu import _build, _optimizer, _tokens, _train_step
+from fullshard.jobs import launch
+from fullshard.jobs.bench.gpu import _build, _optimizer, _tokens, _train_step
 
 
 def worker(preset: str, batch: int, seq: int, out: str) -> None:

@@ -14,8 +14,9 @@ import time
 
 import torch
 
-from fullshard import _collectives as C
-from fullshard import bench, launch
+from fullshard.jobs import launch
+from fullshard.jobs.bench import compare as bench
+from fullshard.comm import collectives
 
 
 def ru():
@@ -42,11 +43,11 @@ def worker(workload, impl, steps, warmup):
     dev = launch.init_process_group()
     torch.set_num_threads(1)
     try:
-        g = C.default_group()
-        job = bench._build_job(workload, impl, dev, C.group_rank(g))
+        g = collectives.default_group()
+        job = bench._build_job(workload, impl, dev, collectives.group_rank(g))
         rows = []
         for i in range(warmup + steps):
-            C.barrier(g)
+            collectives.barrier(g)
             t0 = time.perf_counter()
             u0, s0, f0 = ru()
             job.optimizer.zero_grad()
@@ -60,8 +61,8 @@ def worker(workload, impl, steps, warmup):
             if i >= warmup:
                 rows.append((t3 - t0, t1 - t0, t2 - t1, t3 - t2, u1 - u0, s1 - s0, f1 - f0))
         med = [statistics.median(c) for c in zip(*rows)]
-        allm = C.all_gather_object(med, g)
-        return allm if C.group_rank(g) == 0 else None
+        allm = collectives.all_gather_object(med, g)
+        return allm if collectives.group_rank(g) == 0 else None
     finally:
         launch.destroy_process_group()
 

@@ -5,12 +5,7 @@ Speaks ``torch.distributed.fsdp``'s API: replace
 ``from fullshard import FullyShardedDataParallel as FSDP``.
 """
 
-from fullshard.activation_checkpointing import (
-    CheckpointWrapper,
-    apply_activation_checkpointing,
-    checkpoint_wrapper,
-)
-from fullshard.api import (
+from fullshard.engine.config import (
     BackwardPrefetch,
     CPUOffload,
     FullOptimStateDictConfig,
@@ -24,8 +19,14 @@ from fullshard.api import (
     ShardingStrategy,
     StateDictType,
 )
-from fullshard.clip_grad import clip_grad_norm_
-from fullshard.fully_shard import (
+from fullshard.frontend.activation_checkpointing import (
+    CheckpointWrapper,
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+)
+from fullshard.frontend.clip_grad import clip_grad_norm_
+from fullshard.frontend.fsdp1 import FSDP, FullyShardedDataParallel
+from fullshard.frontend.fully_shard import (
     CPUOffloadPolicy,
     FSDPModule,
     MixedPrecisionPolicy,
@@ -34,8 +35,7 @@ from fullshard.fully_shard import (
     fully_shard,
     register_fsdp_forward_method,
 )
-from fullshard.fully_sharded_data_parallel import FSDP, FullyShardedDataParallel
-from fullshard.memory import model_state_bytes, peak_rss_bytes
+from fullshard.jobs.memory import model_state_bytes, peak_rss_bytes
 
 __version__ = "0.1.0"
 

@@ -22,14 +22,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if args else 2
     command, rest = args[0], args[1:]
     if command == "train":
-        from fullshard.train import main as train_main
+        from fullshard.jobs.train import main as train_main
 
         return train_main(rest)
     if command == "convert":
         if len(rest) != 2:
             print("usage: fullshard convert CKPT OUT  (OUT ends in .safetensors or .pt)", file=sys.stderr)
             return 2
-        from fullshard.checkpoint import CheckpointError, consolidate
+        from fullshard.state.checkpoint import CheckpointError, consolidate
 
         try:
             print(f"wrote {consolidate(rest[0], rest[1])}")
@@ -38,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         return 0
     if command == "bench":
-        from fullshard.bench import main as bench_main
+        from fullshard.jobs.bench.compare import main as bench_main
 
         return bench_main(rest)
     print(f"fullshard: unknown command {command!r}\n{USAGE}", file=sys.stderr, end="")

@@ -1,0 +1,404 @@
+"""Building FSDP units from modules: groups, devices, parameter ownership, initialization.
+
+Both front ends (``FullyShardedDataParallel`` and ``fully_shard``) call :func:`prepare` on the
+module before wrapping its children, then :func:`build_unit` for the parameters that are left.
+A module that already heads a unit carries its hook state in ``module.__dict__["_fsdp_state"]``;
+:func:`is_unit` looks for it, so the walks here stop at nested units of either front end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from fullshard.comm import collectives
+from fullshard.engine.config import MixedPrecision, ShardingStrategy
+from fullshard.engine.meta_init import is_meta, materialize, own_tensors
+from fullshard.engine.module_wrapper import FSDP_WRAPPED, ModuleWrapper, clean_name
+from fullshard.engine.sharded_param import ParamSlot, is_sharded
+from fullshard.engine.unit import Unit, UnitConfig
+
+_HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+
+ParamEntry = tuple[str, nn.Parameter, list[ParamSlot]]
+
+
+def is_unit(module: nn.Module) -> bool:
+    """Whether ``module`` heads an FSDP unit (a wrapper, or a module given to fully_shard)."""
+    return "_fsdp_state" in module.__dict__
+
+
+_WRAPPER = "FullyShardedDataParallel"
+_ONE_FRONT_END = (
+    "FullyShardedDataParallel and fully_shard cannot be mixed in one model: use one of them for "
+    "the whole model (fully_shard on each block and then on the root, or FullyShardedDataParallel "
+    "on the root with an auto_wrap_policy for the blocks)"
+)
+
+
+def check_not_sharded_elsewhere(module: nn.Module, front_end: str) -> None:
+    """Refuse a tree that torch's FSDP, or fullshard's other front end, has already sharded.
+
+    Runs before any collective, so every rank raises the same error.
+
+    Args:
+        module: the module about to be wrapped or given to ``fully_shard``.
+        front_end: the caller, "FullyShardedDataParallel" or "fully_shard".
+
+    Raises:
+        ValueError: ``module`` or a submodule is torch's FullyShardedDataParallel or a module
+            torch's ``fully_shard`` sharded, or a unit of fullshard's other front end.
+    """
+    torch_fsdp = sys.modules.get("torch.distributed.fsdp")  # torch's FSDP objects exist only once it is loaded
+    for name, m in module.named_modules():
+        where = f"submodule {clean_name(name)!r} ({type(m).__name__})" if name else f"module ({type(m).__name__})"
+        if torch_fsdp is not None and isinstance(m, torch_fsdp.FullyShardedDataParallel):
+            raise ValueError(
+                f"{where} is already wrapped by torch.distributed.fsdp.FullyShardedDataParallel, so "
+                f"fullshard's {front_end} cannot shard it: build the model without torch's wrapper and "
+                "import FullyShardedDataParallel from fullshard instead of torch.distributed.fsdp"
+            )
+        if torch_fsdp is not None and isinstance(m, torch_fsdp.FSDPModule):
+            raise ValueError(
+                f"{where} was already sharded by torch.distributed.fsdp.fully_shard, so fullshard's "
+                f"{front_end} cannot shard it: build the model afresh and import fully_shard from "
+                "fullshard instead of torch.distributed.fsdp for every call"
+            )
+        if is_unit(m) and _is_wrapper(m) != (front_end == _WRAPPER):
+            other = "a fullshard FullyShardedDataParallel" if _is_wrapper(m) else "sharded by fullshard's fully_shard"
+            raise ValueError(f"{where} is {other}; {_ONE_FRONT_END}")
+
+
+def _is_wrapper(module: nn.Module) -> bool:
+    """Whether ``module`` is a fullshard FullyShardedDataParallel (without importing that front end)."""
+    return isinstance(module, ModuleWrapper) and module.wrapped_key == FSDP_WRAPPED
+
+
+@dataclasses.dataclass
+class Prepared:
+    """What :func:`prepare` found out about a module before its children are wrapped."""
+
+    device: torch.device
+    meta: bool
+    ignored: set[nn.Module]
+
+
+def prepare(
+    module: nn.Module,
+    device_id: Any,
+    offload: bool,
+    ignored: set[nn.Module],
+) -> Prepared:
+    """Choose the compute device and, unless the module is on the meta device, move it there.
+
+    Raises:
+        ValueError: parameters on several devices, or on another GPU than ``device_id``.
+    """
+    device = _compute_device(module, device_id, offload, ignored)
+    meta = is_meta(module.modules())
+    if not meta:
+        _place(module, device, offload, ignored)
+        _check_one_device(module, ignored)
+    return Prepared(device, meta, ignored)
+
+
+def build_unit(
+    module: nn.Module,
+    prepared: Prepared,
+    groups: Groups,
+    config: UnitConfig,
+    exclude: set[int],
+    param_init_fn: Callable[[nn.Module], None] | None,
+    sync_module_states: bool,
+    buffer_dtype: torch.dtype | None,
+    materialize_meta: bool = True,
+) -> Unit:
+    """The unit of ``module``: the parameters no nested unit owns, materialized and sharded.
+
+    With ``materialize_meta=False`` (``fully_shard``) parameters on the meta device stay there,
+    sharded, until the program materializes them (``to_empty`` and its own initialization).
+    """
+    ignored = prepared.ignored
+    region = list(walk_region(module, ignored))
+    params = owned_params(module, ignored, exclude)
+    if prepared.meta and materialize_meta:  # nested units have materialized theirs; now this unit's own
+        named = [(clean_name(n).rstrip("."), m) for n, m in region]
+        params = materialize(named, params, prepared.device, param_init_fn)
+        _place(module, prepared.device, config.offload, ignored)
+        _check_one_device(module, ignored)
+    if sync_module_states:
+        for g in groups.broadcast_order:
+            _broadcast_module(region, g)
+    unit = Unit(type(module).__name__, params, groups.shard, groups.replicate, config)
+    if buffer_dtype is not None:
+        _cast_buffers(module, buffer_dtype, ignored)
+    return unit
+
+
+def unit_config(
+    device: torch.device,
+    reshard_after_forward: bool,
+    mp: MixedPrecision | None,
+    offload: bool,
+    keep_param_objects: bool = False,
+) -> UnitConfig:
+    """A UnitConfig from the front ends' settings (offload only means something on a GPU)."""
+    return UnitConfig(
+        compute_device=device,
+        reshard_after_forward=reshard_after_forward,
+        param_dtype=mp.param_dtype if mp else None,
+        reduce_dtype=mp.reduce_dtype if mp else None,
+        keep_low_precision_grads=bool(mp and mp.keep_low_precision_grads),
+        offload=offload and device.type != "cpu",
+        keep_param_objects=keep_param_objects,
+    )
+
+
+@dataclasses.dataclass
+class Groups:
+    """The groups a unit shards and replicates over (None: a group of one rank)."""
+
+    given: Any  # what nested units receive as process_group
+    shard: collectives.ProcessGroup | None
+    replicate: collectives.ProcessGroup | None
+    broadcast_order: list[collectives.ProcessGroup]  # sync_module_states: rank 0's values reach every rank
+
+
+def resolve_groups(process_group: Any, device_mesh: Any, strategy: ShardingStrategy) -> Groups:
+    """Shard and replicate groups from ``process_group`` / ``device_mesh`` and the strategy.
+
+    Raises:
+        ValueError: both given; a mesh or tuple that does not fit the strategy or the world size.
+    """
+    hybrid = strategy in _HYBRID
+    if device_mesh is not None and process_group is not None:
+        raise ValueError("pass process_group or device_mesh, not both")
+    if device_mesh is not None:
+        if device_mesh.ndim == 2 and hybrid:
+            shard, replicate = device_mesh.get_group(1), device_mesh.get_group(0)
+        elif device_mesh.ndim == 1 and not hybrid:
+            return _flat(device_mesh.get_group(), strategy)
+        else:
+            raise ValueError(
+                f"device_mesh has {device_mesh.ndim} dimension(s) but sharding_strategy={strategy.name} "
+                "needs " + ("2: (replicate, shard), e.g. init_device_mesh('cuda', (2, 4))" if hybrid else "1")
+            )
+    elif isinstance(process_group, tuple):
+        if not hybrid or len(process_group) != 2:
+            raise ValueError(
+                f"a process_group tuple means (shard_group, replicate_group) for HYBRID_SHARD or "
+                f"_HYBRID_SHARD_ZERO2, not {strategy.name}"
+            )
+        shard, replicate = process_group
+    elif hybrid:
+        shard, replicate = collectives.hybrid_groups(collectives.local_world_size())
+    else:
+        return _flat(process_group if process_group is not None else collectives.default_group(), strategy)
+    world = collectives.group_size(collectives.default_group())
+    if collectives.group_size(shard) * collectives.group_size(replicate) != world:
+        raise ValueError(
+            f"the hybrid groups cover {collectives.group_size(shard)} x {collectives.group_size(replicate)} ranks but the "
+            f"world size is {world}: build the mesh as init_device_mesh(device, (world // shard_size, shard_size))"
+        )
+    return Groups(
+        given=(shard, replicate),
+        shard=shard if collectives.group_size(shard) > 1 else None,
+        replicate=replicate if collectives.group_size(replicate) > 1 else None,
+        broadcast_order=[shard, replicate],
+    )
+
+
+def _flat(group: collectives.ProcessGroup, strategy: ShardingStrategy) -> Groups:
+    if collectives.group_size(group) == 1:
+        return Groups(group, None, None, [group])
+    if strategy is ShardingStrategy.NO_SHARD:
+        return Groups(group, None, group, [group])
+    return Groups(group, group, None, [group])
+
+
+def _as_device(device_id: int | str | torch.device) -> torch.device:
+    if isinstance(device_id, int):
+        return torch.device("cuda", device_id)
+    device = torch.device(device_id)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+_warned_offload_on_cpu = False
+
+
+def _compute_device(
+    module: nn.Module, device_id: Any, offload: bool, ignored: set[nn.Module]
+) -> torch.device:
+    """Where the unit computes: ``device_id``, else the module's device (a GPU under offload)."""
+    global _warned_offload_on_cpu
+    current = next(
+        (
+            t.device
+            for _, m in walk_region(module, ignored)
+            for t in own_tensors(m)
+            if not is_sharded(t) and not t.is_meta
+        ),
+        None,
+    )
+    if device_id is not None:
+        device = _as_device(device_id)
+        if current is not None and current.type == "cuda" and device.type == "cuda" and current != device:
+            raise ValueError(
+                f"module is on {current} but device_id={device}: move the module to {device} or "
+                f"pass device_id={current.index}"
+            )
+    elif current is not None and current.type != "cpu":
+        device = current
+    elif offload and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = current or torch.device("cpu")
+    if offload and device.type == "cpu" and not _warned_offload_on_cpu:
+        _warned_offload_on_cpu = True
+        warnings.warn(
+            "cpu_offload has no effect on a CPU-only run: the shards already live in CPU memory",
+            UserWarning,
+            stacklevel=4,
+        )
+    return device
+
+
+def _place(module: nn.Module, device: torch.device, offload: bool, ignored: set[nn.Module]) -> None:
+    """Move the module to ``device``; under offload only its buffers (shards stay on CPU)."""
+    if device.type == "cpu":
+        return
+    if not offload:
+        module.to(device)
+        return
+    for m in ignored:  # modules FSDP leaves alone compute on the device as they are
+        m.to(device)
+    for _, m in walk_region(module, ignored):
+        for name, b in m._buffers.items():
+            if b is not None:
+                m._buffers[name] = b.to(device)
+
+
+def _cast_buffers(module: nn.Module, dtype: torch.dtype, ignored: set[nn.Module]) -> None:
+    """Cast floating-point buffers to ``dtype``, remembering the original for state dicts."""
+    for _, m in walk_region(module, ignored):
+        for name, b in m._buffers.items():
+            if b is not None and b.is_floating_point() and b.dtype != dtype:
+                originals = m.__dict__.setdefault("_fullshard_buffer_dtypes", {})
+                originals.setdefault(name, b.dtype)
+                m._buffers[name] = b.to(dtype)
+
+
+def ignored_modules(
+    module: nn.Module, ignored_modules: Iterable[nn.Module] | None, ignored_states: Iterable[Any] | None
+) -> set[nn.Module]:
+    if ignored_modules is not None and ignored_states is not None:
+        raise ValueError("pass ignored_modules or ignored_states, not both")
+    chosen = list(ignored_modules or []) + list(ignored_states or [])
+    out: set[nn.Module] = set()
+    for m in chosen:
+        if isinstance(m, nn.Parameter):
+            raise NotImplementedError(
+                "ignored_states with parameters is not built yet; pass the modules that own them"
+            )
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"ignored_modules must hold nn.Module objects, got {type(m).__name__}")
+        if is_unit(m):
+            raise ValueError("ignored_modules must not contain FSDP units (wrapped or fully_shard modules)")
+        out.update(m.modules())
+    return out
+
+
+def walk_region(module: nn.Module, ignored: set[nn.Module], prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
+    """(qualified name, module) for ``module``'s tree, stopping at nested FSDP and ignored modules."""
+    yield prefix, module
+    for name, child in module.named_children():
+        if is_unit(child) or child in ignored:
+            continue
+        yield from walk_region(child, ignored, f"{prefix}{name}.")
+
+
+def _check_one_device(module: nn.Module, ignored: set[nn.Module]) -> None:
+    devices: dict[torch.device, str] = {}
+    for prefix, m in walk_region(module, ignored):
+        for name, p in m._parameters.items():
+            if p is not None and not is_sharded(p):
+                devices.setdefault(p.device, prefix + name)
+    if len(devices) > 1:
+        listing = ", ".join(f"{n} on {d}" for d, n in devices.items())
+        raise ValueError(
+            f"module has parameters on more than one device ({listing}); move it to one device "
+            "first (module.to(device)) or pass device_id="
+        )
+
+
+def param_holders(module: nn.Module) -> dict[int, set[int]]:
+    """id(parameter) -> ids of every module that registers it (tied parameters have several)."""
+    holders: dict[int, set[int]] = {}
+    for m in module.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                holders.setdefault(id(p), set()).add(id(m))
+    return holders
+
+
+def shared_outside(child: nn.Module, holders: dict[int, set[int]]) -> set[int]:
+    """Parameters of ``child``'s tree also registered outside it: a common ancestor owns them."""
+    inside = {id(m) for m in child.modules()}
+    return {id(p) for p in child.parameters() if not holders.get(id(p), set()) <= inside}
+
+
+def owned_params(
+    module: nn.Module, ignored: set[nn.Module], exclude: set[int]
+) -> list[tuple[str, nn.Parameter, list[ParamSlot]]]:
+    """The parameters this unit owns: all in ``module``'s tree that no nested unit sharded.
+
+    That includes tied parameters nested units left to this one (with all their slots, nested
+    ones too), and leaves out ``exclude`` (parameters shared beyond ``module``).
+
+    Raises:
+        ValueError: a parameter sharded by a nested unit is also used outside that unit.
+    """
+    # An explicit stack, not a recursive closure: a closure cycle would keep the original full
+    # parameters alive until the garbage collector runs, long after sharding.
+    owned: dict[int, tuple[str, nn.Parameter, list[ParamSlot]]] = {}
+    stack: list[tuple[nn.Module, str, bool]] = [(module, "", False)]
+    while stack:
+        m, prefix, nested = stack.pop()
+        for name, p in m._parameters.items():
+            if p is None or id(p) in exclude or hasattr(p, "_fullshard_ignored"):
+                continue
+            if is_sharded(p) and nested:
+                continue  # the nested unit's own parameter
+            tied_to = p._fullshard_param.fqn if is_sharded(p) else getattr(p, "_fullshard_sharded_as", None)  # type: ignore[attr-defined]
+            if tied_to is not None:
+                raise ValueError(
+                    f"parameter {clean_name(prefix + name)} is tied to {tied_to}, which a nested FSDP unit "
+                    "already sharded; wrap the modules that share it inside one unit (let one "
+                    "auto_wrap_policy wrap the whole model, which keeps tied parameters in their "
+                    "common ancestor)"
+                )
+            entry = owned.setdefault(id(p), (clean_name(prefix + name), p, []))
+            entry[2].append(ParamSlot(m, name))
+        children = [(c, f"{prefix}{n}.", nested or is_unit(c)) for n, c in m.named_children()]
+        stack.extend(reversed([c for c in children if c[0] not in ignored]))  # keep module order
+    return list(owned.values())
+
+
+def _broadcast_module(region: list[tuple[str, nn.Module]], group: collectives.ProcessGroup) -> None:
+    """Give every rank rank 0's parameters and buffers of one unit's modules (collective)."""
+    device = collectives.reduction_device(group)
+    with torch.no_grad():
+        for _, m in region:
+            for t in own_tensors(m):
+                if not is_sharded(t):
+                    flat = t.detach().reshape(-1).to(device).contiguous()  # NCCL needs CUDA tensors
+                    collectives.broadcast(flat, 0, group)
+                    t.detach().copy_(flat.view_as(t))

@@ -1,0 +1,259 @@
+"""Hooks: when units gather, free and reduce, driven by forward and autograd.
+
+- pre-forward: all-gather the unit (waiting on a prefetch if one is in flight), put the full
+  parameters in place, and with ``forward_prefetch`` start the next unit's all-gather.
+- post-forward: put the shards back; free the full parameters under FULL_SHARD (or when no
+  backward can follow); hook the outputs so the unit knows when its backward begins.
+- pre-backward (a hook on the unit's outputs): all-gather again if freed; with BACKWARD_PRE
+  start the all-gather of the unit that runs next in backward (the previous one in forward).
+- post-backward (the unit's post-accumulate-grad hook): launch the gradient reduce-scatter,
+  free the full parameters; with BACKWARD_POST start the next all-gather here instead.
+- a callback queued on the autograd engine at the first pre-backward: wait for the reductions,
+  free what is left, and bring every unit back to IDLE.
+
+Hooks call units only; they never touch torch.distributed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten, tree_map
+
+from fullshard.comm import buffers
+from fullshard.engine import partial_reshard
+from fullshard.engine.config import BackwardPrefetch, MixedPrecision
+from fullshard.engine.module_wrapper import clean_name
+from fullshard.engine.unit import ShardState, TrainingState, Unit, record
+
+
+@dataclasses.dataclass
+class RootState:
+    """What the units of one FSDP tree share; owned by the root unit."""
+
+    units: list[Unit]
+    backward_prefetch: BackwardPrefetch | None
+    forward_prefetch: bool
+    forward_order: list[Unit] = dataclasses.field(default_factory=list)
+    last_forward_order: list[Unit] = dataclasses.field(default_factory=list)
+    callback_queued: bool = False
+    last_reduced: Unit | None = None
+    pre_backward_done: set[int] = dataclasses.field(default_factory=set)
+    post_optim_event: Any = None  # a CUDA event the next forward's all-gathers wait for
+
+
+@dataclasses.dataclass
+class UnitHooks:
+    """Per-unit hook state: the unit, whether it is the root, and its tree's shared state."""
+
+    unit: Unit
+    is_root: bool = False
+    root: RootState | None = None
+    mixed_precision: MixedPrecision | None = None
+    backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE
+    forward_prefetch: bool = False
+    # Set by FSDPModule.set_modules_to_{forward,backward}_prefetch: the units whose all-gathers
+    # this unit's forward / backward starts, instead of the neighbour in the recorded order.
+    prefetch_in_forward: list[Unit] | None = None
+    prefetch_in_backward: list[Unit] | None = None
+
+
+def lazy_init(module: nn.Module) -> UnitHooks:
+    """At the first forward, make ``module`` the root of every unit in its tree (once).
+
+    Names each unit after its module, shares one RootState, and connects the units'
+    gradient-ready hooks. Returns ``module``'s hook state.
+    """
+    state: UnitHooks = module.__dict__["_fsdp_state"]
+    if state.root is not None:
+        return state
+    members: dict[int, tuple[str, UnitHooks]] = {}  # one entry per unit (fully_shard of a list shares one)
+    for n, m in module.named_modules():
+        if "_fsdp_state" in m.__dict__:
+            members.setdefault(id(m.__dict__["_fsdp_state"]), (clean_name(n) or "<root>", m.__dict__["_fsdp_state"]))
+    members_list = list(members.values())
+    root = RootState([h.unit for _, h in members_list], state.backward_prefetch, state.forward_prefetch)
+    for name, h in members_list:
+        h.unit.name = name
+        h.is_root = h is state
+        h.root = root
+        h.unit.on_grad_ready = lambda u, r=root: post_backward(u, r)
+    return state
+
+def _neighbour(order: list[Unit], unit: Unit, step: int) -> Unit | None:
+    """The unit ``step`` places from ``unit`` in ``order``, if any."""
+    try:
+        i = order.index(unit)
+    except ValueError:
+        return None
+    j = i + step
+    return order[j] if 0 <= j < len(order) else None
+
+
+def _prefetch(unit: Unit | None) -> None:
+    if unit is not None and unit.shard_state is ShardState.SHARDED:
+        unit.unshard(async_op=True)
+
+
+def prepare_inputs(hooks: UnitHooks, inputs: Any) -> Any:
+    """The root moves forward inputs to the compute device; mixed precision casts them.
+
+    Floating-point tensors are cast to ``param_dtype`` at the root when
+    ``cast_root_forward_inputs``, and at every unit when ``cast_forward_inputs``.
+    """
+    device = hooks.unit.device
+    mp = hooks.mixed_precision
+    dtype = None
+    if mp is not None and mp.param_dtype is not None:
+        if mp.cast_forward_inputs or (hooks.is_root and mp.cast_root_forward_inputs):
+            dtype = mp.param_dtype
+    move = hooks.is_root and device.type != "cpu"
+    if dtype is None and not move:
+        return inputs
+
+    def convert(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        if move:
+            t = t.to(device)
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        return t
+
+    return tree_map(convert, inputs)
+
+
+def _in_backward() -> bool:
+    """Whether the autograd engine is running a backward pass on this thread."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
+def root_pre_forward(hooks: UnitHooks) -> None:
+    """Start of an iteration at the root: tidy up what the last iteration left behind.
+
+    A forward with grad enabled and no backward leaves units gathered (the next forward would
+    use stale parameters after an optimizer step); a backward that raised leaves its callback
+    unrun. Outside a backward, finish both so every unit starts SHARDED and IDLE.
+    """
+    root = hooks.root
+    assert root is not None
+    if _in_backward():
+        return  # a recomputation (activation checkpointing of the root)
+    if root.callback_queued or any(
+        u.training_state is not TrainingState.IDLE
+        or (u.shard_state is ShardState.UNSHARDED and u.reshard_after_backward)
+        or u.has_pending_reduce
+        for u in root.units
+    ):
+        finish_backward(root)
+    if root.post_optim_event is not None:
+        torch.cuda.current_stream().wait_event(root.post_optim_event)
+        root.post_optim_event = None
+    if torch.is_grad_enabled():
+        if root.forward_order:
+            root.last_forward_order = root.forward_order
+        root.forward_order = []
+
+
+def pre_forward(hooks: UnitHooks) -> None:
+    unit, root = hooks.unit, hooks.root
+    assert root is not None
+    if hooks.is_root:
+        root_pre_forward(hooks)
+    unit._check_state((TrainingState.IDLE, TrainingState.PRE_BACKWARD), "run forward")
+    if unit.training_state is TrainingState.IDLE:
+        unit.training_state = TrainingState.FORWARD
+    unit.unshard()
+    unit.install_full_params()
+    record("forward", unit)
+    if torch.is_grad_enabled() and unit not in root.forward_order:
+        root.forward_order.append(unit)
+    if unit.training_state is TrainingState.FORWARD:  # not in recomputation
+        if hooks.prefetch_in_forward is not None:
+            for other in hooks.prefetch_in_forward:
+                _prefetch(other)
+        elif root.forward_prefetch:
+            _prefetch(_neighbour(root.last_forward_order, unit, +1))
+
+
+def post_forward(hooks: UnitHooks, output: Any) -> Any:
+    unit, root = hooks.unit, hooks.root
+    assert root is not None
+    record("forward_end", unit)
+    unit.uninstall_full_params()
+    grad = torch.is_grad_enabled()
+    in_recompute = unit.training_state is not TrainingState.FORWARD
+    if not in_recompute:
+        unit.training_state = TrainingState.IDLE
+        if grad and unit.reshard_after_forward and not hooks.is_root and unit.post_forward_group is not None:
+            partial_reshard.keep_partial(unit)  # reshard_after_forward=M: 1/M kept for backward's smaller gather
+        elif not grad or (unit.reshard_after_forward and not hooks.is_root):
+            unit.reshard()
+    if grad and not in_recompute:
+        _register_pre_backward(hooks, output)
+    return output
+
+
+def _register_pre_backward(hooks: UnitHooks, output: Any) -> None:
+    tensors, _ = tree_flatten(output)
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            t.register_hook(lambda grad, h=hooks: _pre_backward(h, grad))
+
+
+def _pre_backward(hooks: UnitHooks, grad: torch.Tensor) -> torch.Tensor:
+    unit, root = hooks.unit, hooks.root
+    assert root is not None
+    if not root.callback_queued:
+        root.callback_queued = True
+        Variable._execution_engine.queue_callback(lambda: finish_backward(root))
+    if id(unit) in root.pre_backward_done:
+        return grad
+    root.pre_backward_done.add(id(unit))
+    record("backward", unit)
+    unit.training_state = TrainingState.PRE_BACKWARD
+    unit.unshard()
+    unit.install_full_params()  # for forward recomputation under activation checkpointing
+    if hooks.prefetch_in_backward is not None:
+        for other in hooks.prefetch_in_backward:
+            _prefetch(other)
+    elif root.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+        _prefetch(_neighbour(root.forward_order, unit, -1))
+    return grad
+
+
+def post_backward(unit: Unit, root: RootState) -> None:
+    """Called when ``unit``'s full flat gradient has been accumulated."""
+    unit.training_state = TrainingState.POST_BACKWARD
+    if unit.sync_grads:
+        if root.last_reduced is not None and root.last_reduced is not unit:
+            root.last_reduced.finish_reduce()  # keep one reduction in flight, not all
+        unit.reduce_grads()
+        root.last_reduced = unit
+    if unit.reshard_after_backward:
+        unit.reshard()
+    if root.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+        _prefetch(_neighbour(root.forward_order, unit, -1))
+
+
+def finish_backward(root: RootState) -> None:
+    """End of backward: wait for every reduction, free every unit, all back to IDLE."""
+    for unit in root.units:
+        unit.finish_reduce()
+    if any(u.config.offload for u in root.units):
+        # Offloaded gradients arrive by non-blocking copies to pinned memory, and shards left by
+        # them: the CPU optimizer may touch neither before those copies are done.
+        torch.cuda.current_stream().synchronize()
+    for unit in root.units:
+        if unit.reshard_after_backward:
+            unit.reshard()
+        unit.training_state = TrainingState.IDLE
+    buffers.POOL.clear(keep_cpu=True)  # CPU memory is kept for the next step; CUDA's allocator caches its own
+    root.last_reduced = None
+    root.callback_queued = False
+    root.pre_backward_done.clear()

@@ -1,0 +1,107 @@
+"""Keeping a unit's registered shards and its local flat buffer one.
+
+The engine reads and writes shards through the unit's local flat buffer (the all-gather input);
+the program sees the registered parameters. They can part ways, and :func:`sync_shards` (run at
+every unshard) brings them together again: a registered parameter replaced by another
+(``load_state_dict(assign=True)``), a shard whose storage was replaced (``param.data = ...``,
+``module.to_empty``, which swaps a DTensor's contents), and a unit built on the meta device
+(``fully_shard`` of a model built under ``torch.device("meta")``), whose buffers are allocated
+when its shards first hold real values. :func:`register_dtensors` gives ``fully_shard`` its
+DTensor parameters. The vocabulary is ``_unit``'s and ``_sharded_param``'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from fullshard.engine.sharded_param import ShardedParam, local_tensor
+
+if TYPE_CHECKING:
+    from fullshard.engine.unit import Unit
+
+
+def register_dtensors(unit: Unit, mesh: Any, placements: Sequence[Any]) -> None:
+    """Register every shard as a DTensor of the full shape on ``mesh`` with ``placements``
+    (torch FSDP2's parameters); its local tensor is the same view of the local flat buffer.
+    """
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    for sp in unit.params:
+        shape = sp.spec.orig_shape
+        stride = torch.empty(shape, device="meta").stride()
+        sp.dtensor_spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, stride, unit.dtype))
+        local = unit._local_view(sp)
+        sp.register_shard(nn.Parameter(sp.as_registered(local), requires_grad=sp.requires_grad))
+
+
+def sync_shards(unit: Unit) -> None:
+    """Take back any shard whose storage was replaced (``param.data = ...``, ``to_empty``, a
+    DTensor's local tensor swapped) or whose registered parameter was replaced
+    (``load_state_dict(assign=True)``): copy its values into the local flat buffer and make
+    it a view of that buffer again."""
+    for sp in unit.params:
+        registered = sp.slots[0].module._parameters.get(sp.slots[0].attr)
+        if registered is not None and registered is not sp.shard and not sp.swapped:
+            _check_replacement(unit, sp, registered)
+            sp.register_shard(registered)  # type: ignore[arg-type]
+    if unit.meta:
+        _materialize(unit)
+    for sp, ptr in zip(unit.params, unit._shard_ptrs):
+        local = sp.local
+        if local.data_ptr() != ptr and sp.spec.local_numel > 0 and not local.is_meta:
+            view = unit._local_view(sp)
+            with torch.no_grad():
+                view.copy_(local.detach().reshape(view.shape))
+            shard: Any = sp.shard
+            if local is shard:
+                shard.data = view
+            else:
+                shard._local_tensor = view
+            shard._fullshard_param = sp  # lost by a tensor swap (to_empty)
+
+
+def _check_replacement(unit: Unit, sp: ShardedParam, new: torch.Tensor) -> None:
+    """A parameter put in a shard's place (``load_state_dict(assign=True)``) must be laid
+    out like the shard: a DTensor on the unit's mesh with its placements (fully_shard), or
+    a plain tensor of the shard's shape (the FSDP1 wrapper).
+
+    Raises:
+        ValueError: another mesh, placements or shape, naming the parameter and the fix.
+    """
+    spec = sp.dtensor_spec
+    placements = getattr(new, "placements", None)
+    if spec is not None and (getattr(new, "device_mesh", None) != spec.mesh or tuple(placements or ()) != spec.placements):
+        raise ValueError(
+            f"FSDP unit {unit.name!r}: parameter {sp.fqn} was replaced by a "
+            f"{type(new).__name__} on mesh {getattr(new, 'device_mesh', None)} with placements {placements}, "
+            f"but the unit shards it over {spec.mesh} as {spec.placements}: build the value with "
+            "distribute_tensor(full, param.device_mesh, param.placements) from the model's own parameter"
+        )
+    shape = tuple(new.shape) if spec is not None else tuple(local_tensor(new).shape)
+    want = tuple(sp.spec.orig_shape) if spec is not None else tuple(sp.spec.local_shape)
+    if shape != want:
+        raise ValueError(f"FSDP unit {unit.name!r}: parameter {sp.fqn} was replaced by one of shape {shape}, expected {want}")
+
+
+def _materialize(unit: Unit) -> None:
+    """Leave the meta device: real buffers on the shard device, into which :func:`sync_shards`
+    then copies the values the program gave the shards (``to_empty`` and its own init).
+
+    Raises:
+        RuntimeError: a shard is still on the meta device.
+    """
+    still = [sp.fqn for sp in unit.params if sp.local.is_meta and sp.spec.local_numel > 0]
+    if still:
+        raise RuntimeError(
+            f"FSDP unit {unit.name!r}: parameters {still} are still on the meta device; call "
+            "model.to_empty(device=...) and initialize them (e.g. model.reset_parameters()), or "
+            "load a state dict with assign=True, before the first forward"
+        )
+    unit.meta = False
+    unit.local_flat = unit._new_local_flat()
+    unit._shard_ptrs = [unit._local_view(sp).data_ptr() for sp in unit.params]
+    unit._allocate_buffers()

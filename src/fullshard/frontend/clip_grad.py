@@ -1,0 +1,104 @@
+"""Gradient clipping over sharded gradients: the norm of the whole model's gradient.
+
+Each rank holds only its shards' gradients, so the p-norm is assembled from per-group partial
+sums: ``sum |g|^p`` over a unit's shards is all-reduced over that unit's shard group, while
+gradients every rank holds whole (NO_SHARD units, ignored modules, one-rank groups) count once,
+locally. The inf-norm takes maxima the same way. Every rank must call it (it is collective).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from fullshard.comm import collectives
+from fullshard.engine.sharded_param import local_tensor
+
+
+def _group_key(param: torch.Tensor) -> Any:
+    """The shard group ``param`` is split over; None when every rank holds it whole."""
+    owner = getattr(param, "_fullshard_param", None)
+    return owner.shard_group if owner is not None else None
+
+
+def total_grad_norm(parameters: torch.Tensor | Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """The ``norm_type``-norm of all gradients of ``parameters``, as if unsharded.
+
+    Returns:
+        a float32 scalar tensor, identical on every rank.
+
+    Raises:
+        ValueError: ``norm_type`` is not positive.
+    """
+    p = float(norm_type)
+    if not p > 0:
+        raise ValueError(f"norm_type must be positive (or inf), got {norm_type}")
+    inf = math.isinf(p)
+    groups: dict[int, Any] = {}  # shard groups in order of first appearance: the same on every rank
+    buckets: dict[tuple[int, torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for q in params_list(parameters):
+        group = _group_key(q)
+        key = id(group) if group is not None else 0
+        if group is not None:
+            groups.setdefault(key, group)
+        grad = None if q.grad is None else local_tensor(q.grad)
+        if grad is not None and grad.numel() > 0:
+            buckets.setdefault((key, grad.device, grad.dtype), []).append(grad.detach())
+    # Partial sums live where their group can reduce them (CUDA for NCCL, even when the gradients
+    # are offloaded to CPU); without sharded groups, where the gradients are.
+    if groups:
+        device = collectives.reduction_device(next(iter(groups.values())))
+    else:
+        device = next((d for (_, d, _) in buckets), torch.device("cpu"))
+    partial = {key: torch.zeros((), dtype=torch.float32, device=device) for key in [0, *groups]}
+    for (key, _, _), grads in buckets.items():
+        # One multi-tensor kernel per bucket: the p-norm of each gradient, in float32.
+        norms = torch.stack(torch._foreach_norm(grads, p, dtype=torch.float32)).to(device)
+        term = norms.max() if inf else norms.pow(p).sum()
+        partial[key] = torch.maximum(partial[key], term) if inf else partial[key] + term
+    total = partial.pop(0)
+    for key, value in partial.items():
+        if inf:
+            collectives.all_reduce_max(value, groups[key])
+            total = torch.maximum(total, value)
+        else:
+            collectives.all_reduce(value, groups[key])
+            total = total + value
+    return total if inf else total.pow(1.0 / p)
+
+
+def params_list(parameters: torch.Tensor | Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """``parameters`` as a list (one tensor becomes a list of one)."""
+    return [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+
+
+def clip_grad_norm_(
+    parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
+) -> torch.Tensor:
+    """Scale gradients in place so their total norm is at most ``max_norm``; return the norm.
+
+    Like ``torch.nn.utils.clip_grad_norm_``, for fullshard's shards: the norm is the one the
+    unsharded model's gradients would have (collective: call on every rank).
+
+    Args:
+        parameters: parameters (shards) whose ``.grad`` to clip.
+        max_norm: the largest allowed total norm.
+        norm_type: p of the p-norm; ``float('inf')`` for the max-norm.
+
+    Returns:
+        the total norm before clipping (float32 scalar tensor).
+    """
+    params = params_list(parameters)
+    total = total_grad_norm(params, norm_type)
+    coef = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
+    buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for q in params:
+        if q.grad is not None:
+            grad = local_tensor(q.grad)
+            buckets.setdefault((grad.device, grad.dtype), []).append(grad.detach())
+    for (device, dtype), grads in buckets.items():
+        torch._foreach_mul_(grads, coef.to(device, dtype))
+    return total

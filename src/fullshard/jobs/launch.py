@@ -1,0 +1,190 @@
+"""Starting worker processes: a thin layer over torch.distributed's elastic launcher.
+
+``launch(fn, args, nproc)`` starts ``nproc`` local workers with
+``torch.distributed.launcher.api.elastic_launch`` (what ``torchrun`` uses), so the job runs the
+same under ``torchrun``. If a worker fails, the launcher's agent stops the others (no hang) and
+``launch`` raises :class:`WorkerFailed` with the first failure's message.
+
+Inside a worker, ``init_process_group()`` creates the default process group from the
+launcher's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK): gloo on CPU,
+NCCL when the worker has a GPU. It uses a store prefix per restart attempt: after a restart the
+launcher's store still holds the dead attempt's gloo addresses, and reusing them hangs.
+
+``launch`` also sets ``OMP_NUM_THREADS`` for its workers unless the environment already sets it
+(see :func:`worker_environment`): the CPU cores divided among the workers (``torchrun`` sets 1).
+Huge pages (``THP_MEM_ALLOC_ENABLE=1``, torch's CPU allocator backing tensors of 2 MiB and more
+with transparent huge pages) are left to the caller: fullshard reuses its buffers across steps
+(``fullshard._buffers``), so they no longer pay here (the tiny GPT job: 66 s and 0.55 GiB per
+rank without, 70 s and 1.1-1.2 GiB with; the 166M memory-bound benchmark 4% faster with), and
+``fullshard bench`` turns them on for every implementation it compares (torch FSDP2's
+memory-bound step is 1.65x longer without them).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fullshard.comm import collectives
+
+
+class WorkerFailed(RuntimeError):
+    """A worker process of a launched job failed; the message holds its error."""
+
+
+def default_nproc() -> int:
+    """The number of CUDA devices, else 2."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch(
+    fn: Callable[..., Any],
+    args: tuple,
+    nproc: int,
+    max_restarts: int = 0,
+    env: dict[str, str] | None = None,
+) -> dict[int, Any]:
+    """Run ``fn(*args)`` in ``nproc`` local worker processes; return {rank: return value}.
+
+    Args:
+        fn: a module-level function (it is pickled into spawned processes).
+        args: its arguments (picklable).
+        nproc: number of workers, >= 1.
+        max_restarts: how often the whole group is restarted after a worker dies.
+        env: more environment variables for the workers, each unless the environment already
+            sets it (as :func:`worker_environment`'s).
+
+    Raises:
+        ValueError: ``nproc`` < 1 or ``max_restarts`` < 0.
+        WorkerFailed: a worker failed (after the restarts ran out).
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if nproc < 1:
+        raise ValueError(f"--nproc must be at least 1, got {nproc}")
+    if max_restarts < 0:
+        raise ValueError(f"--max-restarts must be 0 or more, got {max_restarts}")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"fullshard-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        rdzv_configs={"timeout": 120},
+        max_restarts=max_restarts,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    # For the workers only (they inherit them when spawned); the caller's environment is restored.
+    wanted = {**worker_environment(nproc), **(env or {})}
+    added = {k: v for k, v in wanted.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        return elastic_launch(config, fn)(*args)
+    except ChildFailedError as e:
+        first = e.get_first_failure()
+        rank, failure = first
+        message = failure.message if isinstance(failure.message, str) else str(failure.message)
+        raise WorkerFailed(f"worker rank {rank} failed (exit code {failure.exitcode}): {message}") from None
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
+
+
+def worker_environment(nproc: int) -> dict[str, str]:
+    """What ``launch`` sets for its workers where the environment does not say otherwise.
+
+    ``OMP_NUM_THREADS``: the CPU cores divided among the ``nproc`` workers (at least 1), as
+    ``torchrun`` does. With torch's default of one intra-op thread per core in every worker, the
+    workers' threads outnumber the cores, and on gloo each collective then waits for a core: on
+    the 2-core machine the GPT job's steps took twice as long at 2 ranks.
+    """
+    return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))}
+
+
+def run_job(name: str, worker: Callable[[Any], Any], cfg: Any, nproc: int, max_restarts: int = 0) -> tuple[int, Any]:
+    """Run ``worker(cfg)`` on every rank: in this process under torchrun, else in ``nproc`` workers.
+
+    Returns:
+        (exit code, rank 0's return value or None). A worker failure is printed to stderr,
+        prefixed with ``name``, and gives exit code 1.
+    """
+    if env_world_size() is not None:
+        result = worker(cfg)
+        return 0, result if rank() == 0 else None
+    try:
+        results = launch(worker, (cfg,), nproc, max_restarts)
+    except WorkerFailed as e:
+        print(f"{name}: {e}", file=sys.stderr)
+        return 1, None
+    return 0, results.get(0)
+
+
+def init_process_group(timeout_s: float = 300.0) -> torch.device:
+    """Create the default process group from the launcher's environment; return this worker's device.
+
+    gloo on CPU; NCCL when CUDA is available and LOCAL_RANK names a device.
+
+    Raises:
+        RuntimeError: the launcher's variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) are
+            missing: start the job with ``fullshard train`` or ``torchrun``.
+    """
+    need = ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]
+    absent = [k for k in need if k not in os.environ]
+    if absent:
+        raise RuntimeError(
+            f"environment variables {absent} are not set: start workers with `fullshard train ...` "
+            "or `torchrun --nproc-per-node N -m fullshard.train ...`"
+        )
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    if torch.cuda.is_available() and local_rank < torch.cuda.device_count():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    collectives.init_process_group(
+        backend,
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        rank,
+        world,
+        f"fullshard_attempt_{attempt}",
+        timeout_s,
+        device if backend == "nccl" else None,
+    )
+    return device
+
+
+def destroy_process_group() -> None:
+    """Tear down the default process group if there is one."""
+    collectives.destroy_process_group()
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def env_world_size() -> int | None:
+    """WORLD_SIZE from the environment, when running under a launcher."""
+    value = os.environ.get("WORLD_SIZE")
+    return int(value) if value else None

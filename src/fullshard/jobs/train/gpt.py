@@ -1,0 +1,295 @@
+"""``fullshard train gpt``: a byte-level decoder-only transformer on real text, sharded by fullshard.
+
+Recipe: parse the config, start the workers, and in each: load the corpus, build the model on
+the meta device and let FSDP materialize each rank's shards (one unit per transformer block),
+train with AdamW under warmup and cosine decay, report every log interval, save, close.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fullshard.comm import collectives
+from fullshard.engine.build import is_unit
+from fullshard.frontend.activation_checkpointing import apply_activation_checkpointing
+from fullshard.frontend.wrap import transformer_auto_wrap_policy
+from fullshard.jobs import launch
+from fullshard.jobs.data.text import ByteCorpus, files_from_glob
+from fullshard.jobs.memory import model_state_bytes
+from fullshard.jobs.models.gpt import GPT, PRESETS, Block, init_module
+from fullshard.jobs.train import fsdp_options, resume_options
+from fullshard.jobs.train.report import MetricsFile, gather_memory, mib
+from fullshard.state import checkpoint
+
+
+@dataclasses.dataclass
+class GPTJobConfig:
+    """Options of the GPT job (see ``fullshard train gpt --help``)."""
+
+    preset: str = "tiny"
+    nproc: int = 2
+    steps: int = 300
+    seq_len: int = 128
+    batch_size: int = 16
+    lr: float = 3e-3
+    warmup: int = 30
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    seed: int = 1
+    data: str | None = None
+    log_interval: int = 50
+    eval_batches: int = 8
+    activation_checkpointing: bool = False
+    sharding_strategy: str = "full_shard"
+    mixed_precision: str = "none"
+    cpu_offload: bool = False
+    backward_prefetch: str = "pre"
+    forward_prefetch: bool = False
+    api: str = "fsdp1"
+    metrics_file: str | None = None
+    save_model: str | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 3
+    max_restarts: int = 0
+
+    def __post_init__(self) -> None:
+        if self.preset not in PRESETS:
+            raise ValueError(f"--preset {self.preset!r}: use one of {', '.join(PRESETS)}")
+        for name in ("nproc", "steps", "seq_len", "batch_size", "log_interval", "eval_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        resume_options.validate(self)
+        if not self.lr > 0:
+            raise ValueError(f"--lr must be positive, got {self.lr}")
+        if self.seq_len > PRESETS[self.preset].max_seq_len:
+            raise ValueError(f"--seq-len {self.seq_len} exceeds the model's {PRESETS[self.preset].max_seq_len}")
+        fsdp_options.validate(self)
+        if self.data is not None:
+            try:
+                files_from_glob(self.data)
+            except FileNotFoundError as e:
+                raise ValueError(str(e)) from None
+
+
+def parse_args(argv: Sequence[str]) -> GPTJobConfig:
+    """Parse command-line options into a validated GPTJobConfig (exits with a message on error)."""
+    p = make_parser("fullshard train gpt", __doc__ or "")
+    p.add_argument("--preset", default=GPTJobConfig.preset, help=f"model size: {', '.join(PRESETS)}")
+    return config_from(p, argv, GPTJobConfig)
+
+
+def config_from(p: argparse.ArgumentParser, argv: Sequence[str], cls: type) -> Any:
+    """Parse ``argv`` and build ``cls`` from it, turning its ValueError into a usage error."""
+    ns = p.parse_args(list(argv))
+    try:
+        return cls(**vars(ns))
+    except ValueError as e:
+        p.error(str(e))
+        raise
+
+
+def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """The options every byte-level language-model job takes (all but the model choice)."""
+    d = GPTJobConfig()
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--nproc", type=int, default=launch.default_nproc(), help="worker processes (default: GPUs, else 2)")
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens (bytes) per sequence")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per rank and step")
+    p.add_argument("--lr", type=float, default=d.lr, help="peak AdamW learning rate")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="linear warm-up steps, then cosine decay")
+    p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio, help="final lr as a fraction of --lr")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--grad-clip", type=float, default=d.grad_clip, help="max gradient norm (0: off)")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--data", default=None, metavar="GLOB", help="UTF-8 text files (default: the stdlib sources)")
+    p.add_argument("--log-interval", type=int, default=d.log_interval)
+    p.add_argument("--eval-batches", type=int, default=d.eval_batches, help="validation batches per evaluation")
+    p.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
+    fsdp_options.add_arguments(p)
+    p.add_argument("--metrics-file", default=None, metavar="PATH", help="JSON lines, one per log interval")
+    p.add_argument("--save-model", default=None, metavar="PATH", help="write the full state dict here")
+    resume_options.add_arguments(p)
+    return p
+
+
+def lr_at(step: int, cfg: GPTJobConfig) -> float:
+    """Linear warm-up to ``lr`` over ``warmup`` steps, then cosine decay to ``min_lr_ratio x lr``."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def build_model(cfg: GPTJobConfig, device: torch.device) -> nn.Module:
+    """The preset's GPT, built on the meta device, one unit per Block. The FSDP1 wrapper
+    materializes it shard by shard (``param_init_fn``); under ``--api fsdp2`` the program does,
+    as FSDP2 programs do: ``to_empty`` on the device, then the GPT recipe on the DTensor shards
+    (each rank draws its own rows, so the initial weights differ from the FSDP1 path's)."""
+    model_cfg = PRESETS[cfg.preset]
+    with torch.device("meta"):
+        model = GPT(model_cfg)
+    if cfg.activation_checkpointing:
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+    init = functools.partial(init_module, n_layers=model_cfg.n_layers)
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
+    if cfg.api == "fsdp1":
+        return fsdp_options.shard_model(model, cfg, policy, param_init_fn=init, device_id=device if device.type == "cuda" else None)
+    sharded = fsdp_options.shard_model(model, cfg, policy)
+    sharded.to_empty(device=device)
+    for m in sharded.modules():
+        init(m)
+    return sharded
+
+
+def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+
+
+def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> float:
+    """Mean validation loss (nats per byte) over every token of ``batches`` (collective).
+
+    Every rank runs a forward for every batch (FSDP's all-gathers need all ranks), on every
+    world-th row of it, possibly none.
+    """
+    group = collectives.default_group()
+    rank, world = collectives.group_rank(group), collectives.group_size(group)
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    model.eval()
+    with torch.no_grad():
+        for x, y in batches:
+            x, y = x[rank::world].to(device), y[rank::world].to(device)
+            logits = model(x).float()
+            total[0] += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item() if y.numel() else 0.0
+            total[1] += y.numel()
+    model.train()
+    collectives.all_reduce(total, group)
+    return float(total[0] / total[1])
+
+
+def worker(cfg: GPTJobConfig) -> dict[str, Any] | None:
+    """One rank of the job. Returns the last log record on rank 0, None elsewhere."""
+    device = launch.init_process_group()
+    try:
+        return _run(cfg, device)
+    finally:
+        launch.destroy_process_group()
+
+
+def _run(cfg: GPTJobConfig, device: torch.device) -> dict[str, Any] | None:
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg, device)
+    return train_loop(cfg, device, model, f"GPT preset {cfg.preset}: {PRESETS[cfg.preset].num_params / 1e6:.2f}M parameters")
+
+
+def train_loop(cfg: GPTJobConfig, device: torch.device, model: nn.Module, title: str) -> dict[str, Any] | None:
+    """Train ``model`` (byte tokens (batch, seq) -> logits (batch, seq, 256)) on the corpus.
+
+    Returns the last log record on rank 0, None elsewhere.
+    """
+    group = collectives.default_group()
+    rank, world = collectives.group_rank(group), collectives.group_size(group)
+    corpus = ByteCorpus.load(cfg.data)
+    val = corpus.val_batches(cfg.eval_batches, cfg.batch_size, cfg.seq_len, cfg.seed)
+    if rank == 0:
+        print(f"{title}, {sum(1 for m in model.modules() if is_unit(m))} FSDP units ({cfg.api}), {world} ranks, "
+              f"{cfg.batch_size * world} x {cfg.seq_len} bytes per step", flush=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=True)
+    first = _resume(cfg, model, optimizer)
+    metrics = MetricsFile(cfg.metrics_file, rank == 0, append=first > 0)
+    record: dict[str, Any] | None = None
+    window_loss = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, steps: no sync per step
+    start = last = time.perf_counter()
+    for step in range(first, cfg.steps):
+        for g in optimizer.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        x, y = corpus.batch(step, rank, cfg.batch_size, cfg.seq_len, cfg.seed)
+        loss = _loss(model, x.to(device), y.to(device))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if cfg.grad_clip > 0:
+            fsdp_options.clip_grad_norm_(model, cfg.grad_clip)
+        optimizer.step()
+        window_loss[0] += loss.detach()
+        window_loss[1] += 1
+        if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps):
+            extra = {"step": step + 1, "rng": torch.get_rng_state()}
+            checkpoint.save(cfg.checkpoint_dir, step + 1, model, optimizer, extra, keep=cfg.keep_checkpoints)  # type: ignore[arg-type]
+        if (step + 1) % cfg.log_interval == 0 or step + 1 == cfg.steps:
+            record = _log(cfg, model, optimizer, val, device, step, window_loss, time.perf_counter() - last, start)
+            if rank == 0:
+                print(_line(record, cfg.steps), flush=True)
+            metrics.write(record)
+            window_loss.zero_()
+            last = time.perf_counter()
+    if cfg.save_model:
+        state = fsdp_options.full_state_dict(model)  # collective: every rank gathers, rank 0 writes
+        if rank == 0:
+            torch.save(state, cfg.save_model)
+            print(f"saved the full state dict to {cfg.save_model}", flush=True)
+    return record if rank == 0 else None
+
+
+def _resume(cfg: GPTJobConfig, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Load the newest complete checkpoint of ``--checkpoint-dir``; the step to continue from.
+
+    Everything that decides the rest of the run comes back: parameters, optimizer state, the
+    step (which fixes the learning rate and the data), and the RNG state.
+    """
+    if not cfg.checkpoint_dir or checkpoint.latest(cfg.checkpoint_dir) is None:
+        return 0
+    extra = checkpoint.load(cfg.checkpoint_dir, model, optimizer)
+    if "rng" in extra:
+        torch.set_rng_state(extra["rng"])
+    if collectives.group_rank(collectives.default_group()) == 0:
+        print(f"resumed from {checkpoint.latest(cfg.checkpoint_dir)} at step {extra.get('step', 0)}", flush=True)
+    return int(extra.get("step", 0))
+
+
+def _log(cfg: GPTJobConfig, model: nn.Module, optimizer: torch.optim.Optimizer, val: list, device: torch.device,
+         step: int, window_loss: torch.Tensor, seconds: float, start: float) -> dict[str, Any]:
+    group = collectives.default_group()
+    world = collectives.group_size(group)
+    collectives.all_reduce(window_loss, group)
+    steps_in_window = window_loss[1].item() / world
+    val_loss = evaluate(model, val, device)
+    rss, state = gather_memory(model_state_bytes(model, optimizer)["total"])
+    return {
+        "step": step + 1,
+        "train_loss": window_loss[0].item() / window_loss[1].item(),
+        "val_loss": val_loss,
+        "tokens_per_second": steps_in_window * cfg.batch_size * cfg.seq_len * world / seconds,
+        "lr": optimizer.param_groups[0]["lr"],
+        "elapsed_seconds": time.perf_counter() - start,
+        "peak_rss_bytes": rss,
+        "sharded_state_bytes": state,
+    }
+
+
+def _line(r: dict[str, Any], steps: int) -> str:
+    return (
+        f"step {r['step']}/{steps}  train loss {r['train_loss']:.4f}  val loss {r['val_loss']:.4f}  "
+        f"{r['tokens_per_second']:,.0f} tok/s  {r['elapsed_seconds']:.0f} s  "
+        f"peak RSS per rank [{', '.join(mib(b) for b in r['peak_rss_bytes'])}]"
+    )
+
+
+def main(argv: Sequence[str]) -> int:
+    """Entry point: run under an existing launcher (torchrun) or start ``--nproc`` workers."""
+    cfg = parse_args(argv)
+    code, final = launch.run_job("fullshard train gpt", worker, cfg, cfg.nproc, max_restarts=cfg.max_restarts)
+    if final is not None:
+        print(f"final validation loss {final['val_loss']:.4f} nats/byte after {final['step']} steps", flush=True)
+    return code

@@ -1,0 +1,269 @@
+"""``fullshard train mnist``: the PyTorch FSDP tutorial's MNIST model, sharded by fullshard.
+
+Recipe: parse the config, start the workers, and in each: build the data, build and wrap the
+model, train and test every epoch, report, save, close.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.optim.lr_scheduler import StepLR
+from torch.utils.data import DataLoader, DistributedSampler, Subset
+
+from fullshard.comm import collectives
+from fullshard.frontend.wrap import size_based_auto_wrap_policy
+from fullshard.jobs import launch
+from fullshard.jobs.data import mnist as mnist_data
+from fullshard.jobs.memory import model_state_bytes
+from fullshard.jobs.models.net import Net
+from fullshard.jobs.train import fsdp_options, resume_options
+from fullshard.jobs.train.report import MetricsFile, gather_memory, mib
+from fullshard.state import checkpoint
+
+
+@dataclasses.dataclass
+class MnistConfig:
+    """Options of the MNIST job (see ``fullshard train mnist --help``)."""
+
+    nproc: int = 2
+    epochs: int = 10
+    batch_size: int = 64
+    test_batch_size: int = 1000
+    lr: float = 1.0
+    gamma: float = 0.7
+    seed: int = 1
+    sharding_strategy: str = "full_shard"
+    min_num_params: int = 20000
+    data_dir: str | None = None
+    save_model: str | None = None
+    metrics_file: str | None = None
+    progress: bool = True
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 3
+    max_restarts: int = 0
+    mixed_precision: str = "none"
+    cpu_offload: bool = False
+    backward_prefetch: str = "pre"
+    forward_prefetch: bool = False
+    api: str = "fsdp1"
+
+    def __post_init__(self) -> None:
+        if self.nproc < 1:
+            raise ValueError(f"--nproc must be at least 1, got {self.nproc}")
+        for name in ("epochs", "batch_size", "test_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        fsdp_options.validate(self)
+        resume_options.validate(self)
+        if self.data_dir is not None:
+            if not os.path.isdir(self.data_dir):
+                raise ValueError(f"--data-dir {self.data_dir} is not a directory")
+            try:
+                mnist_data.find_idx_files(self.data_dir)
+            except FileNotFoundError as e:
+                raise ValueError(str(e)) from None
+
+
+def parse_args(argv: Sequence[str]) -> MnistConfig:
+    """Parse command-line options into a validated MnistConfig (exits with a message on error)."""
+    d = MnistConfig()
+    p = argparse.ArgumentParser(prog="fullshard train mnist", description=__doc__)
+    p.add_argument("--nproc", type=int, default=launch.default_nproc(), help="worker processes (default: GPUs, else 2)")
+    p.add_argument("--epochs", type=int, default=d.epochs)
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="per-rank training batch")
+    p.add_argument("--test-batch-size", type=int, default=d.test_batch_size)
+    p.add_argument("--lr", type=float, default=d.lr, help="Adadelta learning rate")
+    p.add_argument("--gamma", type=float, default=d.gamma, help="StepLR decay per epoch")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--min-num-params", type=int, default=d.min_num_params, help="size-based auto-wrap threshold")
+    p.add_argument("--data-dir", default=None, help="folder with the 4 MNIST IDX files (default: bundled subset)")
+    p.add_argument("--save-model", default=None, metavar="PATH", help="write the full state dict here")
+    p.add_argument("--metrics-file", default=None, metavar="PATH", help="JSON lines, one per epoch")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no tqdm bar")
+    fsdp_options.add_arguments(p)
+    resume_options.add_arguments(p)
+    ns = p.parse_args(list(argv))
+    try:
+        return MnistConfig(**vars(ns))
+    except ValueError as e:
+        p.error(str(e))
+        raise  # unreachable: p.error exits
+
+
+def _loaders(cfg: MnistConfig, rank: int, world: int) -> tuple[DataLoader, DataLoader, DistributedSampler]:
+    train_set, test_set = mnist_data.load(cfg.data_dir)
+    sampler: DistributedSampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed)
+    train = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler)
+    # Test on a strided, unpadded share of the test set so every image counts exactly once.
+    test = DataLoader(Subset(test_set, range(rank, len(test_set), world)), batch_size=cfg.test_batch_size)
+    return train, test, sampler
+
+
+@dataclasses.dataclass
+class _Position:
+    """Where training stands: what a checkpoint must restore for an exact resume."""
+
+    epoch: int = 1
+    batch: int = 0  # batches of ``epoch`` already trained
+    step: int = 0  # optimizer steps in all
+    stats: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.0])  # this epoch's loss sum, samples
+    rng: Any = None  # this rank's torch RNG state after ``step`` (dropout)
+
+
+def _train_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim.Optimizer, device: torch.device, bar: Any,
+                 pos: _Position, after_step: Any) -> torch.Tensor:
+    model.train()
+    stats = torch.tensor(pos.stats, dtype=torch.float64, device=device)  # loss sum, samples
+    batches = iter(loader)  # creating it draws from the RNG, so a resume restores the RNG after
+    for _ in range(pos.batch):
+        next(batches)
+    if pos.rng is not None:
+        torch.set_rng_state(pos.rng)
+        pos.rng = None
+    for data, target in batches:
+        data, target = data.to(device), target.to(device)
+        optimizer.zero_grad()
+        loss = F.nll_loss(model(data).float(), target, reduction="sum")
+        loss.backward()
+        optimizer.step()
+        stats[0] += loss.item()
+        stats[1] += len(data)
+        pos.batch, pos.step, pos.stats = pos.batch + 1, pos.step + 1, stats.tolist()
+        after_step(pos)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss.item() / len(data):.4f}")
+    return stats
+
+
+def _test(model: nn.Module, loader: DataLoader, device: torch.device) -> torch.Tensor:
+    model.eval()
+    stats = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, samples
+    with torch.no_grad():
+        for data, target in loader:
+            data, target = data.to(device), target.to(device)
+            output = model(data).float()
+            stats[0] += F.nll_loss(output, target, reduction="sum").item()
+            stats[1] += (output.argmax(dim=1) == target).sum().item()
+            stats[2] += len(data)
+    return stats
+
+
+def worker(cfg: MnistConfig) -> dict[str, Any] | None:
+    """One rank of the job. Returns the last epoch's metrics on rank 0, None elsewhere."""
+    device = launch.init_process_group()
+    try:
+        return _run(cfg, device)
+    finally:
+        launch.destroy_process_group()
+
+
+def _run(cfg: MnistConfig, device: torch.device) -> dict[str, Any] | None:
+    group = collectives.default_group()
+    rank, world = collectives.group_rank(group), collectives.group_size(group)
+    torch.manual_seed(cfg.seed)
+    train_loader, test_loader, sampler = _loaders(cfg, rank, world)
+    policy = functools.partial(size_based_auto_wrap_policy, min_num_params=cfg.min_num_params)
+    model = fsdp_options.shard_model(Net().to(device), cfg, policy)
+    if rank == 0:
+        print(model, flush=True)
+    optimizer = torch.optim.Adadelta(model.parameters(), lr=cfg.lr)
+    scheduler = StepLR(optimizer, step_size=1, gamma=cfg.gamma)
+    pos = _resume(cfg, model, optimizer, scheduler)
+    metrics = MetricsFile(cfg.metrics_file, rank == 0, append=pos.step > 0)
+    bar = _progress(cfg, rank, len(train_loader))
+    record: dict[str, Any] | None = None
+
+    def after_step(p: _Position) -> None:
+        if cfg.checkpoint_every and p.step % cfg.checkpoint_every == 0:
+            extra = {**dataclasses.asdict(p), "rng": torch.get_rng_state(), "scheduler": scheduler.state_dict()}
+            checkpoint.save(cfg.checkpoint_dir, p.step, model, optimizer, extra, keep=cfg.keep_checkpoints)  # type: ignore[arg-type]
+
+    for epoch in range(pos.epoch, cfg.epochs + 1):
+        sampler.set_epoch(epoch)
+        start = time.perf_counter()
+        if bar is not None:
+            bar.reset()
+            bar.set_description(f"epoch {epoch}/{cfg.epochs}")
+        train_stats = _train_epoch(model, train_loader, optimizer, device, bar, pos, after_step)
+        pos.epoch, pos.batch, pos.stats = epoch + 1, 0, [0.0, 0.0]
+        test_stats = _test(model, test_loader, device)
+        scheduler.step()
+        seconds = time.perf_counter() - start
+        collectives.all_reduce(train_stats, group)
+        collectives.all_reduce(test_stats, group)
+        rss, state = gather_memory(model_state_bytes(model, optimizer)["total"])
+        record = {
+            "epoch": epoch,
+            "train_loss": train_stats[0].item() / train_stats[1].item(),
+            "test_loss": test_stats[0].item() / test_stats[2].item(),
+            "test_accuracy": test_stats[1].item() / test_stats[2].item(),
+            "epoch_seconds": seconds,
+            "peak_rss_bytes": rss,
+            "sharded_state_bytes": state,
+        }
+        if rank == 0:
+            _print_epoch(record, cfg.epochs, bar)
+        metrics.write(record)
+    if bar is not None:
+        bar.close()
+    if cfg.save_model:
+        state_dict = fsdp_options.full_state_dict(model)  # collective: every rank gathers, rank 0 writes
+        if rank == 0:
+            torch.save(state_dict, cfg.save_model)
+            print(f"saved the full state dict to {cfg.save_model}", flush=True)
+    return record if rank == 0 else None
+
+
+def _resume(cfg: MnistConfig, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: StepLR) -> _Position:
+    """The newest complete checkpoint of ``--checkpoint-dir`` loaded; where to continue."""
+    if not cfg.checkpoint_dir or checkpoint.latest(cfg.checkpoint_dir) is None:
+        return _Position()
+    extra = checkpoint.load(cfg.checkpoint_dir, model, optimizer)
+    scheduler.load_state_dict(extra.pop("scheduler"))
+    pos = _Position(**extra)
+    if collectives.group_rank(collectives.default_group()) == 0:
+        print(f"resumed from {checkpoint.latest(cfg.checkpoint_dir)} at epoch {pos.epoch}, batch {pos.batch}", flush=True)
+    return pos
+
+
+def _progress(cfg: MnistConfig, rank: int, total: int) -> Any:
+    if rank != 0 or not cfg.progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="batch", file=sys.stderr, leave=False, dynamic_ncols=True, disable=None)
+
+
+def _print_epoch(r: dict[str, Any], epochs: int, bar: Any) -> None:
+    line = (
+        f"epoch {r['epoch']}/{epochs}  train loss {r['train_loss']:.4f}  test loss {r['test_loss']:.4f}  "
+        f"accuracy {r['test_accuracy']:.4f}  {r['epoch_seconds']:.1f} s  "
+        f"peak RSS per rank [{', '.join(mib(b) for b in r['peak_rss_bytes'])}]  "
+        f"sharded state per rank [{', '.join(mib(b) for b in r['sharded_state_bytes'])}]"
+    )
+    if bar is not None:
+        bar.write(line)
+    else:
+        print(line, flush=True)
+
+
+def main(argv: Sequence[str]) -> int:
+    """Entry point: run under an existing launcher (torchrun) or start ``--nproc`` workers."""
+    cfg = parse_args(argv)
+    code, final = launch.run_job("fullshard train mnist", worker, cfg, cfg.nproc, max_restarts=cfg.max_restarts)
+    if final is not None:
+        print(f"final test accuracy {final['test_accuracy']:.4f} after {final['epoch']} epochs", flush=True)
+    return code

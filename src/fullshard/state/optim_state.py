@@ -1,0 +1,180 @@
+"""The optimizer-state mapping: between an optimizer over shards and state keyed by parameter name.
+
+A torch optimizer over fullshard's shards keeps per-parameter tensors (``exp_avg``...) of the
+shard's shape. The sharded form keys them by the parameter's original name and wraps each
+shard-shaped tensor as a DTensor of the full shape (as the model's sharded state dict does), so
+torch.distributed.checkpoint can reshard it to another world size. The full form holds full
+tensors. Scalars (``step``) stay as they are.
+
+Format: ``{"state": {name: {key: value}}, "param_groups": [{hyper-parameters, "params": [names]}]}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from fullshard.engine.module_wrapper import clean_name
+from fullshard.state.state_dict import _sharded, _unit_of_param, as_dtensor, unit_mesh
+
+
+def param_names(model: nn.Module) -> dict[int, str]:
+    """id(parameter) -> its original name (the first, for a tied parameter).
+
+    ``model`` may be a FullyShardedDataParallel or any module containing some.
+    """
+    return {id(p): clean_name(name) for name, p in model.named_parameters()}
+
+
+def init_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state without changing any parameter (a step with lr 0, zero grads).
+
+    Loading needs existing state tensors to load into; torch creates them lazily at the first
+    step. The step counters this leaves are overwritten by the load.
+    """
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    if all(p in optimizer.state and optimizer.state[p] for p in params):
+        return
+    saved_lr = [g["lr"] for g in optimizer.param_groups]
+    saved_grads = {p: p.grad for p in params}
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0 if not isinstance(g["lr"], torch.Tensor) else torch.zeros_like(g["lr"])
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, saved_lr):
+        g["lr"] = lr
+    for p in params:
+        p.grad = saved_grads[p]
+
+
+def sharded_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state by parameter name, shard-shaped tensors as DTensors (full shape).
+
+    The DTensors share storage with the optimizer's tensors, so a checkpoint load writes them
+    in place. Collective only for 0-dim sharded parameters.
+    """
+    from torch.distributed.tensor import Shard
+
+    names = param_names(model)
+    units = _unit_of_param(model)
+    state: dict[str, dict[str, Any]] = {}
+    for p, entry in optimizer.state.items():
+        if id(p) not in names:
+            continue
+        sp = _sharded(p)
+        unit = units.get(id(sp)) if sp is not None else None
+        mesh = unit_mesh(unit) if unit is not None else None
+        out: dict[str, Any] = {}
+        for key, value in entry.items():
+            if mesh is not None and sp is not None and unit is not None and isinstance(value, torch.Tensor) and value.shape == p.shape:
+                out[key] = as_dtensor(sp, value, unit, mesh, [Shard(0)])
+            elif isinstance(value, torch.Tensor) and sp is not None and value.shape == p.shape:
+                out[key] = value.reshape(sp.spec.orig_shape)  # held whole on every rank
+            else:
+                out[key] = value
+        state[names[id(p)]] = out
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
+    return {"state": state, "param_groups": groups}
+
+
+def load_sharded_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, osd: dict[str, Any]) -> None:
+    """Copy a sharded (this rank's layout) or full optimizer state dict into the optimizer.
+
+    Raises:
+        KeyError: a parameter of the optimizer has no state in ``osd``; names it.
+    """
+    names = param_names(model)
+    with torch.no_grad():
+        for p, entry in optimizer.state.items():
+            name = names.get(id(p))
+            if name is None:
+                continue
+            if name not in osd["state"]:
+                raise KeyError(f"optimizer state has no entry for parameter {name!r}")
+            for key, value in osd["state"][name].items():
+                current = entry.get(key)
+                if not isinstance(current, torch.Tensor):
+                    entry[key] = value
+                    continue
+                local = _local(value, _sharded(p), current)
+                if local.numel() and local.data_ptr() == current.data_ptr():
+                    continue  # loaded in place
+                current.copy_(local.reshape(current.shape))
+    for group, saved in zip(optimizer.param_groups, osd["param_groups"]):
+        for k, v in saved.items():
+            if k != "params":
+                group[k] = v
+
+
+def _local(value: Any, sp: Any, current: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``value`` for a state tensor shaped like ``current``."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        if any(pl.is_shard() for pl in value.placements):
+            return value.to_local()
+        value = value.to_local()  # replicated: the whole value
+    value = torch.as_tensor(value)
+    full_shaped = sp is not None and tuple(value.shape) == tuple(sp.spec.orig_shape)
+    if full_shaped and tuple(current.shape) == tuple(sp.spec.local_shape):
+        return sp.spec.local_slice(value)
+    return value
+
+
+def full_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, keep: bool = True, offload_to_cpu: bool = False) -> dict[str, Any]:
+    """The optimizer's state by parameter name with full tensors (collective).
+
+    Every rank gathers each parameter's state in turn; with ``keep`` False a rank drops it at
+    once (holding one parameter's state at a time) and returns an empty ``state``. With
+    ``offload_to_cpu`` each value moves to CPU memory as soon as it is gathered. Values that
+    need no gathering (``step``) are copied: the optimizer steps its own in place.
+    """
+    from torch.distributed.tensor import DTensor
+
+    osd = sharded_optim_state_dict(model, optimizer)
+    state: dict[str, dict[str, Any]] = {}
+    for name, entry in osd["state"].items():
+        full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in entry.items()}
+        if keep:
+            state[name] = {k: _snapshot(entry[k], v, offload_to_cpu) for k, v in full.items()}
+    return {"state": state, "param_groups": osd["param_groups"]}
+
+
+def _snapshot(before: Any, value: Any, offload_to_cpu: bool) -> Any:
+    """``value`` (``before`` gathered) as a tensor the optimizer does not hold, on CPU if asked."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    device = torch.device("cpu") if offload_to_cpu else value.device
+    return value.to(device, copy=value is before)
+
+
+def to_load(model: nn.Module, optimizer: torch.optim.Optimizer, osd: dict[str, Any]) -> dict[str, Any]:
+    """A name-keyed (full or sharded) optimizer state dict in torch's index-keyed form, this rank's rows.
+
+    Raises:
+        KeyError: a parameter of ``optimizer`` has no entry in ``osd``; names it.
+    """
+    names = param_names(model)
+    init_state(optimizer)  # its tensors tell which saved values are shard-shaped
+    state: dict[int, dict[str, Any]] = {}
+    groups = []
+    index = 0
+    for group, saved in zip(optimizer.param_groups, osd["param_groups"]):
+        ids = []
+        for p in group["params"]:
+            name = names[id(p)]
+            if name in osd["state"]:
+                current = optimizer.state.get(p, {})
+                state[index] = {
+                    k: _local(v, _sharded(p), current[k]).clone() if isinstance(current.get(k), torch.Tensor) else v
+                    for k, v in osd["state"][name].items()
+                }
+            elif p.requires_grad and osd["state"]:
+                raise KeyError(f"optimizer state has no entry for parameter {name!r}")
+            ids.append(index)
+            index += 1
+        groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
+    return {"state": state, "param_groups": groups}

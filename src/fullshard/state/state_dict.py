@@ -1,0 +1,240 @@
+"""The state-dict mapping: between a sharded FSDP tree and full tensors under original names.
+
+A full state dict holds, for every parameter and persistent buffer of the unwrapped model, a
+tensor of its original shape under its original name. Building one gathers one unit at a time;
+loading one copies each rank's rows into its shards. Both are collective when a unit has more
+than one rank: every rank of the group must call them.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Collection
+
+import torch
+from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
+
+from fullshard.comm import collectives
+from fullshard.engine.build import is_unit
+from fullshard.engine.module_wrapper import ModuleWrapper
+from fullshard.engine.sharded_param import ShardedParam
+from fullshard.engine.unit import Unit
+
+if TYPE_CHECKING:
+    from fullshard.frontend.fsdp1 import FullyShardedDataParallel
+
+
+def _entries(root: nn.Module, ignored: set[nn.Module]) -> Iterator[tuple[str, nn.Module, str, bool]]:
+    """(clean name, owning module, attribute, is_parameter) in nn.Module.state_dict order."""
+    def walk(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module, str, bool]]:
+        if isinstance(module, ModuleWrapper):  # wrappers are transparent in names
+            yield from walk(module.module, prefix)
+            return
+        for name, p in module._parameters.items():
+            if p is not None:
+                yield prefix + name, module, name, True
+        for name, b in module._buffers.items():
+            if b is not None and name not in module._non_persistent_buffers_set:
+                yield prefix + name, module, name, False
+        for name, child in module._modules.items():
+            if child is not None:
+                yield from walk(child, f"{prefix}{name}.")
+
+    yield from walk(root, "")
+
+
+def _sharded(t: torch.Tensor) -> ShardedParam | None:
+    return getattr(t, "_fullshard_param", None)
+
+
+def full_state_dict(
+    root: FullyShardedDataParallel, ignored: set[nn.Module], rank0_only: bool = False, offload_to_cpu: bool = False
+) -> OrderedDict[str, torch.Tensor]:
+    """Full tensors under original names, gathering one unit at a time (collective).
+
+    With ``rank0_only`` the other ranks drop each unit right after its all-gather and return an
+    empty dict, so they never hold more than one unit; with ``offload_to_cpu`` each unit moves to
+    CPU memory as soon as it is gathered.
+    """
+    keep = not rank0_only or collectives.group_rank(collectives.default_group()) == 0
+    full: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for fsdp in root.fsdp_modules(root):
+            unit = fsdp.unit
+            values = unit.gather_full(unit.local_flat)
+            if keep:
+                for sp, value in zip(unit.params, values):
+                    full[id(sp)] = value.to("cpu", copy=True) if offload_to_cpu else value
+            del values
+    out: OrderedDict[str, torch.Tensor] = OrderedDict()
+    if not keep:
+        return out
+    for name, module, attr, is_param in _entries(root, ignored):
+        t = module._parameters[attr] if is_param else module._buffers[attr]
+        assert t is not None
+        owner = _sharded(t)
+        if owner is not None:
+            out[name] = full[id(owner)]
+        else:
+            original = module.__dict__.get("_fullshard_buffer_dtypes", {}).get(attr, t.dtype)
+            out[name] = t.detach().to("cpu" if offload_to_cpu else t.device, original)
+    return out
+
+
+def local_state_dict(root: FullyShardedDataParallel, ignored: set[nn.Module], offload_to_cpu: bool = False) -> OrderedDict[str, torch.Tensor]:
+    """This rank's shards (and the buffers) as plain tensors under the original names."""
+    out: OrderedDict[str, torch.Tensor] = OrderedDict()
+    for name, module, attr, is_param in _entries(root, ignored):
+        t = module._parameters[attr] if is_param else module._buffers[attr]
+        assert t is not None
+        out[name] = t.detach().cpu() if offload_to_cpu else t.detach()
+    return out
+
+
+def load_full_state_dict(
+    root: FullyShardedDataParallel,
+    state_dict: Mapping[str, Any],
+    strict: bool,
+    ignored: set[nn.Module],
+    shards: Collection[str] = (),
+) -> _IncompatibleKeys:
+    """Copy a full state dict into the shards and buffers; validate everything first.
+
+    Keys in ``shards`` hold this rank's shard (the shard's shape) instead of the full value.
+    """
+    entries = list(_entries(root, ignored))
+    order = [n for n, *_ in entries]
+    expected = set(order)
+    missing = sorted((n for n in expected if n not in state_dict), key=order.index)
+    unexpected = [k for k in state_dict if k not in expected]
+    errors = []
+    copies: list[tuple[torch.Tensor, torch.Tensor, bool]] = []  # (target, value, value is full)
+    for name, module, attr, is_param in entries:
+        if name not in state_dict:
+            continue
+        value = state_dict[name]
+        target = module._parameters[attr] if is_param else module._buffers[attr]
+        assert target is not None
+        sp = _sharded(target)
+        is_full = name not in shards
+        shape = sp.spec.orig_shape if sp is not None and is_full else target.shape
+        if not isinstance(value, torch.Tensor):
+            errors.append(f"value for {name} is a {type(value).__name__}, expected a tensor")
+        elif value.shape != shape:
+            errors.append(
+                f"size mismatch for {name}: copying a param with shape {tuple(value.shape)} from "
+                f"checkpoint, the shape in current model is {tuple(shape)}."
+            )
+        else:
+            copies.append((target, value, is_full))
+    if strict and (missing or unexpected):
+        if missing:
+            errors.insert(0, "Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing) + ".")
+        if unexpected:
+            errors.insert(0, "Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in unexpected) + ".")
+    if errors:
+        raise RuntimeError(
+            f"Error(s) in loading state_dict for {type(root.module).__name__}:\n\t" + "\n\t".join(errors)
+        )
+    with torch.no_grad():
+        for target, value, is_full in copies:
+            sp = _sharded(target)
+            if is_full and sp is not None:
+                value = sp.spec.local_slice(value.to(target.device, target.dtype)).reshape(target.shape)
+            if value.numel() and value.data_ptr() == target.data_ptr():
+                continue  # loaded in place (a DTensor over this very shard)
+            target.copy_(value)
+    return _IncompatibleKeys(missing, unexpected)
+
+
+# ---------------------------------------------------------------------------- sharded
+def unit_mesh(unit: Unit) -> Any:
+    """A 1-D DeviceMesh over the unit's shard group (cached); None when one rank holds it all."""
+    if unit.shard_group is None:
+        return None
+    mesh = unit.__dict__.get("_mesh")
+    if mesh is None:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        mesh = DeviceMesh.from_group(unit.shard_group, unit.device.type)
+        unit.__dict__["_mesh"] = mesh
+    return mesh
+
+
+def as_dtensor(sp: ShardedParam, local: torch.Tensor, unit: Unit, mesh: Any, placements: list) -> Any:
+    """This rank's rows of a parameter-shaped tensor as a DTensor of the full shape.
+
+    ``local`` has the shard's shape (rows, *rest); the DTensor shares its storage, so a
+    torch.distributed.checkpoint load into it writes the shard in place. A 0-dim value cannot
+    be split: it becomes a replicated copy, broadcast from the rank that holds it (collective).
+    """
+    from torch.distributed.tensor import DTensor, Replicate
+
+    shape = sp.spec.orig_shape
+    if len(shape) == 0:
+        group = unit.shard_group
+        value = torch.zeros((), dtype=local.dtype, device=collectives.reduction_device(group) if group is not None else local.device)
+        if sp.spec.local_numel:
+            value.copy_(local.detach().reshape(()))
+        if group is not None:
+            collectives.broadcast(value, 0, group)
+        return DTensor.from_local(value.to(local.device), mesh, [Replicate()] * mesh.ndim, run_check=False)
+    stride = torch.empty(shape, device="meta").stride()
+    rows = local.detach().reshape(sp.spec.local_shape)
+    return DTensor.from_local(rows, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def _sharded_value(t: torch.Tensor, units: dict[int, Unit]) -> Any:
+    sp = _sharded(t)
+    if sp is None:
+        return t.detach()
+    unit = units[id(sp)]
+    mesh = unit_mesh(unit)
+    if mesh is None:  # held whole (NO_SHARD, one rank): a plain, replicated tensor
+        return t.detach().reshape(sp.spec.orig_shape)
+    from torch.distributed.tensor import Shard
+
+    return as_dtensor(sp, t, unit, mesh, [Shard(0)])
+
+
+def _unit_of_param(root: nn.Module) -> dict[int, Unit]:
+    """id(sharded parameter) -> its unit, for every unit in ``root``'s tree (root need not be one)."""
+    units = [m.__dict__["_fsdp_state"].unit for m in root.modules() if is_unit(m)]
+    return {id(sp): unit for unit in units for sp in unit.params}
+
+
+def sharded_state_dict(root: "FullyShardedDataParallel", ignored: set[nn.Module]) -> "OrderedDict[str, Any]":
+    """Original names -> DTensor shards (Shard(0) over each unit's shard group; uneven allowed).
+
+    Parameters every rank holds whole and buffers are plain tensors (replicated). The DTensors
+    share storage with the shards. Collective only for 0-dim sharded parameters.
+    """
+    units = _unit_of_param(root)
+    out: "OrderedDict[str, Any]" = OrderedDict()
+    for name, module, attr, is_param in _entries(root, ignored):
+        t = module._parameters[attr] if is_param else module._buffers[attr]
+        assert t is not None
+        out[name] = _sharded_value(t, units)
+    return out
+
+
+def load_sharded_state_dict(root: "FullyShardedDataParallel", state_dict: Mapping[str, Any], strict: bool, ignored: set[nn.Module]) -> _IncompatibleKeys:
+    """Copy DTensor shards (this rank's layout) or full tensors into the model; validate first.
+
+    Raises:
+        RuntimeError: with ``strict``, missing or unexpected keys; a shape mismatch. Nothing
+            is copied unless every entry fits.
+    """
+    from torch.distributed.tensor import DTensor
+
+    values: dict[str, Any] = {}
+    shards: set[str] = set()
+    for k, v in state_dict.items():
+        if isinstance(v, DTensor):
+            if not all(p.is_replicate() for p in v.placements):
+                shards.add(k)  # this rank's rows, in the current layout
+            v = v.to_local()
+        values[k] = v
+    return load_full_state_dict(root, values, strict, ignored, shards=shards)

@@ -1,0 +1,135 @@
+"""Check fullshard's package layout: layers, import cycles, file and function sizes.
+
+Usage: ``python tools/check_layers.py [--graph]`` from the repository root (``make test`` runs
+it). Exit status 1 with one line per violation, 0 when the layout holds.
+
+Every import in ``src/fullshard`` counts: module level, inside functions, and under
+``if TYPE_CHECKING:``. Each module belongs to a layer (below); a module may import modules of
+its own layer or lower ones, never a higher one, and the graph of imports between modules must
+have no cycle. Sizes: files at most ``MAX_FILE_LINES`` lines, functions (and methods) at most
+``MAX_FUNCTION_LINES`` lines, counted from the ``def`` line to the last line of the body.
+``--graph`` prints each module's imports.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent / "src"
+MAX_FILE_LINES = 400
+MAX_FUNCTION_LINES = 60
+
+# Layer of each package (or single module), lowest first. The longest matching prefix decides.
+LAYERS: dict[str, int] = {
+    "fullshard.probes": 0,  # opt-in test and benchmark probes: imports nothing of fullshard
+    "fullshard.comm": 1,  # collectives and buffers: the only code that calls torch.distributed
+    "fullshard.engine": 2,  # sharded parameter, unit, reduction, hooks, build, configs
+    "fullshard.state": 3,  # state dicts, optimizer state, checkpoints (work from units)
+    "fullshard.frontend": 4,  # FSDP1 wrapper, fully_shard, wrap policies, checkpointing, clipping
+    "fullshard.jobs": 5,  # launcher, models, data, training commands, benchmark
+    "fullshard": 6,  # the public facade: __init__, api, wrap, checkpoint, train, cli
+}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def layer_of(module: str) -> int:
+    best = max((p for p in LAYERS if module == p or module.startswith(p + ".")), key=len)
+    return LAYERS[best]
+
+
+def imports_of(path: Path, name: str, modules: set[str]) -> set[str]:
+    """The fullshard modules ``path`` imports (any import statement anywhere in the file)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            # `from pkg import mod` imports the module pkg.mod when there is one
+            targets = [f"{target}.{a.name}" if f"{target}.{a.name}" in modules else target for a in node.names]
+        else:
+            continue
+        found.update(t for t in targets if t in modules and t != name)
+    return found
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles: each strongly connected set of two or more modules (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            members = []
+            while True:
+                member = stack.pop()
+                members.append(member)
+                if member == node:
+                    break
+            if len(members) > 1:
+                found.append(sorted(members))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def size_problems(path: Path) -> list[str]:
+    text = path.read_text()
+    rel = path.relative_to(ROOT.parent)
+    problems = []
+    if (n := len(text.splitlines())) > MAX_FILE_LINES:
+        problems.append(f"{rel}: {n} lines (limit {MAX_FILE_LINES})")
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            length = (node.end_lineno or node.lineno) - node.lineno + 1
+            if length > MAX_FUNCTION_LINES:
+                problems.append(f"{rel}:{node.lineno}: function {node.name} is {length} lines (limit {MAX_FUNCTION_LINES})")
+    return problems
+
+
+def main(argv: list[str]) -> int:
+    paths = {module_name(p): p for p in sorted((ROOT / "fullshard").rglob("*.py"))}
+    graph = {name: imports_of(path, name, set(paths)) for name, path in paths.items()}
+    problems: list[str] = []
+    for name, deps in sorted(graph.items()):
+        if "--graph" in argv:
+            print(f"{name} (layer {layer_of(name)}) -> {', '.join(sorted(deps)) or '-'}")
+        for dep in sorted(deps):
+            if layer_of(dep) > layer_of(name):
+                problems.append(f"{name} (layer {layer_of(name)}) imports {dep} (layer {layer_of(dep)}): upward")
+    problems.extend("import cycle among: " + ", ".join(c) for c in cycles(graph))
+    for path in paths.values():
+        problems.extend(size_problems(path))
+    for p in problems:
+        print(p)
+    print(f"check_layers: {len(paths)} modules, {sum(map(len, graph.values()))} imports, {len(problems)} problems")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
