@@ -48,7 +48,9 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, store_path: str, q: An
             dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240, backend: str = "gloo") -> list[Any]:
+def run_ranks(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240, backend: str = "gloo"
+) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; results in rank order."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()

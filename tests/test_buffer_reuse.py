@@ -41,8 +41,12 @@ def reuse_body(rank: int, world: int) -> dict:
     # Step 2: every unit's full parameters live in memory the pool kept from step 1.
     during: list[int] = []
     by_name = {u.name: u for u in units}
-    hooks = [b.lin.register_forward_hook(lambda m, i, o, u=by_name[f"blocks.{k}"]: during.append(u._full_data.untyped_storage().data_ptr()))
-             for k, b in enumerate(model.module.blocks)]
+    hooks = [
+        b.lin.register_forward_hook(
+            lambda m, i, o, u=by_name[f"blocks.{k}"]: during.append(u._full_data.untyped_storage().data_ptr())
+        )
+        for k, b in enumerate(model.module.blocks)
+    ]
     _train_step(model, opt, 1, rank, world)
     for h in hooks:
         h.remove()
@@ -55,8 +59,12 @@ def reuse_body(rank: int, world: int) -> dict:
     untouched = all(torch.equal(a, b) for a, b in zip(held, kept))
     aliased = any(p.grad.data_ptr() == g.data_ptr() for p, g in zip(model.parameters(), held) if g.numel())
     return {
-        "pooled": len(pooled), "from_pool": [ptr in pooled for ptr in during], "reused_grads": reused_grads,
-        "untouched": untouched, "aliased": aliased, "idle": all(u.shard_state.name == "SHARDED" for u in units),
+        "pooled": len(pooled),
+        "from_pool": [ptr in pooled for ptr in during],
+        "reused_grads": reused_grads,
+        "untouched": untouched,
+        "aliased": aliased,
+        "idle": all(u.shard_state.name == "SHARDED" for u in units),
     }
 
 

@@ -33,7 +33,11 @@ def _full_optim(model, opt) -> dict:
         osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
     else:
         osd = full_optim_state_dict(model, opt)
-    return {f"{n}.{k}": v.clone() if isinstance(v, torch.Tensor) else v for n, e in osd["state"].items() for k, v in e.items()}
+    return {
+        f"{n}.{k}": v.clone() if isinstance(v, torch.Tensor) else v
+        for n, e in osd["state"].items()
+        for k, v in e.items()
+    }
 
 
 def _full_model(model) -> dict:
@@ -122,7 +126,9 @@ def errors_body(rank: int, world: int, root: str) -> list[str]:
         checkpoint.load(Path(root) / "nothing-here", model, opt)
     # A checkpoint of another model: the mismatches are named, the model is unchanged.
     other = FSDP(torch.nn.Sequential(torch.nn.Linear(6, 13), torch.nn.Linear(13, 4)))
-    with pytest.raises(CheckpointError, match=r"missing key\(s\) 0.bias, 0.weight.*unexpected key\(s\).*blocks.0.lin.weight"):
+    with pytest.raises(
+        CheckpointError, match=r"missing key\(s\) 0.bias, 0.weight.*unexpected key\(s\).*blocks.0.lin.weight"
+    ):
         checkpoint.load(good, other)
     wrong = copy.deepcopy(make_stack())
     wrong.head = torch.nn.Linear(13, 4)
@@ -171,7 +177,12 @@ def test_convert_to_one_full_state_dict(tmp_path: Path, suffix: str, api: str) -
     root = tmp_path / "ckpt"
     want = run_ranks(convert_save_body, 2, str(root), api, timeout=180)[0]
     out = tmp_path / f"model{suffix}"
-    r = subprocess.run([sys.executable, "-m", "fullshard.cli", "convert", str(root), str(out)], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "fullshard.cli", "convert", str(root), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     if suffix == ".safetensors":
         from safetensors.torch import load_file
@@ -183,5 +194,10 @@ def test_convert_to_one_full_state_dict(tmp_path: Path, suffix: str, api: str) -
     plain.load_state_dict(state, strict=True)  # a plain model loads it for inference
     for k, v in want.items():
         assert torch.equal(plain.state_dict()[k], v), k
-    bad = subprocess.run([sys.executable, "-m", "fullshard.cli", "convert", str(tmp_path), str(out)], capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "fullshard.cli", "convert", str(tmp_path), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 1 and "is not a checkpoint" in bad.stderr

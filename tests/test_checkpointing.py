@@ -77,7 +77,9 @@ class Wide(nn.Module):
 
     def __init__(self, d: int = 256, depth: int = 6) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)) for _ in range(depth))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)) for _ in range(depth)
+        )
 
     def forward(self, x):
         for b in self.blocks:

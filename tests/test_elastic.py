@@ -20,10 +20,33 @@ STEPS = 24
 
 
 def _args(tmp: Path, name: str) -> list[str]:
-    return [str(BIN / "fullshard"), "train", "gpt", "--nproc", "2", "--steps", str(STEPS), "--seq-len", "32",
-            "--batch-size", "4", "--log-interval", "1", "--eval-batches", "1", "--checkpoint-every", "4",
-            "--checkpoint-dir", str(tmp / f"{name}-ckpt"), "--metrics-file", str(tmp / f"{name}.jsonl"),
-            "--save-model", str(tmp / f"{name}.pt"), "--max-restarts", "2"]
+    return [
+        str(BIN / "fullshard"),
+        "train",
+        "gpt",
+        "--nproc",
+        "2",
+        "--steps",
+        str(STEPS),
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "4",
+        "--log-interval",
+        "1",
+        "--eval-batches",
+        "1",
+        "--checkpoint-every",
+        "4",
+        "--checkpoint-dir",
+        str(tmp / f"{name}-ckpt"),
+        "--metrics-file",
+        str(tmp / f"{name}.jsonl"),
+        "--save-model",
+        str(tmp / f"{name}.pt"),
+        "--max-restarts",
+        "2",
+    ]
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -71,7 +94,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def test_sigkill_at_a_random_step_resumes_exactly(tmp_path: Path, reference: dict, seed: int) -> None:
     rng = random.Random(seed)
     kill_at = rng.randint(3, STEPS - 4)
-    proc = subprocess.Popen(_args(tmp_path, "run"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    proc = subprocess.Popen(
+        _args(tmp_path, "run"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
+    )
     deadline = time.monotonic() + 200
     while _last_step(tmp_path / "run.jsonl") < kill_at:
         assert proc.poll() is None, proc.communicate()[1][-3000:]
@@ -89,7 +114,7 @@ def test_sigkill_at_a_random_step_resumes_exactly(tmp_path: Path, reference: dic
         assert torch.equal(final[k], v), k  # bitwise, not approximately
 
 
-SITECUSTOMIZE = '''
+SITECUSTOMIZE = """
 import os
 if os.environ.get("FULLSHARD_TEST_KILL_IN_SAVE"):
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
@@ -104,7 +129,7 @@ if os.environ.get("FULLSHARD_TEST_KILL_IN_SAVE"):
         return _real(self, plan, planner)
 
     FileSystemWriter.write_data = write_data
-'''
+"""
 
 
 @pytest.mark.timeout(300)
@@ -124,9 +149,24 @@ def test_sigkill_in_the_middle_of_a_save(tmp_path: Path, reference: dict) -> Non
 
 
 def _mnist_args(tmp: Path, name: str) -> list[str]:
-    return [str(BIN / "fullshard"), "train", "mnist", "--nproc", "2", "--epochs", "2", "--checkpoint-every", "10",
-            "--checkpoint-dir", str(tmp / f"{name}-ckpt"), "--save-model", str(tmp / f"{name}.pt"), "--max-restarts", "1",
-            "--no-progress"]
+    return [
+        str(BIN / "fullshard"),
+        "train",
+        "mnist",
+        "--nproc",
+        "2",
+        "--epochs",
+        "2",
+        "--checkpoint-every",
+        "10",
+        "--checkpoint-dir",
+        str(tmp / f"{name}-ckpt"),
+        "--save-model",
+        str(tmp / f"{name}.pt"),
+        "--max-restarts",
+        "1",
+        "--no-progress",
+    ]
 
 
 @pytest.mark.timeout(400)
@@ -134,7 +174,9 @@ def test_mnist_sigkill_mid_epoch_resumes_exactly(tmp_path: Path) -> None:
     """Dropout RNG, the position inside the epoch, Adadelta and StepLR all come back."""
     r = subprocess.run(_mnist_args(tmp_path, "ref"), capture_output=True, text=True, timeout=280, env=_env())
     assert r.returncode == 0, r.stderr[-3000:]
-    proc = subprocess.Popen(_mnist_args(tmp_path, "run"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    proc = subprocess.Popen(
+        _mnist_args(tmp_path, "run"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
+    )
     deadline = time.monotonic() + 200
     while not (tmp_path / "run-ckpt" / "step_00000040").is_dir():  # step 40: inside epoch 2
         assert proc.poll() is None, proc.communicate()[1][-3000:]

@@ -17,7 +17,12 @@ def _wrap(strategy: str = "FULL_SHARD", **kw):
     from fullshard.frontend.wrap import ModuleWrapPolicy
 
     ref = make_stack()
-    model = FSDP(copy.deepcopy(ref), sharding_strategy=ShardingStrategy[strategy], auto_wrap_policy=ModuleWrapPolicy({Block}), **kw)
+    model = FSDP(
+        copy.deepcopy(ref),
+        sharding_strategy=ShardingStrategy[strategy],
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
+        **kw,
+    )
     return ref, model
 
 
@@ -185,7 +190,9 @@ def late_body(rank: int, world: int) -> list[str]:
                 _step(ref, ref_opt, 0, 1, step)
             full = model.state_dict()
             for name, want in ref.state_dict().items():
-                torch.testing.assert_close(full[name], want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{strategy} {kw} {name}: {m}")
+                torch.testing.assert_close(
+                    full[name], want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{strategy} {kw} {name}: {m}"
+                )
             done.append(strategy)
     return done
 
@@ -275,14 +282,25 @@ def features_body(rank: int, world: int) -> list[str]:
             p.data = p.data + 1.0
             q.add_(1.0)
     torch.testing.assert_close(model(batch(0, 4)[0]), ref(batch(0, 4)[0]), rtol=1e-5, atol=1e-6)
-    assert all(p.data_ptr() == ptr for m in model.fsdp_modules(model) for p, ptr in zip((sp.shard for sp in m.unit.params), m.unit._shard_ptrs) if p.numel())
+    assert all(
+        p.data_ptr() == ptr
+        for m in model.fsdp_modules(model)
+        for p, ptr in zip((sp.shard for sp in m.unit.params), m.unit._shard_ptrs)
+        if p.numel()
+    )
     done.append("data replaced")
     return done
 
 
 @pytest.mark.timeout(200)
 def test_no_sync_empty_root_ignored_modules_and_exceptions() -> None:
-    assert run_ranks(features_body, 2, timeout=180)[0] == ["no_sync", "empty root", "ignored", "exception", "data replaced"]
+    assert run_ranks(features_body, 2, timeout=180)[0] == [
+        "no_sync",
+        "empty root",
+        "ignored",
+        "exception",
+        "data replaced",
+    ]
 
 
 def test_buffer_pool_reuses_whole_buffers_only() -> None:
@@ -323,11 +341,19 @@ def test_launch_sets_threads_and_asked_variables_for_workers_only(monkeypatch: p
     threads = {rank: s[2] for rank, s in launch.launch(_worker_settings, (), 2).items()}
     assert threads == {0: 2, 1: 2}  # 4 cores shared by 2 workers: torch in each uses 2 threads
     assert launch.launch(_worker_settings, (), 1)[0][:2] == (None, "4")  # huge pages: the caller's choice
-    assert launch.launch(_worker_settings, (), 1, env={"THP_MEM_ALLOC_ENABLE": "1"})[0][:2] == ("1", "4")  # as the bench asks
-    assert "THP_MEM_ALLOC_ENABLE" not in os.environ and "OMP_NUM_THREADS" not in os.environ  # the caller's left as it was
+    assert launch.launch(_worker_settings, (), 1, env={"THP_MEM_ALLOC_ENABLE": "1"})[0][:2] == (
+        "1",
+        "4",
+    )  # as the bench asks
+    assert (
+        "THP_MEM_ALLOC_ENABLE" not in os.environ and "OMP_NUM_THREADS" not in os.environ
+    )  # the caller's left as it was
     monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert launch.launch(_worker_settings, (), 2, env={"THP_MEM_ALLOC_ENABLE": "1"})[0][:2] == ("0", "3")  # an explicit choice is kept
+    assert launch.launch(_worker_settings, (), 2, env={"THP_MEM_ALLOC_ENABLE": "1"})[0][:2] == (
+        "0",
+        "3",
+    )  # an explicit choice is kept
 
 
 def _threads() -> int:

@@ -42,14 +42,33 @@ def errors_body(rank: int, world: int) -> list[str]:
     seen = []
     wrapped = FSDP(nn.Linear(4, 4))
     seen.append(_raises(lambda: FSDP(wrapped), ValueError, "already a FullyShardedDataParallel"))
+
     class Scaled(nn.Module):  # a meta parameter with no reset_parameters() to fill it
         def __init__(self) -> None:
             super().__init__()
             self.scale = nn.Parameter(torch.ones(3, device="meta"))
 
-    seen.append(_raises(lambda: FSDP(nn.Sequential(nn.Linear(2, 2), Scaled())), ValueError, "1 (Scaled) is on the meta device and has no reset_parameters()"))
-    seen.append(_raises(lambda: FSDP(nn.Linear(2, 2), sharding_strategy="full_sharded"), ValueError, "full_shard, shard_grad_op, no_shard"))
-    seen.append(_raises(lambda: FSDP(nn.Linear(2, 2), mixed_precision=MixedPrecision(param_dtype=torch.int8)), ValueError, "param_dtype=torch.int8 is not a floating-point"))
+    seen.append(
+        _raises(
+            lambda: FSDP(nn.Sequential(nn.Linear(2, 2), Scaled())),
+            ValueError,
+            "1 (Scaled) is on the meta device and has no reset_parameters()",
+        )
+    )
+    seen.append(
+        _raises(
+            lambda: FSDP(nn.Linear(2, 2), sharding_strategy="full_sharded"),
+            ValueError,
+            "full_shard, shard_grad_op, no_shard",
+        )
+    )
+    seen.append(
+        _raises(
+            lambda: FSDP(nn.Linear(2, 2), mixed_precision=MixedPrecision(param_dtype=torch.int8)),
+            ValueError,
+            "param_dtype=torch.int8 is not a floating-point",
+        )
+    )
     seen.append(_raises(lambda: FSDP(nn.Linear(2, 2), mixed_precision="bf16"), TypeError, "mixed_precision must be"))
     inner = FSDP(nn.Sequential(FSDP(nn.Linear(2, 2)), nn.Linear(2, 2)))
     inner(torch.ones(1, 2)).sum().backward()
@@ -62,7 +81,10 @@ def errors_body(rank: int, world: int) -> list[str]:
 
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        m = FSDP(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)), fsdp_auto_wrap_policy=functools.partial(size_based_auto_wrap_policy, min_num_params=50))
+        m = FSDP(
+            nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)),
+            fsdp_auto_wrap_policy=functools.partial(size_based_auto_wrap_policy, min_num_params=50),
+        )
     assert any("fsdp_auto_wrap_policy" in str(x.message) for x in w)
     assert len(m.fsdp_modules(m)) == 2
     return seen
@@ -169,14 +191,39 @@ def test_cli_bench_rejects_unknown_workload() -> None:
 def test_bench_compare_runs_every_implementation_and_writes_its_section(tmp_path: Path) -> None:
     md, png = tmp_path / "BENCH.md", tmp_path / "chart.png"
     md.write_text("# mine\n\nhand-written text\n")
-    args = ("bench", "compare", "--compare", "tiny", "--steps", "2", "--warmup", "1", "--rounds", "1", "--write", str(md), "--chart", str(png))
+    args = (
+        "bench",
+        "compare",
+        "--compare",
+        "tiny",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--rounds",
+        "1",
+        "--write",
+        str(md),
+        "--chart",
+        str(png),
+    )
     r = _cli(*args, timeout=280)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [line for line in r.stdout.splitlines() if line.startswith("| ") and "implementation" not in line]
-    assert [row.split("|")[1].strip() for row in rows] == ["fullshard", "fullshard fully_shard", "torch FSDP2", "DDP", "no communication"], r.stdout
+    assert [row.split("|")[1].strip() for row in rows] == [
+        "fullshard",
+        "fullshard fully_shard",
+        "torch FSDP2",
+        "DDP",
+        "no communication",
+    ], r.stdout
     assert all(float(row.split("|")[3]) > 0 for row in rows), r.stdout  # CPU seconds per step, measured
     text = md.read_text()
-    assert text.startswith("# mine\n\nhand-written text\n") and "| fullshard |" in text and "bench compare --compare tiny" in text
+    assert (
+        text.startswith("# mine\n\nhand-written text\n")
+        and "| fullshard |" in text
+        and "bench compare --compare tiny" in text
+    )
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -207,10 +254,38 @@ def test_bench_gpu_code_path_runs_the_same_model_everywhere(tmp_path: Path) -> N
     if not torch.cuda.is_available():
         r = _cli("bench", "gpu", timeout=60)
         assert r.returncode != 0 and "--allow-cpu" in r.stderr, r.stderr[-2000:]
-    r = _cli("bench", "gpu", "--allow-cpu", "--preset", "tiny", "--offload-presets", "tiny", "--batch", "2", "--seq", "32",
-             "--steps", "1", "--warmup", "1", "--rounds", "1", "--offload-steps", "1", "--offload-batch", "2", "--write", str(md), timeout=280)
+    r = _cli(
+        "bench",
+        "gpu",
+        "--allow-cpu",
+        "--preset",
+        "tiny",
+        "--offload-presets",
+        "tiny",
+        "--batch",
+        "2",
+        "--seq",
+        "32",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--rounds",
+        "1",
+        "--offload-steps",
+        "1",
+        "--offload-batch",
+        "2",
+        "--write",
+        str(md),
+        timeout=280,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
-    rows = {line.split("|")[1].strip(): line.split("|") for line in r.stdout.splitlines() if line.startswith("| ") and "---" not in line}
+    rows = {
+        line.split("|")[1].strip(): line.split("|")
+        for line in r.stdout.splitlines()
+        if line.startswith("| ") and "---" not in line
+    }
     impls = ["fullshard", "torch FSDP2", "unwrapped, autocast bf16", "unwrapped, bf16 parameters"]
     losses = [float(rows[i][-2]) for i in impls]
     assert max(losses) - min(losses) < 0.02 and 4.0 < losses[0] < 7.0, losses  # about ln(256) = 5.55 at init

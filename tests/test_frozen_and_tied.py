@@ -114,7 +114,9 @@ def tied_body(rank: int, world: int) -> list[str]:
         idx = torch.randint(0, 11, (12, 5), generator=g)
         tgt = torch.randint(0, 11, (12, 5), generator=g)
         opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(local(idx, rank, world)).flatten(0, 1), local(tgt, rank, world).flatten()).backward()
+        torch.nn.functional.cross_entropy(
+            model(local(idx, rank, world)).flatten(0, 1), local(tgt, rank, world).flatten()
+        ).backward()
         opt.step()
         ref_opt.zero_grad()
         torch.nn.functional.cross_entropy(ref(idx).flatten(0, 1), tgt.flatten()).backward()

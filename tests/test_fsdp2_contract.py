@@ -37,10 +37,10 @@ def pair(mesh=None, mp=None, seed=0, layers=3):
     torch.manual_seed(seed)
     base = TinyLM(layers=layers)
     out = []
-    for fully_shard, MP in _impls().values():
+    for fully_shard, mp_policy_cls in _impls().values():
         kw = {"mesh": mesh} if mesh is not None else {}
         if mp is not None:
-            kw["mp_policy"] = MP(param_dtype=mp, reduce_dtype=torch.float32)
+            kw["mp_policy"] = mp_policy_cls(param_dtype=mp, reduce_dtype=torch.float32)
         out.append(shard_lm(copy.deepcopy(base), fully_shard, **kw))
     return out
 
@@ -193,7 +193,10 @@ def dcp_body(rank: int, world: int, tmp: str, phase: str) -> str:
             # Full and sharded state dicts equal torch's.
             for opts in (full_opts, StateDictOptions()):
                 a, b = get_model_state_dict(ref, options=opts), get_model_state_dict(ours, options=opts)
-                oa, ob = get_optimizer_state_dict(ref, ref_opt, options=opts), get_optimizer_state_dict(ours, opt, options=opts)
+                oa, ob = (
+                    get_optimizer_state_dict(ref, ref_opt, options=opts),
+                    get_optimizer_state_dict(ours, opt, options=opts),
+                )
                 if opts.full_state_dict and rank != 0:  # cpu_offload: full values on rank 0 only
                     assert a == b == oa == ob == {}, (list(b), list(ob))
                     continue
@@ -208,9 +211,15 @@ def dcp_body(rank: int, world: int, tmp: str, phase: str) -> str:
                     for name, va in oa["state"][k].items():
                         vb = ob["state"][k][name]
                         assert type(va) is type(vb), (k, name)
-                        assert torch.equal(va.to_local() if isinstance(va, DTensor) else va, vb.to_local() if isinstance(vb, DTensor) else vb), (k, name)
+                        assert torch.equal(
+                            va.to_local() if isinstance(va, DTensor) else va,
+                            vb.to_local() if isinstance(vb, DTensor) else vb,
+                        ), (k, name)
             # Load a full state dict from rank 0 only into fresh models; both continue identically.
-            full, ofull = get_model_state_dict(ours, options=full_opts), get_optimizer_state_dict(ours, opt, options=full_opts)
+            full, ofull = (
+                get_model_state_dict(ours, options=full_opts),
+                get_optimizer_state_dict(ours, opt, options=full_opts),
+            )
             load_opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
             fresh_ref, fresh = pair(seed=7)
             fresh_ref_opt, fresh_opt = make_opt(fresh_ref.parameters()), make_opt(fresh.parameters())
@@ -226,7 +235,10 @@ def dcp_body(rank: int, world: int, tmp: str, phase: str) -> str:
         # Sharded save with torch.distributed.checkpoint, for the loads at other world sizes.
         state = {"model": get_model_state_dict(ours), "optim": get_optimizer_state_dict(ours, opt)}
         dcp.save(state, checkpoint_id=os.path.join(tmp, "ckpt"))
-        expect = {"model": get_model_state_dict(ours, options=full_opts), "optim": get_optimizer_state_dict(ours, opt, options=full_opts)}
+        expect = {
+            "model": get_model_state_dict(ours, options=full_opts),
+            "optim": get_optimizer_state_dict(ours, opt, options=full_opts),
+        }
         if rank == 0:
             torch.save(expect, os.path.join(tmp, "expect.pt"))
         return "saved"
@@ -297,7 +309,10 @@ def meta_body(rank: int, world: int) -> list[str]:
         with torch.device("meta"):
             model = shard_lm(TinyLM(), fully_shard)
         meta_sd = model.state_dict()
-        sharded = {k: nn.Parameter(distribute_tensor(v, meta_sd[k].device_mesh, meta_sd[k].placements)) for k, v in full_sd.items()}
+        sharded = {
+            k: nn.Parameter(distribute_tensor(v, meta_sd[k].device_mesh, meta_sd[k].placements))
+            for k, v in full_sd.items()
+        }
         model.load_state_dict(sharded, strict=False, assign=True)
         models.append(model)
     train_both_and_compare(*models, rank, world, "assigned")
@@ -312,7 +327,7 @@ def test_meta_init_and_assign_like_torch(world: int) -> None:
 
 
 def methods_body(rank: int, world: int) -> list[str]:
-    from fullshard.engine import unit as U
+    from fullshard.engine import unit
 
     done = []
     # Explicit prefetching, as pytorch/examples' FSDP2 example sets it (two layers ahead).
@@ -323,12 +338,12 @@ def methods_body(rank: int, world: int) -> list[str]:
             layer.set_modules_to_forward_prefetch(layers[i + 1 : i + 3])
             layer.set_modules_to_backward_prefetch(layers[max(0, i - 2) : i][::-1])
     ref_opt, opt = torch.optim.AdamW(ref.parameters(), lr=1e-2), torch.optim.AdamW(ours.parameters(), lr=1e-2)
-    U.EVENTS = []
+    unit.EVENTS = []
     for step in range(3):
         for model, o in ((ref, ref_opt), (ours, opt)):
             model.unshard()
             train_step(model, o, my_tokens(step, rank, world))
-    events, U.EVENTS = U.EVENTS, None
+    events, unit.EVENTS = unit.EVENTS, None
     assert_same_params(ref, ours, "explicit prefetch")
     first = events[: events.index(("forward", "layers.1"))]
     assert ("unshard", "layers.1") in first and ("unshard", "layers.2") in first, first
@@ -399,7 +414,7 @@ def shapes_body(rank: int, world: int) -> list[str]:
     # A method other than forward, run with the gathered parameters.
     for mod in (tf, fs):
         torch.manual_seed(0)
-        block = TinyBlock_with_method()
+        block = TinyBlockWithMethod()
         mod.fully_shard(block)
         mod.register_fsdp_forward_method(block, "project")
         out = block.project(torch.ones(2, 12))
@@ -424,7 +439,7 @@ def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t.detach()
 
 
-class TinyBlock_with_method(torch.nn.Module):
+class TinyBlockWithMethod(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.w1 = torch.nn.Linear(12, 48)
@@ -460,7 +475,9 @@ def errors_body(rank: int, world: int) -> list[str]:
     weight = model.output.weight
     wrong = nn.Parameter(distribute_tensor(torch.zeros(weight.shape), weight.device_mesh, [Replicate()]))
     model.load_state_dict({"output.weight": wrong}, strict=False, assign=True)
-    with pytest.raises(ValueError, match=r"output.weight was replaced .*placements \(Replicate\(\),\).*distribute_tensor"):
+    with pytest.raises(
+        ValueError, match=r"output.weight was replaced .*placements \(Replicate\(\),\).*distribute_tensor"
+    ):
         model(my_tokens(0, rank, world))
     done.append("mesh")
     return done
@@ -491,7 +508,9 @@ def optimizer_hooks_body(rank: int, world: int) -> list[str]:
         opt.step(failing_closure)
     opt.step()  # the failed step's stand-ins are put back first
     assert all(a is b for a, b in zip(opt.param_groups[0]["params"], params))
-    assert all(s["momentum_buffer"] is b for s, b in zip(opt.state.values(), buffers))  # the same DTensors, updated in place
+    assert all(
+        s["momentum_buffer"] is b for s, b in zip(opt.state.values(), buffers)
+    )  # the same DTensors, updated in place
     return ["hooks"]
 
 

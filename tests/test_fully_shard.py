@@ -31,11 +31,19 @@ def parity_body(rank: int, world: int) -> list[str]:
             model = _shard(copy.deepcopy(ref), reshard_after_forward=reshard)
             assert isinstance(model, FSDPModule) and type(model).__name__ == "FSDPStack"
             assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
-            make = (lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)) if opt_kind == "sgd" else (lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+            make = (
+                (lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9))
+                if opt_kind == "sgd"
+                else (lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+            )
             opt, ref_opt = make(model.parameters()), make(ref.parameters())
             for step in range(6):
                 step_both(model, opt, ref, ref_opt, step, rank, world)
-                states = [m.__dict__["_fsdp_state"].unit.training_state for m in model.modules() if "_fsdp_state" in m.__dict__]
+                states = [
+                    m.__dict__["_fsdp_state"].unit.training_state
+                    for m in model.modules()
+                    if "_fsdp_state" in m.__dict__
+                ]
                 assert all(s is TrainingState.IDLE for s in states), states
                 sd = model.state_dict()
                 for k, want in ref.state_dict().items():
@@ -113,7 +121,12 @@ def api_body(rank: int, world: int) -> list[str]:
     model = make_stack(scale_shape=(1,))
     for block in model.blocks:
         fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
-    fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32))
+    fully_shard(
+        model,
+        mp_policy=MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
+        ),
+    )
     out = model(local(batch(0, 12)[0], rank, world))
     assert out.dtype == torch.float32
     out.sum().backward()

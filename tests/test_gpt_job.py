@@ -16,7 +16,14 @@ BIN = Path(sys.executable).parent
 
 def _run(args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
-    r = subprocess.run([str(BIN / "fullshard"), "train", "gpt", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+    r = subprocess.run(
+        [str(BIN / "fullshard"), "train", "gpt", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
     assert r.returncode == 0, f"failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return r
 
@@ -46,15 +53,37 @@ def test_gpt_options_checkpointing_bf16_own_data(tmp_path: Path) -> None:
     for i in range(3):
         (corpus / f"part{i}.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
     metrics = tmp_path / "m.jsonl"
-    _run(["--nproc", "2", "--steps", "20", "--log-interval", "10", "--activation-checkpointing", "--mixed-precision", "bf16",
-          "--forward-prefetch", "--sharding-strategy", "shard_grad_op", "--data", str(corpus / "*.txt"),
-          "--metrics-file", str(metrics)], tmp_path, timeout=280)
+    _run(
+        [
+            "--nproc",
+            "2",
+            "--steps",
+            "20",
+            "--log-interval",
+            "10",
+            "--activation-checkpointing",
+            "--mixed-precision",
+            "bf16",
+            "--forward-prefetch",
+            "--sharding-strategy",
+            "shard_grad_op",
+            "--data",
+            str(corpus / "*.txt"),
+            "--metrics-file",
+            str(metrics),
+        ],
+        tmp_path,
+        timeout=280,
+    )
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert records[-1]["val_loss"] < records[0]["val_loss"] < 6, records
 
 
 def test_gpt_rejects_bad_options(tmp_path: Path) -> None:
-    for args, text in ((["--preset", "huge"], "--preset 'huge': use one of tiny"), (["--data", str(tmp_path / "none*.txt"), "--nproc", "1", "--steps", "1"], "matches no files")):
+    for args, text in (
+        (["--preset", "huge"], "--preset 'huge': use one of tiny"),
+        (["--data", str(tmp_path / "none*.txt"), "--nproc", "1", "--steps", "1"], "matches no files"),
+    ):
         r = subprocess.run([str(BIN / "fullshard"), "train", "gpt", *args], capture_output=True, text=True, timeout=120)
         assert r.returncode != 0 and text in r.stderr, r.stderr[-2000:]
 
@@ -63,8 +92,20 @@ def test_gpt_rejects_bad_options(tmp_path: Path) -> None:
 def test_gpt_job_on_fully_shard_checkpoints_and_resumes(tmp_path: Path) -> None:
     metrics, saved, ckpt = tmp_path / "m.jsonl", tmp_path / "gpt.pt", tmp_path / "ckpt"
     common = ["--nproc", "2", "--api", "fsdp2", "--steps", "10", "--log-interval", "5", "--checkpoint-dir", str(ckpt)]
-    r = _run([*common, "--metrics-file", str(metrics), "--checkpoint-every", "5", "--save-model", str(saved), "--forward-prefetch"],
-             tmp_path, timeout=280)
+    r = _run(
+        [
+            *common,
+            "--metrics-file",
+            str(metrics),
+            "--checkpoint-every",
+            "5",
+            "--save-model",
+            str(saved),
+            "--forward-prefetch",
+        ],
+        tmp_path,
+        timeout=280,
+    )
     assert "5 FSDP units (fsdp2)" in r.stdout, r.stdout[-2000:]
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert records[-1]["val_loss"] < records[0]["val_loss"], records
@@ -74,6 +115,10 @@ def test_gpt_job_on_fully_shard_checkpoints_and_resumes(tmp_path: Path) -> None:
     # A second start resumes from the newest checkpoint (step 10) and has nothing left to do.
     r = _run(common, tmp_path, timeout=280)
     assert "resumed from" in r.stdout and "step_00000010" in r.stdout, r.stdout[-2000:]
-    bad = subprocess.run([str(BIN / "fullshard"), "train", "gpt", "--api", "fsdp2", "--sharding-strategy", "no_shard"],
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [str(BIN / "fullshard"), "train", "gpt", "--api", "fsdp2", "--sharding-strategy", "no_shard"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode != 0 and "--api fsdp2 --sharding-strategy no_shard" in bad.stderr, bad.stderr[-2000:]

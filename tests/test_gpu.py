@@ -24,7 +24,9 @@ def cuda_parity_body(rank: int, world: int) -> int:
     checked = 0
     for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
         ref = make_stack().to(device)
-        model = FSDP(copy.deepcopy(ref), sharding_strategy=ShardingStrategy[strategy], auto_wrap_policy=ModuleWrapPolicy({Block}))
+        model = FSDP(
+            copy.deepcopy(ref), sharding_strategy=ShardingStrategy[strategy], auto_wrap_policy=ModuleWrapPolicy({Block})
+        )
         assert all(p.device == device for p in model.parameters())
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
@@ -46,7 +48,15 @@ def test_cuda_parity_all_gpus() -> None:
 @pytest.mark.timeout(300)
 def test_mnist_job_on_gpu(tmp_path: Path) -> None:
     metrics = tmp_path / "m.jsonl"
-    cmd = [str(Path(sys.executable).parent / "fullshard"), "train", "mnist", "--epochs", "2", "--metrics-file", str(metrics)]
+    cmd = [
+        str(Path(sys.executable).parent / "fullshard"),
+        "train",
+        "mnist",
+        "--epochs",
+        "2",
+        "--metrics-file",
+        str(metrics),
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
     assert r.returncode == 0, r.stderr[-3000:]
     rec = json.loads(metrics.read_text().splitlines()[-1])
@@ -61,8 +71,13 @@ def offload_body(rank: int, world: int) -> list[str]:
     done = []
     for mp in (None, MixedPrecision(torch.bfloat16, torch.float32)):
         ref = make_stack()
-        model = FSDP(copy.deepcopy(ref), cpu_offload=CPUOffload(offload_params=True), device_id=device,
-                     mixed_precision=mp, auto_wrap_policy=ModuleWrapPolicy({Block}))
+        model = FSDP(
+            copy.deepcopy(ref),
+            cpu_offload=CPUOffload(offload_params=True),
+            device_id=device,
+            mixed_precision=mp,
+            auto_wrap_policy=ModuleWrapPolicy({Block}),
+        )
         assert all(p.device.type == "cpu" for p in model.parameters())
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # steps on CPU shards
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
@@ -119,12 +134,38 @@ def test_parameters_on_two_devices_are_refused() -> None:
 def test_bench_gpu_on_cuda(tmp_path: Path) -> None:
     """The CUDA path of ``bench gpu``: all four implementations train the same tiny model (equal
     first-step losses), and the CPU-offload run trains."""
-    cmd = [str(Path(sys.executable).parent / "fullshard"), "bench", "gpu", "--preset", "tiny", "--offload-presets", "tiny",
-           "--batch", "2", "--seq", "64", "--steps", "2", "--warmup", "1", "--rounds", "1", "--offload-steps", "1"]
+    cmd = [
+        str(Path(sys.executable).parent / "fullshard"),
+        "bench",
+        "gpu",
+        "--preset",
+        "tiny",
+        "--offload-presets",
+        "tiny",
+        "--batch",
+        "2",
+        "--seq",
+        "64",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--rounds",
+        "1",
+        "--offload-steps",
+        "1",
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
     assert r.returncode == 0, r.stderr[-3000:]
-    rows = {ln.split("|")[1].strip(): ln.split("|") for ln in r.stdout.splitlines() if ln.startswith("| ") and "---" not in ln}
-    losses = [float(rows[i][-2]) for i in ("fullshard", "torch FSDP2", "unwrapped, autocast bf16", "unwrapped, bf16 parameters")]
+    rows = {
+        ln.split("|")[1].strip(): ln.split("|")
+        for ln in r.stdout.splitlines()
+        if ln.startswith("| ") and "---" not in ln
+    }
+    losses = [
+        float(rows[i][-2])
+        for i in ("fullshard", "torch FSDP2", "unwrapped, autocast bf16", "unwrapped, bf16 parameters")
+    ]
     assert max(losses) - min(losses) < 0.02, losses
     assert "did not train" not in rows["tiny"][3], r.stdout
     assert f"GPU {torch.cuda.get_device_name()}" in r.stdout, r.stdout
@@ -136,11 +177,34 @@ def test_gpt_job_on_gpu_checkpoints_and_resumes(tmp_path: Path) -> None:
     scalars reduced over NCCL), then a second run resuming from it."""
     exe = str(Path(sys.executable).parent / "fullshard")
     metrics, ckpt = tmp_path / "m.jsonl", tmp_path / "ckpt"
-    args = ["train", "gpt", "--preset", "tiny", "--nproc", str(torch.cuda.device_count()), "--mixed-precision", "bf16", "--seq-len", "64",
-            "--log-interval", "10", "--eval-batches", "2", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "10", "--metrics-file", str(metrics)]
+    args = [
+        "train",
+        "gpt",
+        "--preset",
+        "tiny",
+        "--nproc",
+        str(torch.cuda.device_count()),
+        "--mixed-precision",
+        "bf16",
+        "--seq-len",
+        "64",
+        "--log-interval",
+        "10",
+        "--eval-batches",
+        "2",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--checkpoint-every",
+        "10",
+        "--metrics-file",
+        str(metrics),
+    ]
     r = subprocess.run([exe, *args, "--steps", "20"], capture_output=True, text=True, timeout=140)
     assert r.returncode == 0, r.stderr[-3000:]
     r = subprocess.run([exe, *args, "--steps", "30"], capture_output=True, text=True, timeout=140)
-    assert r.returncode == 0 and "resumed from" in r.stdout and "at step 20" in r.stdout, (r.stdout[-2000:], r.stderr[-3000:])
+    assert r.returncode == 0 and "resumed from" in r.stdout and "at step 20" in r.stdout, (
+        r.stdout[-2000:],
+        r.stderr[-3000:],
+    )
     recs = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [rec["step"] for rec in recs] == [10, 20, 30] and recs[-1]["train_loss"] < recs[0]["train_loss"], recs

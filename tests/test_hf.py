@@ -34,7 +34,9 @@ def hf_parity_body(rank: int, world: int, config: str) -> str:
     for _ in range(4):
         x = torch.randint(0, 256, (4 * world, 16), generator=g)
         y = torch.randint(0, 256, (4 * world, 16), generator=g)
-        loss = torch.nn.functional.cross_entropy(model(local(x, rank, world)).flatten(0, 1), local(y, rank, world).flatten())
+        loss = torch.nn.functional.cross_entropy(
+            model(local(x, rank, world)).flatten(0, 1), local(y, rank, world).flatten()
+        )
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -65,8 +67,21 @@ def test_train_hf_job(tmp_path: Path) -> None:
     import json
 
     metrics = tmp_path / "m.jsonl"
-    cmd = [str(Path(sys.executable).parent / "fullshard"), "train", "hf", "--config", "gpt2-tiny", "--nproc", "2",
-           "--steps", "30", "--log-interval", "15", "--metrics-file", str(metrics)]
+    cmd = [
+        str(Path(sys.executable).parent / "fullshard"),
+        "train",
+        "hf",
+        "--config",
+        "gpt2-tiny",
+        "--nproc",
+        "2",
+        "--steps",
+        "30",
+        "--log-interval",
+        "15",
+        "--metrics-file",
+        str(metrics),
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
     assert r.returncode == 0, r.stderr[-3000:]
     records = [json.loads(line) for line in metrics.read_text().splitlines()]

@@ -28,7 +28,9 @@ def hybrid_body(rank: int, world: int) -> list[str]:
             if how == "tuple":
                 kwargs["process_group"] = (mesh.get_group("shard"), mesh.get_group("replicate"))
             ref = make_stack()
-            model = FSDP(copy.deepcopy(ref), sharding_strategy=strategy, auto_wrap_policy=ModuleWrapPolicy({Block}), **kwargs)
+            model = FSDP(
+                copy.deepcopy(ref), sharding_strategy=strategy, auto_wrap_policy=ModuleWrapPolicy({Block}), **kwargs
+            )
             units = [m.unit for m in model.fsdp_modules(model)]
             assert all(u.world == 2 and u.replicas == 2 for u in units)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -41,7 +43,9 @@ def hybrid_body(rank: int, world: int) -> list[str]:
             assert calls["reduce_scatter"] == len(units) and calls["all_reduce"] >= len(units), calls
             full = model.state_dict()
             for k, v in ref.state_dict().items():
-                torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{strategy.name}/{how} {k}: {m}")
+                torch.testing.assert_close(
+                    full[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{strategy.name}/{how} {k}: {m}"
+                )
             assert total > 0
             done.append(f"{strategy.name}/{how}")
     # Bad groups: clear errors.
@@ -50,7 +54,11 @@ def hybrid_body(rank: int, world: int) -> list[str]:
     with pytest.raises(ValueError, match="needs 1"):
         FSDP(make_stack(), device_mesh=mesh)
     with pytest.raises(ValueError, match="world size is 4"):
-        FSDP(make_stack(), sharding_strategy=ShardingStrategy.HYBRID_SHARD, process_group=(mesh.get_group("shard"), collectives.default_group()))
+        FSDP(
+            make_stack(),
+            sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+            process_group=(mesh.get_group("shard"), collectives.default_group()),
+        )
     with pytest.raises(ValueError, match="not FULL_SHARD"):
         FSDP(make_stack(), process_group=(mesh.get_group("shard"), mesh.get_group("replicate")))
     return done

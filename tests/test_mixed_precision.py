@@ -16,7 +16,12 @@ def _mp_model(mp, strategy="FULL_SHARD"):
     from fullshard.frontend.wrap import ModuleWrapPolicy
 
     ref = make_stack()
-    return ref, FSDP(copy.deepcopy(ref), sharding_strategy=ShardingStrategy[strategy], mixed_precision=mp, auto_wrap_policy=ModuleWrapPolicy({Block}))
+    return ref, FSDP(
+        copy.deepcopy(ref),
+        sharding_strategy=ShardingStrategy[strategy],
+        mixed_precision=mp,
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
+    )
 
 
 def wire_body(rank: int, world: int) -> list[str]:
@@ -61,14 +66,18 @@ def test_collective_dtypes_and_bytes() -> None:
 def accuracy_body(rank: int, world: int) -> float:
     from fullshard import MixedPrecision
 
-    ref, model = _mp_model(MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16))
+    ref, model = _mp_model(
+        MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16)
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     n = 12 // world
     for step in range(10):
         x, y = batch(step, 12)
         opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x[rank * n : (rank + 1) * n]).float(), y[rank * n : (rank + 1) * n]).backward()
+        torch.nn.functional.mse_loss(
+            model(x[rank * n : (rank + 1) * n]).float(), y[rank * n : (rank + 1) * n]
+        ).backward()
         opt.step()
         ref_opt.zero_grad()
         torch.nn.functional.mse_loss(ref(x), y).backward()
@@ -98,7 +107,10 @@ def overflow_body(rank: int, world: int) -> list[float]:
     big = 3.0e4  # each rank's gradient; their sum (1.2e5 at 4 ranks) overflows float16's 65504
     out = []
     for keep_low in (False, True):
-        model = FSDP(nn.Linear(1, 4, bias=False), mixed_precision=MixedPrecision(torch.float16, torch.float16, keep_low_precision_grads=keep_low))
+        model = FSDP(
+            nn.Linear(1, 4, bias=False),
+            mixed_precision=MixedPrecision(torch.float16, torch.float16, keep_low_precision_grads=keep_low),
+        )
         (model(torch.full((1, 1), big)).sum()).backward()
         g = next(model.parameters()).grad
         assert g is not None

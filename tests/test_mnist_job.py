@@ -30,7 +30,17 @@ def test_mnist_defaults_two_processes_reach_094(tmp_path: Path) -> None:
     """Defaults (10 epochs, batch 64, Adadelta lr 1.0) at --nproc 2; the model saved loads plainly."""
     metrics, saved = tmp_path / "m2.jsonl", tmp_path / "net.pt"
     r = _run(
-        [str(BIN / "fullshard"), "train", "mnist", "--nproc", "2", "--metrics-file", str(metrics), "--save-model", str(saved)],
+        [
+            str(BIN / "fullshard"),
+            "train",
+            "mnist",
+            "--nproc",
+            "2",
+            "--metrics-file",
+            str(metrics),
+            "--save-model",
+            str(saved),
+        ],
         tmp_path,
         timeout=480,
     )
@@ -52,7 +62,11 @@ def test_mnist_defaults_two_processes_reach_094(tmp_path: Path) -> None:
 
     # One process holds about twice the per-rank model state of two.
     one_metrics = tmp_path / "m1.jsonl"
-    _run([str(BIN / "fullshard"), "train", "mnist", "--nproc", "1", "--epochs", "1", "--metrics-file", str(one_metrics)], tmp_path, timeout=300)
+    _run(
+        [str(BIN / "fullshard"), "train", "mnist", "--nproc", "1", "--epochs", "1", "--metrics-file", str(one_metrics)],
+        tmp_path,
+        timeout=300,
+    )
     one = _records(one_metrics)[0]["sharded_state_bytes"][0]
     for per_rank in two[-1]["sharded_state_bytes"]:
         assert abs(per_rank - one / 2) <= 0.01 * one, (per_rank, one)
@@ -63,8 +77,21 @@ def test_mnist_under_torchrun(tmp_path: Path) -> None:
     metrics = tmp_path / "m.jsonl"
     _run(
         # --standalone: a free rendezvous port (the default 29500 may still be held by an earlier run)
-        [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "-m", "fullshard.train", "mnist", "--epochs", "1",
-         "--sharding-strategy", "shard_grad_op", "--metrics-file", str(metrics)],
+        [
+            str(BIN / "torchrun"),
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "fullshard.train",
+            "mnist",
+            "--epochs",
+            "1",
+            "--sharding-strategy",
+            "shard_grad_op",
+            "--metrics-file",
+            str(metrics),
+        ],
         tmp_path,
         timeout=280,
     )
@@ -79,8 +106,20 @@ def test_mnist_bf16_reaches_094(tmp_path: Path) -> None:
     and the run measured 0.935, 0.956, 0.965 after epochs 1-3 (0.969 after 10)."""
     metrics = tmp_path / "bf16.jsonl"
     _run(
-        [str(BIN / "fullshard"), "train", "mnist", "--nproc", "2", "--mixed-precision", "bf16",
-         "--forward-prefetch", "--epochs", "3", "--metrics-file", str(metrics)],
+        [
+            str(BIN / "fullshard"),
+            "train",
+            "mnist",
+            "--nproc",
+            "2",
+            "--mixed-precision",
+            "bf16",
+            "--forward-prefetch",
+            "--epochs",
+            "3",
+            "--metrics-file",
+            str(metrics),
+        ],
         tmp_path,
         timeout=480,
     )

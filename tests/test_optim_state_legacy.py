@@ -63,7 +63,9 @@ def _resume(case: str, kind: str, opt_name: str, ref, ref_opt, model, load, rank
         step_both(fresh, fresh_opt, ref2, ref_opt2, step, rank, world)
     full = fresh.state_dict()
     for k, v in ref2.state_dict().items():
-        torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{case} {kind} {opt_name} {k}: {m}")
+        torch.testing.assert_close(
+            full[k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{case} {kind} {opt_name} {k}: {m}"
+        )
 
 
 def _raises(fn, exc, *texts: str) -> None:
@@ -79,7 +81,9 @@ def _check_full(full: dict, ref, ref_opt, new: dict) -> None:
     """Keyed by names; values equal ``new`` (optim_state_dict under FULL_STATE_DICT) and the reference's."""
     names = {id(p): n for n, p in ref.named_parameters()}
     assert set(full["state"]) == set(names.values())
-    assert [g["params"] for g in full["param_groups"]] == [[names[id(p)] for p in g["params"]] for g in ref_opt.param_groups]
+    assert [g["params"] for g in full["param_groups"]] == [
+        [names[id(p)] for p in g["params"]] for g in ref_opt.param_groups
+    ]
     assert new["param_groups"] == full["param_groups"]
     for name, entry in new["state"].items():
         assert entry.keys() == full["state"][name].keys()
@@ -92,7 +96,13 @@ def _check_values(full: dict, ref, ref_opt) -> None:
     names = {id(p): n for n, p in ref.named_parameters()}
     for p, st in ref_opt.state.items():
         for key, value in st.items():
-            torch.testing.assert_close(full["state"][names[id(p)]][key], value, rtol=1e-5, atol=1e-7, msg=lambda m, n=names[id(p)], k=key: f"{n}.{k}: {m}")
+            torch.testing.assert_close(
+                full["state"][names[id(p)]][key],
+                value,
+                rtol=1e-5,
+                atol=1e-7,
+                msg=lambda m, n=names[id(p)], k=key: f"{n}.{k}: {m}",
+            )
 
 
 def _grid_stack(opt_name: str, rank: int, world: int, done: list[str]) -> None:
@@ -114,11 +124,17 @@ def _grid_stack(opt_name: str, rank: int, world: int, done: list[str]) -> None:
     sharded = FSDP.sharded_optim_state_dict(model, opt)
     loads = {
         "shard": lambda m, o: o.load_state_dict(FSDP.shard_full_optim_state_dict(full, m, optim=o)),
-        "scatter": lambda m, o: o.load_state_dict(FSDP.scatter_full_optim_state_dict(on_rank0 if rank == 0 else None, m, optim=o)),
+        "scatter": lambda m, o: o.load_state_dict(
+            FSDP.scatter_full_optim_state_dict(on_rank0 if rank == 0 else None, m, optim=o)
+        ),
         "to_load": lambda m, o: o.load_state_dict(FSDP.optim_state_dict_to_load(m, o, full)),
         "flatten": lambda m, o: o.load_state_dict(FSDP.flatten_sharded_optim_state_dict(sharded, m, o)),
         "rekey_name": lambda m, o: o.load_state_dict(
-            FSDP.shard_full_optim_state_dict(FSDP.rekey_optim_state_dict(ref_opt.state_dict(), OptimStateKeyType.PARAM_NAME, ref, optim=ref_opt), m, optim=o)
+            FSDP.shard_full_optim_state_dict(
+                FSDP.rekey_optim_state_dict(ref_opt.state_dict(), OptimStateKeyType.PARAM_NAME, ref, optim=ref_opt),
+                m,
+                optim=o,
+            )
         ),
     }
     for case, load in loads.items():
@@ -128,7 +144,11 @@ def _grid_stack(opt_name: str, rank: int, world: int, done: list[str]) -> None:
     for how in ("optim", "order", "optim_input"):
         ref3 = copy.deepcopy(ref)
         ref_opt3 = OPTIMIZERS[opt_name](ref3.parameters())
-        ids_from = {"optim": {"optim": ref_opt3}, "order": {}, "optim_input": {"optim_input": [{"params": list(ref3.parameters())}]}}[how]
+        ids_from = {
+            "optim": {"optim": ref_opt3},
+            "order": {},
+            "optim_input": {"optim_input": [{"params": list(ref3.parameters())}]},
+        }[how]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             by_id = FSDP.rekey_optim_state_dict(full, OptimStateKeyType.PARAM_ID, ref3, **ids_from)
@@ -140,7 +160,10 @@ def _grid_stack(opt_name: str, rank: int, world: int, done: list[str]) -> None:
         for i, st in expected["state"].items():
             for key, value in st.items():
                 torch.testing.assert_close(got["state"][i][key], value, rtol=1e-5, atol=1e-7)
-        assert FSDP.rekey_optim_state_dict(by_id, OptimStateKeyType.PARAM_NAME, ref3)["state"].keys() == full["state"].keys()
+        assert (
+            FSDP.rekey_optim_state_dict(by_id, OptimStateKeyType.PARAM_NAME, ref3)["state"].keys()
+            == full["state"].keys()
+        )
         done.append(f"stack-{opt_name}-rekey_id-{how}")
 
 
@@ -153,7 +176,9 @@ def _grid_plain(opt_name: str, rank: int, world: int, done: list[str]) -> None:
     on_rank0 = FSDP.full_optim_state_dict(model, opt)
     loads = {
         "shard_no_optim": lambda m, o: o.load_state_dict(FSDP.shard_full_optim_state_dict(full, m)),
-        "scatter_no_optim": lambda m, o: o.load_state_dict(FSDP.scatter_full_optim_state_dict(on_rank0 if rank == 0 else None, m)),
+        "scatter_no_optim": lambda m, o: o.load_state_dict(
+            FSDP.scatter_full_optim_state_dict(on_rank0 if rank == 0 else None, m)
+        ),
     }
     for case, load in loads.items():
         _resume(case, "plain", opt_name, ref, ref_opt, model, load, rank, world)
@@ -174,13 +199,26 @@ def _errors(rank: int, world: int, done: list[str]) -> None:
     full = FSDP.full_optim_state_dict(model, opt, rank0_only=False)
     fresh = _wrapped("stack")
     fresh_opt = OPTIMIZERS["sgd"](fresh.parameters())
-    _raises(lambda: FSDP.shard_full_optim_state_dict(ref_opt.state_dict(), fresh, optim=fresh_opt), ValueError, "keyed by parameter ids", "rekey_optim_state_dict")
+    _raises(
+        lambda: FSDP.shard_full_optim_state_dict(ref_opt.state_dict(), fresh, optim=fresh_opt),
+        ValueError,
+        "keyed by parameter ids",
+        "rekey_optim_state_dict",
+    )
     _raises(lambda: FSDP.shard_full_optim_state_dict(full, fresh), ValueError, "'scale' is 0-dim", "optim=")
     _raises(lambda: FSDP.rekey_optim_state_dict(full, "name", ref), TypeError, "optim_state_key_type", "PARAM_NAME")
     _raises(lambda: FSDP.full_optim_state_dict(ref, ref_opt), ValueError, "contains no FullyShardedDataParallel")
     two_groups = torch.optim.SGD([{"params": [p]} for p in fresh.parameters()][:2], lr=0.1)
-    _raises(lambda: FSDP.shard_full_optim_state_dict(full, fresh, optim=two_groups), ValueError, "1 parameter groups but optim has 2")
-    _raises(lambda: FSDP.scatter_full_optim_state_dict(None, fresh, optim=fresh_opt), ValueError, "full_optim_state_dict is None on rank 0")
+    _raises(
+        lambda: FSDP.shard_full_optim_state_dict(full, fresh, optim=two_groups),
+        ValueError,
+        "1 parameter groups but optim has 2",
+    )
+    _raises(
+        lambda: FSDP.scatter_full_optim_state_dict(None, fresh, optim=fresh_opt),
+        ValueError,
+        "full_optim_state_dict is None on rank 0",
+    )
     done.append("errors")
 
 
@@ -227,7 +265,19 @@ EXPECTED = [
         case
         for o in OPTIMIZERS
         for case in (
-            *(f"stack-{o}-{c}" for c in ("shard", "scatter", "to_load", "flatten", "rekey_name", "rekey_id-optim", "rekey_id-order", "rekey_id-optim_input")),
+            *(
+                f"stack-{o}-{c}"
+                for c in (
+                    "shard",
+                    "scatter",
+                    "to_load",
+                    "flatten",
+                    "rekey_name",
+                    "rekey_id-optim",
+                    "rekey_id-order",
+                    "rekey_id-optim_input",
+                )
+            ),
             f"plain-{o}-shard_no_optim",
             f"plain-{o}-scatter_no_optim",
         )

@@ -14,8 +14,12 @@ def _events(backward_prefetch, forward_prefetch: bool, rank: int, world: int) ->
     from fullshard.engine import unit as _unit
     from fullshard.frontend.wrap import ModuleWrapPolicy
 
-    model = FSDP(copy.deepcopy(make_stack()), auto_wrap_policy=ModuleWrapPolicy({Block}),
-                 backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch)
+    model = FSDP(
+        copy.deepcopy(make_stack()),
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
+        backward_prefetch=backward_prefetch,
+        forward_prefetch=forward_prefetch,
+    )
     x, _ = batch(0, 4 * world)
     model(x[4 * rank : 4 * rank + 4]).sum().backward()  # records the forward order
     _unit.EVENTS = []
@@ -33,34 +37,40 @@ def _after(events: list, first: tuple, then: tuple) -> bool:
 def order_body(rank: int, world: int) -> list[str]:
     from fullshard import BackwardPrefetch
 
-    B = [f"blocks.{i}" for i in range(4)]
+    blocks = [f"blocks.{i}" for i in range(4)]
     done = []
     # No prefetch: each block is gathered on demand, after the previous one finished.
     ev = _events(None, False, rank, world)
     for i in range(1, 4):
-        assert ev.index(("forward_end", B[i - 1])) < ev.index(("unshard", B[i])), ev
+        assert ev.index(("forward_end", blocks[i - 1])) < ev.index(("unshard", blocks[i])), ev
         # in backward, block i-1's gather follows block i's reduce-scatter
-        assert ev.index(("reduce", B[i])) < ev.index(("unshard", B[i - 1]), ev.index(("backward", B[i]))), ev
+        assert ev.index(("reduce", blocks[i])) < ev.index(
+            ("unshard", blocks[i - 1]), ev.index(("backward", blocks[i]))
+        ), ev
     done.append("none")
     # forward_prefetch: block i+1's all-gather is issued while block i computes.
     ev = _events(None, True, rank, world)
     for i in range(3):
-        assert ev.index(("forward", B[i])) < ev.index(("unshard", B[i + 1])) < ev.index(("forward_end", B[i])), ev
+        assert (
+            ev.index(("forward", blocks[i]))
+            < ev.index(("unshard", blocks[i + 1]))
+            < ev.index(("forward_end", blocks[i]))
+        ), ev
     done.append("forward")
     # BACKWARD_PRE: block i-1 is gathered as soon as block i's backward starts.
     ev = _events(BackwardPrefetch.BACKWARD_PRE, False, rank, world)
-    bwd = ev[ev.index(("backward", B[3])) :]
+    bwd = ev[ev.index(("backward", blocks[3])) :]
     for i in range(3, 0, -1):
-        start = bwd.index(("backward", B[i]))
-        assert bwd.index(("unshard", B[i - 1])) < bwd.index(("reduce", B[i])), bwd
-        assert start < bwd.index(("unshard", B[i - 1])), bwd
+        start = bwd.index(("backward", blocks[i]))
+        assert bwd.index(("unshard", blocks[i - 1])) < bwd.index(("reduce", blocks[i])), bwd
+        assert start < bwd.index(("unshard", blocks[i - 1])), bwd
     done.append("backward_pre")
     # BACKWARD_POST: block i-1 is gathered right after block i's reduce-scatter is launched.
     ev = _events(BackwardPrefetch.BACKWARD_POST, False, rank, world)
-    bwd = ev[ev.index(("backward", B[3])) :]
+    bwd = ev[ev.index(("backward", blocks[3])) :]
     for i in range(3, 0, -1):
-        assert _after(bwd, ("reduce", B[i]), ("unshard", B[i - 1])), bwd
-        assert bwd.index(("unshard", B[i - 1])) < bwd.index(("backward", B[i - 1])), bwd
+        assert _after(bwd, ("reduce", blocks[i]), ("unshard", blocks[i - 1])), bwd
+        assert bwd.index(("unshard", blocks[i - 1])) < bwd.index(("backward", blocks[i - 1])), bwd
     done.append("backward_post")
     return done
 

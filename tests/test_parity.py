@@ -27,7 +27,9 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
-def run_grid(rank: int, world: int, grid: list[tuple[str, str, str]], direct_gather_bytes: int | None = None) -> list[str]:
+def run_grid(
+    rank: int, world: int, grid: list[tuple[str, str, str]], direct_gather_bytes: int | None = None
+) -> list[str]:
     from fullshard import FSDP, ShardingStrategy
     from fullshard.engine import unit
     from fullshard.engine.unit import GATHERED, TrainingState
@@ -48,7 +50,9 @@ def run_grid(rank: int, world: int, grid: list[tuple[str, str, str]], direct_gat
         local = GLOBAL_BATCH // world
         for step in range(STEPS):
             x, y = batch(step, GLOBAL_BATCH)
-            loss = torch.nn.functional.mse_loss(model(x[rank * local : (rank + 1) * local]), y[rank * local : (rank + 1) * local])
+            loss = torch.nn.functional.mse_loss(
+                model(x[rank * local : (rank + 1) * local]), y[rank * local : (rank + 1) * local]
+            )
             opt.zero_grad()
             loss.backward()
             opt.step()

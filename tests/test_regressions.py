@@ -36,7 +36,9 @@ def body(rank: int, world: int, strategy: str) -> list[str]:
     done = []
     # 1. A forward with grad enabled and no backward (a metric) between backward and step.
     ref = make_stack()
-    model = FSDP(copy.deepcopy(ref), sharding_strategy=ShardingStrategy[strategy], auto_wrap_policy=ModuleWrapPolicy({Block}))
+    model = FSDP(
+        copy.deepcopy(ref), sharding_strategy=ShardingStrategy[strategy], auto_wrap_policy=ModuleWrapPolicy({Block})
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for step in range(3):
@@ -71,7 +73,9 @@ def body(rank: int, world: int, strategy: str) -> list[str]:
     for prefetch in (False, True):
         m = make_stack()
         for i in range(len(m.blocks)):
-            m.blocks[i] = checkpoint_wrapper(FSDP(m.blocks[i], forward_prefetch=prefetch, sharding_strategy=ShardingStrategy[strategy]))
+            m.blocks[i] = checkpoint_wrapper(
+                FSDP(m.blocks[i], forward_prefetch=prefetch, sharding_strategy=ShardingStrategy[strategy])
+            )
         m = FSDP(m, forward_prefetch=prefetch, sharding_strategy=ShardingStrategy[strategy])
         for _ in range(2):  # the second step has a recorded forward order to prefetch from
             _unit.EVENTS = []
@@ -93,5 +97,7 @@ def body(rank: int, world: int, strategy: str) -> list[str]:
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
 def test_review_regressions(strategy: str) -> None:
     assert run_ranks(body, 2, strategy, timeout=180)[0] == [
-        "forward without backward", "backward raised", "recompute prefetch"
+        "forward without backward",
+        "backward raised",
+        "recompute prefetch",
     ]

@@ -40,7 +40,9 @@ def types_body(rank: int, world: int) -> list[str]:
         with FSDP.state_dict_type(model, kind):
             sd, osd = model.state_dict(), FSDP.optim_state_dict(model, opt)
         if kind is StateDictType.SHARDED_STATE_DICT:
-            assert isinstance(sd["stem.weight"], DTensor) and isinstance(osd["state"]["stem.weight"]["exp_avg"], DTensor)
+            assert isinstance(sd["stem.weight"], DTensor) and isinstance(
+                osd["state"]["stem.weight"]["exp_avg"], DTensor
+            )
         _, fresh, fresh_opt, _ = _pair()
         with FSDP.state_dict_type(fresh, kind):
             fresh.load_state_dict(sd)
@@ -51,10 +53,14 @@ def types_body(rank: int, world: int) -> list[str]:
         step_both(fresh, fresh_opt, ref2, ref_opt2, 5, rank, world)
         full = fresh.state_dict()
         for k, v in ref2.state_dict().items():
-            torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k, kind=kind: f"{kind.name} {k}: {m}")
+            torch.testing.assert_close(
+                full[k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k, kind=kind: f"{kind.name} {k}: {m}"
+            )
         done.append(kind.name)
     # rank0_only: the other ranks get nothing.
-    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=True, rank0_only=True)):
+    with FSDP.state_dict_type(
+        model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
+    ):
         sd = model.state_dict()
     assert (len(sd) > 0) == (rank == 0)
     return done
@@ -82,7 +88,9 @@ def rank0_memory_body(rank: int, world: int) -> tuple[float, int]:
         model = nn.Sequential(*[nn.Linear(2048, 2048, bias=False) for _ in range(8)])
     model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
     before = peak_rss_bytes()
-    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=True, rank0_only=True)):
+    with FSDP.state_dict_type(
+        model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
+    ):
         sd = model.state_dict()
     return (peak_rss_bytes() - before) / 2**20, len(sd)
 

@@ -32,7 +32,11 @@ NO_COUNTERPART = "has no counterpart in fullshard"
 # ---------------------------------------------------------------------- helpers
 def _train(model: nn.Module, rank: int, world: int, steps: int = 3, adam: bool = False) -> tuple[list, list, Any]:
     """Train on this rank's share of a fixed global batch; (losses and output dtypes, parameter shards, optimizer)."""
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2) if adam else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = (
+        torch.optim.Adam(model.parameters(), lr=1e-2)
+        if adam
+        else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    )
     trace = []
     for step in range(steps):
         x, y = batch(step, 8)
@@ -72,7 +76,13 @@ def _assert_same(a: Any, b: Any, what: str) -> None:
 def _settings(model: nn.Module) -> list[tuple]:
     """What every unit of a FullyShardedDataParallel tree was built with (enums compare by type too)."""
     return [
-        (m.sharding_strategy, m.mixed_precision, m.cpu_offload, m._fsdp_state.backward_prefetch, m._fsdp_state.mixed_precision)
+        (
+            m.sharding_strategy,
+            m.mixed_precision,
+            m.cpu_offload,
+            m._fsdp_state.backward_prefetch,
+            m._fsdp_state.mixed_precision,
+        )
         for m in FSDP.fsdp_modules(model)
     ]
 
@@ -97,10 +107,26 @@ def _raises(fn: Any, exc: type[Exception], text: str) -> str:
 # ---------------------------------------------------------------------- the wrapper's options
 # (name, torch's options, fullshard's options that mean the same)
 WRAPPER_CASES = [
-    ("SHARD_GRAD_OP", dict(sharding_strategy=tf.ShardingStrategy.SHARD_GRAD_OP), dict(sharding_strategy=fs.ShardingStrategy.SHARD_GRAD_OP)),
-    ("NO_SHARD", dict(sharding_strategy=tf.ShardingStrategy.NO_SHARD), dict(sharding_strategy=fs.ShardingStrategy.NO_SHARD)),
-    ("HYBRID_SHARD", dict(sharding_strategy=tf.ShardingStrategy.HYBRID_SHARD), dict(sharding_strategy=fs.ShardingStrategy.HYBRID_SHARD)),
-    ("BACKWARD_POST", dict(backward_prefetch=tf.BackwardPrefetch.BACKWARD_POST), dict(backward_prefetch=fs.BackwardPrefetch.BACKWARD_POST)),
+    (
+        "SHARD_GRAD_OP",
+        dict(sharding_strategy=tf.ShardingStrategy.SHARD_GRAD_OP),
+        dict(sharding_strategy=fs.ShardingStrategy.SHARD_GRAD_OP),
+    ),
+    (
+        "NO_SHARD",
+        dict(sharding_strategy=tf.ShardingStrategy.NO_SHARD),
+        dict(sharding_strategy=fs.ShardingStrategy.NO_SHARD),
+    ),
+    (
+        "HYBRID_SHARD",
+        dict(sharding_strategy=tf.ShardingStrategy.HYBRID_SHARD),
+        dict(sharding_strategy=fs.ShardingStrategy.HYBRID_SHARD),
+    ),
+    (
+        "BACKWARD_POST",
+        dict(backward_prefetch=tf.BackwardPrefetch.BACKWARD_POST),
+        dict(backward_prefetch=fs.BackwardPrefetch.BACKWARD_POST),
+    ),
     (
         "bf16 params, fp32 reduce",
         dict(
@@ -119,17 +145,33 @@ WRAPPER_CASES = [
         dict(mixed_precision=tf.MixedPrecision(BF16, BF16, None, True, True, False, _module_classes_to_ignore=())),
         dict(mixed_precision=fs.MixedPrecision(BF16, BF16, None, True, True, False)),
     ),
-    ("CPUOffload", dict(cpu_offload=tf.CPUOffload(offload_params=True)), dict(cpu_offload=fs.CPUOffload(offload_params=True))),
+    (
+        "CPUOffload",
+        dict(cpu_offload=tf.CPUOffload(offload_params=True)),
+        dict(cpu_offload=fs.CPUOffload(offload_params=True)),
+    ),
 ]
 
 # (torch's state_dict_type arguments, fullshard's)
 STATE_DICT_CASES = [
     (
-        (tf.StateDictType.FULL_STATE_DICT, tf.FullStateDictConfig(True, True), tf.FullOptimStateDictConfig(False, True)),
-        (fs.StateDictType.FULL_STATE_DICT, fs.FullStateDictConfig(True, True), fs.FullOptimStateDictConfig(False, True)),
+        (
+            tf.StateDictType.FULL_STATE_DICT,
+            tf.FullStateDictConfig(True, True),
+            tf.FullOptimStateDictConfig(False, True),
+        ),
+        (
+            fs.StateDictType.FULL_STATE_DICT,
+            fs.FullStateDictConfig(True, True),
+            fs.FullOptimStateDictConfig(False, True),
+        ),
     ),
     (
-        (tf.StateDictType.SHARDED_STATE_DICT, tf.ShardedStateDictConfig(True, _use_dtensor=True), tf.ShardedOptimStateDictConfig(False, _use_dtensor=True)),
+        (
+            tf.StateDictType.SHARDED_STATE_DICT,
+            tf.ShardedStateDictConfig(True, _use_dtensor=True),
+            tf.ShardedOptimStateDictConfig(False, _use_dtensor=True),
+        ),
         (fs.StateDictType.SHARDED_STATE_DICT, fs.ShardedStateDictConfig(True), fs.ShardedOptimStateDictConfig(False)),
     ),
     (
@@ -171,8 +213,13 @@ def wrapper_cases(rank: int, world: int) -> list[str]:
         done.append(f"{name}{'' if theirs[1] else ' (default configs)'}")
     old = FSDP.set_state_dict_type(baseline, tf.StateDictType.LOCAL_STATE_DICT, tf.LocalStateDictConfig())
     assert old.state_dict_type is fs.StateDictType.FULL_STATE_DICT
-    restored = FSDP.set_state_dict_type(baseline, old.state_dict_type, old.state_dict_config, old.optim_state_dict_config)
-    assert restored.state_dict_type is fs.StateDictType.LOCAL_STATE_DICT and restored.state_dict_config == fs.LocalStateDictConfig()
+    restored = FSDP.set_state_dict_type(
+        baseline, old.state_dict_type, old.state_dict_config, old.optim_state_dict_config
+    )
+    assert (
+        restored.state_dict_type is fs.StateDictType.LOCAL_STATE_DICT
+        and restored.state_dict_config == fs.LocalStateDictConfig()
+    )
     assert _train(baseline, rank, world, steps=1)[0]  # still trains
     return done
 
@@ -202,10 +249,20 @@ def _twice(kwargs: dict) -> tuple[dict, dict]:
 FULLY_SHARD_CASES = [
     (
         "MixedPrecisionPolicy",
-        (dict(mp_policy=tf.MixedPrecisionPolicy(BF16, F32, None, True)), dict(mp_policy=tf.MixedPrecisionPolicy(BF16, F32, F32, True))),
-        (dict(mp_policy=fs.MixedPrecisionPolicy(BF16, F32, None, True)), dict(mp_policy=fs.MixedPrecisionPolicy(BF16, F32, F32, True))),
+        (
+            dict(mp_policy=tf.MixedPrecisionPolicy(BF16, F32, None, True)),
+            dict(mp_policy=tf.MixedPrecisionPolicy(BF16, F32, F32, True)),
+        ),
+        (
+            dict(mp_policy=fs.MixedPrecisionPolicy(BF16, F32, None, True)),
+            dict(mp_policy=fs.MixedPrecisionPolicy(BF16, F32, F32, True)),
+        ),
     ),
-    ("CPUOffloadPolicy", _twice(dict(offload_policy=tf.CPUOffloadPolicy(pin_memory=False))), _twice(dict(offload_policy=fs.CPUOffloadPolicy(pin_memory=False)))),
+    (
+        "CPUOffloadPolicy",
+        _twice(dict(offload_policy=tf.CPUOffloadPolicy(pin_memory=False))),
+        _twice(dict(offload_policy=fs.CPUOffloadPolicy(pin_memory=False))),
+    ),
     ("OffloadPolicy", _twice(dict(offload_policy=tf.OffloadPolicy())), _twice(dict(offload_policy=fs.OffloadPolicy()))),
 ]
 
@@ -250,33 +307,141 @@ def misuse_cases(rank: int, world: int) -> list[str]:
     torch_root = by_torch_fully_shard()
     tf.fully_shard(torch_root)
     for front_end in (FSDP, fully_shard):
-        seen.append(_raises(lambda: front_end(by_torch_fully_shard()), ValueError, "submodule '1' (FSDPLinear) was already sharded by torch.distributed.fsdp.fully_shard"))
-        seen.append(_raises(lambda: front_end(torch_root), ValueError, "module (FSDPSequential) was already sharded by torch.distributed.fsdp.fully_shard"))
-        seen.append(_raises(lambda: front_end(by_torch_fsdp1()), ValueError, "submodule '1' (FullyShardedDataParallel) is already wrapped by torch.distributed.fsdp.FullyShardedDataParallel"))
-    seen.append(_raises(lambda: FSDP(tf.FullyShardedDataParallel(lin(), device_id=torch.device("cpu"))), ValueError, "import FullyShardedDataParallel from fullshard instead"))
-    seen.append(_raises(lambda: fully_shard(by_torch_fully_shard()), ValueError, "import fully_shard from fullshard instead"))
+        seen.append(
+            _raises(
+                lambda: front_end(by_torch_fully_shard()),
+                ValueError,
+                "submodule '1' (FSDPLinear) was already sharded by torch.distributed.fsdp.fully_shard",
+            )
+        )
+        seen.append(
+            _raises(
+                lambda: front_end(torch_root),
+                ValueError,
+                "module (FSDPSequential) was already sharded by torch.distributed.fsdp.fully_shard",
+            )
+        )
+        seen.append(
+            _raises(
+                lambda: front_end(by_torch_fsdp1()),
+                ValueError,
+                "submodule '1' (FullyShardedDataParallel) is already wrapped by "
+                "torch.distributed.fsdp.FullyShardedDataParallel",
+            )
+        )
+    seen.append(
+        _raises(
+            lambda: FSDP(tf.FullyShardedDataParallel(lin(), device_id=torch.device("cpu"))),
+            ValueError,
+            "import FullyShardedDataParallel from fullshard instead",
+        )
+    )
+    seen.append(
+        _raises(lambda: fully_shard(by_torch_fully_shard()), ValueError, "import fully_shard from fullshard instead")
+    )
     # fullshard's two front ends in one model, either way round.
     mixed = "FullyShardedDataParallel and fully_shard cannot be mixed in one model"
-    seen.append(_raises(lambda: fully_shard(nn.Sequential(FSDP(lin()), lin())), ValueError, "submodule '0' (FullyShardedDataParallel) is a fullshard FullyShardedDataParallel; " + mixed))
-    seen.append(_raises(lambda: fully_shard(FSDP(lin())), ValueError, "module (FullyShardedDataParallel) is a fullshard FullyShardedDataParallel"))
-    seen.append(_raises(lambda: FSDP(nn.Sequential(fully_shard(lin()), lin())), ValueError, "submodule '0' (FSDPLinear) is sharded by fullshard's fully_shard; " + mixed))
-    seen.append(_raises(lambda: FSDP(fully_shard(lin())), ValueError, "module (FSDPLinear) is sharded by fullshard's fully_shard"))
+    seen.append(
+        _raises(
+            lambda: fully_shard(nn.Sequential(FSDP(lin()), lin())),
+            ValueError,
+            "submodule '0' (FullyShardedDataParallel) is a fullshard FullyShardedDataParallel; " + mixed,
+        )
+    )
+    seen.append(
+        _raises(
+            lambda: fully_shard(FSDP(lin())),
+            ValueError,
+            "module (FullyShardedDataParallel) is a fullshard FullyShardedDataParallel",
+        )
+    )
+    seen.append(
+        _raises(
+            lambda: FSDP(nn.Sequential(fully_shard(lin()), lin())),
+            ValueError,
+            "submodule '0' (FSDPLinear) is sharded by fullshard's fully_shard; " + mixed,
+        )
+    )
+    seen.append(
+        _raises(
+            lambda: FSDP(fully_shard(lin())), ValueError, "module (FSDPLinear) is sharded by fullshard's fully_shard"
+        )
+    )
     # Objects of other types: a TypeError naming the argument and what it takes.
-    seen.append(_raises(lambda: FSDP(lin(), sharding_strategy=1), TypeError, "sharding_strategy must be a ShardingStrategy (fullshard's or torch.distributed.fsdp's)"))
-    seen.append(_raises(lambda: FSDP(lin(), backward_prefetch=1), TypeError, "backward_prefetch must be a BackwardPrefetch (fullshard's or torch.distributed.fsdp's) or None"))
-    seen.append(_raises(lambda: FSDP(lin(), mixed_precision=tf.MixedPrecisionPolicy()), TypeError, "mixed_precision must be a MixedPrecision (fullshard's or torch.distributed.fsdp's)"))
-    seen.append(_raises(lambda: FSDP(lin(), cpu_offload=tf.CPUOffloadPolicy()), TypeError, "cpu_offload must be a CPUOffload (fullshard's or torch.distributed.fsdp's)"))
-    seen.append(_raises(lambda: fully_shard(lin(), mp_policy=tf.MixedPrecision()), TypeError, "mp_policy must be a MixedPrecisionPolicy (fullshard's or torch.distributed.fsdp's) or None, got MixedPrecision"))
-    seen.append(_raises(lambda: fully_shard(lin(), offload_policy=tf.CPUOffload()), TypeError, "offload_policy must be an OffloadPolicy"))
+    seen.append(
+        _raises(
+            lambda: FSDP(lin(), sharding_strategy=1),
+            TypeError,
+            "sharding_strategy must be a ShardingStrategy (fullshard's or torch.distributed.fsdp's)",
+        )
+    )
+    seen.append(
+        _raises(
+            lambda: FSDP(lin(), backward_prefetch=1),
+            TypeError,
+            "backward_prefetch must be a BackwardPrefetch (fullshard's or torch.distributed.fsdp's) or None",
+        )
+    )
+    seen.append(
+        _raises(
+            lambda: FSDP(lin(), mixed_precision=tf.MixedPrecisionPolicy()),
+            TypeError,
+            "mixed_precision must be a MixedPrecision (fullshard's or torch.distributed.fsdp's)",
+        )
+    )
+    seen.append(
+        _raises(
+            lambda: FSDP(lin(), cpu_offload=tf.CPUOffloadPolicy()),
+            TypeError,
+            "cpu_offload must be a CPUOffload (fullshard's or torch.distributed.fsdp's)",
+        )
+    )
+    seen.append(
+        _raises(
+            lambda: fully_shard(lin(), mp_policy=tf.MixedPrecision()),
+            TypeError,
+            "mp_policy must be a MixedPrecisionPolicy (fullshard's or torch.distributed.fsdp's) or None, "
+            "got MixedPrecision",
+        )
+    )
+    seen.append(
+        _raises(
+            lambda: fully_shard(lin(), offload_policy=tf.CPUOffload()),
+            TypeError,
+            "offload_policy must be an OffloadPolicy",
+        )
+    )
     model = FSDP(lin())
-    seen.append(_raises(lambda: FSDP.set_state_dict_type(model, "FULL_STATE_DICT"), TypeError, "state_dict_type must be a StateDictType (fullshard's or torch.distributed.fsdp's)"))
-    seen.append(_raises(lambda: FSDP.set_state_dict_type(model, tf.StateDictType.FULL_STATE_DICT, tf.FullOptimStateDictConfig()), TypeError, "state_dict_config must be a StateDictConfig"))
-    seen.append(_raises(lambda: FSDP.set_state_dict_type(model, tf.StateDictType.FULL_STATE_DICT, None, tf.FullStateDictConfig()), TypeError, "optim_state_dict_config must be an OptimStateDictConfig"))
+    seen.append(
+        _raises(
+            lambda: FSDP.set_state_dict_type(model, "FULL_STATE_DICT"),
+            TypeError,
+            "state_dict_type must be a StateDictType (fullshard's or torch.distributed.fsdp's)",
+        )
+    )
+    seen.append(
+        _raises(
+            lambda: FSDP.set_state_dict_type(model, tf.StateDictType.FULL_STATE_DICT, tf.FullOptimStateDictConfig()),
+            TypeError,
+            "state_dict_config must be a StateDictConfig",
+        )
+    )
+    seen.append(
+        _raises(
+            lambda: FSDP.set_state_dict_type(model, tf.StateDictType.FULL_STATE_DICT, None, tf.FullStateDictConfig()),
+            TypeError,
+            "optim_state_dict_config must be an OptimStateDictConfig",
+        )
+    )
     return seen
 
 
 def grid_body(rank: int, world: int) -> dict[str, list[str]]:
-    return {"wrapper": wrapper_cases(rank, world), "fully_shard": fully_shard_cases(rank, world), "misuse": misuse_cases(rank, world)}
+    return {
+        "wrapper": wrapper_cases(rank, world),
+        "fully_shard": fully_shard_cases(rank, world),
+        "misuse": misuse_cases(rank, world),
+    }
 
 
 @pytest.mark.timeout(180)
@@ -284,7 +449,12 @@ def test_torch_options_translate_and_misuse_is_refused() -> None:
     results = run_ranks(grid_body, 2, timeout=160)
     assert results[0] == results[1]  # every rank did the same and raised the same errors
     got = results[0]
-    assert got["wrapper"] == [c[0] for c in WRAPPER_CASES] + ["FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT", "SHARDED_STATE_DICT (default configs)"]
+    assert got["wrapper"] == [c[0] for c in WRAPPER_CASES] + [
+        "FULL_STATE_DICT",
+        "SHARDED_STATE_DICT",
+        "LOCAL_STATE_DICT",
+        "SHARDED_STATE_DICT (default configs)",
+    ]
     assert got["fully_shard"] == [c[0] for c in FULLY_SHARD_CASES]
     assert len(got["misuse"]) == 21
 
@@ -297,24 +467,73 @@ def test_every_torch_field_is_carried_over_or_warned() -> None:
     from fullshard import api
     from fullshard.frontend import options
 
-    mp = dict(param_dtype=BF16, reduce_dtype=torch.float16, buffer_dtype=F32, keep_low_precision_grads=True, cast_forward_inputs=True, cast_root_forward_inputs=False)
+    mp = dict(
+        param_dtype=BF16,
+        reduce_dtype=torch.float16,
+        buffer_dtype=F32,
+        keep_low_precision_grads=True,
+        cast_forward_inputs=True,
+        cast_root_forward_inputs=False,
+    )
     pairs = [
         (options.as_mixed_precision, tf.MixedPrecision(**mp, _module_classes_to_ignore=()), fs.MixedPrecision(**mp)),
         (options.as_cpu_offload, tf.CPUOffload(offload_params=True), fs.CPUOffload(offload_params=True)),
-        (options.as_state_dict_config, tf.StateDictConfig(offload_to_cpu=True), api.StateDictConfig(offload_to_cpu=True)),
-        (options.as_state_dict_config, tf.FullStateDictConfig(offload_to_cpu=True, rank0_only=True), fs.FullStateDictConfig(offload_to_cpu=True, rank0_only=True)),
-        (options.as_state_dict_config, tf.ShardedStateDictConfig(offload_to_cpu=True, _use_dtensor=True), fs.ShardedStateDictConfig(offload_to_cpu=True)),
-        (options.as_state_dict_config, tf.LocalStateDictConfig(offload_to_cpu=True), fs.LocalStateDictConfig(offload_to_cpu=True)),
-        (options.as_optim_state_dict_config, tf.OptimStateDictConfig(offload_to_cpu=False), api.OptimStateDictConfig(offload_to_cpu=False)),
-        (options.as_optim_state_dict_config, tf.FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=True), fs.FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=True)),
-        (options.as_optim_state_dict_config, tf.ShardedOptimStateDictConfig(offload_to_cpu=False, _use_dtensor=True), fs.ShardedOptimStateDictConfig(offload_to_cpu=False)),
-        (options.as_optim_state_dict_config, tf.LocalOptimStateDictConfig(offload_to_cpu=True), fs.LocalOptimStateDictConfig(offload_to_cpu=True)),
-        (functools.partial(options.as_mp_policy, policy=fs.MixedPrecisionPolicy), tf.MixedPrecisionPolicy(BF16, torch.float16, F32, False), fs.MixedPrecisionPolicy(BF16, torch.float16, F32, False)),
-        (functools.partial(options.as_offload_policy, no_offload=fs.OffloadPolicy, cpu_offload=fs.CPUOffloadPolicy), tf.CPUOffloadPolicy(pin_memory=False), fs.CPUOffloadPolicy(pin_memory=False)),
+        (
+            options.as_state_dict_config,
+            tf.StateDictConfig(offload_to_cpu=True),
+            api.StateDictConfig(offload_to_cpu=True),
+        ),
+        (
+            options.as_state_dict_config,
+            tf.FullStateDictConfig(offload_to_cpu=True, rank0_only=True),
+            fs.FullStateDictConfig(offload_to_cpu=True, rank0_only=True),
+        ),
+        (
+            options.as_state_dict_config,
+            tf.ShardedStateDictConfig(offload_to_cpu=True, _use_dtensor=True),
+            fs.ShardedStateDictConfig(offload_to_cpu=True),
+        ),
+        (
+            options.as_state_dict_config,
+            tf.LocalStateDictConfig(offload_to_cpu=True),
+            fs.LocalStateDictConfig(offload_to_cpu=True),
+        ),
+        (
+            options.as_optim_state_dict_config,
+            tf.OptimStateDictConfig(offload_to_cpu=False),
+            api.OptimStateDictConfig(offload_to_cpu=False),
+        ),
+        (
+            options.as_optim_state_dict_config,
+            tf.FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=True),
+            fs.FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=True),
+        ),
+        (
+            options.as_optim_state_dict_config,
+            tf.ShardedOptimStateDictConfig(offload_to_cpu=False, _use_dtensor=True),
+            fs.ShardedOptimStateDictConfig(offload_to_cpu=False),
+        ),
+        (
+            options.as_optim_state_dict_config,
+            tf.LocalOptimStateDictConfig(offload_to_cpu=True),
+            fs.LocalOptimStateDictConfig(offload_to_cpu=True),
+        ),
+        (
+            functools.partial(options.as_mp_policy, policy=fs.MixedPrecisionPolicy),
+            tf.MixedPrecisionPolicy(BF16, torch.float16, F32, False),
+            fs.MixedPrecisionPolicy(BF16, torch.float16, F32, False),
+        ),
+        (
+            functools.partial(options.as_offload_policy, no_offload=fs.OffloadPolicy, cpu_offload=fs.CPUOffloadPolicy),
+            tf.CPUOffloadPolicy(pin_memory=False),
+            fs.CPUOffloadPolicy(pin_memory=False),
+        ),
     ]
     for normalize, theirs, ours in pairs:
         for field in dataclasses.fields(theirs):  # a field added in a later torch must be looked at here
-            assert hasattr(ours, field.name) or field.name in options._NO_COUNTERPART, f"{type(theirs).__name__}.{field.name}"
+            assert hasattr(ours, field.name) or field.name in options._NO_COUNTERPART, (
+                f"{type(theirs).__name__}.{field.name}"
+            )
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             got = normalize(theirs)
@@ -335,7 +554,9 @@ def test_every_torch_field_is_carried_over_or_warned() -> None:
     ]:
         with pytest.warns(UserWarning, match=NO_COUNTERPART) as record:
             normalize(theirs)
-        assert len(record) == 1 and ("_module_classes_to_ignore" in str(record[0].message) or "_use_dtensor=False" in str(record[0].message))
+        assert len(record) == 1 and (
+            "_module_classes_to_ignore" in str(record[0].message) or "_use_dtensor=False" in str(record[0].message)
+        )
 
 
 # ---------------------------------------------------------------------- HF Accelerate
@@ -377,7 +598,9 @@ def accelerate_body(rank: int, world: int) -> list[Any]:
         "limit_all_gathers": plugin.limit_all_gathers,
         "device_id": device,
     }
-    assert isinstance(kwargs["sharding_strategy"], tf.ShardingStrategy) and isinstance(kwargs["mixed_precision"], tf.MixedPrecision)
+    assert isinstance(kwargs["sharding_strategy"], tf.ShardingStrategy) and isinstance(
+        kwargs["mixed_precision"], tf.MixedPrecision
+    )
     with pytest.warns(UserWarning, match="_module_classes_to_ignore"):  # torch's default lists _BatchNorm
         wrapped = FSDP(model, **kwargs)
     ours = FSDP(
@@ -394,7 +617,9 @@ def accelerate_body(rank: int, world: int) -> list[Any]:
     run_a, run_b = _train(wrapped, rank, world, adam=True), _train(ours, rank, world, adam=True)
     _assert_same(run_a[:2], run_b[:2], "accelerate FSDP1")
     # Saving the way accelerate.utils.fsdp_utils.save_fsdp_model does for FULL_STATE_DICT.
-    with FSDP.state_dict_type(wrapped, plugin.state_dict_type, plugin.state_dict_config, plugin.optim_state_dict_config):
+    with FSDP.state_dict_type(
+        wrapped, plugin.state_dict_type, plugin.state_dict_config, plugin.optim_state_dict_config
+    ):
         state = wrapped.state_dict()
         optim_state = FSDP.optim_state_dict(wrapped, run_a[2])
     assert (len(state) == len(make_stack().state_dict())) == (rank == 0)  # rank0_only=True carried over
@@ -402,9 +627,15 @@ def accelerate_body(rank: int, world: int) -> list[Any]:
 
     # FSDP2 (fsdp_version=2): accelerate.utils.fsdp_utils.fsdp2_prepare_model's fully_shard arguments.
     plugin2 = FullyShardedDataParallelPlugin(fsdp_version=2, mixed_precision_policy="bf16", cpu_offload=False)
-    fsdp2_kwargs = {"reshard_after_forward": plugin2.reshard_after_forward, "offload_policy": plugin2.cpu_offload,
-                    "mp_policy": plugin2.mixed_precision_policy or tf.MixedPrecisionPolicy(), "mesh": None}
-    assert isinstance(fsdp2_kwargs["mp_policy"], tf.MixedPrecisionPolicy) and isinstance(fsdp2_kwargs["offload_policy"], tf.OffloadPolicy)
+    fsdp2_kwargs = {
+        "reshard_after_forward": plugin2.reshard_after_forward,
+        "offload_policy": plugin2.cpu_offload,
+        "mp_policy": plugin2.mixed_precision_policy or tf.MixedPrecisionPolicy(),
+        "mesh": None,
+    }
+    assert isinstance(fsdp2_kwargs["mp_policy"], tf.MixedPrecisionPolicy) and isinstance(
+        fsdp2_kwargs["offload_policy"], tf.OffloadPolicy
+    )
     sharded = _stack_for_fully_shard()
     for block in sharded.blocks:
         fully_shard(block, **fsdp2_kwargs)

@@ -108,7 +108,9 @@ def size_problems(path: Path) -> list[str]:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             length = (node.end_lineno or node.lineno) - node.lineno + 1
             if length > MAX_FUNCTION_LINES:
-                problems.append(f"{rel}:{node.lineno}: function {node.name} is {length} lines (limit {MAX_FUNCTION_LINES})")
+                problems.append(
+                    f"{rel}:{node.lineno}: function {node.name} is {length} lines (limit {MAX_FUNCTION_LINES})"
+                )
     return problems
 
 

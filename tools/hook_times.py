@@ -5,6 +5,7 @@ nested calls count in both), median over steps, for the `compute` bench workload
 
 Columns: rank 0 ms, rank 1 ms, calls per step.
 """
+
 import collections
 import statistics
 import sys
@@ -12,11 +13,11 @@ import time
 
 import torch
 
-from fullshard.jobs import launch
-from fullshard.jobs.bench import compare as bench
 from fullshard.comm import collectives
 from fullshard.engine import hooks
 from fullshard.engine.unit import Unit
+from fullshard.jobs import launch
+from fullshard.jobs.bench import compare as bench
 
 ACC = collections.defaultdict(float)
 CNT = collections.defaultdict(int)
@@ -39,7 +40,18 @@ def timed(owner, name, label=None):
 
 for n in ("pre_forward", "post_forward", "_pre_backward", "post_backward", "finish_backward", "prepare_inputs"):
     timed(hooks, n)
-for n in ("unshard", "wait_unshard", "reduce_grads", "finish_reduce", "pack_grads", "reshard", "install_full_params", "uninstall_full_params", "full_params", "_sync_shards"):
+for n in (
+    "unshard",
+    "wait_unshard",
+    "reduce_grads",
+    "finish_reduce",
+    "pack_grads",
+    "reshard",
+    "install_full_params",
+    "uninstall_full_params",
+    "full_params",
+    "_sync_shards",
+):
     timed(Unit, n, "Unit." + n)
 timed(collectives, "all_gather", "collectives.all_gather")
 timed(collectives, "reduce_scatter", "collectives.reduce_scatter")
@@ -75,4 +87,4 @@ if __name__ == "__main__":
     res = launch.launch(worker, (int(sys.argv[1]) if len(sys.argv) > 1 else 10, 3), 2)
     (a, cnt), (b, _) = res[0], res[1]
     for k in sorted(a, key=lambda k: -a[k]):
-        print(f"{k:28s} {a[k]*1e3:8.2f} {b.get(k, 0)*1e3:8.2f} ms  x{cnt.get(k, 1)}")
+        print(f"{k:28s} {a[k] * 1e3:8.2f} {b.get(k, 0) * 1e3:8.2f} ms  x{cnt.get(k, 1)}")

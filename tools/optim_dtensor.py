@@ -27,7 +27,9 @@ def worker() -> list[tuple[str, float, int]] | None:
         torch.manual_seed(0)
         model = GPT(GPTConfig(vocab_size=256, d_model=256, n_layers=4, n_heads=4, max_seq_len=128))
         if name.startswith("FSDP1"):
-            model = FSDP(model, auto_wrap_policy=lambda module, recurse, nonwrapped_numel: recurse or isinstance(module, Block))
+            model = FSDP(
+                model, auto_wrap_policy=lambda module, recurse, nonwrapped_numel: recurse or isinstance(module, Block)
+            )
         else:
             for block in model.blocks:
                 fully_shard(block)

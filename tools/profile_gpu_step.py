@@ -43,8 +43,13 @@ def worker(preset: str, batch: int, seq: int, out: str) -> None:
                 torch.cuda.synchronize()
             events = prof.key_averages()
             kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-            gpu = sum(e.self_device_time_total for e in kernels) / 1e3  # kernels only: ops carry their kernels' time too
-            print(f"== {impl}: step {wall * 1e3:.1f} ms wall, {cpu_issue * 1e3:.1f} ms to queue it, GPU kernels {gpu:.1f} ms")
+            gpu = (
+                sum(e.self_device_time_total for e in kernels) / 1e3
+            )  # kernels only: ops carry their kernels' time too
+            print(
+                f"== {impl}: step {wall * 1e3:.1f} ms wall, {cpu_issue * 1e3:.1f} ms to queue it, GPU "
+                f"kernels {gpu:.1f} ms"
+            )
             print(events.table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=60))
             if out:
                 prof.export_chrome_trace(os.path.join(out, f"trace_{impl.split(',')[0]}.json"))

@@ -7,6 +7,7 @@ seconds (all threads) and minor page faults, for one `fullshard bench compare` w
 FS_KW: extra FSDP keyword arguments for fullshard (backward_prefetch by name or null).
 Columns are medians over the timed steps, in ms.
 """
+
 import resource
 import statistics
 import sys
@@ -14,9 +15,9 @@ import time
 
 import torch
 
+from fullshard.comm import collectives
 from fullshard.jobs import launch
 from fullshard.jobs.bench import compare as bench
-from fullshard.comm import collectives
 
 
 def ru():
@@ -27,18 +28,26 @@ def ru():
 def worker(workload, impl, steps, warmup):
     import json
     import os
+
     kw = json.loads(os.environ.get("FS_KW", "{}"))
     if kw:
         from fullshard import BackwardPrefetch
         from fullshard import FullyShardedDataParallel as FSDP
+
         if "backward_prefetch" in kw:
-            kw["backward_prefetch"] = None if kw["backward_prefetch"] is None else BackwardPrefetch[kw["backward_prefetch"]]
+            kw["backward_prefetch"] = (
+                None if kw["backward_prefetch"] is None else BackwardPrefetch[kw["backward_prefetch"]]
+            )
         orig = bench._wrap
+
         def _wrap(impl, model, units, device):
             if impl != "fullshard":
                 return orig(impl, model, units, device)
             chosen = {id(u) for u in units}
-            return FSDP(model, auto_wrap_policy=lambda module, recurse, nonwrapped_numel: recurse or id(module) in chosen, **kw)
+            return FSDP(
+                model, auto_wrap_policy=lambda module, recurse, nonwrapped_numel: recurse or id(module) in chosen, **kw
+            )
+
         bench._wrap = _wrap
     dev = launch.init_process_group()
     torch.set_num_threads(1)
@@ -74,4 +83,9 @@ if __name__ == "__main__":
     for impl in impls:
         res = launch.launch(worker, (workload, impl, steps, 3), 2)[0]
         for r, m in enumerate(res):
-            print(f"{impl:12s} r{r} step {m[0]*1e3:6.1f} fwd {m[1]*1e3:6.1f} bwd {m[2]*1e3:6.1f} opt {m[3]*1e3:5.1f} | user {m[4]*1e3:6.1f} sys {m[5]*1e3:5.1f} cpu {(m[4]+m[5])*1e3:6.1f} faults {m[6]:6.0f}", flush=True)
+            print(
+                f"{impl:12s} r{r} step {m[0] * 1e3:6.1f} fwd {m[1] * 1e3:6.1f} bwd {m[2] * 1e3:6.1f} opt "
+                f"{m[3] * 1e3:5.1f} | user {m[4] * 1e3:6.1f} sys {m[5] * 1e3:5.1f} cpu "
+                f"{(m[4] + m[5]) * 1e3:6.1f} faults {m[6]:6.0f}",
+                flush=True,
+            )

@@ -172,9 +172,7 @@ def hybrid_groups(shard_size: int) -> tuple[ProcessGroup, ProcessGroup]:
     return shard, replicate
 
 
-def all_gather(
-    output: torch.Tensor, input: torch.Tensor, group: ProcessGroup, async_op: bool = False
-) -> Handle | None:
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup, async_op: bool = False) -> Handle | None:
     """All-gather ``input`` (shape (S,)) from every rank into ``output`` (shape (N*S,)).
 
     Rank r's input lands in ``output[r*S:(r+1)*S]``. Both tensors are contiguous, same dtype
@@ -183,8 +181,7 @@ def all_gather(
     n = group_size(group)
     if output.numel() != n * input.numel():
         raise ValueError(
-            f"all_gather: output has {output.numel()} elements, expected "
-            f"{n} x {input.numel()} (world size x input)"
+            f"all_gather: output has {output.numel()} elements, expected {n} x {input.numel()} (world size x input)"
         )
     STATS.record("all_gather", input, input.numel() * input.element_size() * (n - 1))
     if n > 1 and backend(group) == "gloo":
@@ -203,7 +200,9 @@ def all_gather(
         # One broadcast rooted at each rank; the root sends its input as is, the others
         # receive into their slice of the output. Gloo runs them concurrently.
         works = [
-            dist.broadcast(input if src == rank else slices[src], src=_global_ranks(group)[src], group=group, async_op=True)
+            dist.broadcast(
+                input if src == rank else slices[src], src=_global_ranks(group)[src], group=group, async_op=True
+            )
             for src in range(n)
         ]
         return _finish(works, None, async_op)
@@ -239,8 +238,7 @@ def reduce_scatter(
     n = group_size(group)
     if input.numel() != n * output.numel():
         raise ValueError(
-            f"reduce_scatter: input has {input.numel()} elements, expected "
-            f"{n} x {output.numel()} (world size x output)"
+            f"reduce_scatter: input has {input.numel()} elements, expected {n} x {output.numel()} (world size x output)"
         )
     nbytes = output.numel() * output.element_size() * (n - 1)
     if backend(group) == "gloo":
@@ -284,7 +282,9 @@ def _staged(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return tensor if tensor.device == device else tensor.to(device)
 
 
-def _copy_back(staged: torch.Tensor, tensor: torch.Tensor, then: Callable[[], Any] | None = None) -> Callable[[], Any] | None:
+def _copy_back(
+    staged: torch.Tensor, tensor: torch.Tensor, then: Callable[[], Any] | None = None
+) -> Callable[[], Any] | None:
     """The epilogue that returns a staged result to ``tensor`` (and runs ``then``), or ``then``."""
     if staged is tensor:
         return then

@@ -203,7 +203,8 @@ def resolve_groups(process_group: Any, device_mesh: Any, strategy: ShardingStrat
     world = collectives.group_size(collectives.default_group())
     if collectives.group_size(shard) * collectives.group_size(replicate) != world:
         raise ValueError(
-            f"the hybrid groups cover {collectives.group_size(shard)} x {collectives.group_size(replicate)} ranks but the "
+            f"the hybrid groups cover {collectives.group_size(shard)} x "
+            f"{collectives.group_size(replicate)} ranks but the "
             f"world size is {world}: build the mesh as init_device_mesh(device, (world // shard_size, shard_size))"
         )
     return Groups(
@@ -234,9 +235,7 @@ def _as_device(device_id: int | str | torch.device) -> torch.device:
 _warned_offload_on_cpu = False
 
 
-def _compute_device(
-    module: nn.Module, device_id: Any, offload: bool, ignored: set[nn.Module]
-) -> torch.device:
+def _compute_device(module: nn.Module, device_id: Any, offload: bool, ignored: set[nn.Module]) -> torch.device:
     """Where the unit computes: ``device_id``, else the module's device (a GPU under offload)."""
     global _warned_offload_on_cpu
     current = next(
@@ -305,9 +304,7 @@ def ignored_modules(
     out: set[nn.Module] = set()
     for m in chosen:
         if isinstance(m, nn.Parameter):
-            raise NotImplementedError(
-                "ignored_states with parameters is not built yet; pass the modules that own them"
-            )
+            raise NotImplementedError("ignored_states with parameters is not built yet; pass the modules that own them")
         if not isinstance(m, nn.Module):
             raise TypeError(f"ignored_modules must hold nn.Module objects, got {type(m).__name__}")
         if is_unit(m):

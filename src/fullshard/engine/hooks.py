@@ -84,6 +84,7 @@ def lazy_init(module: nn.Module) -> UnitHooks:
         h.unit.on_grad_ready = lambda u, r=root: post_backward(u, r)
     return state
 
+
 def _neighbour(order: list[Unit], unit: Unit, step: int) -> Unit | None:
     """The unit ``step`` places from ``unit`` in ``order``, if any."""
     try:

@@ -76,7 +76,9 @@ def reduce_grads(unit: Unit) -> None:
         out = _reduce_output(unit, grad.dtype, grad.device)
     handles: list[collectives.Handle] = []
     if unit.world > 1:
-        h = collectives.reduce_scatter(out, grad, unit.shard_group, divide_by=1.0 if unit.replicas > 1 else post, async_op=True)
+        h = collectives.reduce_scatter(
+            out, grad, unit.shard_group, divide_by=1.0 if unit.replicas > 1 else post, async_op=True
+        )
         assert h is not None
         handles.append(h)
     if all_reduce:
@@ -150,7 +152,11 @@ def _grad_buffer(unit: Unit, shape: torch.Size, dtype: torch.dtype) -> torch.Ten
     replaced when gradients are being accumulated (a shard's ``.grad`` may be a view of it).
     """
     cached = unit._host_grad
-    if cached is not None and cached.dtype == dtype and all(sp.shard is not None and sp.shard.grad is None for sp in unit.trainable):
+    if (
+        cached is not None
+        and cached.dtype == dtype
+        and all(sp.shard is not None and sp.shard.grad is None for sp in unit.trainable)
+    ):
         return cached
     pin = unit.config.offload and torch.cuda.is_available()
     buffer = torch.empty(shape, dtype=dtype, device=unit._shard_device, pin_memory=pin)

@@ -74,7 +74,9 @@ def _check_replacement(unit: Unit, sp: ShardedParam, new: torch.Tensor) -> None:
     """
     spec = sp.dtensor_spec
     placements = getattr(new, "placements", None)
-    if spec is not None and (getattr(new, "device_mesh", None) != spec.mesh or tuple(placements or ()) != spec.placements):
+    if spec is not None and (
+        getattr(new, "device_mesh", None) != spec.mesh or tuple(placements or ()) != spec.placements
+    ):
         raise ValueError(
             f"FSDP unit {unit.name!r}: parameter {sp.fqn} was replaced by a "
             f"{type(new).__name__} on mesh {getattr(new, 'device_mesh', None)} with placements {placements}, "
@@ -84,7 +86,9 @@ def _check_replacement(unit: Unit, sp: ShardedParam, new: torch.Tensor) -> None:
     shape = tuple(new.shape) if spec is not None else tuple(local_tensor(new).shape)
     want = tuple(sp.spec.orig_shape) if spec is not None else tuple(sp.spec.local_shape)
     if shape != want:
-        raise ValueError(f"FSDP unit {unit.name!r}: parameter {sp.fqn} was replaced by one of shape {shape}, expected {want}")
+        raise ValueError(
+            f"FSDP unit {unit.name!r}: parameter {sp.fqn} was replaced by one of shape {shape}, expected {want}"
+        )
 
 
 def _materialize(unit: Unit) -> None:

@@ -122,9 +122,7 @@ class ShardedParam:
         requires_grad: whether the original parameter required a gradient.
     """
 
-    def __init__(
-        self, spec: ShardSpec, slots: list[ParamSlot], fqn: str, requires_grad: bool
-    ) -> None:
+    def __init__(self, spec: ShardSpec, slots: list[ParamSlot], fqn: str, requires_grad: bool) -> None:
         self.spec = spec
         self.slots = slots
         self.fqn = fqn

@@ -43,9 +43,7 @@ import torch
 from torch import nn
 
 from fullshard.comm import buffers, collectives
-from fullshard.engine import partial_reshard
-from fullshard.engine import reduce as R
-from fullshard.engine import shard_sync as S
+from fullshard.engine import partial_reshard, reduce, shard_sync
 from fullshard.engine.reduce import _Multi
 from fullshard.engine.sharded_param import ParamSlot, ShardedParam, ShardSpec
 
@@ -263,8 +261,10 @@ class Unit:
     def _allocate_buffers(self) -> None:
         """The full flat buffer (storage emptied until the first unshard), its autograd leaf and
         views, for a unit whose local flat buffer holds real values."""
-        full = _alias(self.local_flat) if self.aliased else torch.empty(
-            self.world * self.shard_numel, dtype=self.compute_dtype, device=self.device
+        full = (
+            _alias(self.local_flat)
+            if self.aliased
+            else torch.empty(self.world * self.shard_numel, dtype=self.compute_dtype, device=self.device)
         )
         self._full_data = _alias(full)  # writes here leave autograd's version counter alone
         # The autograd leaf (trainable prefix) and the frozen rest: aliases of one storage.
@@ -274,7 +274,10 @@ class Unit:
         # Per run piece, its copy-out targets: views of the full buffer, built once (they stay
         # valid across resize_, which keeps the storage object).
         self._run_targets = [
-            [self._full_data[sp.full_offset : sp.full_offset + sp.spec.padded_numel].view(self.world, -1) for sp in group]
+            [
+                self._full_data[sp.full_offset : sp.full_offset + sp.spec.padded_numel].view(self.world, -1)
+                for sp in group
+            ]
             for group, _, _ in self._pieces
         ]
         if not self.aliased:
@@ -347,7 +350,7 @@ class Unit:
             if not async_op:
                 self.wait_unshard()
             return
-        S.sync_shards(self)
+        shard_sync.sync_shards(self)
         if self.aliased or self.shard_numel == 0:
             self.shard_state = ShardState.UNSHARDED
             GATHERED.add(0)
@@ -513,15 +516,15 @@ class Unit:
     # ---------------------------------------------------------------- gradients (see _reduce)
     def pack_grads(self, grads: Sequence[torch.Tensor | None]) -> torch.Tensor:
         """The trainable parameters' full gradients packed rank-major, (N*S_t,): :func:`_reduce.pack_grads`."""
-        return R.pack_grads(self, grads)
+        return reduce.pack_grads(self, grads)
 
     def reduce_grads(self) -> None:
         """Launch the reduce-scatter of the accumulated full gradient: :func:`_reduce.reduce_grads`."""
-        R.reduce_grads(self)
+        reduce.reduce_grads(self)
 
     def finish_reduce(self) -> None:
         """Wait for the pending reduction; the shards' ``.grad`` get it: :func:`_reduce.finish_reduce`."""
-        R.finish_reduce(self)
+        reduce.finish_reduce(self)
 
     @property
     def has_pending_reduce(self) -> bool:

@@ -116,4 +116,3 @@ def apply_activation_checkpointing(
                 visit(child)
 
     visit(model)
-

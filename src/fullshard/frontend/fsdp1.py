@@ -44,9 +44,14 @@ from fullshard.frontend.options import (
     parse_sharding_strategy,
 )
 from fullshard.frontend.wrap import apply_policy, as_policy
-from fullshard.state import optim_legacy as L
-from fullshard.state import optim_state
-from fullshard.state import state_dict as SD
+from fullshard.state import optim_legacy, optim_state
+from fullshard.state.state_dict import (
+    full_state_dict,
+    load_full_state_dict,
+    load_sharded_state_dict,
+    local_state_dict,
+    sharded_state_dict,
+)
 
 if TYPE_CHECKING:  # torch's option types, accepted as well as fullshard's
     from torch.distributed import fsdp as torch_fsdp
@@ -168,10 +173,14 @@ class FullyShardedDataParallel(ModuleWrapper):
         reshard = strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
         config = build.unit_config(prepared.device, reshard, mp_policy, offload.offload_params, keep_param_objects=True)
         buffer_dtype = mp_policy.buffer_dtype if mp_policy else None
-        unit = build.build_unit(module, prepared, groups, config, exclude, param_init_fn, sync_module_states, buffer_dtype)
+        unit = build.build_unit(
+            module, prepared, groups, config, exclude, param_init_fn, sync_module_states, buffer_dtype
+        )
         self.mixed_precision = mp_policy
         self.cpu_offload = offload
-        self._fsdp_state = hooks.UnitHooks(unit, mixed_precision=mp_policy, backward_prefetch=prefetch, forward_prefetch=forward_prefetch)
+        self._fsdp_state = hooks.UnitHooks(
+            unit, mixed_precision=mp_policy, backward_prefetch=prefetch, forward_prefetch=forward_prefetch
+        )
         self.add_module(WRAPPED, module)
 
     # ------------------------------------------------------------------ structure
@@ -226,12 +235,12 @@ class FullyShardedDataParallel(ModuleWrapper):
         settings = self._settings()
         offload = settings.state_dict_config.offload_to_cpu
         if settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
-            out = SD.sharded_state_dict(self, self._ignored)
+            out = sharded_state_dict(self, self._ignored)
         elif settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
-            out = SD.local_state_dict(self, self._ignored, offload)
+            out = local_state_dict(self, self._ignored, offload)
         else:
             rank0_only = bool(getattr(settings.state_dict_config, "rank0_only", False))
-            out = SD.full_state_dict(self, self._ignored, rank0_only, offload)
+            out = full_state_dict(self, self._ignored, rank0_only, offload)
         if destination is None:
             destination = type(out)()
         for k, v in out.items():
@@ -252,9 +261,9 @@ class FullyShardedDataParallel(ModuleWrapper):
             raise NotImplementedError("load_state_dict(assign=True) is not supported by fullshard")
         kind = self._settings().state_dict_type
         if kind is StateDictType.SHARDED_STATE_DICT:
-            return SD.load_sharded_state_dict(self, state_dict, strict, self._ignored)
+            return load_sharded_state_dict(self, state_dict, strict, self._ignored)
         shards = set(state_dict) if kind is StateDictType.LOCAL_STATE_DICT else ()
-        return SD.load_full_state_dict(self, state_dict, strict, self._ignored, shards=shards)
+        return load_full_state_dict(self, state_dict, strict, self._ignored, shards=shards)
 
     # ------------------------------------------------------------------ state-dict types
     def _settings(self) -> StateDictSettings:
@@ -290,7 +299,8 @@ class FullyShardedDataParallel(ModuleWrapper):
         sharded = state_dict_type is StateDictType.SHARDED_STATE_DICT
         new = StateDictSettings(
             state_dict_type,
-            state_dict_config or (FullStateDictConfig() if state_dict_type is StateDictType.FULL_STATE_DICT else StateDictConfig()),
+            state_dict_config
+            or (FullStateDictConfig() if state_dict_type is StateDictType.FULL_STATE_DICT else StateDictConfig()),
             optim_state_dict_config or (ShardedOptimStateDictConfig() if sharded else FullOptimStateDictConfig()),
         )
         modules = FullyShardedDataParallel.fsdp_modules(module)
@@ -314,14 +324,20 @@ class FullyShardedDataParallel(ModuleWrapper):
         Raises:
             TypeError: an argument of a type neither fullshard's nor torch's.
         """
-        old = FullyShardedDataParallel.set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
+        old = FullyShardedDataParallel.set_state_dict_type(
+            module, state_dict_type, state_dict_config, optim_state_dict_config
+        )
         try:
             yield
         finally:
-            FullyShardedDataParallel.set_state_dict_type(module, old.state_dict_type, old.state_dict_config, old.optim_state_dict_config)
+            FullyShardedDataParallel.set_state_dict_type(
+                module, old.state_dict_type, old.state_dict_config, old.optim_state_dict_config
+            )
 
     @staticmethod
-    def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: Any = None, group: Any = None) -> dict[str, Any]:
+    def optim_state_dict(
+        model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: Any = None, group: Any = None
+    ) -> dict[str, Any]:
         """The optimizer's state keyed by original parameter names (collective).
 
         Full tensors by default; DTensor shards under SHARDED_STATE_DICT. Format:
@@ -332,12 +348,17 @@ class FullyShardedDataParallel(ModuleWrapper):
         if settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
             return optim_state.sharded_optim_state_dict(model, optim)
         osd = optim_state.full_optim_state_dict(model, optim)
-        if getattr(settings.optim_state_dict_config, "rank0_only", False) and collectives.group_rank(collectives.default_group()) != 0:
+        if (
+            getattr(settings.optim_state_dict_config, "rank0_only", False)
+            and collectives.group_rank(collectives.default_group()) != 0
+        ):
             return {"state": {}, "param_groups": osd["param_groups"]}
         return osd
 
     @staticmethod
-    def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+    def optim_state_dict_to_load(
+        model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict[str, Any], **kwargs: Any
+    ) -> dict[str, Any]:
         """Turn a name-keyed optimizer state dict (full or sharded) into one for ``optim.load_state_dict``.
 
         Raises:
@@ -347,12 +368,12 @@ class FullyShardedDataParallel(ModuleWrapper):
         return optim_state.to_load(model, optim, optim_state_dict)
 
     # torch FSDP1's older optimizer-state functions (deprecated there as here); see _optim_legacy.
-    full_optim_state_dict = staticmethod(L.full_optim_state_dict)
-    sharded_optim_state_dict = staticmethod(L.sharded_optim_state_dict)
-    shard_full_optim_state_dict = staticmethod(L.shard_full_optim_state_dict)
-    scatter_full_optim_state_dict = staticmethod(L.scatter_full_optim_state_dict)
-    flatten_sharded_optim_state_dict = staticmethod(L.flatten_sharded_optim_state_dict)
-    rekey_optim_state_dict = staticmethod(L.rekey_optim_state_dict)
+    full_optim_state_dict = staticmethod(optim_legacy.full_optim_state_dict)
+    sharded_optim_state_dict = staticmethod(optim_legacy.sharded_optim_state_dict)
+    shard_full_optim_state_dict = staticmethod(optim_legacy.shard_full_optim_state_dict)
+    scatter_full_optim_state_dict = staticmethod(optim_legacy.scatter_full_optim_state_dict)
+    flatten_sharded_optim_state_dict = staticmethod(optim_legacy.flatten_sharded_optim_state_dict)
+    rekey_optim_state_dict = staticmethod(optim_legacy.rekey_optim_state_dict)
 
     # ------------------------------------------------------------------ gradient accumulation
     @contextlib.contextmanager
@@ -471,16 +492,10 @@ def _summon(unit: Unit, rank0_only: bool, offload_to_cpu: bool, with_grads: bool
 # ---------------------------------------------------------------------- construction helpers
 def _take_deprecated(deprecated: dict[str, Any], auto_wrap_policy: Any) -> Any:
     if "fsdp_auto_wrap_policy" in deprecated:
-        warnings.warn(
-            "fsdp_auto_wrap_policy is deprecated; use auto_wrap_policy", FutureWarning, stacklevel=3
-        )
+        warnings.warn("fsdp_auto_wrap_policy is deprecated; use auto_wrap_policy", FutureWarning, stacklevel=3)
         if auto_wrap_policy is not None:
             raise ValueError("pass auto_wrap_policy or fsdp_auto_wrap_policy, not both")
         auto_wrap_policy = deprecated.pop("fsdp_auto_wrap_policy")
     if deprecated:
-        raise TypeError(
-            f"FullyShardedDataParallel got unexpected keyword argument(s) {sorted(deprecated)}"
-        )
+        raise TypeError(f"FullyShardedDataParallel got unexpected keyword argument(s) {sorted(deprecated)}")
     return auto_wrap_policy
-
-

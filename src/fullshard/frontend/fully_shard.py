@@ -206,7 +206,11 @@ def _mesh_device(mesh: Any) -> torch.device | None:
     """The compute device a mesh implies (CUDA's current device for a CUDA mesh)."""
     if mesh is None or mesh.device_type == "cpu":
         return None
-    return torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device(mesh.device_type)
+    return (
+        torch.device(mesh.device_type, torch.cuda.current_device())
+        if mesh.device_type == "cuda"
+        else torch.device(mesh.device_type)
+    )
 
 
 def _as_reshard_after_forward(value: Union[bool, int, None], shard_size: int) -> tuple[bool, int | None]:
@@ -299,7 +303,9 @@ def fully_shard(
     offload_policy = as_offload_policy(offload_policy, OffloadPolicy, CPUOffloadPolicy)
     for m in modules:
         if build.is_unit(m):
-            raise ValueError(f"{type(m).__name__} is already sharded (fully_shard or FullyShardedDataParallel); apply it once")
+            raise ValueError(
+                f"{type(m).__name__} is already sharded (fully_shard or FullyShardedDataParallel); apply it once"
+            )
     if mesh is not None and mesh.ndim not in (1, 2):
         raise ValueError(f"fully_shard: mesh must have 1 or 2 dimensions, got {mesh.ndim}")
     for p in ignored_params or ():
@@ -314,7 +320,9 @@ def fully_shard(
     _check_params(holder, shard_placement_fn)
     mp = None
     if mp_policy is not None:
-        mp = MixedPrecision(mp_policy.param_dtype, mp_policy.reduce_dtype, cast_forward_inputs=mp_policy.cast_forward_inputs)
+        mp = MixedPrecision(
+            mp_policy.param_dtype, mp_policy.reduce_dtype, cast_forward_inputs=mp_policy.cast_forward_inputs
+        )
     shard_size = collectives.group_size(groups.shard) if groups.shard is not None else 1
     reshard, post_forward_size = _as_reshard_after_forward(reshard_after_forward, shard_size)
     config = build.unit_config(prepared.device, reshard, mp, offload)
@@ -363,7 +371,9 @@ def _check_params(module: nn.Module, shard_placement_fn: Optional[Callable[[nn.P
             )
 
 
-def _register_forward_hooks(modules: list[nn.Module], state: hooks.UnitHooks, output_dtype: Optional[torch.dtype]) -> None:
+def _register_forward_hooks(
+    modules: list[nn.Module], state: hooks.UnitHooks, output_dtype: Optional[torch.dtype]
+) -> None:
     """Gather before the first of ``modules`` runs forward and free after the last one has."""
     pending: set[int] = set()
     ids = {id(m) for m in modules}
@@ -381,7 +391,9 @@ def _register_forward_hooks(modules: list[nn.Module], state: hooks.UnitHooks, ou
         if not pending:
             output = hooks.post_forward(state, output)
         if output_dtype is not None:
-            output = tree_map(lambda t: t.to(output_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, output)
+            output = tree_map(
+                lambda t: t.to(output_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, output
+            )
         return output
 
     for m in modules:
@@ -438,7 +450,12 @@ def _register_state_dict_hooks(module: nn.Module, unit: Unit) -> None:
     from torch.distributed.tensor import DTensor
 
     names = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
-    keys = [(sp, f"{names[id(slot.module)]}.{slot.attr}".lstrip(".")) for sp in unit.params for slot in sp.slots if id(slot.module) in names]
+    keys = [
+        (sp, f"{names[id(slot.module)]}.{slot.attr}".lstrip("."))
+        for sp in unit.params
+        for slot in sp.slots
+        if id(slot.module) in names
+    ]
 
     def from_full(m: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
         for sp, rel in keys:

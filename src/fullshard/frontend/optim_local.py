@@ -30,7 +30,9 @@ from torch.distributed.tensor import DTensor
 from fullshard.engine.sharded_param import ShardedParam
 
 # Per optimizer: what the pre-hook swapped, for the post-hook (and for a step that raised).
-_SWAPPED: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[tuple[dict, int, Any, nn.Parameter, dict]]] = weakref.WeakKeyDictionary()
+_SWAPPED: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[tuple[dict, int, Any, nn.Parameter, dict]]] = (
+    weakref.WeakKeyDictionary()
+)
 _registered = False
 
 

@@ -89,8 +89,7 @@ def as_backward_prefetch(value: Any) -> BackwardPrefetch | None:
     if _is_torch(value, "BackwardPrefetch"):
         return _from_torch_enum(value, BackwardPrefetch, "backward_prefetch")
     raise TypeError(
-        f"backward_prefetch must be a BackwardPrefetch (fullshard's or torch.distributed.fsdp's) "
-        f"or None, got {value!r}"
+        f"backward_prefetch must be a BackwardPrefetch (fullshard's or torch.distributed.fsdp's) or None, got {value!r}"
     )
 
 
@@ -211,9 +210,7 @@ def as_state_dict_type(value: Any) -> StateDictType:
         return value
     if _is_torch(value, "StateDictType"):
         return _from_torch_enum(value, StateDictType, "state_dict_type")
-    raise TypeError(
-        f"state_dict_type must be a StateDictType (fullshard's or torch.distributed.fsdp's), got {value!r}"
-    )
+    raise TypeError(f"state_dict_type must be a StateDictType (fullshard's or torch.distributed.fsdp's), got {value!r}")
 
 
 def as_state_dict_config(value: Any) -> StateDictConfig | None:

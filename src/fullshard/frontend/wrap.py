@@ -40,9 +40,7 @@ def size_based_auto_wrap_policy(
     themselves. Use through ``functools.partial(size_based_auto_wrap_policy, min_num_params=N)``.
     """
     leaf = tuple(force_leaf_modules if force_leaf_modules is not None else {nn.MultiheadAttention})
-    exclude = tuple(
-        exclude_wrap_modules if exclude_wrap_modules is not None else {nn.ModuleList, nn.ModuleDict}
-    )
+    exclude = tuple(exclude_wrap_modules if exclude_wrap_modules is not None else {nn.ModuleList, nn.ModuleDict})
     if recurse:
         return not isinstance(module, leaf)
     return nonwrapped_numel >= min_num_params and not isinstance(module, exclude)
@@ -186,7 +184,9 @@ def enable_wrap(*, wrapper_cls: Callable[..., nn.Module], **wrapper_kwargs: Any)
     """
     global _wrap_context
     if not callable(wrapper_cls):
-        raise TypeError(f"enable_wrap(wrapper_cls=...) must be a class such as FullyShardedDataParallel, got {wrapper_cls!r}")
+        raise TypeError(
+            f"enable_wrap(wrapper_cls=...) must be a class such as FullyShardedDataParallel, got {wrapper_cls!r}"
+        )
     if _wrap_context is not None:
         raise NotImplementedError(
             "enable_wrap is already active; contexts do not nest (as in torch): pass per-module arguments "

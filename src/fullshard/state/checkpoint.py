@@ -65,7 +65,9 @@ def latest(root: str | os.PathLike) -> Path | None:
     root = Path(root)
     if not root.is_dir():
         return None
-    steps = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP.match(p.name)) and (p / ".metadata").is_file())
+    steps = sorted(
+        (int(m.group(1)), p) for p in root.iterdir() if (m := _STEP.match(p.name)) and (p / ".metadata").is_file()
+    )
     return steps[-1][1] if steps else None
 
 
@@ -88,7 +90,8 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[st
         return state
     if not isinstance(model, FullyShardedDataParallel):
         raise TypeError(
-            f"model must be the root FullyShardedDataParallel or a module given to fully_shard, got {type(model).__name__}"
+            "model must be the root FullyShardedDataParallel or a module given to fully_shard, got "
+            f"{type(model).__name__}"
         )
     state = {"model": sharded_state_dict(model, model._ignored)}
     if optimizer is not None:
@@ -223,8 +226,14 @@ def _copies(state: Any) -> Any:
     if isinstance(state, list):
         return [_copies(v) for v in state]
     if isinstance(state, DTensor):
-        return DTensor.from_local(state.to_local().clone(), state.device_mesh, state.placements,
-                                  run_check=False, shape=state.size(), stride=state.stride())
+        return DTensor.from_local(
+            state.to_local().clone(),
+            state.device_mesh,
+            state.placements,
+            run_check=False,
+            shape=state.size(),
+            stride=state.stride(),
+        )
     if isinstance(state, torch.Tensor):
         return state.clone()
     return state
@@ -297,7 +306,7 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> Path:
         if k.startswith("model.") and isinstance(m, TensorStorageMetadata)
     }
     dcp.load(state, checkpoint_id=str(directory), no_dist=True)
-    model = {k[len("model."):]: v.contiguous() for k, v in state.items()}
+    model = {k[len("model.") :]: v.contiguous() for k, v in state.items()}
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.suffix == ".safetensors":
         from safetensors.torch import save_file

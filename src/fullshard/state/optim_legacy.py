@@ -73,7 +73,9 @@ def full_optim_state_dict(
     return osd if keep else {}
 
 
-def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, group: collectives.ProcessGroup | None = None) -> dict[str, Any]:
+def sharded_optim_state_dict(
+    model: nn.Module, optim: torch.optim.Optimizer, group: collectives.ProcessGroup | None = None
+) -> dict[str, Any]:
     """The optimizer's state keyed by original parameter name, this rank's rows as DTensors.
 
     Deprecated (as in torch): prefer ``optim_state_dict`` under ``SHARDED_STATE_DICT``. A
@@ -95,7 +97,9 @@ def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, gro
     """
     _deprecated("sharded_optim_state_dict", "optim_state_dict")
     if group is not None:
-        warnings.warn("sharded_optim_state_dict ignores group=: each FSDP unit shards over its own process group", stacklevel=2)
+        warnings.warn(
+            "sharded_optim_state_dict ignores group=: each FSDP unit shards over its own process group", stacklevel=2
+        )
     _check_model(model)
     _check_optim(model, optim)
     return optim_state.sharded_optim_state_dict(model, optim)
@@ -137,7 +141,9 @@ def shard_full_optim_state_dict(
     return _to_load(full_optim_state_dict, "full_optim_state_dict", model, optim, optim_input)
 
 
-def flatten_sharded_optim_state_dict(sharded_optim_state_dict: dict[str, Any], model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+def flatten_sharded_optim_state_dict(
+    sharded_optim_state_dict: dict[str, Any], model: nn.Module, optim: torch.optim.Optimizer
+) -> dict[str, Any]:
     """A dict from :func:`sharded_optim_state_dict`, for ``optim.load_state_dict`` (local).
 
     Deprecated (as in torch): prefer ``optim_state_dict_to_load``. The DTensors must be in
@@ -201,7 +207,9 @@ def scatter_full_optim_state_dict(
     if collectives.group_rank(group) == 0:
         try:
             if full_optim_state_dict is None:
-                raise ValueError("full_optim_state_dict is None on rank 0; rank 0 must pass the dict full_optim_state_dict returned")
+                raise ValueError(
+                    "full_optim_state_dict is None on rank 0; rank 0 must pass the dict full_optim_state_dict returned"
+                )
             _check_osd(full_optim_state_dict, "full_optim_state_dict")
             message = (_skeleton(full_optim_state_dict, tensors), None)
         except (TypeError, ValueError) as e:
@@ -250,7 +258,8 @@ def rekey_optim_state_dict(
     _warn_optim_input(optim_input)
     if not isinstance(optim_state_key_type, OptimStateKeyType):
         raise TypeError(
-            f"optim_state_key_type must be a fullshard.OptimStateKeyType (PARAM_NAME or PARAM_ID), got {optim_state_key_type!r}"
+            "optim_state_key_type must be a fullshard.OptimStateKeyType (PARAM_NAME or PARAM_ID), got "
+            f"{optim_state_key_type!r}"
         )
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -264,12 +273,16 @@ def rekey_optim_state_dict(
     what = "parameter name" if to_id else "parameter id"
     where = f"the {len(names)} parameters of {'optim' if optim is not None else 'model'}"
     state = {_lookup(table, k, what, where): v for k, v in optim_state_dict["state"].items()}
-    groups = [_group(g, [_lookup(table, k, what, where) for k in g["params"]]) for g in optim_state_dict["param_groups"]]
+    groups = [
+        _group(g, [_lookup(table, k, what, where) for k in g["params"]]) for g in optim_state_dict["param_groups"]
+    ]
     return {"state": state, "param_groups": groups}
 
 
 # ---------------------------------------------------------------------------- loading
-def _to_load(osd: Any, arg: str, model: nn.Module, optim: torch.optim.Optimizer | None, optim_input: OptimInput) -> dict[str, Any]:
+def _to_load(
+    osd: Any, arg: str, model: nn.Module, optim: torch.optim.Optimizer | None, optim_input: OptimInput
+) -> dict[str, Any]:
     """A name-keyed dict (full, this rank's rows, or DTensors) in the id-keyed form ``optim`` loads."""
     _check_osd(osd, arg)
     if _key_type(osd) is OptimStateKeyType.PARAM_ID:
@@ -343,7 +356,10 @@ def _skeleton(osd: dict[str, Any], tensors: list[torch.Tensor]) -> dict[str, Any
         out: dict[str, Any] = {}
         for key, value in entry.items():
             if isinstance(value, DTensor):
-                raise ValueError(f"full_optim_state_dict holds a DTensor at {name!r}/{key!r}; pass full tensors, or use flatten_sharded_optim_state_dict")
+                raise ValueError(
+                    f"full_optim_state_dict holds a DTensor at {name!r}/{key!r}; pass full tensors, or use "
+                    "flatten_sharded_optim_state_dict"
+                )
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 tensors.append(value)
                 value = _Sent(tuple(value.shape), value.dtype)
@@ -352,7 +368,9 @@ def _skeleton(osd: dict[str, Any], tensors: list[torch.Tensor]) -> dict[str, Any
     return {"state": state, "param_groups": osd["param_groups"]}
 
 
-def _receive(skeleton: dict[str, Any], tensors: list[torch.Tensor], model: nn.Module, group: collectives.ProcessGroup) -> dict[str, Any]:
+def _receive(
+    skeleton: dict[str, Any], tensors: list[torch.Tensor], model: nn.Module, group: collectives.ProcessGroup
+) -> dict[str, Any]:
     """Fill the skeleton by one broadcast per tensor, in skeleton order; each rank keeps its rows."""
     params = {clean_name(n): p for n, p in model.named_parameters()}
     sent = iter(tensors)
@@ -363,7 +381,11 @@ def _receive(skeleton: dict[str, Any], tensors: list[torch.Tensor], model: nn.Mo
         for key, value in entry.items():
             if isinstance(value, _Sent):
                 mine = next(sent, None)
-                flat = mine.detach().reshape(-1).contiguous() if mine is not None else torch.empty(math.prod(value.shape), dtype=value.dtype)
+                flat = (
+                    mine.detach().reshape(-1).contiguous()
+                    if mine is not None
+                    else torch.empty(math.prod(value.shape), dtype=value.dtype)
+                )
                 collectives.broadcast(flat, 0, group)
                 value = flat.reshape(value.shape)
                 if sp is not None and tuple(value.shape) == tuple(sp.spec.orig_shape):
@@ -384,7 +406,9 @@ def _deprecated(name: str, new: str) -> None:
 
 def _warn_optim_input(optim_input: OptimInput) -> None:
     if optim_input is not None:
-        warnings.warn("optim_input is deprecated, as in torch; pass optim= (or neither) instead", FutureWarning, stacklevel=3)
+        warnings.warn(
+            "optim_input is deprecated, as in torch; pass optim= (or neither) instead", FutureWarning, stacklevel=3
+        )
 
 
 def _check_model(model: Any) -> None:
@@ -402,11 +426,17 @@ def _check_optim(model: nn.Module, optim: Any) -> None:
         raise TypeError(f"optim must be a torch.optim.Optimizer, got {type(optim).__name__}")
     names = optim_state.param_names(model)
     if any(id(p) not in names for g in optim.param_groups for p in g["params"]):
-        raise ValueError("optim holds parameters that are not model's; build the optimizer on model.parameters() after wrapping")
+        raise ValueError(
+            "optim holds parameters that are not model's; build the optimizer on model.parameters() after wrapping"
+        )
 
 
 def _check_osd(osd: Any, arg: str) -> None:
-    if not isinstance(osd, dict) or not isinstance(osd.get("state"), dict) or not isinstance(osd.get("param_groups"), list):
+    if (
+        not isinstance(osd, dict)
+        or not isinstance(osd.get("state"), dict)
+        or not isinstance(osd.get("param_groups"), list)
+    ):
         got = sorted(osd) if isinstance(osd, dict) else type(osd).__name__
         raise TypeError(f"{arg} must be an optimizer state dict {{'state': dict, 'param_groups': list}}, got {got}")
 
@@ -441,7 +471,10 @@ def _ordered_names(model: nn.Module, params: list[torch.Tensor]) -> list[str]:
     names = optim_state.param_names(model)
     missing = [i for i, p in enumerate(params) if id(p) not in names]
     if missing:
-        raise ValueError(f"parameters at positions {missing[:6]} of the optimizer's parameters are not model's; pass the matching model")
+        raise ValueError(
+            f"parameters at positions {missing[:6]} of the optimizer's parameters are not model's; pass "
+            "the matching model"
+        )
     return [names[id(p)] for p in params]
 
 

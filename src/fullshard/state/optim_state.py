@@ -69,14 +69,23 @@ def sharded_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer)
         mesh = unit_mesh(unit) if unit is not None else None
         out: dict[str, Any] = {}
         for key, value in entry.items():
-            if mesh is not None and sp is not None and unit is not None and isinstance(value, torch.Tensor) and value.shape == p.shape:
+            if (
+                mesh is not None
+                and sp is not None
+                and unit is not None
+                and isinstance(value, torch.Tensor)
+                and value.shape == p.shape
+            ):
                 out[key] = as_dtensor(sp, value, unit, mesh, [Shard(0)])
             elif isinstance(value, torch.Tensor) and sp is not None and value.shape == p.shape:
                 out[key] = value.reshape(sp.spec.orig_shape)  # held whole on every rank
             else:
                 out[key] = value
         state[names[id(p)]] = out
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+        for g in optimizer.param_groups
+    ]
     return {"state": state, "param_groups": groups}
 
 
@@ -124,7 +133,9 @@ def _local(value: Any, sp: Any, current: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def full_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, keep: bool = True, offload_to_cpu: bool = False) -> dict[str, Any]:
+def full_optim_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer, keep: bool = True, offload_to_cpu: bool = False
+) -> dict[str, Any]:
     """The optimizer's state by parameter name with full tensors (collective).
 
     Every rank gathers each parameter's state in turn; with ``keep`` False a rank drops it at

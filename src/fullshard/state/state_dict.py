@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 def _entries(root: nn.Module, ignored: set[nn.Module]) -> Iterator[tuple[str, nn.Module, str, bool]]:
     """(clean name, owning module, attribute, is_parameter) in nn.Module.state_dict order."""
+
     def walk(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module, str, bool]]:
         if isinstance(module, ModuleWrapper):  # wrappers are transparent in names
             yield from walk(module.module, prefix)
@@ -83,7 +84,9 @@ def full_state_dict(
     return out
 
 
-def local_state_dict(root: FullyShardedDataParallel, ignored: set[nn.Module], offload_to_cpu: bool = False) -> OrderedDict[str, torch.Tensor]:
+def local_state_dict(
+    root: FullyShardedDataParallel, ignored: set[nn.Module], offload_to_cpu: bool = False
+) -> OrderedDict[str, torch.Tensor]:
     """This rank's shards (and the buffers) as plain tensors under the original names."""
     out: OrderedDict[str, torch.Tensor] = OrderedDict()
     for name, module, attr, is_param in _entries(root, ignored):
@@ -175,7 +178,9 @@ def as_dtensor(sp: ShardedParam, local: torch.Tensor, unit: Unit, mesh: Any, pla
     shape = sp.spec.orig_shape
     if len(shape) == 0:
         group = unit.shard_group
-        value = torch.zeros((), dtype=local.dtype, device=collectives.reduction_device(group) if group is not None else local.device)
+        value = torch.zeros(
+            (), dtype=local.dtype, device=collectives.reduction_device(group) if group is not None else local.device
+        )
         if sp.spec.local_numel:
             value.copy_(local.detach().reshape(()))
         if group is not None:
@@ -220,7 +225,9 @@ def sharded_state_dict(root: "FullyShardedDataParallel", ignored: set[nn.Module]
     return out
 
 
-def load_sharded_state_dict(root: "FullyShardedDataParallel", state_dict: Mapping[str, Any], strict: bool, ignored: set[nn.Module]) -> _IncompatibleKeys:
+def load_sharded_state_dict(
+    root: "FullyShardedDataParallel", state_dict: Mapping[str, Any], strict: bool, ignored: set[nn.Module]
+) -> _IncompatibleKeys:
     """Copy DTensor shards (this rank's layout) or full tensors into the model; validate first.
 
     Raises:

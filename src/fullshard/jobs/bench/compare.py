@@ -109,7 +109,11 @@ def optimizer_step_seconds(numel: int, steps: int = 5) -> list[tuple[str, float]
                 sizes.append(min(s, left))
                 left -= sizes[-1]
     rows = []
-    variants: list[tuple[str, dict[str, Any]]] = [("for-loop", {"foreach": False}), ("foreach", {"foreach": True}), ("fused", {"fused": True})]
+    variants: list[tuple[str, dict[str, Any]]] = [
+        ("for-loop", {"foreach": False}),
+        ("foreach", {"foreach": True}),
+        ("fused", {"fused": True}),
+    ]
     for name, kwargs in variants:
         params = [nn.Parameter(torch.randn(s)) for s in sizes]
         for q in params:
@@ -130,7 +134,15 @@ COMPARE_WORKLOADS: dict[str, dict[str, Any]] = {
     "compute": {"d_model": 256, "n_layers": 4, "n_heads": 4, "vocab": 256, "batch": 8, "seq": 128, "tied": True},
     "memory": {"d_model": 1024, "n_layers": 8, "n_heads": 16, "vocab": 32000, "batch": 1, "seq": 16, "tied": False},
     "mnist": {"batch": 64},  # the tutorial's CNN on the bundled MNIST images, Adadelta
-    "tiny": {"d_model": 64, "n_layers": 2, "n_heads": 2, "vocab": 256, "batch": 2, "seq": 16, "tied": True},  # for tests
+    "tiny": {
+        "d_model": 64,
+        "n_layers": 2,
+        "n_heads": 2,
+        "vocab": 256,
+        "batch": 2,
+        "seq": 16,
+        "tied": True,
+    },  # for tests
 }
 FULLY_SHARD = "fullshard fully_shard"  # the FSDP2 front end: DTensor parameters, torch's optimizer on them
 IMPLEMENTATIONS = ("fullshard", FULLY_SHARD, "torch FSDP2", "DDP")
@@ -189,8 +201,12 @@ def _build_job(workload: str, impl: str, device: torch.device, rank: int) -> _Jo
         from fullshard.jobs.models.gpt import GPT, GPTConfig
 
         cfg = GPTConfig(
-            d_model=w["d_model"], n_layers=w["n_layers"], n_heads=w["n_heads"], vocab_size=w["vocab"],
-            max_seq_len=max(w["seq"], 16), tie_embeddings=w["tied"],
+            d_model=w["d_model"],
+            n_layers=w["n_layers"],
+            n_heads=w["n_heads"],
+            vocab_size=w["vocab"],
+            max_seq_len=max(w["seq"], 16),
+            tie_embeddings=w["tied"],
         )
         model = GPT(cfg).to(device)
         tokens = torch.randint(0, w["vocab"], (w["batch"], w["seq"] + 1), generator=g).to(device)
@@ -293,10 +309,16 @@ def _compare_turn(workload: str, impl: str, steps: int, warmup: int, device: tor
     peaks = collectives.all_gather_object(peak, group)
     cpus = collectives.all_gather_object(cpu, group)
     result = {
-        "times": times, "cpu_times": [sum(c) / world for c in zip(*cpus)],  # CPU: mean over ranks, per step
-        "peak_rss": max(peaks), "state_bytes": state["total"], "params": job.params,
+        "times": times,
+        "cpu_times": [sum(c) / world for c in zip(*cpus)],  # CPU: mean over ranks, per step
+        "peak_rss": max(peaks),
+        "state_bytes": state["total"],
+        "params": job.params,
         "gathered_bytes": GATHERED.peak_bytes if impl.startswith("fullshard") else _gathered_peak(impl, job, world),
-        "items": job.items * world, "largest_unit_bytes": job.largest_unit_bytes, "world": world, "device": str(device),
+        "items": job.items * world,
+        "largest_unit_bytes": job.largest_unit_bytes,
+        "world": world,
+        "device": str(device),
         "bytes_sent": sent if impl.startswith("fullshard") else _bytes_sent(impl, job.params * 4, world),
     }
     return result
@@ -319,8 +341,14 @@ def _gathered_peak(impl: str, job: _Job, world: int) -> int:
     """
     if impl != "torch FSDP2":
         return 0
-    units = sorted((sum(p.numel() * p.element_size() for p in m.parameters())  # DTensor numel: global
-                    for m in job.model.modules() if m is not job.model and hasattr(m, "unshard")), reverse=True)
+    units = sorted(
+        (
+            sum(p.numel() * p.element_size() for p in m.parameters())  # DTensor numel: global
+            for m in job.model.modules()
+            if m is not job.model and hasattr(m, "unshard")
+        ),
+        reverse=True,
+    )
     root = job.params * 4 - sum(units)
     return root + sum(units[:2])
 
@@ -347,7 +375,8 @@ def compare_table(workload: str, results: dict[str, dict[str, Any]]) -> str:
         f"Workload `{workload}`: {COMPARE_WORKLOADS[workload]}, {any_r['params'] / 1e6:.1f}M parameters, "
         f"{any_r['world']} ranks. Cells: value (ratio to torch FSDP2 / ratio to DDP).",
         "",
-        f"| implementation | step (s) | CPU per step per rank (s) | {items}/s | {mem} per rank (MiB) | model state per rank (MiB) "
+        f"| implementation | step (s) | CPU per step per rank (s) | {items}/s | {mem} per rank (MiB) | "
+        "model state per rank (MiB) "
         "| of which gathered at peak (MiB) | sent per step (MiB) |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -357,8 +386,10 @@ def compare_table(workload: str, results: dict[str, dict[str, Any]]) -> str:
         r = results[impl]
         state = r["model_state"]
         lines.append(
-            f"| {impl} | {r['step_s']:.3f} ({ratio(impl, 'step_s')}) | {r['cpu_s']:.3f} | {r['items_per_s']:,.0f} ({ratio(impl, 'items_per_s')}) | "
-            f"{r['peak_rss'] / 2**20:,.0f} ({ratio(impl, 'peak_rss')}) | {state / 2**20:,.1f} ({ratio(impl, 'model_state')}) | "
+            f"| {impl} | {r['step_s']:.3f} ({ratio(impl, 'step_s')}) | {r['cpu_s']:.3f} | "
+            f"{r['items_per_s']:,.0f} ({ratio(impl, 'items_per_s')}) | "
+            f"{r['peak_rss'] / 2**20:,.0f} ({ratio(impl, 'peak_rss')}) | {state / 2**20:,.1f} "
+            f"({ratio(impl, 'model_state')}) | "
             f"{r['gathered_bytes'] / 2**20:,.1f} | {r['bytes_sent'] / 2**20:,.1f} |"
         )
     return "\n".join(lines)
@@ -369,9 +400,15 @@ def target_lines(workload: str, results: dict[str, dict[str, Any]]) -> list[str]
     fs, fsdp2, ddp = results["fullshard"], results["torch FSDP2"], results["DDP"]
     checks: list[tuple[str, float, float]] = []
     if workload == "compute":
-        checks += [("step vs torch FSDP2", fs["step_s"] / fsdp2["step_s"], 0.75), ("step vs DDP", fs["step_s"] / ddp["step_s"], 1.05)]
+        checks += [
+            ("step vs torch FSDP2", fs["step_s"] / fsdp2["step_s"], 0.75),
+            ("step vs DDP", fs["step_s"] / ddp["step_s"], 1.05),
+        ]
     if workload == "memory":
-        checks += [("step vs torch FSDP2", fs["step_s"] / fsdp2["step_s"], 0.6), ("peak RSS vs torch FSDP2", fs["peak_rss"] / fsdp2["peak_rss"], 1.0)]
+        checks += [
+            ("step vs torch FSDP2", fs["step_s"] / fsdp2["step_s"], 0.6),
+            ("peak RSS vs torch FSDP2", fs["peak_rss"] / fsdp2["peak_rss"], 1.0),
+        ]
     two = results.get(FULLY_SHARD)
     if two is not None:  # issue 13: DTensor parameters must not give back what the engine won
         if workload == "memory":
@@ -379,10 +416,15 @@ def target_lines(workload: str, results: dict[str, dict[str, Any]]) -> list[str]
         checks.append(("fully_shard step vs the FSDP1 wrapper's", two["step_s"] / fs["step_s"], 1.05))
     bound = 16 * fs["params"] / fs["world"] + fs["largest_unit_bytes"]
     if workload != "mnist":  # Adadelta keeps two state tensors too, but the bound is stated for AdamW
-        checks.append(("model state vs 16 B x P / N + largest unit", (fs["state_bytes"] + fs["gathered_bytes"]) / bound, 1.0))
+        checks.append(
+            ("model state vs 16 B x P / N + largest unit", (fs["state_bytes"] + fs["gathered_bytes"]) / bound, 1.0)
+        )
     if not checks:
         return ["- none for this workload"]
-    return [f"- {name}: {value:.2f}x (target at most {limit}x): {'met' if value <= limit else 'not met'}" for name, value, limit in checks]
+    return [
+        f"- {name}: {value:.2f}x (target at most {limit}x): {'met' if value <= limit else 'not met'}"
+        for name, value, limit in checks
+    ]
 
 
 def machine_line(device: str) -> str:
@@ -414,9 +456,15 @@ def write_chart(path: str, all_results: dict[str, dict[str, dict[str, Any]]]) ->
     names = (*IMPLEMENTATIONS, FLOOR)
     fig, axes = plt.subplots(2, len(all_results), figsize=(4.2 * len(all_results), 6.5), squeeze=False)
     for col, (workload, res) in enumerate(all_results.items()):
-        for row, (key, label, scale) in enumerate((("step_s", "step (s)", 1.0), ("peak_rss", "peak memory per rank (MiB)", 2**-20))):
+        for row, (key, label, scale) in enumerate(
+            (("step_s", "step (s)", 1.0), ("peak_rss", "peak memory per rank (MiB)", 2**-20))
+        ):
             ax = axes[row][col]
-            ax.bar(range(len(names)), [res[n][key] * scale for n in names], color=["tab:blue", "tab:cyan", "tab:orange", "tab:green", "tab:gray"])
+            ax.bar(
+                range(len(names)),
+                [res[n][key] * scale for n in names],
+                color=["tab:blue", "tab:cyan", "tab:orange", "tab:green", "tab:gray"],
+            )
             ax.set_xticks(range(len(names)), [n.replace(" ", "\n") for n in names], fontsize=8)
             ax.set_ylabel(label)
             if row == 0:
@@ -444,7 +492,9 @@ def write_markdown(path: str, section: str, begin: str = BEGIN_MARK, end: str = 
     os.replace(tmp, path)
 
 
-def run_compare(workloads: Sequence[str], steps: int, warmup: int, rounds: int, nproc: int) -> tuple[str, dict[str, Any]]:
+def run_compare(
+    workloads: Sequence[str], steps: int, warmup: int, rounds: int, nproc: int
+) -> tuple[str, dict[str, Any]]:
     """Run every workload; return the markdown section and the results per workload.
 
     Each turn (one implementation of one workload) runs in freshly started worker processes, so
@@ -477,7 +527,8 @@ def run_compare(workloads: Sequence[str], steps: int, warmup: int, rounds: int, 
     backend = "NCCL" if device.startswith("cuda") else "gloo"
     head = [
         f"Machine: {machine_line(device)}; {nproc} ranks, {backend}, one compute thread per rank; "
-        f"median of {steps * rounds} timed steps per implementation ({rounds} turns of {warmup} warm-up + {steps} timed "
+        f"median of {steps * rounds} timed steps per implementation ({rounds} turns of {warmup} warm-up + "
+        f"{steps} timed "
         "steps, each turn in fresh processes, the order reversed every other round).",
         "",
     ]
@@ -494,8 +545,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="fullshard bench", description=__doc__)
     p.add_argument("workload", choices=["prefetch", "optimizer", "compare", "gpu"])
     p.add_argument("--compare", default="compute", choices=sorted(COMPARE_WORKLOADS), help="compare: one workload")
-    p.add_argument("--workloads", nargs="+", choices=sorted(COMPARE_WORKLOADS), help="compare: several workloads (overrides --compare)")
-    p.add_argument("--rounds", type=int, default=2, help="compare: turns per implementation, the order reversed every other round")
+    p.add_argument(
+        "--workloads",
+        nargs="+",
+        choices=sorted(COMPARE_WORKLOADS),
+        help="compare: several workloads (overrides --compare)",
+    )
+    p.add_argument(
+        "--rounds", type=int, default=2, help="compare: turns per implementation, the order reversed every other round"
+    )
     p.add_argument("--write", metavar="MARKDOWN", help="compare: write the tables into this file's generated section")
     p.add_argument("--chart", metavar="PNG", help="compare: write a chart of step time and memory (needs matplotlib)")
     p.add_argument("--warmup", type=int, default=3)
@@ -521,18 +579,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.workload == "optimizer":
         torch.set_num_threads(1)
         opt_rows = optimizer_step_seconds(args.numel)
-        print(f"CPU AdamW step over {args.numel / 1e6:.0f}M fp32 elements (one rank's shards), one thread, torch {torch.__version__}")
+        print(
+            f"CPU AdamW step over {args.numel / 1e6:.0f}M fp32 elements (one rank's shards), one thread, "
+            f"torch {torch.__version__}"
+        )
         print("| implementation | step (s) | vs for-loop |")
         print("|---|---|---|")
         for name, seconds in opt_rows:
             print(f"| {name} | {seconds:.3f} | {seconds / opt_rows[0][1]:.2f}x |")
         return 0
-    rows = launch.launch(prefetch_worker, (args.d_model, args.layers, args.batch, args.steps), args.nproc, env=BENCH_ENV)[0]
+    rows = launch.launch(
+        prefetch_worker, (args.d_model, args.layers, args.batch, args.steps), args.nproc, env=BENCH_ENV
+    )[0]
     assert rows is not None
     base = rows[0][1]
     params = args.layers * (args.d_model**2 + args.d_model)
-    print(f"prefetch benchmark: {args.layers} x Linear({args.d_model}, {args.d_model}) ({params / 1e6:.1f}M params), "
-          f"batch {args.batch}, FULL_SHARD, {args.nproc} ranks, torch {torch.__version__}, median of {args.steps} steps")
+    print(
+        f"prefetch benchmark: {args.layers} x Linear({args.d_model}, {args.d_model}) ({params / 1e6:.1f}M params), "
+        f"batch {args.batch}, FULL_SHARD, {args.nproc} ranks, torch {torch.__version__}, median of {args.steps} steps"
+    )
     print("| setting | step (s) | vs no prefetch |")
     print("|---|---|---|")
     for name, seconds in rows:

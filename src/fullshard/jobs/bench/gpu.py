@@ -57,8 +57,12 @@ def _build(impl: str, preset: str, device: torch.device) -> nn.Module:
     bf16 = torch.bfloat16
     if impl == "fullshard":
         mp = MixedPrecision(param_dtype=bf16, reduce_dtype=bf16, buffer_dtype=bf16)
-        return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), mixed_precision=mp,
-                    device_id=device if device.type == "cuda" else None)
+        return FSDP(
+            model,
+            auto_wrap_policy=ModuleWrapPolicy({Block}),
+            mixed_precision=mp,
+            device_id=device if device.type == "cuda" else None,
+        )
     if impl == "torch FSDP2":
         from torch.distributed.fsdp import MixedPrecisionPolicy
         from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -76,7 +80,9 @@ def _optimizer(params: Any, device: torch.device) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
 
 
-def _train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, autocast: bool) -> torch.Tensor:
+def _train_step(
+    model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, autocast: bool
+) -> torch.Tensor:
     """One AdamW step; returns the loss (a 0-dim tensor, not synchronized)."""
     opt.zero_grad(set_to_none=True)
     with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
@@ -156,10 +162,14 @@ def offload_worker(preset: str, batch: int, seq: int, steps: int, warmup: int) -
         with torch.device("meta"):
             model = GPT(cfg)
         bf16 = torch.bfloat16
-        fsdp = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), cpu_offload=CPUOffload(offload_params=True),
-                    mixed_precision=MixedPrecision(param_dtype=bf16, reduce_dtype=bf16, buffer_dtype=bf16),
-                    param_init_fn=functools.partial(init_module, n_layers=cfg.n_layers),
-                    device_id=device if device.type == "cuda" else None)
+        fsdp = FSDP(
+            model,
+            auto_wrap_policy=ModuleWrapPolicy({Block}),
+            cpu_offload=CPUOffload(offload_params=True),
+            mixed_precision=MixedPrecision(param_dtype=bf16, reduce_dtype=bf16, buffer_dtype=bf16),
+            param_init_fn=functools.partial(init_module, n_layers=cfg.n_layers),
+            device_id=device if device.type == "cuda" else None,
+        )
         opt = _optimizer(fsdp.parameters(), torch.device("cpu"))
         build_s = time.perf_counter() - start
         x, y = _tokens(cfg.vocab_size, batch, seq, device)
@@ -170,9 +180,12 @@ def offload_worker(preset: str, batch: int, seq: int, steps: int, warmup: int) -
         except torch.OutOfMemoryError as e:
             return {"error": f"out of GPU memory: {str(e).splitlines()[0][:160]}", "params": cfg.num_params}
         return {
-            "times": times, "build_s": build_s, "params": cfg.num_params,
+            "times": times,
+            "build_s": build_s,
+            "params": cfg.num_params,
             "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0,
-            "peak_rss_bytes": peak_rss_bytes(), "state_bytes": model_state_bytes(fsdp, opt)["total"],
+            "peak_rss_bytes": peak_rss_bytes(),
+            "state_bytes": model_state_bytes(fsdp, opt)["total"],
         }
     finally:
         launch.destroy_process_group()
@@ -182,42 +195,71 @@ def throughput_table(res: dict[str, Any]) -> list[str]:
     """Markdown rows: median step, tokens/s, and the ratio of throughput to each unwrapped run."""
     med = {impl: statistics.median(res[impl]["times"]) for impl in THROUGHPUT_IMPLS}
     base_a, base_b = med["unwrapped, autocast bf16"], med["unwrapped, bf16 parameters"]
-    rows = ["| implementation | step (ms) | tokens/s | throughput vs unwrapped autocast | vs unwrapped bf16 parameters | first-step loss |",
-            "|---|---|---|---|---|---|"]
+    rows = [
+        "| implementation | step (ms) | tokens/s | throughput vs unwrapped autocast | vs unwrapped bf16 "
+        "parameters | first-step loss |",
+        "|---|---|---|---|---|---|",
+    ]
     for impl in THROUGHPUT_IMPLS:
-        rows.append(f"| {impl} | {med[impl] * 1e3:.1f} | {res['tokens'] / med[impl]:,.0f} | {base_a / med[impl]:.3f}x | "
-                    f"{base_b / med[impl]:.3f}x | {res[impl]['first_loss']:.4f} |")
+        rows.append(
+            f"| {impl} | {med[impl] * 1e3:.1f} | {res['tokens'] / med[impl]:,.0f} | {base_a / med[impl]:.3f}x | "
+            f"{base_b / med[impl]:.3f}x | {res[impl]['first_loss']:.4f} |"
+        )
     return rows
 
 
 def offload_table(rows: list[tuple[str, dict[str, Any]]], tokens: int) -> list[str]:
     """Markdown rows, one per preset: tokens/s and memory, or why it did not train."""
-    out = ["| preset | parameters | step (s) | tokens/s | peak GPU memory (GiB) | peak host RSS (GiB) | model state on host (GiB) | build (s) |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = [
+        "| preset | parameters | step (s) | tokens/s | peak GPU memory (GiB) | peak host RSS (GiB) | "
+        "model state on host (GiB) | build (s) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for preset, r in rows:
         if "error" in r:
             out.append(f"| {preset} | {r['params'] / 1e9:.2f}B | did not train: {r['error']} | | | | | |")
             continue
         s = statistics.median(r["times"])
-        out.append(f"| {preset} | {r['params'] / 1e9:.2f}B | {s:.2f} | {tokens / s:,.0f} | {r['peak_gpu_bytes'] / 2**30:.1f} | "
-                   f"{r['peak_rss_bytes'] / 2**30:.1f} | {r['state_bytes'] / 2**30:.1f} | {r['build_s']:.0f} |")
+        out.append(
+            f"| {preset} | {r['params'] / 1e9:.2f}B | {s:.2f} | {tokens / s:,.0f} | "
+            f"{r['peak_gpu_bytes'] / 2**30:.1f} | "
+            f"{r['peak_rss_bytes'] / 2**30:.1f} | {r['state_bytes'] / 2**30:.1f} | {r['build_s']:.0f} |"
+        )
     return out
 
 
-def run(preset: str, offload_presets: Sequence[str], batch: int, seq: int, steps: int, warmup: int, rounds: int,
-        offload_batch: int, offload_steps: int) -> str:
+def run(
+    preset: str,
+    offload_presets: Sequence[str],
+    batch: int,
+    seq: int,
+    steps: int,
+    warmup: int,
+    rounds: int,
+    offload_batch: int,
+    offload_steps: int,
+) -> str:
     """Run both measures; return the markdown section."""
     from fullshard.jobs.bench.compare import machine_line
 
     res = launch.launch(throughput_worker, (preset, batch, seq, steps, warmup, rounds), 1)[0]
     device = "cuda" if res["device"] != "cpu" else "cpu"
-    lines = [f"Machine: {machine_line(device)}; world size 1.", "",
-             f"Throughput: preset {preset}, batch {batch} x {seq} tokens, bf16 compute, fused AdamW; median of "
-             f"{steps * rounds} timed steps per implementation ({rounds} rounds of {warmup} warm-up + {steps} timed steps, "
-             "the implementations taking turns in one process).", "", *throughput_table(res), ""]
+    lines = [
+        f"Machine: {machine_line(device)}; world size 1.",
+        "",
+        f"Throughput: preset {preset}, batch {batch} x {seq} tokens, bf16 compute, fused AdamW; median of "
+        f"{steps * rounds} timed steps per implementation ({rounds} rounds of {warmup} warm-up + {steps} timed steps, "
+        "the implementations taking turns in one process).",
+        "",
+        *throughput_table(res),
+        "",
+    ]
     f = statistics.median(res["unwrapped, autocast bf16"]["times"]) / statistics.median(res["fullshard"]["times"])
-    lines += [f"- fullshard vs the same model unwrapped (autocast bf16): {f:.3f}x throughput "
-              f"(target at least 0.97x): {'met' if f >= 0.97 else 'not met'}", ""]
+    lines += [
+        f"- fullshard vs the same model unwrapped (autocast bf16): {f:.3f}x throughput "
+        f"(target at least 0.97x): {'met' if f >= 0.97 else 'not met'}",
+        "",
+    ]
     rows: list[tuple[str, dict[str, Any]]] = []
     for p in offload_presets:
         try:
@@ -230,10 +272,16 @@ def run(preset: str, offload_presets: Sequence[str], batch: int, seq: int, steps
         print(f"offload {p}: {r}", flush=True)
     if rows:
         trained = [p for p, r in rows if "error" not in r]
-        lines += [f"CPU offload: `CPUOffload(offload_params=True)`, bf16 compute, fused AdamW on the host shards, "
-                  f"batch {offload_batch} x {seq} tokens, median of {offload_steps} steps after 1 warm-up; "
-                  "each preset in a fresh process, built on the meta device.", "", *offload_table(rows, offload_batch * seq), "",
-                  f"- largest preset that trains on this GPU with CPU offload: {trained[-1] if trained else 'none'}", ""]
+        lines += [
+            f"CPU offload: `CPUOffload(offload_params=True)`, bf16 compute, fused AdamW on the host shards, "
+            f"batch {offload_batch} x {seq} tokens, median of {offload_steps} steps after 1 warm-up; "
+            "each preset in a fresh process, built on the meta device.",
+            "",
+            *offload_table(rows, offload_batch * seq),
+            "",
+            f"- largest preset that trains on this GPU with CPU offload: {trained[-1] if trained else 'none'}",
+            "",
+        ]
     return "\n".join(lines)
 
 
@@ -259,8 +307,17 @@ def main(argv: Sequence[str]) -> int:
     args = p.parse_args(list(argv))
     if not torch.cuda.is_available() and not args.allow_cpu:
         raise SystemExit("fullshard bench gpu: no CUDA device here (--allow-cpu runs the code path on the CPU)")
-    section = run(args.preset, args.offload_presets, args.batch, args.seq, args.steps, args.warmup, args.rounds,
-                  args.offload_batch, args.offload_steps)
+    section = run(
+        args.preset,
+        args.offload_presets,
+        args.batch,
+        args.seq,
+        args.steps,
+        args.warmup,
+        args.rounds,
+        args.offload_batch,
+        args.offload_steps,
+    )
     section = f"`fullshard bench gpu {' '.join(argv)}`\n\n{section}"
     print(section)
     if args.write:

@@ -37,7 +37,9 @@ def files_from_glob(pattern: str) -> list[Path]:
     """
     files = sorted(Path(p) for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
     if not files:
-        raise FileNotFoundError(f"--data {pattern!r} matches no files; give a glob of UTF-8 text files, e.g. 'corpus/**/*.txt'")
+        raise FileNotFoundError(
+            f"--data {pattern!r} matches no files; give a glob of UTF-8 text files, e.g. 'corpus/**/*.txt'"
+        )
     return files
 
 
@@ -68,7 +70,9 @@ class ByteCorpus:
             val.append(last[cut:])
         return cls(_as_tensor(train), _as_tensor(val))
 
-    def batch(self, step: int, rank: int, batch_size: int, seq_len: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(
+        self, step: int, rank: int, batch_size: int, seq_len: int, seed: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Training inputs and next-byte targets for (step, rank), each int64 (batch_size, seq_len).
 
         Raises:
@@ -76,7 +80,9 @@ class ByteCorpus:
         """
         return _windows(self.train, batch_size, seq_len, _seed(seed, step, rank))
 
-    def val_batches(self, count: int, batch_size: int, seq_len: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def val_batches(
+        self, count: int, batch_size: int, seq_len: int, seed: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``count`` fixed validation batches (the same on every rank and every call)."""
         return [_windows(self.val, batch_size, seq_len, _seed(seed, -1 - i, 0)) for i in range(count)]
 

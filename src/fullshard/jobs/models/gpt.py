@@ -1,8 +1,8 @@
 """A decoder-only transformer for byte-level language modelling (the model of ``train gpt``).
 
 Pre-norm blocks (RMSNorm), rotary position embeddings, a SwiGLU MLP, and an output projection
-tied to the token embedding (or its own weight with ``tie_embeddings=False``). Shapes: tokens int64 (batch, seq) -> logits (batch, seq, vocab) in
-the parameters' compute dtype.
+tied to the token embedding (or its own weight with ``tie_embeddings=False``). Shapes: tokens
+int64 (batch, seq) -> logits (batch, seq, vocab) in the parameters' compute dtype.
 
 :func:`init_module` initializes one module's own parameters (normal(0, 0.02), residual
 projections scaled by 1/sqrt(2 x layers)); it is used at construction and, for models built on
@@ -64,7 +64,9 @@ def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
-def rotary_tables(seq_len: int, head_dim: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(
+    seq_len: int, head_dim: int, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotary angles, each (seq_len, head_dim // 2)."""
     inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv)

@@ -21,13 +21,19 @@ PREFETCH = {"pre": BackwardPrefetch.BACKWARD_PRE, "post": BackwardPrefetch.BACKW
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Add --sharding-strategy, --mixed-precision, --cpu-offload, prefetch options."""
-    p.add_argument("--sharding-strategy", default="full_shard", help="full_shard, shard_grad_op, no_shard, hybrid_shard")
+    p.add_argument(
+        "--sharding-strategy", default="full_shard", help="full_shard, shard_grad_op, no_shard, hybrid_shard"
+    )
     p.add_argument("--mixed-precision", default="none", help="none, bf16 or fp16 (gather, compute and reduce)")
     p.add_argument("--cpu-offload", action="store_true", help="keep shards and gradients in CPU memory (GPU runs)")
     p.add_argument("--backward-prefetch", default="pre", help="pre, post or none")
     p.add_argument("--forward-prefetch", action="store_true", help="gather the next unit during forward")
-    p.add_argument("--api", default="fsdp1", choices=APIS,
-                   help="front end: fsdp1 (the FullyShardedDataParallel wrapper) or fsdp2 (fully_shard, DTensor parameters)")
+    p.add_argument(
+        "--api",
+        default="fsdp1",
+        choices=APIS,
+        help="front end: fsdp1 (the FullyShardedDataParallel wrapper) or fsdp2 (fully_shard, DTensor parameters)",
+    )
 
 
 def validate(cfg: Any) -> None:
@@ -45,13 +51,19 @@ def validate(cfg: Any) -> None:
     if api not in APIS:
         raise ValueError(f"--api {api!r}: use fsdp1 or fsdp2")
     if api == "fsdp2":
-        if parse_sharding_strategy(cfg.sharding_strategy) not in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
+        if parse_sharding_strategy(cfg.sharding_strategy) not in (
+            ShardingStrategy.FULL_SHARD,
+            ShardingStrategy.SHARD_GRAD_OP,
+        ):
             raise ValueError(
                 f"--api fsdp2 --sharding-strategy {cfg.sharding_strategy}: fully_shard takes full_shard or "
                 "shard_grad_op (hybrid sharding needs a 2-D device mesh; use --api fsdp1 for no_shard and hybrid_shard)"
             )
         if cfg.backward_prefetch == "post":
-            raise ValueError("--api fsdp2 --backward-prefetch post: fully_shard prefetches when a unit's backward starts (pre) or not at all (none)")
+            raise ValueError(
+                "--api fsdp2 --backward-prefetch post: fully_shard prefetches when a unit's backward "
+                "starts (pre) or not at all (none)"
+            )
 
 
 def fsdp_kwargs(cfg: Any) -> dict[str, Any]:
@@ -122,5 +134,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
     if isinstance(model, FullyShardedDataParallel):  # full tensors on every rank
         state = model.state_dict()
-        return {k: v.cpu() for k, v in state.items()} if collectives.group_rank(collectives.default_group()) == 0 else {}
+        return (
+            {k: v.cpu() for k, v in state.items()} if collectives.group_rank(collectives.default_group()) == 0 else {}
+        )
     return dict(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))  # type: ignore[arg-type]

@@ -146,7 +146,9 @@ def build_model(cfg: GPTJobConfig, device: torch.device) -> nn.Module:
     init = functools.partial(init_module, n_layers=model_cfg.n_layers)
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
     if cfg.api == "fsdp1":
-        return fsdp_options.shard_model(model, cfg, policy, param_init_fn=init, device_id=device if device.type == "cuda" else None)
+        return fsdp_options.shard_model(
+            model, cfg, policy, param_init_fn=init, device_id=device if device.type == "cuda" else None
+        )
     sharded = fsdp_options.shard_model(model, cfg, policy)
     sharded.to_empty(device=device)
     for m in sharded.modules():
@@ -191,7 +193,9 @@ def worker(cfg: GPTJobConfig) -> dict[str, Any] | None:
 def _run(cfg: GPTJobConfig, device: torch.device) -> dict[str, Any] | None:
     torch.manual_seed(cfg.seed)
     model = build_model(cfg, device)
-    return train_loop(cfg, device, model, f"GPT preset {cfg.preset}: {PRESETS[cfg.preset].num_params / 1e6:.2f}M parameters")
+    return train_loop(
+        cfg, device, model, f"GPT preset {cfg.preset}: {PRESETS[cfg.preset].num_params / 1e6:.2f}M parameters"
+    )
 
 
 def train_loop(cfg: GPTJobConfig, device: torch.device, model: nn.Module, title: str) -> dict[str, Any] | None:
@@ -204,9 +208,14 @@ def train_loop(cfg: GPTJobConfig, device: torch.device, model: nn.Module, title:
     corpus = ByteCorpus.load(cfg.data)
     val = corpus.val_batches(cfg.eval_batches, cfg.batch_size, cfg.seq_len, cfg.seed)
     if rank == 0:
-        print(f"{title}, {sum(1 for m in model.modules() if is_unit(m))} FSDP units ({cfg.api}), {world} ranks, "
-              f"{cfg.batch_size * world} x {cfg.seq_len} bytes per step", flush=True)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=True)
+        print(
+            f"{title}, {sum(1 for m in model.modules() if is_unit(m))} FSDP units ({cfg.api}), {world} ranks, "
+            f"{cfg.batch_size * world} x {cfg.seq_len} bytes per step",
+            flush=True,
+        )
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=True
+    )
     first = _resume(cfg, model, optimizer)
     metrics = MetricsFile(cfg.metrics_file, rank == 0, append=first > 0)
     record: dict[str, Any] | None = None
@@ -258,8 +267,17 @@ def _resume(cfg: GPTJobConfig, model: nn.Module, optimizer: torch.optim.Optimize
     return int(extra.get("step", 0))
 
 
-def _log(cfg: GPTJobConfig, model: nn.Module, optimizer: torch.optim.Optimizer, val: list, device: torch.device,
-         step: int, window_loss: torch.Tensor, seconds: float, start: float) -> dict[str, Any]:
+def _log(
+    cfg: GPTJobConfig,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    val: list,
+    device: torch.device,
+    step: int,
+    window_loss: torch.Tensor,
+    seconds: float,
+    start: float,
+) -> dict[str, Any]:
     group = collectives.default_group()
     world = collectives.group_size(group)
     collectives.all_reduce(window_loss, group)

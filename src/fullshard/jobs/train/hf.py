@@ -26,19 +26,39 @@ from fullshard.jobs.train.gpt import GPTJobConfig, config_from, make_parser, tra
 def _llama_tiny() -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return LlamaForCausalLM(LlamaConfig(
-        vocab_size=256, hidden_size=128, intermediate_size=344, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=4, max_position_embeddings=2048, bos_token_id=0, eos_token_id=0, pad_token_id=0,
-    ))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=256,
+            hidden_size=128,
+            intermediate_size=344,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=2048,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=0,
+        )
+    )
 
 
 def _gpt2_tiny() -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    return GPT2LMHeadModel(GPT2Config(
-        vocab_size=256, n_embd=128, n_layer=4, n_head=4, n_positions=2048, bos_token_id=0, eos_token_id=0,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    ))
+    return GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=256,
+            n_embd=128,
+            n_layer=4,
+            n_head=4,
+            n_positions=2048,
+            bos_token_id=0,
+            eos_token_id=0,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+    )
 
 
 HF_CONFIGS: dict[str, tuple[Callable[[], nn.Module], str]] = {
@@ -101,7 +121,11 @@ def parse_args(argv: Sequence[str]) -> HFJobConfig:
     """Parse command-line options into a validated HFJobConfig (exits with a message on error)."""
     p = make_parser("fullshard train hf", __doc__ or "")
     p.add_argument("--config", default=HFJobConfig.config, help=f"model: {', '.join(HF_CONFIGS)}")
-    p.add_argument("--wrap-cls", default=None, help="layer class name(s) to wrap, comma-separated (default: the model's decoder layer)")
+    p.add_argument(
+        "--wrap-cls",
+        default=None,
+        help="layer class name(s) to wrap, comma-separated (default: the model's decoder layer)",
+    )
     return config_from(p, argv, HFJobConfig)
 
 

@@ -104,7 +104,9 @@ def parse_args(argv: Sequence[str]) -> MnistConfig:
 
 def _loaders(cfg: MnistConfig, rank: int, world: int) -> tuple[DataLoader, DataLoader, DistributedSampler]:
     train_set, test_set = mnist_data.load(cfg.data_dir)
-    sampler: DistributedSampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed)
+    sampler: DistributedSampler = DistributedSampler(
+        train_set, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed
+    )
     train = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler)
     # Test on a strided, unpadded share of the test set so every image counts exactly once.
     test = DataLoader(Subset(test_set, range(rank, len(test_set), world)), batch_size=cfg.test_batch_size)
@@ -122,8 +124,15 @@ class _Position:
     rng: Any = None  # this rank's torch RNG state after ``step`` (dropout)
 
 
-def _train_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim.Optimizer, device: torch.device, bar: Any,
-                 pos: _Position, after_step: Any) -> torch.Tensor:
+def _train_epoch(
+    model: nn.Module,
+    loader: DataLoader,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    bar: Any,
+    pos: _Position,
+    after_step: Any,
+) -> torch.Tensor:
     model.train()
     stats = torch.tensor(pos.stats, dtype=torch.float64, device=device)  # loss sum, samples
     batches = iter(loader)  # creating it draws from the RNG, so a resume restores the RNG after
@@ -235,7 +244,9 @@ def _resume(cfg: MnistConfig, model: nn.Module, optimizer: torch.optim.Optimizer
     scheduler.load_state_dict(extra.pop("scheduler"))
     pos = _Position(**extra)
     if collectives.group_rank(collectives.default_group()) == 0:
-        print(f"resumed from {checkpoint.latest(cfg.checkpoint_dir)} at epoch {pos.epoch}, batch {pos.batch}", flush=True)
+        print(
+            f"resumed from {checkpoint.latest(cfg.checkpoint_dir)} at epoch {pos.epoch}, batch {pos.batch}", flush=True
+        )
     return pos
 
 

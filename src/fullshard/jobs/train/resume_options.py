@@ -8,7 +8,9 @@ from typing import Any
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Add --checkpoint-dir, --checkpoint-every, --keep-checkpoints and --max-restarts."""
-    p.add_argument("--checkpoint-dir", default=None, metavar="DIR", help="sharded checkpoints; resume from the newest on start")
+    p.add_argument(
+        "--checkpoint-dir", default=None, metavar="DIR", help="sharded checkpoints; resume from the newest on start"
+    )
     p.add_argument("--checkpoint-every", type=int, default=0, help="save every N optimizer steps (0: never)")
     p.add_argument("--keep-checkpoints", type=int, default=3, help="complete checkpoints to keep")
     p.add_argument("--max-restarts", type=int, default=0, help="restart all workers this often after a failure")
