@@ -11,6 +11,8 @@ import torch
 from dist import run_ranks
 from models import Block, batch, make_stack
 
+from fullshard.engine.hooks import fsdp_state
+
 
 def _wrap(strategy: str = "FULL_SHARD", **kw):
     from fullshard import FSDP, ShardingStrategy
@@ -381,7 +383,7 @@ def _train_once() -> object:
     rank = collectives.group_rank(collectives.default_group())
     _step(model, opt, rank, collectives.group_size(collectives.default_group()))
     collectives.all_gather_object(rank, collectives.default_group())
-    return weakref.ref(model._fsdp_state.unit)
+    return weakref.ref(fsdp_state(model).unit)
 
 
 def _threads_around_a_job() -> tuple[int, int, int, bool]:

@@ -16,6 +16,8 @@ import torch
 from dist import run_ranks
 from models import TinyLM, tokens
 
+from fullshard.engine.hooks import fsdp_state
+
 
 def _impls():
     import torch.distributed.fsdp as tf
@@ -552,7 +554,7 @@ def reshard_to_smaller_group_body(rank: int, world: int) -> list[int]:
             x = my_tokens(step, rank, world)
             train_step(ref, ref_opt, x, clip=0)
             loss = ours(x).logsumexp(-1).mean()
-            units = [layer.__dict__["_fsdp_state"].unit for layer in ours.layers]
+            units = [fsdp_state(layer).unit for layer in ours.layers]
             assert all(u.shard_state is ShardState.SHARDED and u._partial is not None for u in units)
             assert all(u._partial.numel() * 2 == u.shard_numel * world for u in units)
             loss.backward()

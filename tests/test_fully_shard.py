@@ -9,6 +9,8 @@ import torch
 from dist import run_ranks
 from models import batch, local, make_stack, step_both
 
+from fullshard.engine.hooks import fsdp_state
+
 
 def _shard(model, **kw):
     from fullshard import fully_shard
@@ -39,11 +41,7 @@ def parity_body(rank: int, world: int) -> list[str]:
             opt, ref_opt = make(model.parameters()), make(ref.parameters())
             for step in range(6):
                 step_both(model, opt, ref, ref_opt, step, rank, world)
-                states = [
-                    m.__dict__["_fsdp_state"].unit.training_state
-                    for m in model.modules()
-                    if "_fsdp_state" in m.__dict__
-                ]
+                states = [fsdp_state(m).unit.training_state for m in model.modules() if fsdp_state(m) is not None]
                 assert all(s is TrainingState.IDLE for s in states), states
                 sd = model.state_dict()
                 for k, want in ref.state_dict().items():
@@ -95,12 +93,12 @@ def api_body(rank: int, world: int) -> list[str]:
     # unshard() / reshard() by hand.
     block = model.blocks[1]
     block.unshard()
-    assert block.__dict__["_fsdp_state"].unit.shard_state is ShardState.UNSHARDED
+    assert fsdp_state(block).unit.shard_state is ShardState.UNSHARDED
     block.reshard()
     handle = block.unshard(async_op=True)
     handle.wait()
     block.reshard()
-    assert block.__dict__["_fsdp_state"].unit.shard_state is ShardState.SHARDED
+    assert fsdp_state(block).unit.shard_state is ShardState.SHARDED
     done.append("unshard/reshard")
 
     # load_state_dict takes DTensors (resharded) and full tensors.

@@ -22,6 +22,7 @@ from torch import nn
 
 import fullshard as fs
 from fullshard import FSDP, fully_shard
+from fullshard.engine.hooks import fsdp_state
 from fullshard.frontend.wrap import ModuleWrapPolicy
 
 BF16 = torch.bfloat16
@@ -80,8 +81,8 @@ def _settings(model: nn.Module) -> list[tuple]:
             m.sharding_strategy,
             m.mixed_precision,
             m.cpu_offload,
-            m._fsdp_state.backward_prefetch,
-            m._fsdp_state.mixed_precision,
+            fsdp_state(m).backward_prefetch,
+            fsdp_state(m).mixed_precision,
         )
         for m in FSDP.fsdp_modules(model)
     ]
@@ -280,7 +281,7 @@ def fully_shard_cases(rank: int, world: int) -> list[str]:
                 warnings.simplefilter("always")
                 model = _fully_sharded(*kwargs)
             warned.append(any("cpu_offload has no effect" in str(w.message) for w in caught))
-            mps = [m.__dict__["_fsdp_state"].mixed_precision for m in model.modules() if "_fsdp_state" in m.__dict__]
+            mps = [fsdp_state(m).mixed_precision for m in model.modules() if fsdp_state(m) is not None]
             runs.append((mps, _train(model, rank, world, adam=True)[:2]))
         assert runs[0][0] == runs[1][0], f"{name}: {runs[0][0]} != {runs[1][0]}"
         _assert_same(runs[0][1], runs[1][1], name)

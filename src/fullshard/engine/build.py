@@ -2,8 +2,8 @@
 
 Both front ends (``FullyShardedDataParallel`` and ``fully_shard``) call :func:`prepare` on the
 module before wrapping its children, then :func:`build_unit` for the parameters that are left.
-A module that already heads a unit carries its hook state in ``module.__dict__["_fsdp_state"]``;
-:func:`is_unit` looks for it, so the walks here stop at nested units of either front end.
+A module that already heads a unit carries its hook state (:func:`~fullshard.engine.hooks.fsdp_state`),
+so the walks here stop at nested units of either front end.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from torch import nn
 
 from fullshard.comm import collectives
 from fullshard.engine.config import MixedPrecision, ShardingStrategy
+from fullshard.engine.hooks import is_unit
 from fullshard.engine.meta_init import is_meta, materialize, own_tensors
 from fullshard.engine.module_wrapper import FSDP_WRAPPED, ModuleWrapper, clean_name
 from fullshard.engine.sharded_param import ParamSlot, is_sharded
@@ -27,11 +28,6 @@ from fullshard.engine.unit import Unit, UnitConfig
 _HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 
 ParamEntry = tuple[str, nn.Parameter, list[ParamSlot]]
-
-
-def is_unit(module: nn.Module) -> bool:
-    """Whether ``module`` heads an FSDP unit (a wrapper, or a module given to fully_shard)."""
-    return "_fsdp_state" in module.__dict__
 
 
 _WRAPPER = "FullyShardedDataParallel"

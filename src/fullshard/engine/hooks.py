@@ -62,19 +62,42 @@ class UnitHooks:
     prefetch_in_backward: list[Unit] | None = None
 
 
+_STATE_ATTR = "_fsdp_state"
+
+
+def fsdp_state(module: nn.Module) -> UnitHooks | None:
+    """The FSDP hook state of ``module`` when it heads a unit (either front end), else None.
+
+    The one accessor for it: the state lives in the module's ``__dict__`` under one private
+    attribute, so ``nn.Module.__getattr__`` and user attributes never see or shadow it.
+    """
+    return module.__dict__.get(_STATE_ATTR)
+
+
+def set_fsdp_state(module: nn.Module, state: UnitHooks) -> None:
+    """Make ``module`` head the unit whose hook state is ``state``."""
+    module.__dict__[_STATE_ATTR] = state
+
+
+def is_unit(module: nn.Module) -> bool:
+    """Whether ``module`` heads an FSDP unit (a wrapper, or a module given to fully_shard)."""
+    return _STATE_ATTR in module.__dict__
+
+
 def lazy_init(module: nn.Module) -> UnitHooks:
     """At the first forward, make ``module`` the root of every unit in its tree (once).
 
     Names each unit after its module, shares one RootState, and connects the units'
     gradient-ready hooks. Returns ``module``'s hook state.
     """
-    state: UnitHooks = module.__dict__["_fsdp_state"]
+    state = fsdp_state(module)
+    assert state is not None, "lazy_init on a module that heads no unit"
     if state.root is not None:
         return state
     members: dict[int, tuple[str, UnitHooks]] = {}  # one entry per unit (fully_shard of a list shares one)
     for n, m in module.named_modules():
-        if "_fsdp_state" in m.__dict__:
-            members.setdefault(id(m.__dict__["_fsdp_state"]), (clean_name(n) or "<root>", m.__dict__["_fsdp_state"]))
+        if (h := fsdp_state(m)) is not None:
+            members.setdefault(id(h), (clean_name(n) or "<root>", h))
     members_list = list(members.values())
     root = RootState([h.unit for _, h in members_list], state.backward_prefetch, state.forward_prefetch)
     for name, h in members_list:

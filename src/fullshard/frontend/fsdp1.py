@@ -178,16 +178,25 @@ class FullyShardedDataParallel(ModuleWrapper):
         )
         self.mixed_precision = mp_policy
         self.cpu_offload = offload
-        self._fsdp_state = hooks.UnitHooks(
-            unit, mixed_precision=mp_policy, backward_prefetch=prefetch, forward_prefetch=forward_prefetch
+        hooks.set_fsdp_state(
+            self,
+            hooks.UnitHooks(
+                unit, mixed_precision=mp_policy, backward_prefetch=prefetch, forward_prefetch=forward_prefetch
+            ),
         )
         self.add_module(WRAPPED, module)
 
     # ------------------------------------------------------------------ structure
     @property
+    def _hook_state(self) -> hooks.UnitHooks:
+        state = hooks.fsdp_state(self)
+        assert state is not None, "a FullyShardedDataParallel always heads a unit"
+        return state
+
+    @property
     def unit(self) -> Unit:
         """This instance's FSDP unit (the parameters it owns)."""
-        return self._fsdp_state.unit
+        return self._hook_state.unit
 
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FullyShardedDataParallel]:
@@ -203,13 +212,13 @@ class FullyShardedDataParallel(ModuleWrapper):
 
     @property
     def _is_root(self) -> bool:
-        return self._fsdp_state.is_root
+        return self._hook_state.is_root
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._lazy_init()
-        args, kwargs = hooks.prepare_inputs(self._fsdp_state, (args, kwargs))
-        hooks.pre_forward(self._fsdp_state)
+        args, kwargs = hooks.prepare_inputs(self._hook_state, (args, kwargs))
+        hooks.pre_forward(self._hook_state)
         try:
             output = self.module(*args, **kwargs)
         except BaseException:
@@ -220,7 +229,7 @@ class FullyShardedDataParallel(ModuleWrapper):
                 self.unit.reshard()
                 self.unit.training_state = TrainingState.IDLE
             raise
-        return hooks.post_forward(self._fsdp_state, output)
+        return hooks.post_forward(self._hook_state, output)
 
     # ------------------------------------------------------------------ state dict
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:  # type: ignore[override]

@@ -69,7 +69,9 @@ class UnshardHandle:
 
 
 def _state(module: nn.Module) -> hooks.UnitHooks:
-    return module.__dict__["_fsdp_state"]
+    state = hooks.fsdp_state(module)
+    assert state is not None, "an FSDPModule always heads a unit"
+    return state
 
 
 class FSDPModule:
@@ -337,7 +339,7 @@ def fully_shard(
     output_dtype = mp_policy.output_dtype if mp_policy else None
     _register_forward_hooks(modules, state, output_dtype)
     for m in modules:
-        m.__dict__["_fsdp_state"] = state
+        hooks.set_fsdp_state(m, state)
         _register_state_dict_hooks(m, unit)
         m.__class__ = _fsdp_class(type(m))
     return module

@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from fullshard.comm import collectives
-from fullshard.engine.build import is_unit
 from fullshard.engine.config import OptimStateKeyType
+from fullshard.engine.hooks import is_unit
 from fullshard.engine.module_wrapper import clean_name
 from fullshard.state import optim_state
 from fullshard.state.state_dict import _sharded

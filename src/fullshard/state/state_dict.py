@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from fullshard.comm import collectives
-from fullshard.engine.build import is_unit
+from fullshard.engine.hooks import fsdp_state
 from fullshard.engine.module_wrapper import ModuleWrapper
 from fullshard.engine.sharded_param import ShardedParam
 from fullshard.engine.unit import Unit
@@ -206,7 +206,7 @@ def _sharded_value(t: torch.Tensor, units: dict[int, Unit]) -> Any:
 
 def _unit_of_param(root: nn.Module) -> dict[int, Unit]:
     """id(sharded parameter) -> its unit, for every unit in ``root``'s tree (root need not be one)."""
-    units = [m.__dict__["_fsdp_state"].unit for m in root.modules() if is_unit(m)]
+    units = [h.unit for m in root.modules() if (h := fsdp_state(m)) is not None]
     return {id(sp): unit for unit in units for sp in unit.params}
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fullshard.engine import build
+from fullshard.engine import hooks
 from fullshard.engine.config import BackwardPrefetch, ShardingStrategy
 from fullshard.frontend.options import parse_sharding_strategy
 
@@ -102,7 +102,7 @@ def shard_model(model: nn.Module, cfg: Any, policy: Callable[..., bool], **fsdp1
         units.append(fully_shard(m, **kwargs))
         return m
 
-    apply_policy(model, policy, shard, build.is_unit, set())
+    apply_policy(model, policy, shard, hooks.is_unit, set())
     fully_shard(model, **kwargs)
     sharded: list[Any] = [*units, model]
     if cfg.forward_prefetch:

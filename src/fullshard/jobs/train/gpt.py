@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fullshard.comm import collectives
-from fullshard.engine.build import is_unit
+from fullshard.engine.hooks import is_unit
 from fullshard.frontend.activation_checkpointing import apply_activation_checkpointing
 from fullshard.frontend.wrap import transformer_auto_wrap_policy
 from fullshard.jobs import launch
