@@ -48,6 +48,11 @@ def test_tiny_preset_defaults_reach_2_5_nats_per_byte(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(300)
 def test_gpt_options_checkpointing_bf16_own_data(tmp_path: Path) -> None:
+    """Activation checkpointing, bf16, forward prefetch and SHARD_GRAD_OP on the user's own text.
+
+    Short sequences and small batches (bf16 matrix multiplies are ~19x slower than fp32 on this
+    CPU): 24 s idle against the 280 s limit; 20 steps take validation loss from ~3.6 to ~1.7.
+    """
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for i in range(3):
@@ -69,6 +74,12 @@ def test_gpt_options_checkpointing_bf16_own_data(tmp_path: Path) -> None:
             "shard_grad_op",
             "--data",
             str(corpus / "*.txt"),
+            "--seq-len",
+            "64",
+            "--batch-size",
+            "4",
+            "--eval-batches",
+            "2",
             "--metrics-file",
             str(metrics),
         ],

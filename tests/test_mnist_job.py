@@ -102,8 +102,9 @@ def test_mnist_under_torchrun(tmp_path: Path) -> None:
 @pytest.mark.timeout(500)
 def test_mnist_bf16_reaches_094(tmp_path: Path) -> None:
     """--mixed-precision bf16: bf16 all-gathers and compute, fp32 shards, the same accuracy bar
-    after 3 epochs instead of 10: a bf16 epoch takes 35-50 s on this CPU (no bf16 instructions),
-    and the run measured 0.935, 0.956, 0.965 after epochs 1-3 (0.969 after 10)."""
+    after 2 epochs instead of 10: a bf16 epoch takes 35-50 s on this CPU (no bf16 instructions;
+    the whole run 76 s idle, so the 480 s limit is over 6x), and the runs measured 0.935, 0.956,
+    0.965 after epochs 1-3 (0.969 after 10)."""
     metrics = tmp_path / "bf16.jsonl"
     _run(
         [
@@ -116,7 +117,7 @@ def test_mnist_bf16_reaches_094(tmp_path: Path) -> None:
             "bf16",
             "--forward-prefetch",
             "--epochs",
-            "3",
+            "2",
             "--metrics-file",
             str(metrics),
         ],
@@ -124,4 +125,4 @@ def test_mnist_bf16_reaches_094(tmp_path: Path) -> None:
         timeout=480,
     )
     last = _records(metrics)[-1]
-    assert last["epoch"] == 3 and last["test_accuracy"] >= 0.94, last
+    assert last["epoch"] == 2 and last["test_accuracy"] >= 0.94, last
