@@ -3,8 +3,8 @@
 Each turn (one implementation of one workload, :mod:`fullshard.jobs.bench.workloads`) runs in
 freshly started worker processes and reports step time, CPU time, peak memory, model-state
 bytes, full-parameter bytes gathered at the peak, and bytes sent per step. fullshard's gathered
-and sent bytes are counted by its engine; the other implementations' come from their
-schedules. :func:`run_compare` returns the markdown section: one table per workload, each
+and sent bytes are measured with :mod:`fullshard.probes`; the other implementations' come from
+their schedules. :func:`run_compare` returns the markdown section: one table per workload, each
 figure with its ratios to torch FSDP2 and to DDP, and issue 6's targets, met or not.
 """
 
@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from fullshard import probes
 from fullshard.comm import collectives
 from fullshard.jobs import launch
 from fullshard.jobs.bench.report import machine_line
@@ -76,33 +77,32 @@ def _compare_turn(workload: str, impl: str, steps: int, warmup: int, device: tor
 
 
 def _measure(job: Job, steps: int, warmup: int, device: torch.device) -> tuple[list[float], list[float], int, int]:
-    """Run ``warmup`` untimed and ``steps`` timed steps of ``job``.
+    """Run ``warmup`` untimed and ``steps`` timed steps of ``job`` with the probes enabled.
 
     Returns the wall seconds of each timed step (as long as the slowest rank took), this rank's
     CPU seconds of each, the bytes this rank sent per timed step (fullshard's collectives, the
     timing's own max-reduction left out) and the peak bytes of full parameters gathered at once
     (fullshard's units, over all steps).
     """
-    from fullshard.engine.unit import GATHERED
-
     group = collectives.default_group()
     times, cpu = [], []
-    for i in range(warmup + steps):
-        if i == warmup:
-            collectives.STATS.reset()
-        collectives.barrier(group)
-        start, cpu_start = time.perf_counter(), _cpu_seconds()
-        step(job)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        elapsed = torch.tensor([time.perf_counter() - start], device=device)
-        spent = _cpu_seconds() - cpu_start
-        collectives.all_reduce_max(elapsed, group)
-        if i >= warmup:
-            times.append(float(elapsed.item()))
-            cpu.append(spent)
-    collectives.STATS.bytes_sent.pop("all_reduce", None)  # the timing's own max-reduction
-    return times, cpu, sum(collectives.STATS.bytes_sent.values()) // steps, GATHERED.peak_bytes
+    with probes.enabled() as p:
+        for i in range(warmup + steps):
+            if i == warmup:
+                p.collectives.reset()
+            collectives.barrier(group)
+            start, cpu_start = time.perf_counter(), _cpu_seconds()
+            step(job)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            elapsed = torch.tensor([time.perf_counter() - start], device=device)
+            spent = _cpu_seconds() - cpu_start
+            collectives.all_reduce_max(elapsed, group)
+            if i >= warmup:
+                times.append(float(elapsed.item()))
+                cpu.append(spent)
+        p.collectives.bytes_sent.pop("all_reduce", None)  # the timing's own max-reduction
+        return times, cpu, sum(p.collectives.bytes_sent.values()) // steps, p.gathered.peak_bytes
 
 
 def _cpu_seconds() -> float:
