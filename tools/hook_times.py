@@ -14,7 +14,7 @@ import time
 import torch
 
 from fullshard.comm import collectives
-from fullshard.engine import hooks
+from fullshard.engine import hooks, shard_sync
 from fullshard.engine.unit import Unit
 from fullshard.jobs import launch
 from fullshard.jobs.bench import workloads
@@ -50,9 +50,9 @@ for n in (
     "install_full_params",
     "uninstall_full_params",
     "full_params",
-    "_sync_shards",
 ):
     timed(Unit, n, "Unit." + n)
+timed(shard_sync, "sync_shards", "shard_sync.sync_shards")
 timed(collectives, "all_gather", "collectives.all_gather")
 timed(collectives, "reduce_scatter", "collectives.reduce_scatter")
 timed(collectives.Handle, "wait", "Handle.wait")
