@@ -228,7 +228,7 @@ def test_bench_compare_runs_every_implementation_and_writes_its_section(tmp_path
 
 
 def test_bench_markdown_section_is_replaced_not_appended(tmp_path: Path) -> None:
-    from fullshard.jobs.bench.compare import write_markdown
+    from fullshard.jobs.bench.report import write_markdown
 
     md = tmp_path / "B.md"
     md.write_text("# head\n")
@@ -248,7 +248,7 @@ def test_bench_gpu_code_path_runs_the_same_model_everywhere(tmp_path: Path) -> N
     import torch
 
     md = tmp_path / "B.md"
-    from fullshard.jobs.bench.compare import write_markdown
+    from fullshard.jobs.bench.report import write_markdown
 
     write_markdown(str(md), "compare table")
     if not torch.cuda.is_available():

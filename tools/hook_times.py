@@ -14,10 +14,10 @@ import time
 import torch
 
 from fullshard.comm import collectives
-from fullshard.engine import hooks
+from fullshard.engine import hooks, shard_sync
 from fullshard.engine.unit import Unit
 from fullshard.jobs import launch
-from fullshard.jobs.bench import compare as bench
+from fullshard.jobs.bench import workloads
 
 ACC = collections.defaultdict(float)
 CNT = collections.defaultdict(int)
@@ -50,9 +50,9 @@ for n in (
     "install_full_params",
     "uninstall_full_params",
     "full_params",
-    "_sync_shards",
 ):
     timed(Unit, n, "Unit." + n)
+timed(shard_sync, "sync_shards", "shard_sync.sync_shards")
 timed(collectives, "all_gather", "collectives.all_gather")
 timed(collectives, "reduce_scatter", "collectives.reduce_scatter")
 timed(collectives.Handle, "wait", "Handle.wait")
@@ -63,14 +63,14 @@ def worker(steps, warmup):
     torch.set_num_threads(1)
     try:
         g = collectives.default_group()
-        job = bench._build_job("compute", "fullshard", dev, collectives.group_rank(g))
+        job = workloads.build_job("compute", "fullshard", dev, collectives.group_rank(g))
         per = collections.defaultdict(list)
         for i in range(warmup + steps):
             collectives.barrier(g)
             ACC.clear()
             CNT.clear()
             t0 = time.perf_counter()
-            bench._step(job)
+            workloads.step(job)
             total = time.perf_counter() - t0
             if i >= warmup:
                 per["step"].append(total)

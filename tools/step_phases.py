@@ -17,7 +17,7 @@ import torch
 
 from fullshard.comm import collectives
 from fullshard.jobs import launch
-from fullshard.jobs.bench import compare as bench
+from fullshard.jobs.bench import workloads
 
 
 def ru():
@@ -38,7 +38,7 @@ def worker(workload, impl, steps, warmup):
             kw["backward_prefetch"] = (
                 None if kw["backward_prefetch"] is None else BackwardPrefetch[kw["backward_prefetch"]]
             )
-        orig = bench._wrap
+        orig = workloads.wrap
 
         def _wrap(impl, model, units, device):
             if impl != "fullshard":
@@ -48,12 +48,12 @@ def worker(workload, impl, steps, warmup):
                 model, auto_wrap_policy=lambda module, recurse, nonwrapped_numel: recurse or id(module) in chosen, **kw
             )
 
-        bench._wrap = _wrap
+        workloads.wrap = _wrap
     dev = launch.init_process_group()
     torch.set_num_threads(1)
     try:
         g = collectives.default_group()
-        job = bench._build_job(workload, impl, dev, collectives.group_rank(g))
+        job = workloads.build_job(workload, impl, dev, collectives.group_rank(g))
         rows = []
         for i in range(warmup + steps):
             collectives.barrier(g)

@@ -38,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         return 0
     if command == "bench":
-        from fullshard.jobs.bench.compare import main as bench_main
+        from fullshard.jobs.bench.main import main as bench_main
 
         return bench_main(rest)
     print(f"fullshard: unknown command {command!r}\n{USAGE}", file=sys.stderr, end="")

@@ -32,9 +32,8 @@ from torch import nn
 
 from fullshard.comm import collectives
 from fullshard.jobs import launch
+from fullshard.jobs.bench.report import machine_line
 
-BEGIN_MARK = "<!-- fullshard bench gpu: begin -->"
-END_MARK = "<!-- fullshard bench gpu: end -->"
 THROUGHPUT_IMPLS = ("fullshard", "torch FSDP2", "unwrapped, autocast bf16", "unwrapped, bf16 parameters")
 
 
@@ -240,8 +239,6 @@ def run(
     offload_steps: int,
 ) -> str:
     """Run both measures; return the markdown section."""
-    from fullshard.jobs.bench.compare import machine_line
-
     res = launch.launch(throughput_worker, (preset, batch, seq, steps, warmup, rounds), 1)[0]
     device = "cuda" if res["device"] != "cpu" else "cpu"
     lines = [
@@ -283,43 +280,3 @@ def run(
             "",
         ]
     return "\n".join(lines)
-
-
-def main(argv: Sequence[str]) -> int:
-    """``fullshard bench gpu [--preset 124m] [--offload-presets 1.3b 7b] [--write BENCHMARKS.md]``."""
-    import argparse
-
-    from fullshard.jobs.bench.compare import write_markdown
-    from fullshard.jobs.models.gpt import PRESETS
-
-    p = argparse.ArgumentParser(prog="fullshard bench gpu", description=__doc__)
-    p.add_argument("--preset", default="124m", choices=list(PRESETS))
-    p.add_argument("--offload-presets", nargs="*", default=["124m", "350m", "1.3b", "7b"], choices=list(PRESETS))
-    p.add_argument("--batch", type=int, default=16, help="throughput: sequences per step")
-    p.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--offload-batch", type=int, default=4)
-    p.add_argument("--offload-steps", type=int, default=3)
-    p.add_argument("--write", metavar="MARKDOWN", help="write the section into this file (between its gpu markers)")
-    p.add_argument("--allow-cpu", action="store_true", help="run without CUDA (a smoke run of the code path)")
-    args = p.parse_args(list(argv))
-    if not torch.cuda.is_available() and not args.allow_cpu:
-        raise SystemExit("fullshard bench gpu: no CUDA device here (--allow-cpu runs the code path on the CPU)")
-    section = run(
-        args.preset,
-        args.offload_presets,
-        args.batch,
-        args.seq,
-        args.steps,
-        args.warmup,
-        args.rounds,
-        args.offload_batch,
-        args.offload_steps,
-    )
-    section = f"`fullshard bench gpu {' '.join(argv)}`\n\n{section}"
-    print(section)
-    if args.write:
-        write_markdown(args.write, section, BEGIN_MARK, END_MARK)
-    return 0

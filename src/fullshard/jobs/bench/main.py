@@ -1,0 +1,116 @@
+"""``fullshard bench``: timings of fullshard configurations on this machine, as ratios.
+
+``fullshard bench optimizer [--numel 62000000]`` times one CPU AdamW step over one rank's shards
+(the step that CPU offload moves to the host) for the for-loop, foreach and fused variants.
+
+``fullshard bench gpu`` measures the GPT presets on one CUDA device (see :mod:`fullshard.bench_gpu`).
+
+``fullshard bench prefetch [--nproc 2] [--steps 12]`` trains a stack of large Linear layers
+(communication-heavy: many parameters, small batch) with FULL_SHARD under each prefetch setting
+and prints the median step time of each, with its ratio to the no-prefetch run. Timings belong
+here and in BENCHMARKS.md, never in test assertions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from fullshard.jobs.bench import compare, gpu, micro, report
+from fullshard.jobs.bench.workloads import COMPARE_WORKLOADS, FLOOR, IMPLEMENTATIONS
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``fullshard bench``: parse ``argv`` (default: ``sys.argv[1:]``), run the
+    benchmark it names and print its section; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["gpu"]:
+        return _gpu_main(argv[1:])
+    args = _parser().parse_args(argv)
+    if args.workload == "compare":
+        return _compare_main(args, argv)
+    if args.workload == "optimizer":
+        print("\n".join(micro.optimizer_report(args.numel)))
+        return 0
+    print("\n".join(micro.prefetch_report(args.d_model, args.layers, args.batch, args.steps, args.nproc)))
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fullshard bench", description=__doc__)
+    p.add_argument("workload", choices=["prefetch", "optimizer", "compare", "gpu"])
+    p.add_argument("--compare", default="compute", choices=sorted(COMPARE_WORKLOADS), help="compare: one workload")
+    p.add_argument(
+        "--workloads",
+        nargs="+",
+        choices=sorted(COMPARE_WORKLOADS),
+        help="compare: several workloads (overrides --compare)",
+    )
+    p.add_argument(
+        "--rounds", type=int, default=2, help="compare: turns per implementation, the order reversed every other round"
+    )
+    p.add_argument("--write", metavar="MARKDOWN", help="compare: write the tables into this file's generated section")
+    p.add_argument("--chart", metavar="PNG", help="compare: write a chart of step time and memory (needs matplotlib)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--d-model", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--numel", type=int, default=62_000_000, help="optimizer: elements per rank")
+    return p
+
+
+def _compare_main(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """``fullshard bench compare``: run, print the section, then write the chart and markdown."""
+    workloads = args.workloads or [args.compare]
+    section, all_results = compare.run_compare(workloads, args.steps, args.warmup, args.rounds, args.nproc)
+    command = "fullshard bench " + " ".join(argv)
+    section = f"`{command}`\n\n{section}"
+    print(section)
+    if args.chart:
+        report.write_chart(args.chart, all_results, (*IMPLEMENTATIONS, FLOOR))
+        section += f"\n![step time and peak memory per implementation]({args.chart})\n"
+    if args.write:
+        report.write_markdown(args.write, section, report.COMPARE_BEGIN_MARK, report.COMPARE_END_MARK)
+    return 0
+
+
+def _gpu_main(argv: Sequence[str]) -> int:
+    """``fullshard bench gpu [--preset 124m] [--offload-presets 1.3b 7b] [--write BENCHMARKS.md]``."""
+    from fullshard.jobs.models.gpt import PRESETS
+
+    p = argparse.ArgumentParser(prog="fullshard bench gpu", description=gpu.__doc__)
+    p.add_argument("--preset", default="124m", choices=list(PRESETS))
+    p.add_argument("--offload-presets", nargs="*", default=["124m", "350m", "1.3b", "7b"], choices=list(PRESETS))
+    p.add_argument("--batch", type=int, default=16, help="throughput: sequences per step")
+    p.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--offload-batch", type=int, default=4)
+    p.add_argument("--offload-steps", type=int, default=3)
+    p.add_argument("--write", metavar="MARKDOWN", help="write the section into this file (between its gpu markers)")
+    p.add_argument("--allow-cpu", action="store_true", help="run without CUDA (a smoke run of the code path)")
+    args = p.parse_args(list(argv))
+    if not torch.cuda.is_available() and not args.allow_cpu:
+        raise SystemExit("fullshard bench gpu: no CUDA device here (--allow-cpu runs the code path on the CPU)")
+    section = gpu.run(
+        args.preset,
+        args.offload_presets,
+        args.batch,
+        args.seq,
+        args.steps,
+        args.warmup,
+        args.rounds,
+        args.offload_batch,
+        args.offload_steps,
+    )
+    section = f"`fullshard bench gpu {' '.join(argv)}`\n\n{section}"
+    print(section)
+    if args.write:
+        report.write_markdown(args.write, section, report.GPU_BEGIN_MARK, report.GPU_END_MARK)
+    return 0
