@@ -3,7 +3,7 @@
 ``fullshard bench optimizer [--numel 62000000]`` times one CPU AdamW step over one rank's shards
 (the step that CPU offload moves to the host) for the for-loop, foreach and fused variants.
 
-``fullshard bench gpu`` measures the GPT presets on one CUDA device (see :mod:`fullshard.bench_gpu`).
+``fullshard bench gpu`` measures the GPT presets on one CUDA device (see :mod:`fullshard.jobs.bench.gpu`).
 
 ``fullshard bench prefetch [--nproc 2] [--steps 12]`` trains a stack of large Linear layers
 (communication-heavy: many parameters, small batch) with FULL_SHARD under each prefetch setting
