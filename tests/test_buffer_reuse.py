@@ -36,14 +36,14 @@ def reuse_body(rank: int, world: int) -> dict:
     units = [m.unit for m in FSDP.fsdp_modules(model)]
     _train_step(model, opt, 0, rank, world)
     pooled = {t.data_ptr() for t in buffers.POOL.buffers()}
-    grad_ptrs = [u._local_view(u.trainable[0], u._last_reduce_out).data_ptr() for u in units]
+    grad_ptrs = [u.local_view(u.trainable[0], u.grads.last_output).data_ptr() for u in units]
 
     # Step 2: every unit's full parameters live in memory the pool kept from step 1.
     during: list[int] = []
     by_name = {u.name: u for u in units}
     hooks = [
         b.lin.register_forward_hook(
-            lambda m, i, o, u=by_name[f"blocks.{k}"]: during.append(u._full_data.untyped_storage().data_ptr())
+            lambda m, i, o, u=by_name[f"blocks.{k}"]: during.append(u.full_data.untyped_storage().data_ptr())
         )
         for k, b in enumerate(model.module.blocks)
     ]
@@ -106,7 +106,7 @@ def pack_order_body(rank: int, world: int, build: str) -> dict:
     original = Unit.pack_grads
 
     def spy(self: Unit, grads):  # type: ignore[no-untyped-def]
-        full_at_pack.append((self.name, self._full_data.untyped_storage().nbytes()))
+        full_at_pack.append((self.name, self.full_data.untyped_storage().nbytes()))
         return original(self, grads)
 
     Unit.pack_grads = spy  # type: ignore[method-assign]

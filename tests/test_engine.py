@@ -38,8 +38,7 @@ def _step(model, opt, rank: int, world: int, step: int = 0) -> None:
 
 
 def memory_body(rank: int, world: int) -> dict:
-    from fullshard import model_state_bytes
-    from fullshard.engine.unit import GATHERED
+    from fullshard import model_state_bytes, probes
 
     ref, model = _wrap()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -65,28 +64,28 @@ def memory_body(rank: int, world: int) -> dict:
     # Units holding gathered parameters during forward: root + one nested unit at a time.
     root_bytes = model.unit.full_nbytes
     nested_max = max(u.full_nbytes for u in units[1:])
-    GATHERED.reset_peak()
     x, _ = batch(1, 12)
-    out = model(x[: 12 // world])
-    forward_peak, forward_bytes = GATHERED.peak, GATHERED.peak_bytes
-    out.sum().backward()
+    with probes.enabled() as p:
+        out = model(x[: 12 // world])
+        forward_peak, forward_bytes = p.gathered.peak, p.gathered.peak_bytes
+        out.sum().backward()
     assert forward_peak == 2, forward_peak
     assert forward_bytes <= root_bytes + nested_max, (forward_bytes, root_bytes, nested_max)
     return {"got": got, "full": full, "forward_peak": forward_peak}
 
 
 def prefetch_peak_body(rank: int, world: int) -> tuple[int, int]:
-    from fullshard.engine.unit import GATHERED
+    from fullshard import probes
 
     _, model = _wrap(forward_prefetch=True)
     x, _ = batch(0, 12)
     for _ in range(2):  # the first iteration records the forward order
-        GATHERED.reset_peak()
-        out = model(x[: 12 // world])
-        fwd = GATHERED.peak
-        GATHERED.reset_peak()
-        out.sum().backward()
-        bwd = GATHERED.peak
+        with probes.enabled() as p:
+            out = model(x[: 12 // world])
+            fwd = p.gathered.peak
+            p.gathered.reset_peak()
+            out.sum().backward()
+            bwd = p.gathered.peak
     return fwd, bwd
 
 
@@ -105,14 +104,14 @@ def test_prefetch_keeps_at_most_one_more_unit_gathered() -> None:
 
 
 def count_body(rank: int, world: int, strategy: str) -> dict:
-    from fullshard.comm import collectives
+    from fullshard import probes
 
     _, model = _wrap(strategy)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     _step(model, opt, rank, world, 0)
-    collectives.STATS.reset()
-    _step(model, opt, rank, world, 1)
-    return dict(collectives.STATS.calls)
+    with probes.enabled() as p:
+        _step(model, opt, rank, world, 1)
+    return dict(p.collectives.calls)
 
 
 @pytest.mark.timeout(200)
@@ -287,7 +286,7 @@ def features_body(rank: int, world: int) -> list[str]:
     assert all(
         p.data_ptr() == ptr
         for m in model.fsdp_modules(model)
-        for p, ptr in zip((sp.shard for sp in m.unit.params), m.unit._shard_ptrs)
+        for p, ptr in zip((sp.shard for sp in m.unit.params), m.unit.shard_ptrs)
         if p.numel()
     )
     done.append("data replaced")

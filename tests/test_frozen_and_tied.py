@@ -10,6 +10,8 @@ from dist import run_ranks
 from models import local
 from torch import nn
 
+from fullshard import probes
+
 
 class LoRALinear(nn.Module):
     """A frozen base Linear plus a trainable low-rank adapter, all in one unit."""
@@ -39,7 +41,6 @@ class LoRANet(nn.Module):
 
 def frozen_body(rank: int, world: int) -> list[str]:
     from fullshard import FSDP, model_state_bytes
-    from fullshard.comm import collectives
     from fullshard.frontend.wrap import ModuleWrapPolicy
 
     torch.manual_seed(0)
@@ -50,12 +51,11 @@ def frozen_body(rank: int, world: int) -> list[str]:
     g = torch.Generator().manual_seed(1)
     for step in range(5):
         x, y = torch.randn(12, 9, generator=g), torch.randn(12, 2, generator=g)
-        collectives.STATS.reset()
-        collectives.STATS.log = []
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(local(x, rank, world)), local(y, rank, world)).backward()
-        opt.step()
-        log, collectives.STATS.log = collectives.STATS.log, None
+        with probes.enabled(collective_log=True) as p:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(local(x, rank, world)), local(y, rank, world)).backward()
+            opt.step()
+        log = p.collectives.log or []
         ref_opt.zero_grad()
         torch.nn.functional.mse_loss(ref(x), y).backward()
         ref_opt.step()

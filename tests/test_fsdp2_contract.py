@@ -16,6 +16,7 @@ import torch
 from dist import run_ranks
 from models import TinyLM, tokens
 
+from fullshard import probes
 from fullshard.engine.hooks import fsdp_state
 
 
@@ -329,7 +330,6 @@ def test_meta_init_and_assign_like_torch(world: int) -> None:
 
 
 def methods_body(rank: int, world: int) -> list[str]:
-    from fullshard.engine import unit
 
     done = []
     # Explicit prefetching, as pytorch/examples' FSDP2 example sets it (two layers ahead).
@@ -340,12 +340,12 @@ def methods_body(rank: int, world: int) -> list[str]:
             layer.set_modules_to_forward_prefetch(layers[i + 1 : i + 3])
             layer.set_modules_to_backward_prefetch(layers[max(0, i - 2) : i][::-1])
     ref_opt, opt = torch.optim.AdamW(ref.parameters(), lr=1e-2), torch.optim.AdamW(ours.parameters(), lr=1e-2)
-    unit.EVENTS = []
-    for step in range(3):
-        for model, o in ((ref, ref_opt), (ours, opt)):
-            model.unshard()
-            train_step(model, o, my_tokens(step, rank, world))
-    events, unit.EVENTS = unit.EVENTS, None
+    with probes.enabled(events=True) as p:
+        for step in range(3):
+            for model, o in ((ref, ref_opt), (ours, opt)):
+                model.unshard()
+                train_step(model, o, my_tokens(step, rank, world))
+    events = p.events or []
     assert_same_params(ref, ours, "explicit prefetch")
     first = events[: events.index(("forward", "layers.1"))]
     assert ("unshard", "layers.1") in first and ("unshard", "layers.2") in first, first
@@ -555,10 +555,10 @@ def reshard_to_smaller_group_body(rank: int, world: int) -> list[int]:
             train_step(ref, ref_opt, x, clip=0)
             loss = ours(x).logsumexp(-1).mean()
             units = [fsdp_state(layer).unit for layer in ours.layers]
-            assert all(u.shard_state is ShardState.SHARDED and u._partial is not None for u in units)
-            assert all(u._partial.numel() * 2 == u.shard_numel * world for u in units)
+            assert all(u.shard_state is ShardState.SHARDED and u.partial.kept is not None for u in units)
+            assert all(u.partial.kept.numel() * 2 == u.shard_numel * world for u in units)
             loss.backward()
-            assert all(u._partial is None for u in units)
+            assert all(u.partial.kept is None for u in units)
             opt.step()
             opt.zero_grad()
     finally:

@@ -9,6 +9,7 @@ import torch
 from dist import run_ranks
 from models import batch, local, make_stack, step_both
 
+from fullshard import probes
 from fullshard.engine.hooks import fsdp_state
 
 
@@ -61,7 +62,6 @@ def test_fully_shard_parity(world: int) -> None:
 
 def api_body(rank: int, world: int) -> list[str]:
     from fullshard import MixedPrecisionPolicy, clip_grad_norm_
-    from fullshard.comm import collectives
     from fullshard.engine.unit import ShardState
 
     done = []
@@ -73,10 +73,10 @@ def api_body(rank: int, world: int) -> list[str]:
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     micro = [batch(s, 12) for s in range(3)]
     model.set_requires_gradient_sync(False)
-    collectives.STATS.reset()
-    for x, y in micro[:2]:
-        mse(model(local(x, rank, world)), local(y, rank, world)).backward()
-    assert collectives.STATS.calls["reduce_scatter"] == 0
+    with probes.enabled() as p:
+        for x, y in micro[:2]:
+            mse(model(local(x, rank, world)), local(y, rank, world)).backward()
+    assert p.collectives.calls["reduce_scatter"] == 0
     model.set_requires_gradient_sync(True)
     x, y = micro[2]
     mse(model(local(x, rank, world)), local(y, rank, world)).backward()

@@ -10,6 +10,8 @@ from dist import run_ranks
 from models import Block, batch, make_stack
 from torch import nn
 
+from fullshard import probes
+
 
 def _mp_model(mp, strategy="FULL_SHARD"):
     from fullshard import FSDP, ShardingStrategy
@@ -26,7 +28,6 @@ def _mp_model(mp, strategy="FULL_SHARD"):
 
 def wire_body(rank: int, world: int) -> list[str]:
     from fullshard import MixedPrecision
-    from fullshard.comm import collectives
 
     checked = []
     for mp, gather_dtype, reduce_dtype in [
@@ -38,12 +39,11 @@ def wire_body(rank: int, world: int) -> list[str]:
         _, model = _mp_model(mp)
         units = {m.unit.shard_numel for m in model.fsdp_modules(model)}
         x, y = batch(0, 4 * world)
-        collectives.STATS.reset()
-        collectives.STATS.log = []
-        out = model(x[4 * rank : 4 * rank + 4])
-        assert out.dtype == gather_dtype
-        torch.nn.functional.mse_loss(out.float(), y[4 * rank : 4 * rank + 4]).backward()
-        log, collectives.STATS.log = collectives.STATS.log, None
+        with probes.enabled(collective_log=True) as p:
+            out = model(x[4 * rank : 4 * rank + 4])
+            assert out.dtype == gather_dtype
+            torch.nn.functional.mse_loss(out.float(), y[4 * rank : 4 * rank + 4]).backward()
+        log = p.collectives.log or []
         gathers = [e for e in log if e[0] == "all_gather"]
         reduces = [e for e in log if e[0] == "reduce_scatter"]
         assert gathers and reduces
@@ -51,7 +51,7 @@ def wire_body(rank: int, world: int) -> list[str]:
         assert all(n in units for _, _, n in gathers), (gathers, units)  # one shard's elements
         assert all(dt == reduce_dtype for _, dt, _ in reduces), reduces
         expected_bytes = sum(n * torch.finfo(gather_dtype).bits // 8 * (world - 1) for _, _, n in gathers)
-        assert collectives.STATS.bytes_sent["all_gather"] == expected_bytes
+        assert p.collectives.bytes_sent["all_gather"] == expected_bytes
         for p in model.parameters():  # shards and their gradients stay float32
             assert p.dtype == torch.float32 and p.grad is not None and p.grad.dtype == torch.float32
         checked.append(str(gather_dtype))

@@ -10,8 +10,7 @@ from models import Block, batch, make_stack
 
 
 def _events(backward_prefetch, forward_prefetch: bool, rank: int, world: int) -> list[tuple[str, str]]:
-    from fullshard import FSDP
-    from fullshard.engine import unit as _unit
+    from fullshard import FSDP, probes
     from fullshard.frontend.wrap import ModuleWrapPolicy
 
     model = FSDP(
@@ -22,10 +21,10 @@ def _events(backward_prefetch, forward_prefetch: bool, rank: int, world: int) ->
     )
     x, _ = batch(0, 4 * world)
     model(x[4 * rank : 4 * rank + 4]).sum().backward()  # records the forward order
-    _unit.EVENTS = []
-    model(x[4 * rank : 4 * rank + 4]).sum().backward()
-    events, _unit.EVENTS = _unit.EVENTS, None
-    return events
+    with probes.enabled(events=True) as p:
+        model(x[4 * rank : 4 * rank + 4]).sum().backward()
+    assert p.events is not None
+    return p.events
 
 
 def _after(events: list, first: tuple, then: tuple) -> bool:

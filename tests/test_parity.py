@@ -30,13 +30,13 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def run_grid(
     rank: int, world: int, grid: list[tuple[str, str, str]], direct_gather_bytes: int | None = None
 ) -> list[str]:
-    from fullshard import FSDP, ShardingStrategy
-    from fullshard.engine import unit
-    from fullshard.engine.unit import GATHERED, TrainingState
+    from fullshard import FSDP, ShardingStrategy, probes
+    from fullshard.engine import layout
+    from fullshard.engine.unit import TrainingState
     from fullshard.frontend.wrap import ModuleWrapPolicy
 
     if direct_gather_bytes is not None:
-        unit.DIRECT_GATHER_BYTES = direct_gather_bytes
+        layout.DIRECT_GATHER_BYTES = direct_gather_bytes
 
     checked = []
     for strategy, opt_kind, wrapping in grid:
@@ -50,19 +50,20 @@ def run_grid(
         local = GLOBAL_BATCH // world
         for step in range(STEPS):
             x, y = batch(step, GLOBAL_BATCH)
-            loss = torch.nn.functional.mse_loss(
-                model(x[rank * local : (rank + 1) * local]), y[rank * local : (rank + 1) * local]
-            )
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+            with probes.enabled() as p:  # counts the units gathered from forward to the step
+                loss = torch.nn.functional.mse_loss(
+                    model(x[rank * local : (rank + 1) * local]), y[rank * local : (rank + 1) * local]
+                )
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
             ref_loss = torch.nn.functional.mse_loss(ref(x), y)
             ref_opt.zero_grad()
             ref_loss.backward()
             ref_opt.step()
             states = model.training_states()
             assert all(s is TrainingState.IDLE for s in states), (strategy, step, states)
-            assert GATHERED.now == 0, f"{GATHERED.now} units still gathered after step {step}"
+            assert p.gathered.now == 0, f"{p.gathered.now} units still gathered after step {step}"
             full = model.state_dict()
             for name, want in ref.state_dict().items():
                 err = _rel_err(full[name], want)
@@ -104,9 +105,9 @@ def test_parity_grid(world: int) -> None:
 def test_parity_with_per_parameter_gathers(world: int) -> None:
     """Weights (padded shards of 56 bytes and more) gathered straight into the full buffer, one
     collective each, and the biases between them as runs with a copy-out: still exact."""
-    from fullshard.engine import unit
+    from fullshard.engine import layout
 
-    assert unit.DIRECT_GATHER_BYTES > 1000  # the default leaves these small layers to runs
+    assert layout.DIRECT_GATHER_BYTES > 1000  # the default leaves these small layers to runs
     grid = [("FULL_SHARD", "adamw", "blocks"), ("FULL_SHARD", "sgd", "single"), ("SHARD_GRAD_OP", "adamw", "blocks")]
     results = run_ranks(run_grid, world, grid, 48, timeout=280)
     assert results[0] == [f"{s}/{o}/{w}" for s, o, w in grid]

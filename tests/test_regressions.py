@@ -27,8 +27,7 @@ class _FailOnce(torch.autograd.Function):
 
 
 def body(rank: int, world: int, strategy: str) -> list[str]:
-    from fullshard import FSDP, ShardingStrategy, checkpoint_wrapper
-    from fullshard.engine import unit as _unit
+    from fullshard import FSDP, ShardingStrategy, checkpoint_wrapper, probes
     from fullshard.engine.unit import ShardState, TrainingState
     from fullshard.frontend.wrap import ModuleWrapPolicy
 
@@ -78,9 +77,9 @@ def body(rank: int, world: int, strategy: str) -> list[str]:
             )
         m = FSDP(m, forward_prefetch=prefetch, sharding_strategy=ShardingStrategy[strategy])
         for _ in range(2):  # the second step has a recorded forward order to prefetch from
-            _unit.EVENTS = []
-            m(local(batch(0, 8)[0], rank, world)).sum().backward()
-            events, _unit.EVENTS = _unit.EVENTS, None
+            with probes.enabled(events=True) as p:
+                m(local(batch(0, 8)[0], rank, world)).sum().backward()
+            events = p.events or []
         counts.append(sum(e == "unshard" for e, _ in events))
     assert counts[1] == counts[0], counts
     done.append("recompute prefetch")

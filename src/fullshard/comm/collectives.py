@@ -20,50 +20,25 @@ It hides what differs between backends and torch versions:
 Asynchronous calls return a :class:`Handle`; its ``wait()`` finishes any local work (the sum
 of an emulated reduce-scatter, the division of an average) and is idempotent.
 
-A per-process :data:`STATS` counts calls and bytes sent, for tests and the benchmark.
+While :mod:`fullshard.probes` are enabled, each call is counted there (calls, bytes sent).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from fullshard import probes
 from fullshard.comm.buffers import POOL
 
 ProcessGroup = Any  # torch's ProcessGroup type moves between versions
 
 _all_gather_fn: Callable[..., Any] = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_fn: Callable[..., Any] = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-@dataclasses.dataclass
-class CollectiveStats:
-    """Counts of collective calls and of bytes each rank put on the wire, per op name."""
-
-    calls: Counter = dataclasses.field(default_factory=Counter)
-    bytes_sent: Counter = dataclasses.field(default_factory=Counter)
-    log: list | None = None  # when a list, each call appends (op, dtype, numel)
-
-    def reset(self, keep_log: bool = False) -> None:
-        self.calls.clear()
-        self.bytes_sent.clear()
-        if self.log is not None:
-            self.log = [] if keep_log else None
-
-    def record(self, op: str, tensor: torch.Tensor, sent_bytes: int) -> None:
-        self.calls[op] += 1
-        self.bytes_sent[op] += sent_bytes
-        if self.log is not None:
-            self.log.append((op, tensor.dtype, tensor.numel()))
-
-
-STATS = CollectiveStats()
 
 
 class Handle:
@@ -183,7 +158,10 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup, a
         raise ValueError(
             f"all_gather: output has {output.numel()} elements, expected {n} x {input.numel()} (world size x input)"
         )
-    STATS.record("all_gather", input, input.numel() * input.element_size() * (n - 1))
+    if probes.ACTIVE is not None:
+        probes.ACTIVE.collectives.record(
+            "all_gather", input.dtype, input.numel(), input.numel() * input.element_size() * (n - 1)
+        )
     if n > 1 and backend(group) == "gloo":
         rank = group_rank(group)
         slices = output.view(n, -1)
@@ -242,7 +220,8 @@ def reduce_scatter(
         )
     nbytes = output.numel() * output.element_size() * (n - 1)
     if backend(group) == "gloo":
-        STATS.record("reduce_scatter", input, nbytes)
+        if probes.ACTIVE is not None:
+            probes.ACTIVE.collectives.record("reduce_scatter", input.dtype, input.numel(), nbytes)
         chunks = input.view(n, -1)
         if n == 2:
             # Send only the other rank's chunk and add the one that arrives to our own: no local
@@ -270,7 +249,8 @@ def reduce_scatter(
                 output.div_(divide_by)
 
         return _finish(work, epilogue_n, async_op)
-    STATS.record("reduce_scatter", input, nbytes)
+    if probes.ACTIVE is not None:
+        probes.ACTIVE.collectives.record("reduce_scatter", input.dtype, input.numel(), nbytes)
     work = _reduce_scatter_fn(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
     return _finish(work, (lambda: output.div_(divide_by)) if divide_by != 1.0 else None, async_op)
 
@@ -306,7 +286,10 @@ def all_reduce(
     reduced through a copy on the group's device and written back.
     """
     n = group_size(group)
-    STATS.record("all_reduce", tensor, 2 * tensor.numel() * tensor.element_size() * (n - 1) // n)
+    if probes.ACTIVE is not None:
+        probes.ACTIVE.collectives.record(
+            "all_reduce", tensor.dtype, tensor.numel(), 2 * tensor.numel() * tensor.element_size() * (n - 1) // n
+        )
     staged = _staged(tensor, group)
     work = dist.all_reduce(staged, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
     divide = (lambda: tensor.div_(divide_by)) if divide_by != 1.0 else None
@@ -315,7 +298,10 @@ def all_reduce(
 
 def all_reduce_max(tensor: torch.Tensor, group: ProcessGroup) -> None:
     """Element-wise maximum over ranks, in place, synchronous (staged like :func:`all_reduce`)."""
-    STATS.record("all_reduce", tensor, tensor.numel() * tensor.element_size())
+    if probes.ACTIVE is not None:
+        probes.ACTIVE.collectives.record(
+            "all_reduce", tensor.dtype, tensor.numel(), tensor.numel() * tensor.element_size()
+        )
     staged = _staged(tensor, group)
     dist.all_reduce(staged, op=dist.ReduceOp.MAX, group=group)
     if staged is not tensor:
@@ -325,7 +311,10 @@ def all_reduce_max(tensor: torch.Tensor, group: ProcessGroup) -> None:
 def broadcast(tensor: torch.Tensor, src_rank: int, group: ProcessGroup) -> None:
     """Copy ``tensor`` from group rank ``src_rank`` to every rank, in place, synchronous (staged
     like :func:`all_reduce`)."""
-    STATS.record("broadcast", tensor, tensor.numel() * tensor.element_size())
+    if probes.ACTIVE is not None:
+        probes.ACTIVE.collectives.record(
+            "broadcast", tensor.dtype, tensor.numel(), tensor.numel() * tensor.element_size()
+        )
     staged = _staged(tensor, group)
     dist.broadcast(staged, src=dist.get_global_rank(group, src_rank), group=group)
     if staged is not tensor:

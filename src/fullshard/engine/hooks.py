@@ -24,11 +24,11 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map
 
+from fullshard import probes
 from fullshard.comm import buffers
-from fullshard.engine import partial_reshard
 from fullshard.engine.config import BackwardPrefetch, MixedPrecision
 from fullshard.engine.module_wrapper import clean_name
-from fullshard.engine.unit import ShardState, TrainingState, Unit, record
+from fullshard.engine.unit import ShardState, TrainingState, Unit
 
 
 @dataclasses.dataclass
@@ -194,7 +194,8 @@ def pre_forward(hooks: UnitHooks) -> None:
         unit.training_state = TrainingState.FORWARD
     unit.unshard()
     unit.install_full_params()
-    record("forward", unit)
+    if probes.ACTIVE is not None:
+        probes.record_event("forward", unit.name)
     if torch.is_grad_enabled() and unit not in root.forward_order:
         root.forward_order.append(unit)
     if unit.training_state is TrainingState.FORWARD:  # not in recomputation
@@ -208,14 +209,15 @@ def pre_forward(hooks: UnitHooks) -> None:
 def post_forward(hooks: UnitHooks, output: Any) -> Any:
     unit, root = hooks.unit, hooks.root
     assert root is not None
-    record("forward_end", unit)
+    if probes.ACTIVE is not None:
+        probes.record_event("forward_end", unit.name)
     unit.uninstall_full_params()
     grad = torch.is_grad_enabled()
     in_recompute = unit.training_state is not TrainingState.FORWARD
     if not in_recompute:
         unit.training_state = TrainingState.IDLE
-        if grad and unit.reshard_after_forward and not hooks.is_root and unit.post_forward_group is not None:
-            partial_reshard.keep_partial(unit)  # reshard_after_forward=M: 1/M kept for backward's smaller gather
+        if grad and unit.reshard_after_forward and not hooks.is_root and unit.partial is not None:
+            unit.reshard_to_partial()  # reshard_after_forward=M: 1/M kept for backward's smaller gather
         elif not grad or (unit.reshard_after_forward and not hooks.is_root):
             unit.reshard()
     if grad and not in_recompute:
@@ -239,7 +241,8 @@ def _pre_backward(hooks: UnitHooks, grad: torch.Tensor) -> torch.Tensor:
     if id(unit) in root.pre_backward_done:
         return grad
     root.pre_backward_done.add(id(unit))
-    record("backward", unit)
+    if probes.ACTIVE is not None:
+        probes.record_event("backward", unit.name)
     unit.training_state = TrainingState.PRE_BACKWARD
     unit.unshard()
     unit.install_full_params()  # for forward recomputation under activation checkpointing

@@ -8,67 +8,74 @@ padded shards, the q = N / M shards [i*q, (i+1)*q): one contiguous slice of the 
 region of the full flat buffer, so the member-major all-gather output is copied out into the full
 buffer with one ``split_with_sizes_copy`` (parameter p's region viewed as (M, q * padded shard)).
 
-The vocabulary (full flat buffer, padded shard, S) is ``_unit``'s and ``_sharded_param``'s.
+The vocabulary (full flat buffer, padded shard, S) is :mod:`.layout`'s and :mod:`.sharded_param`'s.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from fullshard.comm import buffers, collectives
-
-if TYPE_CHECKING:
-    from fullshard.engine.unit import Unit
+from fullshard.engine.layout import UnitLayout
 
 
-def _geometry(unit: Unit) -> tuple[int, int, int]:
-    """(M, q, i): the subgroup's size, shards kept per parameter, this rank's index in it."""
-    group = unit.post_forward_group
-    assert group is not None
-    m = collectives.group_size(group)
-    return m, unit.world // m, collectives.group_rank(group)
+class PartialShard:
+    """What one unit keeps between forward and backward under ``reshard_after_forward=M``.
 
+    Args:
+        unit: the unit's layout; its full flat buffer is read after forward and refilled by
+            :meth:`gather` before backward.
+        group: the subgroup of M consecutive ranks of the unit's shard group (M divides N).
+    """
 
-def keep_partial(unit: Unit) -> None:
-    """After forward: keep this rank's 1/M of the full parameters (q * S elements, pooled
-    memory), then reshard. Call only while UNSHARDED."""
-    m, q, i = _geometry(unit)
-    parts = []
-    for sp in unit.params:
-        chunk = q * sp.spec.padded_shard_numel
-        parts.append(unit._full_data[sp.full_offset + i * chunk : sp.full_offset + (i + 1) * chunk])
-    kept = buffers.POOL.take(q * unit.shard_numel, unit.compute_dtype, unit.device)
-    torch.cat(parts, out=kept)
-    unit.reshard()
-    unit._partial = kept
+    def __init__(self, unit: UnitLayout, group: collectives.ProcessGroup) -> None:
+        self.unit = unit
+        self.group = group
+        self.size = collectives.group_size(group)  # M
+        self.per_param = unit.world // self.size  # q: padded shards kept per parameter
+        self.index = collectives.group_rank(group)  # this rank's index in the subgroup
+        self.kept: torch.Tensor | None = None  # (q * S,) in the compute dtype, pooled memory
 
+    def copy_mine(self) -> torch.Tensor:
+        """This rank's 1/M of the full parameters, copied out of the full flat buffer into
+        pooled memory (q * S elements). Call while the unit is UNSHARDED; hand the result to
+        :meth:`hold` once the unit is resharded."""
+        unit, q, i = self.unit, self.per_param, self.index
+        parts = []
+        for sp in unit.params:
+            chunk = q * sp.spec.padded_shard_numel
+            parts.append(unit.full_data[sp.full_offset + i * chunk : sp.full_offset + (i + 1) * chunk])
+        kept = buffers.POOL.take(q * unit.shard_numel, unit.compute_dtype, unit.device)
+        torch.cat(parts, out=kept)
+        return kept
 
-def drop_partial(unit: Unit) -> None:
-    """Give back what :func:`keep_partial` kept (no backward came, or it was used)."""
-    if unit._partial is not None:
-        buffers.POOL.give(unit._partial)
-        unit._partial = None
+    def hold(self, kept: torch.Tensor) -> None:
+        """Keep ``kept`` (from :meth:`copy_mine`) until backward gathers it or it is dropped."""
+        self.drop()
+        self.kept = kept
 
+    def drop(self) -> None:
+        """Give back what is kept (no backward came, or it was used)."""
+        if self.kept is not None:
+            buffers.POOL.give(self.kept)
+            self.kept = None
 
-def gather_partial(unit: Unit) -> collectives.Handle:
-    """Start all-gathering the kept parts of the subgroup into the full flat buffer (its memory
-    already allocated); the kept part goes back to the pool when the copy-out is done."""
-    m, q, _ = _geometry(unit)
-    kept = unit._partial
-    assert kept is not None
-    unit._partial = None
-    out = buffers.POOL.take(m * kept.numel(), kept.dtype, kept.device)
-    handle = collectives.all_gather(out, kept, unit.post_forward_group, async_op=True)
-    assert handle is not None
-    full = unit._full_data
-    sizes = [q * sp.spec.padded_shard_numel for sp in unit.params]
-    targets = [full[sp.full_offset : sp.full_offset + sp.spec.padded_numel].view(m, -1) for sp in unit.params]
+    def gather(self) -> collectives.Handle:
+        """Start all-gathering the kept parts of the subgroup into the full flat buffer (its
+        memory already allocated); the kept part goes back to the pool after the copy-out."""
+        m, q, kept = self.size, self.per_param, self.kept
+        assert kept is not None, "gather without a kept part"
+        self.kept = None
+        out = buffers.POOL.take(m * kept.numel(), kept.dtype, kept.device)
+        handle = collectives.all_gather(out, kept, self.group, async_op=True)
+        assert handle is not None
+        full, params = self.unit.full_data, self.unit.params
+        sizes = [q * sp.spec.padded_shard_numel for sp in params]
+        targets = [full[sp.full_offset : sp.full_offset + sp.spec.padded_numel].view(m, -1) for sp in params]
 
-    def epilogue() -> None:
-        torch.split_with_sizes_copy(out.view(m, -1), sizes, dim=1, out=targets)
-        buffers.POOL.give(out)
-        buffers.POOL.give(kept)
+        def epilogue() -> None:
+            torch.split_with_sizes_copy(out.view(m, -1), sizes, dim=1, out=targets)
+            buffers.POOL.give(out)
+            buffers.POOL.give(kept)
 
-    return collectives.Handle([handle], epilogue)
+        return collectives.Handle([handle], epilogue)

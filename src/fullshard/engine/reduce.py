@@ -4,20 +4,23 @@ Per-parameter gradients -> one packing copy, rank-major (N*S_t,), into pooled me
 full parameters were freed just before, see ``Unit.reshard_for_packing``) -> cast to the reduce
 dtype -> reduce-scatter -> (S_t,) -> cast back (and copied to CPU under offload) -> views of it
 become the shards' ``.grad``. Low-precision reductions divide before and after the sum so float16
-cannot overflow. The vocabulary (S, S_t, padded shard) is ``_unit``'s and ``_sharded_param``'s.
+cannot overflow. The vocabulary (S, S_t, padded shard) is :mod:`.layout`'s and :mod:`.sharded_param`'s.
+
+:class:`GradReducer` owns a unit's gradient state between backward and the optimizer: the
+reduction in flight, the last output buffer (reused on CPU), the host gradient buffer under
+offload, and the partial sum kept while the replica all-reduce is off.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
+from fullshard import probes
 from fullshard.comm import buffers, collectives
-
-if TYPE_CHECKING:
-    from fullshard.engine.unit import Unit
+from fullshard.engine.layout import UnitLayout
 
 
 def predivide_factor(ranks: int) -> int:
@@ -28,7 +31,7 @@ def predivide_factor(ranks: int) -> int:
     return factor
 
 
-def pack_grads(unit: Unit, grads: Sequence[torch.Tensor | None]) -> torch.Tensor:
+def pack_grads(unit: UnitLayout, grads: Sequence[torch.Tensor | None]) -> torch.Tensor:
     """The trainable parameters' full gradients packed rank-major, shape (N*S_t,).
 
     Row block r holds, parameter after parameter, the padded rows rank r owns: the layout
@@ -52,125 +55,147 @@ def pack_grads(unit: Unit, grads: Sequence[torch.Tensor | None]) -> torch.Tensor
     return out
 
 
-def reduce_grads(unit: Unit) -> None:
-    """Launch the reduce-scatter (and replica all-reduce) of the accumulated full gradient."""
-    grad = unit.full_flat.grad
-    if grad is None:
-        return
-    unit.full_flat.grad = None
-    from fullshard.engine.unit import record  # the module tests swap EVENTS on
+@dataclasses.dataclass
+class _Pending:
+    """A reduction in flight: wait on ``handle``, then ``out`` (S_t,) holds this rank's shard."""
 
-    record("reduce", unit)
-    ranks = unit.world * unit.replicas
-    low = unit.reduce_dtype in (torch.float16, torch.bfloat16)
-    pre = predivide_factor(ranks) if low and unit.divide_factor is None else 1
-    if grad.dtype != unit.reduce_dtype:
-        grad = grad.to(unit.reduce_dtype)
-    if pre > 1:
-        grad.div_(pre)
-    post = (unit.divide_factor or ranks) / pre
-    all_reduce = unit.replicas > 1 and unit.all_reduce_grads
-    if unit.world == 1:
-        out = grad
-    else:
-        out = _reduce_output(unit, grad.dtype, grad.device)
-    handles: list[collectives.Handle] = []
-    if unit.world > 1:
-        h = collectives.reduce_scatter(
-            out, grad, unit.shard_group, divide_by=1.0 if unit.replicas > 1 else post, async_op=True
-        )
-        assert h is not None
-        handles.append(h)
-    if all_reduce:
-        for h in handles:  # the all-reduce follows the reduce-scatter's local epilogue
-            h.wait()
-        if unit._partial_reduce is not None:  # reduce-scattered while the all-reduce was off
-            out.add_(unit._partial_reduce)
-            unit._partial_reduce = None
-        h2 = collectives.all_reduce(out, unit.replicate_group, divide_by=post, async_op=True)
-        assert h2 is not None
-        handles.append(h2)
-    elif unit.world == 1 and post != 1 and unit.replicas == 1:
-        out.div_(post)
-    partial = unit.replicas > 1 and not all_reduce
-    unit._pending_reduce = (_Multi(handles), out, grad if unit.world > 1 else None, partial)
+    handle: collectives.Handle
+    out: torch.Tensor
+    packed: torch.Tensor | None  # the packed input, given back to the pool when done
+    partial: bool  # ``out`` is a partial sum to keep (the replica all-reduce is off)
 
 
-def _reduce_output(unit: Unit, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Where the reduce-scatter writes this rank's gradient shard, shape (S_t,).
+class GradReducer:
+    """The gradient state of one unit, and the reductions that change it.
 
-    On CPU, last step's buffer when nothing holds it any more (``zero_grad`` dropped the
-    shards' ``.grad`` views): reused, it costs no fresh pages. Otherwise a new buffer.
+    Args:
+        unit: the layout whose full flat buffer's ``.grad`` is reduced into its shards' ``.grad``.
     """
-    last = unit._last_reduce_out
-    if last is not None and last.dtype == dtype and last.device == device and buffers.sole_owner(last):
-        return last
-    out = torch.empty(unit.grad_numel, dtype=dtype, device=device)
-    unit._last_reduce_out = out if device.type == "cpu" else None
-    return out
 
+    def __init__(self, unit: UnitLayout) -> None:
+        self.unit = unit
+        self._pending: _Pending | None = None
+        self._last_out: torch.Tensor | None = None  # on CPU: reused while nothing else holds it
+        self._host_grad: torch.Tensor | None = None  # under offload: where gradients land on the host
+        self._partial_sum: torch.Tensor | None = None  # reduce-scattered, not yet all-reduced
 
-def finish_reduce(unit: Unit) -> None:
-    """Wait for the pending reduction and add the result to the shards' ``.grad``."""
-    if unit._pending_reduce is None:
-        return
-    handle, out, sent, partial = unit._pending_reduce
-    handle.wait()
-    unit._pending_reduce = None
-    if sent is not None:
-        buffers.POOL.give(sent)  # the packed gradient: the next unit of this size packs into it
-    if partial:  # set_requires_all_reduce(False): sums kept until an all-reduce takes them
-        if unit._partial_reduce is None:
-            unit._partial_reduce = out.clone()
-        else:
-            unit._partial_reduce.add_(out)
-        return
-    keep_low = unit.config.keep_low_precision_grads
-    grad_dtype = out.dtype if keep_low else unit.dtype
-    if out.dtype != grad_dtype or out.device != unit._shard_device:
-        host = _grad_buffer(unit, out.shape, grad_dtype)
-        host.copy_(out, non_blocking=host.is_pinned())
-        out = host
-    for sp in unit.trainable:
-        assert sp.shard is not None
-        g = unit._local_view(sp, out)
-        current = sp.local_grad()
-        if current is None:
-            if g.dtype != sp.shard.dtype:  # keep_low_precision_grads: .data takes any dtype
-                sp.shard.grad = torch.empty_strided(g.shape, (0,) * g.dim(), dtype=sp.shard.dtype, device=g.device)
-                sp.shard.grad.data = g
+    @property
+    def has_pending(self) -> bool:
+        """Whether a reduction was launched and not yet finished."""
+        return self._pending is not None
+
+    @property
+    def last_output(self) -> torch.Tensor | None:
+        """The buffer the last reduce-scatter wrote (shape (S_t,)), kept for reuse on CPU."""
+        return self._last_out
+
+    @property
+    def partial_sum(self) -> torch.Tensor | None:
+        """Sums reduce-scattered while the replica all-reduce was off (shape (S_t,)), or None."""
+        return self._partial_sum
+
+    def launch(self) -> None:
+        """Launch the reduce-scatter (and replica all-reduce) of the accumulated full gradient."""
+        unit = self.unit
+        grad = unit.full_flat.grad
+        if grad is None:
+            return
+        unit.full_flat.grad = None
+        if probes.ACTIVE is not None:
+            probes.record_event("reduce", unit.name)
+        ranks = unit.world * unit.replicas
+        low = unit.reduce_dtype in (torch.float16, torch.bfloat16)
+        pre = predivide_factor(ranks) if low and unit.divide_factor is None else 1
+        if grad.dtype != unit.reduce_dtype:
+            grad = grad.to(unit.reduce_dtype)
+        if pre > 1:
+            grad.div_(pre)
+        post = (unit.divide_factor or ranks) / pre
+        all_reduce = unit.replicas > 1 and unit.all_reduce_grads
+        out = grad if unit.world == 1 else self._output(grad.dtype, grad.device)
+        works: list[collectives.Handle] = []
+        if unit.world > 1:
+            divide_by = 1.0 if unit.replicas > 1 else post
+            h = collectives.reduce_scatter(out, grad, unit.shard_group, divide_by=divide_by, async_op=True)
+            assert h is not None
+            works.append(h)
+        if all_reduce:
+            for h in works:  # the all-reduce follows the reduce-scatter's local epilogue
+                h.wait()
+            if self._partial_sum is not None:  # reduce-scattered while the all-reduce was off
+                out.add_(self._partial_sum)
+                self._partial_sum = None
+            h2 = collectives.all_reduce(out, unit.replicate_group, divide_by=post, async_op=True)
+            assert h2 is not None
+            works.append(h2)
+        elif unit.world == 1 and post != 1 and unit.replicas == 1:
+            out.div_(post)
+        partial = unit.replicas > 1 and not all_reduce
+        self._pending = _Pending(collectives.Handle(works), out, grad if unit.world > 1 else None, partial)
+
+    def _output(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Where the reduce-scatter writes this rank's gradient shard, shape (S_t,).
+
+        On CPU, last step's buffer when nothing holds it any more (``zero_grad`` dropped the
+        shards' ``.grad`` views): reused, it costs no fresh pages. Otherwise a new buffer.
+        """
+        last = self._last_out
+        if last is not None and last.dtype == dtype and last.device == device and buffers.sole_owner(last):
+            return last
+        out = torch.empty(self.unit.grad_numel, dtype=dtype, device=device)
+        self._last_out = out if device.type == "cpu" else None
+        return out
+
+    def finish(self) -> None:
+        """Wait for the pending reduction and add the result to the shards' ``.grad``."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        pending.handle.wait()
+        if pending.packed is not None:
+            buffers.POOL.give(pending.packed)  # the next unit of this size packs into it
+        out = pending.out
+        if pending.partial:  # set_requires_all_reduce(False): sums kept until an all-reduce takes them
+            if self._partial_sum is None:
+                self._partial_sum = out.clone()
             else:
-                sp.set_grad(g)
-        else:
-            current.add_(g)
+                self._partial_sum.add_(out)
+            return
+        unit = self.unit
+        grad_dtype = out.dtype if unit.config.keep_low_precision_grads else unit.dtype
+        if out.dtype != grad_dtype or out.device != unit.shard_device:
+            host = self._grad_buffer(out.shape, grad_dtype)
+            host.copy_(out, non_blocking=host.is_pinned())
+            out = host
+        for sp in unit.trainable:
+            assert sp.shard is not None
+            g = unit.local_view(sp, out)
+            current = sp.local_grad()
+            if current is None:
+                if g.dtype != sp.shard.dtype:  # keep_low_precision_grads: .data takes any dtype
+                    sp.shard.grad = torch.empty_strided(g.shape, (0,) * g.dim(), dtype=sp.shard.dtype, device=g.device)
+                    sp.shard.grad.data = g
+                else:
+                    sp.set_grad(g)
+            else:
+                current.add_(g)
 
+    def _grad_buffer(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """Where cast or offloaded gradients land: reused while no shard still holds the last one.
 
-def _grad_buffer(unit: Unit, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """Where cast or offloaded gradients land: reused while no shard still holds the last one.
-
-    Pinned allocations are slow, so under offload the buffer is kept between steps; it is
-    replaced when gradients are being accumulated (a shard's ``.grad`` may be a view of it).
-    """
-    cached = unit._host_grad
-    if (
-        cached is not None
-        and cached.dtype == dtype
-        and all(sp.shard is not None and sp.shard.grad is None for sp in unit.trainable)
-    ):
-        return cached
-    pin = unit.config.offload and torch.cuda.is_available()
-    buffer = torch.empty(shape, dtype=dtype, device=unit._shard_device, pin_memory=pin)
-    if unit.config.offload:
-        unit._host_grad = buffer
-    return buffer
-
-
-class _Multi:
-    """Waits on several handles in order."""
-
-    def __init__(self, handles: list[collectives.Handle]) -> None:
-        self._handles = handles
-
-    def wait(self) -> None:
-        for h in self._handles:
-            h.wait()
+        Pinned allocations are slow, so under offload the buffer is kept between steps; it is
+        replaced when gradients are being accumulated (a shard's ``.grad`` may be a view of it).
+        """
+        unit = self.unit
+        cached = self._host_grad
+        if (
+            cached is not None
+            and cached.dtype == dtype
+            and all(sp.shard is not None and sp.shard.grad is None for sp in unit.trainable)
+        ):
+            return cached
+        pin = unit.config.offload and torch.cuda.is_available()
+        buffer = torch.empty(shape, dtype=dtype, device=unit.shard_device, pin_memory=pin)
+        if unit.config.offload:
+            self._host_grad = buffer
+        return buffer

@@ -7,24 +7,22 @@ every unshard) brings them together again: a registered parameter replaced by an
 ``module.to_empty``, which swaps a DTensor's contents), and a unit built on the meta device
 (``fully_shard`` of a model built under ``torch.device("meta")``), whose buffers are allocated
 when its shards first hold real values. :func:`register_dtensors` gives ``fully_shard`` its
-DTensor parameters. The vocabulary is ``_unit``'s and ``_sharded_param``'s.
+DTensor parameters. The vocabulary is :mod:`.layout`'s and :mod:`.sharded_param`'s.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
+from fullshard.engine.layout import UnitLayout
 from fullshard.engine.sharded_param import ShardedParam, local_tensor
 
-if TYPE_CHECKING:
-    from fullshard.engine.unit import Unit
 
-
-def register_dtensors(unit: Unit, mesh: Any, placements: Sequence[Any]) -> None:
+def register_dtensors(unit: UnitLayout, mesh: Any, placements: Sequence[Any]) -> None:
     """Register every shard as a DTensor of the full shape on ``mesh`` with ``placements``
     (torch FSDP2's parameters); its local tensor is the same view of the local flat buffer.
     """
@@ -34,11 +32,11 @@ def register_dtensors(unit: Unit, mesh: Any, placements: Sequence[Any]) -> None:
         shape = sp.spec.orig_shape
         stride = torch.empty(shape, device="meta").stride()
         sp.dtensor_spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, stride, unit.dtype))
-        local = unit._local_view(sp)
+        local = unit.local_view(sp)
         sp.register_shard(nn.Parameter(sp.as_registered(local), requires_grad=sp.requires_grad))
 
 
-def sync_shards(unit: Unit) -> None:
+def sync_shards(unit: UnitLayout) -> None:
     """Take back any shard whose storage was replaced (``param.data = ...``, ``to_empty``, a
     DTensor's local tensor swapped) or whose registered parameter was replaced
     (``load_state_dict(assign=True)``): copy its values into the local flat buffer and make
@@ -49,11 +47,11 @@ def sync_shards(unit: Unit) -> None:
             _check_replacement(unit, sp, registered)
             sp.register_shard(registered)  # type: ignore[arg-type]
     if unit.meta:
-        _materialize(unit)
-    for sp, ptr in zip(unit.params, unit._shard_ptrs):
+        unit.materialize()
+    for sp, ptr in zip(unit.params, unit.shard_ptrs):
         local = sp.local
         if local.data_ptr() != ptr and sp.spec.local_numel > 0 and not local.is_meta:
-            view = unit._local_view(sp)
+            view = unit.local_view(sp)
             with torch.no_grad():
                 view.copy_(local.detach().reshape(view.shape))
             shard: Any = sp.shard
@@ -64,7 +62,7 @@ def sync_shards(unit: Unit) -> None:
             shard._fullshard_param = sp  # lost by a tensor swap (to_empty)
 
 
-def _check_replacement(unit: Unit, sp: ShardedParam, new: torch.Tensor) -> None:
+def _check_replacement(unit: UnitLayout, sp: ShardedParam, new: torch.Tensor) -> None:
     """A parameter put in a shard's place (``load_state_dict(assign=True)``) must be laid
     out like the shard: a DTensor on the unit's mesh with its placements (fully_shard), or
     a plain tensor of the shard's shape (the FSDP1 wrapper).
@@ -89,23 +87,3 @@ def _check_replacement(unit: Unit, sp: ShardedParam, new: torch.Tensor) -> None:
         raise ValueError(
             f"FSDP unit {unit.name!r}: parameter {sp.fqn} was replaced by one of shape {shape}, expected {want}"
         )
-
-
-def _materialize(unit: Unit) -> None:
-    """Leave the meta device: real buffers on the shard device, into which :func:`sync_shards`
-    then copies the values the program gave the shards (``to_empty`` and its own init).
-
-    Raises:
-        RuntimeError: a shard is still on the meta device.
-    """
-    still = [sp.fqn for sp in unit.params if sp.local.is_meta and sp.spec.local_numel > 0]
-    if still:
-        raise RuntimeError(
-            f"FSDP unit {unit.name!r}: parameters {still} are still on the meta device; call "
-            "model.to_empty(device=...) and initialize them (e.g. model.reset_parameters()), or "
-            "load a state dict with assign=True, before the first forward"
-        )
-    unit.meta = False
-    unit.local_flat = unit._new_local_flat()
-    unit._shard_ptrs = [unit._local_view(sp).data_ptr() for sp in unit.params]
-    unit._allocate_buffers()

@@ -1,150 +1,40 @@
 """FSDP unit: the parameters one wrapped module owns, gathered and reduced together.
 
-A unit keeps two flat buffers (see ``_sharded_param`` for the vocabulary):
-
-- the **local flat buffer**, shape (S,), S = sum of the padded shard sizes, in the parameters'
-  own dtype: this rank's shards back to back, each padded to its padded shard size. The
-  registered shard parameters are views into it. With CPU offload it lives in (pinned) CPU
-  memory; otherwise on the compute device, where it is the all-gather input as it stands.
-- the **full flat buffer**, shape (N*S,), in the compute dtype (``param_dtype`` under mixed
-  precision) on the compute device: padded full parameters back to back (param-major). It is an
-  autograd leaf: each forward takes per-parameter views of it, so the gradients of all the
-  unit's parameters accumulate into one flat gradient, and one post-accumulate-grad hook says
-  when the unit's gradient is complete. Its storage is empty (0 bytes) while the unit is
-  SHARDED; autograd's saved views keep pointing at it and see the data again after the next
-  unshard refills it (on CPU with memory lent from ``_buffers.POOL``, elsewhere by a resize).
-  Once the last backward that reads it has run, it is emptied before the gradients are packed,
-  and the packed gradient takes the same memory. With one rank, no casting and no offload it
-  aliases the local buffer.
-
-Gradients come back rank-major: the full flat buffer's ``.grad`` is laid out like N local flat
-buffers (trainable prefix) back to back, which is the reduce-scatter's input with no further copy.
-
-Trainable parameters come first in both buffers and frozen ones (``requires_grad=False``) last,
-so the autograd leaf covers only the trainable prefix of the full buffer: frozen parameters are
-gathered with the rest but get no gradient memory and no gradient communication.
-
-An all-gather's output is rank-major; the copy-out to the param-major full buffer is one
-``split_with_sizes_copy``. On gloo each large parameter is gathered on its own, straight into
-its region of the full buffer, which needs no copy-out (see ``Unit._plan_pieces``). Gradients
-go the other way, in ``_reduce``: per-parameter gradients -> one packing copy, rank-major
-(N*S_t,) -> reduce-scatter -> (S_t,) -> the shards' ``.grad``.
+:class:`Unit` is a :class:`~fullshard.engine.layout.UnitLayout` (the sharded parameters in
+their flat buffers; the vocabulary is defined there) that moves them: ``unshard`` all-gathers
+the full parameters into the full flat buffer (async), ``reshard`` frees them, and the
+gradients go back through its :class:`~fullshard.engine.reduce.GradReducer`. States:
+:class:`ShardState` (SHARDED, UNSHARDED) and :class:`TrainingState` (set by the hooks).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import nn
 
+from fullshard import probes
 from fullshard.comm import buffers, collectives
-from fullshard.engine import partial_reshard, reduce, shard_sync
-from fullshard.engine.reduce import _Multi
-from fullshard.engine.sharded_param import ParamSlot, ShardedParam, ShardSpec
+from fullshard.engine import shard_sync
+from fullshard.engine.layout import (
+    ParamEntry,
+    ShardState,
+    TrainingState,
+    UnitConfig,
+    UnitLayout,
+)
+from fullshard.engine.partial_reshard import PartialShard
+from fullshard.engine.reduce import GradReducer, pack_grads
 
-ParamEntry = tuple[str, nn.Parameter, list[ParamSlot]]
-
-
-class ShardState(enum.Enum):
-    SHARDED = "sharded"
-    UNSHARDED = "unsharded"
-
-
-class TrainingState(enum.Enum):
-    IDLE = "idle"
-    FORWARD = "forward"
-    PRE_BACKWARD = "pre_backward"
-    POST_BACKWARD = "post_backward"
+__all__ = ["ParamEntry", "ShardState", "TrainingState", "Unit", "UnitConfig"]
 
 
-@dataclasses.dataclass(frozen=True)
-class UnitConfig:
-    """How a unit shards, computes and reduces.
-
-    Attributes:
-        compute_device: where forward/backward run and the collectives move data.
-        reshard_after_forward: free the full parameters after forward (FULL_SHARD).
-        param_dtype: dtype of the all-gather and of compute (None: the parameters' dtype).
-        reduce_dtype: dtype of the gradient reduction (None: the compute dtype).
-        keep_low_precision_grads: leave the shards' gradients in the reduce dtype.
-        offload: keep shards and their gradients in CPU memory (pinned when CUDA exists).
-        keep_param_objects: register the original Parameter objects, their ``.data`` now the
-            shard (torch FSDP1's ``use_orig_params``: an optimizer built before wrapping trains
-            them); otherwise new Parameters.
-    """
-
-    compute_device: torch.device
-    reshard_after_forward: bool = True
-    param_dtype: torch.dtype | None = None
-    reduce_dtype: torch.dtype | None = None
-    keep_low_precision_grads: bool = False
-    offload: bool = False
-    keep_param_objects: bool = False
-
-
-class GatherTracker:
-    """Per-process count of units whose full parameters are materialized, with its peak."""
-
-    def __init__(self) -> None:
-        self.now = 0
-        self.peak = 0
-        self.peak_bytes = 0
-        self._bytes = 0
-
-    def add(self, nbytes: int) -> None:
-        self.now += 1
-        self._bytes += nbytes
-        self.peak = max(self.peak, self.now)
-        self.peak_bytes = max(self.peak_bytes, self._bytes)
-
-    def remove(self, nbytes: int) -> None:
-        self.now -= 1
-        self._bytes -= nbytes
-
-    def reset_peak(self) -> None:
-        self.peak = self.now
-        self.peak_bytes = self._bytes
-
-
-GATHERED = GatherTracker()
-
-# On gloo, a parameter whose padded shard has at least this many bytes is all-gathered on its
-# own, straight into the full buffer; smaller ones are gathered in runs and copied out.
-DIRECT_GATHER_BYTES = 1 << 20
-
-# When a list, units and hooks append (event, unit name): "unshard" (all-gather launched),
-# "forward" / "forward_end", "backward" (pre-backward) and "reduce". For tests of ordering.
-EVENTS: list[tuple[str, str]] | None = None
-
-
-def record(event: str, unit: Unit) -> None:
-    if EVENTS is not None:
-        EVENTS.append((event, unit.name))
-
-
-def _alias(t: torch.Tensor) -> torch.Tensor:
-    """A tensor on the same storage as ``t`` with its own version counter (no autograd)."""
-    out = torch.empty(0, dtype=t.dtype, device=t.device)
-    out.set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
-    return out
-
-
-class Unit:
+class Unit(UnitLayout):
     """The sharded parameters of one FSDP unit and the collectives that move them.
 
-    Args:
-        name: a label for error messages (the wrapped module's qualified name).
-        params: (fqn, original parameter, slots) for each parameter the unit owns; all of one
-            dtype and device.
-        shard_group: process group the parameters are sharded over (N ranks), or None for one.
-        replicate_group: optional group over which gradients are all-reduced after the
-            reduce-scatter (NO_SHARD uses a shard group of one rank and the world here).
-        config: compute device, dtypes, offload and resharding.
+    Args: as :class:`~fullshard.engine.layout.UnitLayout`.
 
     Raises:
         ValueError: parameters of different dtypes or devices in one unit.
@@ -158,177 +48,24 @@ class Unit:
         replicate_group: collectives.ProcessGroup | None,
         config: UnitConfig,
     ) -> None:
-        self.name = name
-        self.config = config
-        self.shard_group = shard_group
-        self.replicate_group = replicate_group
-        self.world = collectives.group_size(shard_group) if shard_group is not None else 1
-        self.rank = collectives.group_rank(shard_group) if shard_group is not None else 0
-        self.replicas = collectives.group_size(replicate_group) if replicate_group is not None else 1
+        super().__init__(name, params, shard_group, replicate_group, config)
         self.reshard_after_forward = config.reshard_after_forward
         self.shard_state = ShardState.SHARDED
         self.training_state = TrainingState.IDLE
-        self.params: list[ShardedParam] = []
-        self.dtype = self._common_dtype(params)
-        self.device = config.compute_device
-        self.compute_dtype = config.param_dtype or self.dtype
-        self.reduce_dtype = config.reduce_dtype or self.compute_dtype
-        self._build(params)
+        self.grads = GradReducer(self)
         self._pending_gather: collectives.Handle | None = None
         self._lent: torch.Tensor | None = None  # while gathered from the pool: holds the empty storage
-        self._last_reduce_out: torch.Tensor | None = None
-        self._host_grad: torch.Tensor | None = None  # under offload: where gradients land on the host
         # The contexts of this unit's _SplitFull nodes that autograd may still run backward on.
         self._open_splits: weakref.WeakSet[Any] = weakref.WeakSet()
-        # (handles, output, packed input to give back, output is a partial sum to keep)
-        self._pending_reduce: tuple[_Multi, torch.Tensor, torch.Tensor | None, bool] | None = None
         self.sync_grads = True  # False: gradients accumulate unsharded, no reduction (no_sync)
         self.reshard_after_backward = True  # False: stay gathered after backward (FSDP2's setter)
-        self.all_reduce_grads = True  # False: reduce-scatter only; the replica all-reduce waits
-        self.divide_factor: float | None = None  # None: average over the data-parallel ranks
-        self._partial_reduce: torch.Tensor | None = None  # reduce-scattered, not yet all-reduced
-        # reshard_after_forward=M: the group of M ranks to reshard to after forward, and this
-        # rank's 1/M of the full parameters kept until backward (see _post_forward).
-        self.post_forward_group: collectives.ProcessGroup | None = None
-        self._partial: torch.Tensor | None = None
-        self.on_grad_ready: Callable[[Unit], None] | None = None
-        self.on_reshard: Callable[[Unit], None] | None = None  # e.g. register the shards again
+        # reshard_after_forward=M: this rank's 1/M of the full parameters, kept until backward.
+        self.partial: PartialShard | None = None
+        self.on_reshard: Any = None  # called with the unit after each reshard (e.g. register shards again)
 
-    # ---------------------------------------------------------------- construction
-    def _common_dtype(self, params: list[ParamEntry]) -> torch.dtype:
-        kinds = {(p.dtype, p.device) for _, p, _ in params}
-        if len(kinds) > 1:
-            listing = ", ".join(f"{fqn}: {p.dtype} on {p.device}" for fqn, p, _ in params)
-            raise ValueError(
-                f"FSDP unit {self.name!r} holds parameters of several dtypes or devices "
-                f"({listing}); move the module to one device and dtype before wrapping "
-                "(module.to(device, dtype)), or wrap the differing submodules as their own units"
-            )
-        return kinds.pop()[0] if kinds else torch.float32
-
-    @property
-    def _shard_device(self) -> torch.device:
-        return torch.device("cpu") if self.config.offload else self.device
-
-    def _build(self, params: list[ParamEntry]) -> None:
-        params = [e for e in params if e[1].requires_grad] + [e for e in params if not e[1].requires_grad]
-        local_off = full_off = 0
-        for fqn, p, slots in params:
-            spec = ShardSpec(p.shape, self.world, self.rank)
-            sp = ShardedParam(spec, slots, fqn, p.requires_grad)
-            sp.local_offset, sp.full_offset = local_off, full_off
-            sp.shard_group = self.shard_group
-            local_off += spec.padded_shard_numel
-            full_off += spec.padded_numel
-            self.params.append(sp)
-        self.shard_numel = local_off  # S
-        self.trainable = [sp for sp in self.params if sp.requires_grad]
-        self.grad_numel = sum(sp.spec.padded_shard_numel for sp in self.trainable)  # S_t <= S
-        # On the meta device (fully_shard of a model built under torch.device("meta")) the
-        # shards stay meta until the program materializes them (to_empty, then its own init);
-        # the buffers are allocated when the first unshard finds real values (_shard_sync).
-        self.meta = any(p.is_meta for _, p, _ in params)
-        self.local_flat = self._new_local_flat()
-        with torch.no_grad():
-            for (_, p, _), sp in zip(params, self.params):
-                view = self._local_view(sp)
-                if not self.meta:
-                    view.copy_(sp.spec.local_slice(p.detach()))
-                if self.config.keep_param_objects and not self.meta:
-                    p.data, p.grad = view, None  # the user's Parameter is now the shard
-                    sp.register_shard(p)
-                else:
-                    sp.register_shard(nn.Parameter(view, requires_grad=p.requires_grad))
-                    p._fullshard_sharded_as = sp.fqn  # type: ignore[attr-defined]  # met again: tied
-        self._full_splits = [
-            [n for sp in group for n in (sp.spec.numel, sp.spec.padded_numel - sp.spec.numel)]
-            for group in (self.trainable, self.params[len(self.trainable) :])
-        ]
-        self._pieces = self._plan_pieces()
-        self._run_sizes = [[sp.spec.padded_shard_numel for sp in group] for group, _, _ in self._pieces]
-        # With one rank, no cast and no offload the full buffer is the local buffer itself.
-        self.aliased = self.world == 1 and self.compute_dtype == self.dtype and not self.config.offload
-        self._shard_ptrs = [self._local_view(sp).data_ptr() for sp in self.params]
-        if not self.meta:
-            self._allocate_buffers()
-
-    def _new_local_flat(self) -> torch.Tensor:
-        if self.meta:
-            return torch.zeros(self.shard_numel, dtype=self.dtype, device="meta")
-        pin = self.config.offload and torch.cuda.is_available()
-        return torch.zeros(self.shard_numel, dtype=self.dtype, device=self._shard_device, pin_memory=pin)
-
-    def _allocate_buffers(self) -> None:
-        """The full flat buffer (storage emptied until the first unshard), its autograd leaf and
-        views, for a unit whose local flat buffer holds real values."""
-        full = (
-            _alias(self.local_flat)
-            if self.aliased
-            else torch.empty(self.world * self.shard_numel, dtype=self.compute_dtype, device=self.device)
-        )
-        self._full_data = _alias(full)  # writes here leave autograd's version counter alone
-        # The autograd leaf (trainable prefix) and the frozen rest: aliases of one storage.
-        split = self.world * self.grad_numel
-        self.full_flat = _alias(full[:split]).requires_grad_(bool(self.trainable))
-        self.frozen_full = _alias(full[split:])
-        # Per run piece, its copy-out targets: views of the full buffer, built once (they stay
-        # valid across resize_, which keeps the storage object).
-        self._run_targets = [
-            [
-                self._full_data[sp.full_offset : sp.full_offset + sp.spec.padded_numel].view(self.world, -1)
-                for sp in group
-            ]
-            for group, _, _ in self._pieces
-        ]
-        if not self.aliased:
-            full.untyped_storage().resize_(0)
-        if self.trainable:
-            # Through a weak reference: the tensor's hook table is invisible to Python's cycle
-            # collector, so a bound method here would keep the unit (and its process group,
-            # whose threads then outlive the interpreter) alive forever.
-            self.full_flat.register_post_accumulate_grad_hook(_weak_hook(self))
-
-    def _plan_pieces(self) -> list[tuple[list[ShardedParam], int, int]]:
-        """How the all-gather is split: (parameters, local offset, local length) per collective.
-
-        On gloo every parameter whose padded shard reaches :data:`DIRECT_GATHER_BYTES` is its
-        own all-gather, straight into the full buffer (no temporary, no copy-out: gloo's
-        collectives are N broadcasts each, so a piece costs one round of latency and no
-        extra bandwidth); the parameters between them are gathered as runs. Elsewhere (NCCL,
-        where many small collectives cost more than a copy on the GPU) the unit is one piece.
-        """
-        gloo = self.shard_group is not None and collectives.backend(self.shard_group) == "gloo"
-        pieces: list[tuple[list[ShardedParam], int, int]] = []
-        run: list[ShardedParam] = []
-
-        def flush() -> None:
-            if run:
-                start = run[0].local_offset
-                pieces.append((list(run), start, run[-1].local_offset + run[-1].spec.padded_shard_numel - start))
-                run.clear()
-
-        for sp in self.params:
-            if gloo and sp.spec.padded_shard_numel * self.compute_dtype.itemsize >= DIRECT_GATHER_BYTES:
-                flush()
-                pieces.append(([sp], sp.local_offset, sp.spec.padded_shard_numel))
-            else:
-                run.append(sp)
-        flush()
-        return pieces
-
-    def _local_view(self, sp: ShardedParam, flat: torch.Tensor | None = None) -> torch.Tensor:
-        n = sp.spec.local_numel
-        source = self.local_flat if flat is None else flat
-        return source[sp.local_offset : sp.local_offset + n].view(sp.spec.local_shape)
-
-    @property
-    def full_nbytes(self) -> int:
-        """Bytes of the full flat buffer while gathered (0 when it aliases the shards)."""
-        return 0 if self.aliased else self.world * self.shard_numel * self.compute_dtype.itemsize
-
-    @property
-    def sharded_nbytes(self) -> int:
-        return self.shard_numel * self.local_flat.element_size()
+    def set_post_forward_group(self, group: collectives.ProcessGroup) -> None:
+        """Reshard to ``group`` (M consecutive ranks of the shard group) after forward."""
+        self.partial = PartialShard(self, group)
 
     # ---------------------------------------------------------------- all-gather
     def _check_state(self, expected: TrainingState | tuple[TrainingState, ...], action: str) -> None:
@@ -353,32 +90,34 @@ class Unit:
         shard_sync.sync_shards(self)
         if self.aliased or self.shard_numel == 0:
             self.shard_state = ShardState.UNSHARDED
-            GATHERED.add(0)
+            if probes.ACTIVE is not None:
+                probes.ACTIVE.gathered.add(0)
             return
-        record("unshard", self)
+        if probes.ACTIVE is not None:
+            probes.record_event("unshard", self.name)
+            probes.ACTIVE.gathered.add(self.full_nbytes)
         self._allocate_full()
-        GATHERED.add(self.full_nbytes)
-        if self._partial is not None:  # resharded to a smaller group after forward
-            self._pending_gather = partial_reshard.gather_partial(self)
+        if self.partial is not None and self.partial.kept is not None:  # resharded to a smaller group
+            self._pending_gather = self.partial.gather()
             if not async_op:
                 self.wait_unshard()
             return
         if self.world == 1:
-            self._full_data.copy_(self.local_flat, non_blocking=True)  # cast and/or upload
+            self.full_data.copy_(self.local_flat, non_blocking=True)  # cast and/or upload
             self.shard_state = ShardState.UNSHARDED
             return
-        self._pending_gather = self._gather_into(self._full_data, self._gather_input())
+        self._pending_gather = self._gather_into(self.full_data, self._gather_input())
         if not async_op:
             self.wait_unshard()
 
     def _allocate_full(self) -> None:
-        """Give the full flat buffer's storage its memory (reused memory on CPU, see ``_buffers``)."""
-        data = self._full_data
+        """Give the full flat buffer's storage its memory (reused memory on CPU, see ``comm.buffers``)."""
+        data = self.full_data
         self._lent = buffers.lend(data.untyped_storage(), data.numel(), data.dtype, self.device)
 
     def _free_full(self) -> None:
         """Take the full flat buffer's memory away again (0 bytes; a no-op when already freed)."""
-        buffers.take_back(self._full_data.untyped_storage(), self._lent)
+        buffers.take_back(self.full_data.untyped_storage(), self._lent)
         self._lent = None
 
     def _gather_into(self, full: torch.Tensor, local: torch.Tensor) -> collectives.Handle:
@@ -407,7 +146,7 @@ class Unit:
         def epilogue() -> None:
             for gathered, k in copy_outs:
                 group = self._pieces[k][0]
-                if full is self._full_data:  # the usual case: views built once at construction
+                if full is self.full_data:  # the usual case: views built once at construction
                     outs = self._run_targets[k]
                 else:
                     outs = [full[sp.full_offset : sp.full_offset + sp.spec.padded_numel].view(n, -1) for sp in group]
@@ -440,7 +179,7 @@ class Unit:
         for sp in self.params:
             grad = sp.local_grad()
             if grad is not None:
-                self._local_view(sp, flat).copy_(grad)
+                self.local_view(sp, flat).copy_(grad)
         return flat
 
     def wait_unshard(self) -> None:
@@ -492,7 +231,8 @@ class Unit:
     def reshard(self) -> None:
         """Free the full parameters (a no-op for the buffer when it aliases the shards), and
         what a reshard to a smaller group kept."""
-        partial_reshard.drop_partial(self)
+        if self.partial is not None:
+            self.partial.drop()
         if self.shard_state is ShardState.SHARDED:
             return
         if self._pending_gather is not None:
@@ -500,51 +240,42 @@ class Unit:
         self.uninstall_full_params()
         if self.on_reshard is not None:
             self.on_reshard(self)
-        if self.aliased or self.shard_numel == 0:
-            GATHERED.remove(0)
-        else:
+        if not (self.aliased or self.shard_numel == 0):
             self._free_full()
-            GATHERED.remove(self.full_nbytes)
+        if probes.ACTIVE is not None:
+            probes.ACTIVE.gathered.remove(0 if self.aliased or self.shard_numel == 0 else self.full_nbytes)
         self.shard_state = ShardState.SHARDED
+
+    def reshard_to_partial(self) -> None:
+        """After forward under ``reshard_after_forward=M``: keep this rank's 1/M of the full
+        parameters for backward's smaller all-gather, then reshard. Call while UNSHARDED."""
+        assert self.partial is not None, "reshard_to_partial without set_post_forward_group"
+        kept = self.partial.copy_mine()
+        self.reshard()
+        self.partial.hold(kept)
 
     def write_back(self, full: list[torch.Tensor]) -> None:
         """Copy this rank's rows of each full tensor (shapes ``orig_shape``) into the shards."""
         with torch.no_grad():
             for sp, value in zip(self.params, full):
-                self._local_view(sp).copy_(sp.spec.local_slice(value))
+                self.local_view(sp).copy_(sp.spec.local_slice(value))
 
-    # ---------------------------------------------------------------- gradients (see _reduce)
+    # ---------------------------------------------------------------- gradients (see reduce)
     def pack_grads(self, grads: Sequence[torch.Tensor | None]) -> torch.Tensor:
-        """The trainable parameters' full gradients packed rank-major, (N*S_t,): :func:`_reduce.pack_grads`."""
-        return reduce.pack_grads(self, grads)
+        """The trainable parameters' full gradients packed rank-major, (N*S_t,): :func:`.reduce.pack_grads`."""
+        return pack_grads(self, grads)
 
     def reduce_grads(self) -> None:
-        """Launch the reduce-scatter of the accumulated full gradient: :func:`_reduce.reduce_grads`."""
-        reduce.reduce_grads(self)
+        """Launch the reduce-scatter of the accumulated full gradient: :meth:`GradReducer.launch`."""
+        self.grads.launch()
 
     def finish_reduce(self) -> None:
-        """Wait for the pending reduction; the shards' ``.grad`` get it: :func:`_reduce.finish_reduce`."""
-        reduce.finish_reduce(self)
+        """Wait for the pending reduction; the shards' ``.grad`` get it: :meth:`GradReducer.finish`."""
+        self.grads.finish()
 
     @property
     def has_pending_reduce(self) -> bool:
-        return self._pending_reduce is not None
-
-    def _grad_accumulated(self, full_flat: torch.Tensor) -> None:
-        if self.on_grad_ready is not None:
-            self.on_grad_ready(self)
-
-
-def _weak_hook(unit: Unit) -> Callable[[torch.Tensor], None]:
-    """``unit``'s gradient-ready hook, holding the unit only weakly."""
-    ref = weakref.ref(unit)
-
-    def hook(full_flat: torch.Tensor) -> None:
-        target = ref()
-        if target is not None:
-            target._grad_accumulated(full_flat)
-
-    return hook
+        return self.grads.has_pending
 
 
 class _SplitFull(torch.autograd.Function):

@@ -330,7 +330,7 @@ def fully_shard(
     config = build.unit_config(prepared.device, reshard, mp, offload)
     unit = build.build_unit(holder, prepared, groups, config, set(), None, False, None, materialize_meta=False)
     if post_forward_size is not None:
-        unit.post_forward_group = _post_forward_group(mesh, post_forward_size)
+        unit.set_post_forward_group(_post_forward_group(mesh, post_forward_size))
     from torch.distributed.tensor import Replicate, Shard
 
     register_dtensors(unit, mesh, [Replicate(), Shard(0)] if hybrid else [Shard(0)])

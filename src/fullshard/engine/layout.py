@@ -1,0 +1,313 @@
+"""An FSDP unit's layout: its sharded parameters and flat buffers, built once.
+
+The :class:`~fullshard.engine.unit.Unit` adds the all-gather, reshard and reduction on top;
+the modules that work on the buffers (:mod:`.reduce`, :mod:`.shard_sync`) take a layout.
+
+
+A unit keeps two flat buffers (see :mod:`fullshard.engine.sharded_param` for the vocabulary):
+
+- the **local flat buffer**, shape (S,), S = sum of the padded shard sizes, in the parameters'
+  own dtype: this rank's shards back to back, each padded to its padded shard size. The
+  registered shard parameters are views into it. With CPU offload it lives in (pinned) CPU
+  memory; otherwise on the compute device, where it is the all-gather input as it stands.
+- the **full flat buffer**, shape (N*S,), in the compute dtype (``param_dtype`` under mixed
+  precision) on the compute device: padded full parameters back to back (param-major). It is an
+  autograd leaf: each forward takes per-parameter views of it, so the gradients of all the
+  unit's parameters accumulate into one flat gradient, and one post-accumulate-grad hook says
+  when the unit's gradient is complete. Its storage is empty (0 bytes) while the unit is
+  SHARDED; autograd's saved views keep pointing at it and see the data again after the next
+  unshard refills it (on CPU with memory lent from ``buffers.POOL``, elsewhere by a resize).
+  Once the last backward that reads it has run, it is emptied before the gradients are packed,
+  and the packed gradient takes the same memory. With one rank, no casting and no offload it
+  aliases the local buffer.
+
+Gradients come back rank-major: the full flat buffer's ``.grad`` is laid out like N local flat
+buffers (trainable prefix) back to back, which is the reduce-scatter's input with no further copy.
+
+Trainable parameters come first in both buffers and frozen ones (``requires_grad=False``) last,
+so the autograd leaf covers only the trainable prefix of the full buffer: frozen parameters are
+gathered with the rest but get no gradient memory and no gradient communication.
+
+An all-gather's output is rank-major; the copy-out to the param-major full buffer is one
+``split_with_sizes_copy``. On gloo each large parameter is gathered on its own, straight into
+its region of the full buffer, which needs no copy-out (see ``UnitLayout._plan_pieces``). Gradients
+go the other way, in :mod:`.reduce`: per-parameter gradients -> one packing copy, rank-major
+(N*S_t,) -> reduce-scatter -> (S_t,) -> the shards' ``.grad``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from fullshard.comm import collectives
+from fullshard.engine.sharded_param import ParamSlot, ShardedParam, ShardSpec
+
+ParamEntry = tuple[str, nn.Parameter, list[ParamSlot]]
+
+# On gloo, a parameter whose padded shard has at least this many bytes is all-gathered on its
+# own, straight into the full buffer; smaller ones are gathered in runs and copied out.
+DIRECT_GATHER_BYTES = 1 << 20
+
+
+class ShardState(enum.Enum):
+    SHARDED = "sharded"
+    UNSHARDED = "unsharded"
+
+
+class TrainingState(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    PRE_BACKWARD = "pre_backward"
+    POST_BACKWARD = "post_backward"
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitConfig:
+    """How a unit shards, computes and reduces.
+
+    Attributes:
+        compute_device: where forward/backward run and the collectives move data.
+        reshard_after_forward: free the full parameters after forward (FULL_SHARD).
+        param_dtype: dtype of the all-gather and of compute (None: the parameters' dtype).
+        reduce_dtype: dtype of the gradient reduction (None: the compute dtype).
+        keep_low_precision_grads: leave the shards' gradients in the reduce dtype.
+        offload: keep shards and their gradients in CPU memory (pinned when CUDA exists).
+        keep_param_objects: register the original Parameter objects, their ``.data`` now the
+            shard (torch FSDP1's ``use_orig_params``: an optimizer built before wrapping trains
+            them); otherwise new Parameters.
+    """
+
+    compute_device: torch.device
+    reshard_after_forward: bool = True
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    keep_low_precision_grads: bool = False
+    offload: bool = False
+    keep_param_objects: bool = False
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor on the same storage as ``t`` with its own version counter (no autograd)."""
+    out = torch.empty(0, dtype=t.dtype, device=t.device)
+    out.set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+    return out
+
+
+class UnitLayout:
+    """The sharded parameters of one FSDP unit, laid out in its flat buffers.
+
+    Args:
+        name: a label for error messages (the wrapped module's qualified name).
+        params: (fqn, original parameter, slots) for each parameter the unit owns; all of one
+            dtype and device.
+        shard_group: process group the parameters are sharded over (N ranks), or None for one.
+        replicate_group: optional group over which gradients are all-reduced after the
+            reduce-scatter (NO_SHARD uses a shard group of one rank and the world here).
+        config: compute device, dtypes, offload and resharding.
+
+    Raises:
+        ValueError: parameters of different dtypes or devices in one unit.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        params: list[ParamEntry],
+        shard_group: collectives.ProcessGroup | None,
+        replicate_group: collectives.ProcessGroup | None,
+        config: UnitConfig,
+    ) -> None:
+        self.name = name
+        self.config = config
+        self.shard_group = shard_group
+        self.replicate_group = replicate_group
+        self.world = collectives.group_size(shard_group) if shard_group is not None else 1
+        self.rank = collectives.group_rank(shard_group) if shard_group is not None else 0
+        self.replicas = collectives.group_size(replicate_group) if replicate_group is not None else 1
+        self.params: list[ShardedParam] = []
+        self.dtype = self._common_dtype(params)
+        self.device = config.compute_device
+        self.compute_dtype = config.param_dtype or self.dtype
+        self.reduce_dtype = config.reduce_dtype or self.compute_dtype
+        # Settings the front ends change between steps (FSDP2's set_* methods).
+        self.all_reduce_grads = True  # False: reduce-scatter only; the replica all-reduce waits
+        self.divide_factor: float | None = None  # None: average over the data-parallel ranks
+        self.on_grad_ready: Callable[[Any], None] | None = None  # called with the unit
+        self._build(params)
+
+    def _common_dtype(self, params: list[ParamEntry]) -> torch.dtype:
+        kinds = {(p.dtype, p.device) for _, p, _ in params}
+        if len(kinds) > 1:
+            listing = ", ".join(f"{fqn}: {p.dtype} on {p.device}" for fqn, p, _ in params)
+            raise ValueError(
+                f"FSDP unit {self.name!r} holds parameters of several dtypes or devices "
+                f"({listing}); move the module to one device and dtype before wrapping "
+                "(module.to(device, dtype)), or wrap the differing submodules as their own units"
+            )
+        return kinds.pop()[0] if kinds else torch.float32
+
+    @property
+    def shard_device(self) -> torch.device:
+        return torch.device("cpu") if self.config.offload else self.device
+
+    def _build(self, params: list[ParamEntry]) -> None:
+        params = [e for e in params if e[1].requires_grad] + [e for e in params if not e[1].requires_grad]
+        local_off = full_off = 0
+        for fqn, p, slots in params:
+            spec = ShardSpec(p.shape, self.world, self.rank)
+            sp = ShardedParam(spec, slots, fqn, p.requires_grad)
+            sp.local_offset, sp.full_offset = local_off, full_off
+            sp.shard_group = self.shard_group
+            local_off += spec.padded_shard_numel
+            full_off += spec.padded_numel
+            self.params.append(sp)
+        self.shard_numel = local_off  # S
+        self.trainable = [sp for sp in self.params if sp.requires_grad]
+        self.grad_numel = sum(sp.spec.padded_shard_numel for sp in self.trainable)  # S_t <= S
+        # On the meta device (fully_shard of a model built under torch.device("meta")) the
+        # shards stay meta until the program materializes them (to_empty, then its own init);
+        # the buffers are allocated when the first unshard finds real values (shard_sync).
+        self.meta = any(p.is_meta for _, p, _ in params)
+        self.local_flat = self._new_local_flat()
+        with torch.no_grad():
+            for (_, p, _), sp in zip(params, self.params):
+                view = self.local_view(sp)
+                if not self.meta:
+                    view.copy_(sp.spec.local_slice(p.detach()))
+                if self.config.keep_param_objects and not self.meta:
+                    p.data, p.grad = view, None  # the user's Parameter is now the shard
+                    sp.register_shard(p)
+                else:
+                    sp.register_shard(nn.Parameter(view, requires_grad=p.requires_grad))
+                    p._fullshard_sharded_as = sp.fqn  # type: ignore[attr-defined]  # met again: tied
+        self._full_splits = [
+            [n for sp in group for n in (sp.spec.numel, sp.spec.padded_numel - sp.spec.numel)]
+            for group in (self.trainable, self.params[len(self.trainable) :])
+        ]
+        self._pieces = self._plan_pieces()
+        self._run_sizes = [[sp.spec.padded_shard_numel for sp in group] for group, _, _ in self._pieces]
+        # With one rank, no cast and no offload the full buffer is the local buffer itself.
+        self.aliased = self.world == 1 and self.compute_dtype == self.dtype and not self.config.offload
+        self.shard_ptrs = [self.local_view(sp).data_ptr() for sp in self.params]
+        if not self.meta:
+            self._allocate_buffers()
+
+    def _new_local_flat(self) -> torch.Tensor:
+        if self.meta:
+            return torch.zeros(self.shard_numel, dtype=self.dtype, device="meta")
+        pin = self.config.offload and torch.cuda.is_available()
+        return torch.zeros(self.shard_numel, dtype=self.dtype, device=self.shard_device, pin_memory=pin)
+
+    def _allocate_buffers(self) -> None:
+        """The full flat buffer (storage emptied until the first unshard), its autograd leaf and
+        views, for a unit whose local flat buffer holds real values."""
+        full = (
+            _alias(self.local_flat)
+            if self.aliased
+            else torch.empty(self.world * self.shard_numel, dtype=self.compute_dtype, device=self.device)
+        )
+        self.full_data = _alias(full)  # writes here leave autograd's version counter alone
+        # The autograd leaf (trainable prefix) and the frozen rest: aliases of one storage.
+        split = self.world * self.grad_numel
+        self.full_flat = _alias(full[:split]).requires_grad_(bool(self.trainable))
+        self.frozen_full = _alias(full[split:])
+        # Per run piece, its copy-out targets: views of the full buffer, built once (they stay
+        # valid across resize_, which keeps the storage object).
+        self._run_targets = [
+            [
+                self.full_data[sp.full_offset : sp.full_offset + sp.spec.padded_numel].view(self.world, -1)
+                for sp in group
+            ]
+            for group, _, _ in self._pieces
+        ]
+        if not self.aliased:
+            full.untyped_storage().resize_(0)
+        if self.trainable:
+            # Through a weak reference: the tensor's hook table is invisible to Python's cycle
+            # collector, so a bound method here would keep the unit (and its process group,
+            # whose threads then outlive the interpreter) alive forever.
+            self.full_flat.register_post_accumulate_grad_hook(_weak_hook(self))
+
+    def _plan_pieces(self) -> list[tuple[list[ShardedParam], int, int]]:
+        """How the all-gather is split: (parameters, local offset, local length) per collective.
+
+        On gloo every parameter whose padded shard reaches :data:`DIRECT_GATHER_BYTES` is its
+        own all-gather, straight into the full buffer (no temporary, no copy-out: gloo's
+        collectives are N broadcasts each, so a piece costs one round of latency and no
+        extra bandwidth); the parameters between them are gathered as runs. Elsewhere (NCCL,
+        where many small collectives cost more than a copy on the GPU) the unit is one piece.
+        """
+        gloo = self.shard_group is not None and collectives.backend(self.shard_group) == "gloo"
+        pieces: list[tuple[list[ShardedParam], int, int]] = []
+        run: list[ShardedParam] = []
+
+        def flush() -> None:
+            if run:
+                start = run[0].local_offset
+                pieces.append((list(run), start, run[-1].local_offset + run[-1].spec.padded_shard_numel - start))
+                run.clear()
+
+        for sp in self.params:
+            if gloo and sp.spec.padded_shard_numel * self.compute_dtype.itemsize >= DIRECT_GATHER_BYTES:
+                flush()
+                pieces.append(([sp], sp.local_offset, sp.spec.padded_shard_numel))
+            else:
+                run.append(sp)
+        flush()
+        return pieces
+
+    def local_view(self, sp: ShardedParam, flat: torch.Tensor | None = None) -> torch.Tensor:
+        n = sp.spec.local_numel
+        source = self.local_flat if flat is None else flat
+        return source[sp.local_offset : sp.local_offset + n].view(sp.spec.local_shape)
+
+    @property
+    def full_nbytes(self) -> int:
+        """Bytes of the full flat buffer while gathered (0 when it aliases the shards)."""
+        return 0 if self.aliased else self.world * self.shard_numel * self.compute_dtype.itemsize
+
+    @property
+    def sharded_nbytes(self) -> int:
+        return self.shard_numel * self.local_flat.element_size()
+
+    def materialize(self) -> None:
+        """Leave the meta device: real buffers on the shard device, into which the caller then
+        copies the values the program gave the shards (``to_empty`` and its own init).
+
+        Raises:
+            RuntimeError: a shard is still on the meta device.
+        """
+        still = [sp.fqn for sp in self.params if sp.local.is_meta and sp.spec.local_numel > 0]
+        if still:
+            raise RuntimeError(
+                f"FSDP unit {self.name!r}: parameters {still} are still on the meta device; call "
+                "model.to_empty(device=...) and initialize them (e.g. model.reset_parameters()), or "
+                "load a state dict with assign=True, before the first forward"
+            )
+        self.meta = False
+        self.local_flat = self._new_local_flat()
+        self.shard_ptrs = [self.local_view(sp).data_ptr() for sp in self.params]
+        self._allocate_buffers()
+
+    def _grad_accumulated(self, full_flat: torch.Tensor) -> None:
+        if self.on_grad_ready is not None:
+            self.on_grad_ready(self)
+
+
+def _weak_hook(unit: UnitLayout) -> Callable[[torch.Tensor], None]:
+    """``unit``'s gradient-ready hook, holding the unit only weakly."""
+    ref = weakref.ref(unit)
+
+    def hook(full_flat: torch.Tensor) -> None:
+        target = ref()
+        if target is not None:
+            target._grad_accumulated(full_flat)
+
+    return hook
