@@ -93,6 +93,7 @@ def test_checkpoint_reshards(tmp_path: Path, saved: int, loaded: list[int], api:
 
 def errors_body(rank: int, world: int, root: str) -> list[str]:
     from fullshard import FSDP, checkpoint
+    from fullshard.comm import collectives
     from fullshard.state.checkpoint import CheckpointError
 
     done = []
@@ -142,7 +143,7 @@ def errors_body(rank: int, world: int, root: str) -> list[str]:
     if rank == 0:
         shard = sorted(good.glob("*.distcp"))[0]
         shard.write_bytes(shard.read_bytes()[:100])
-    checkpoint.C.barrier(checkpoint.C.default_group())
+    collectives.barrier(collectives.default_group())
     with pytest.raises(CheckpointError, match="load from"):
         checkpoint.load(good, model, opt)
     after = model.state_dict()
