@@ -138,6 +138,10 @@ def errors_body(rank: int, world: int, root: str) -> list[str]:
     wrong = FSDP(wrong, auto_wrap_policy=ModuleWrapPolicy({Block}))
     with pytest.raises(CheckpointError, match=r"shape mismatch for head.weight: checkpoint \(3, 13\), model \(4, 13\)"):
         checkpoint.load(good, wrong)
+    # A model that heads no unit (unwrapped, or a plain module around wrappers) is refused by type.
+    plain = torch.nn.Sequential(FSDP(torch.nn.Linear(2, 2)))
+    with pytest.raises(CheckpointError, match="TypeError: model must be the root FullyShardedDataParallel or a module"):
+        checkpoint.save(root, 3, plain)
     done.append("wrong model")
     # A truncated shard file: an error on every rank, and the model is not changed.
     if rank == 0:
