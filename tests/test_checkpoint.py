@@ -93,6 +93,7 @@ def test_checkpoint_reshards(tmp_path: Path, saved: int, loaded: list[int], api:
 
 def errors_body(rank: int, world: int, root: str) -> list[str]:
     from fullshard import FSDP, checkpoint
+    from fullshard.comm import collectives
     from fullshard.state.checkpoint import CheckpointError
 
     done = []
@@ -137,12 +138,16 @@ def errors_body(rank: int, world: int, root: str) -> list[str]:
     wrong = FSDP(wrong, auto_wrap_policy=ModuleWrapPolicy({Block}))
     with pytest.raises(CheckpointError, match=r"shape mismatch for head.weight: checkpoint \(3, 13\), model \(4, 13\)"):
         checkpoint.load(good, wrong)
+    # A model that heads no unit (unwrapped, or a plain module around wrappers) is refused by type.
+    plain = torch.nn.Sequential(FSDP(torch.nn.Linear(2, 2)))
+    with pytest.raises(CheckpointError, match="TypeError: model must be the root FullyShardedDataParallel or a module"):
+        checkpoint.save(root, 3, plain)
     done.append("wrong model")
     # A truncated shard file: an error on every rank, and the model is not changed.
     if rank == 0:
         shard = sorted(good.glob("*.distcp"))[0]
         shard.write_bytes(shard.read_bytes()[:100])
-    checkpoint.C.barrier(checkpoint.C.default_group())
+    collectives.barrier(collectives.default_group())
     with pytest.raises(CheckpointError, match="load from"):
         checkpoint.load(good, model, opt)
     after = model.state_dict()

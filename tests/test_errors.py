@@ -76,6 +76,26 @@ def errors_body(rank: int, world: int) -> list[str]:
     seen.append(_raises(lambda: FSDP(nn.Linear(2, 2), cpu_offload="yes"), TypeError, "cpu_offload must be"))
     seen.append(_raises(lambda: FSDP(nn.Linear(2, 2), not_an_arg=1), TypeError, "not_an_arg"))
     seen.append(_raises(lambda: FSDP(nn.Linear(2, 2), backward_prefetch="pre"), TypeError, "backward_prefetch"))
+    # The settings reach one frozen config, which checks every field's type and names the argument.
+    seen.append(_raises(lambda: FSDP(nn.Linear(2, 2), forward_prefetch="y"), TypeError, "forward_prefetch: got 'y'"))
+    seen.append(_raises(lambda: FSDP(nn.Linear(2, 2), sync_module_states=1), TypeError, "sync_module_states: got 1"))
+    seen.append(_raises(lambda: FSDP(nn.Linear(2, 2), param_init_fn=3), TypeError, "param_init_fn must be callable"))
+    seen.append(_raises(lambda: FSDP(nn.Linear(2, 2), device_id=True), TypeError, "device_id: got True"))
+    # Arguments fullshard has no use for warn, naming the argument, once per tree (not per nested unit).
+    for kwargs, text in [
+        (dict(limit_all_gathers=False), "limit_all_gathers=False is not used"),
+        (dict(use_orig_params=False), "use_orig_params=False is not used"),
+        (dict(param_init_fn=lambda m: None), "param_init_fn is not used"),
+    ]:
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            FSDP(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)), auto_wrap_policy={nn.Linear}, **kwargs)
+        unused = [str(x.message) for x in w if "is not used" in str(x.message)]
+        assert len(unused) == 1 and unused[0].startswith(f"FullyShardedDataParallel: {text}"), unused
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        FSDP(nn.Linear(2, 2), limit_all_gathers=True, use_orig_params=True)
+    assert not w, [str(x.message) for x in w]
     # The tutorial's old keyword still works, with a deprecation warning.
     import functools
 
@@ -93,7 +113,7 @@ def errors_body(rank: int, world: int) -> list[str]:
 @pytest.mark.timeout(120)
 def test_constructor_errors_on_every_rank() -> None:
     results = run_ranks(errors_body, 2, timeout=100)
-    assert results[0] == results[1] and len(results[0]) == 9
+    assert results[0] == results[1] and len(results[0]) == 13
 
 
 def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -219,6 +219,14 @@ def _errors(rank: int, world: int, done: list[str]) -> None:
         ValueError,
         "full_optim_state_dict is None on rank 0",
     )
+    _raises(lambda: FSDP.full_optim_state_dict("model", opt), TypeError, "model must be an nn.Module, got str")
+    _raises(lambda: FSDP.sharded_optim_state_dict(model, [opt]), TypeError, "optim must be a torch.optim.Optimizer")
+    # optim_input where nothing reads it warns that it is not used (where it is read: deprecated).
+    params = list(model.parameters())
+    with pytest.warns(UserWarning, match="optim_input is not used: the parameters are read from optim"):
+        FSDP.full_optim_state_dict(model, opt, optim_input=params, rank0_only=False)
+    with pytest.warns(UserWarning, match="optim_input is not used"):
+        FSDP.shard_full_optim_state_dict(full, fresh, optim_input=params, optim=fresh_opt)
     done.append("errors")
 
 

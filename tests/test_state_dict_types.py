@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import copy
+import warnings
+from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from dist import run_ranks
 from models import Block, make_stack, step_both
 from torch import nn
@@ -63,13 +66,80 @@ def types_body(rank: int, world: int) -> list[str]:
     ):
         sd = model.state_dict()
     assert (len(sd) > 0) == (rank == 0)
+    _optim_rank0_only(model, opt, rank, done)
+    _optim_arguments(model, opt, ref, ref_opt, done)
     return done
+
+
+def _optim_rank0_only(model: nn.Module, opt: torch.optim.Optimizer, rank: int, done: list[str]) -> None:
+    """FullOptimStateDictConfig(rank0_only=True): only rank 0 receives the state, and loading takes
+    it from rank 0 alone (the others pass None); load_directly loads it into the optimizer."""
+    from fullshard import FSDP, FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+
+    configs = (StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig(rank0_only=True))
+    with FSDP.state_dict_type(model, *configs):
+        osd = FSDP.optim_state_dict(model, opt)
+    assert bool(osd["state"]) == (rank == 0)
+    _, fresh, fresh_opt, _ = _pair()
+    with FSDP.state_dict_type(fresh, *configs):
+        FSDP.optim_state_dict_to_load(fresh, fresh_opt, osd if rank == 0 else None, load_directly=True)
+    mine = {n: p for n, p in model.named_parameters()}
+    for name, p in fresh.named_parameters():
+        for key, value in opt.state[mine[name]].items():
+            assert torch.equal(fresh_opt.state[p][key], value), (name, key)
+    done.append("rank0_only optimizer state")
+
+
+def _warns(fn: Any, text: str) -> Any:
+    with pytest.warns(UserWarning, match=text):
+        return fn()
+
+
+def _optim_arguments(model: nn.Module, opt: Any, ref: nn.Module, ref_opt: Any, done: list[str]) -> None:
+    """Every argument of the optimizer-state methods either works or warns; wrong types name the fix."""
+    from fullshard import FSDP, FullStateDictConfig, ShardedOptimStateDictConfig, StateDictType
+
+    # optim_state_dict= (optim.state_dict(), as torch's example passes it) gives the same dict.
+    given = FSDP.optim_state_dict(model, opt, optim_state_dict=opt.state_dict())
+    plain = FSDP.optim_state_dict(model, opt)
+    assert given["param_groups"] == plain["param_groups"] and given["state"].keys() == plain["state"].keys()
+    for name, entry in plain["state"].items():
+        assert all(torch.equal(torch.as_tensor(given["state"][name][k]), torch.as_tensor(v)) for k, v in entry.items())
+    _warns(lambda: FSDP.optim_state_dict(model, opt, group=dist.group.WORLD), "group=")
+    _warns(lambda: FSDP.optim_state_dict_to_load(model, opt, plain, group=dist.group.WORLD), "group=")
+    _warns(lambda: FSDP.optim_state_dict_to_load(model, opt, plain, is_named_optimizer=True), "is_named_optimizer")
+    _warns(lambda: model.state_dict(keep_vars=True), "keep_vars")
+    with pytest.warns(UserWarning, match="state_dict_config.rank0_only=True under SHARDED_STATE_DICT"):
+        FSDP.set_state_dict_type(model, StateDictType.SHARDED_STATE_DICT, FullStateDictConfig(rank0_only=True))
+    FSDP.set_state_dict_type(model, StateDictType.FULL_STATE_DICT)
+    with pytest.raises(TypeError, match=r"optim_state_dict: model must be the FullyShardedDataParallel.*got Stack"):
+        FSDP.optim_state_dict(ref, ref_opt)
+    with pytest.raises(TypeError, match="optim_state_dict_to_load: model must be the FullyShardedDataParallel"):
+        FSDP.optim_state_dict_to_load(ref, ref_opt, plain)
+    with pytest.raises(TypeError, match="optim must be a torch.optim.Optimizer, got str"):
+        FSDP.optim_state_dict(model, "adam")
+    with pytest.raises(TypeError, match=r"optim_state_dict must be an optimizer state dict .*got list"):
+        FSDP.optim_state_dict_to_load(model, opt, [plain])
+    with pytest.raises(ValueError, match="optim_state_dict: 99 is not a parameter id of optim"):
+        FSDP.optim_state_dict(model, opt, optim_state_dict={"state": {99: {}}, "param_groups": []})
+    with warnings.catch_warnings(record=True) as caught:  # sharded configs on CPU: offload_to_cpu holds already
+        warnings.simplefilter("always")
+        with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, None, ShardedOptimStateDictConfig(True)):
+            assert FSDP.optim_state_dict(model, opt)["state"]
+    assert not [w for w in caught if "is not used" in str(w.message)], [str(w.message) for w in caught]
+    done.append("optimizer-state arguments")
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [2, 3])
 def test_state_dict_types_and_optimizer_state(world: int) -> None:
-    assert run_ranks(types_body, world, timeout=280)[0] == ["FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT"]
+    assert run_ranks(types_body, world, timeout=280)[0] == [
+        "FULL_STATE_DICT",
+        "SHARDED_STATE_DICT",
+        "LOCAL_STATE_DICT",
+        "rank0_only optimizer state",
+        "optimizer-state arguments",
+    ]
 
 
 UNIT_MB = 4 * 2048 * 2048 / 2**20

@@ -26,12 +26,11 @@ from fullshard.frontend.activation_checkpointing import (
 )
 from fullshard.frontend.clip_grad import clip_grad_norm_
 from fullshard.frontend.fsdp1 import FSDP, FullyShardedDataParallel
+from fullshard.frontend.fsdp_module import FSDPModule, UnshardHandle
 from fullshard.frontend.fully_shard import (
     CPUOffloadPolicy,
-    FSDPModule,
     MixedPrecisionPolicy,
     OffloadPolicy,
-    UnshardHandle,
     fully_shard,
     register_fsdp_forward_method,
 )

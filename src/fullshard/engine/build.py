@@ -1,7 +1,8 @@
-"""Building FSDP units from modules: groups, devices, parameter ownership, initialization.
+"""Building FSDP units from modules: devices, parameter ownership, initialization.
 
 Both front ends (``FullyShardedDataParallel`` and ``fully_shard``) call :func:`prepare` on the
-module before wrapping its children, then :func:`build_unit` for the parameters that are left.
+module before wrapping its children, then :func:`build_unit` for the parameters that are left
+(the wrapper through :func:`build_wrapper_unit`, which reads its :class:`WrapperConfig`).
 A module that already heads a unit carries its hook state (:func:`~fullshard.engine.hooks.fsdp_state`),
 so the walks here stop at nested units of either front end.
 """
@@ -12,25 +13,26 @@ import dataclasses
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import torch
 from torch import nn
 
 from fullshard.comm import collectives
-from fullshard.engine.config import MixedPrecision, ShardingStrategy
-from fullshard.engine.hooks import is_unit
+from fullshard.engine.config import FrontEnd, MixedPrecision
+from fullshard.engine.groups import Groups
+from fullshard.engine.hooks import fsdp_state, is_unit
 from fullshard.engine.meta_init import is_meta, materialize, own_tensors
-from fullshard.engine.module_wrapper import FSDP_WRAPPED, ModuleWrapper, clean_name
+from fullshard.engine.module_wrapper import clean_name
 from fullshard.engine.sharded_param import ParamSlot, is_sharded
 from fullshard.engine.unit import Unit, UnitConfig
-
-_HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+from fullshard.engine.wrapper_config import WrapperConfig
 
 ParamEntry = tuple[str, nn.Parameter, list[ParamSlot]]
+Modules = AbstractSet[nn.Module]  # a set or frozenset of modules
 
 
-_WRAPPER = "FullyShardedDataParallel"
 _ONE_FRONT_END = (
     "FullyShardedDataParallel and fully_shard cannot be mixed in one model: use one of them for "
     "the whole model (fully_shard on each block and then on the root, or FullyShardedDataParallel "
@@ -38,14 +40,14 @@ _ONE_FRONT_END = (
 )
 
 
-def check_not_sharded_elsewhere(module: nn.Module, front_end: str) -> None:
+def check_not_sharded_elsewhere(module: nn.Module, front_end: FrontEnd) -> None:
     """Refuse a tree that torch's FSDP, or fullshard's other front end, has already sharded.
 
     Runs before any collective, so every rank raises the same error.
 
     Args:
         module: the module about to be wrapped or given to ``fully_shard``.
-        front_end: the caller, "FullyShardedDataParallel" or "fully_shard".
+        front_end: the caller.
 
     Raises:
         ValueError: ``module`` or a submodule is torch's FullyShardedDataParallel or a module
@@ -57,23 +59,23 @@ def check_not_sharded_elsewhere(module: nn.Module, front_end: str) -> None:
         if torch_fsdp is not None and isinstance(m, torch_fsdp.FullyShardedDataParallel):
             raise ValueError(
                 f"{where} is already wrapped by torch.distributed.fsdp.FullyShardedDataParallel, so "
-                f"fullshard's {front_end} cannot shard it: build the model without torch's wrapper and "
+                f"fullshard's {front_end.value} cannot shard it: build the model without torch's wrapper and "
                 "import FullyShardedDataParallel from fullshard instead of torch.distributed.fsdp"
             )
         if torch_fsdp is not None and isinstance(m, torch_fsdp.FSDPModule):
             raise ValueError(
                 f"{where} was already sharded by torch.distributed.fsdp.fully_shard, so fullshard's "
-                f"{front_end} cannot shard it: build the model afresh and import fully_shard from "
+                f"{front_end.value} cannot shard it: build the model afresh and import fully_shard from "
                 "fullshard instead of torch.distributed.fsdp for every call"
             )
-        if is_unit(m) and _is_wrapper(m) != (front_end == _WRAPPER):
-            other = "a fullshard FullyShardedDataParallel" if _is_wrapper(m) else "sharded by fullshard's fully_shard"
+        state = fsdp_state(m)
+        if state is not None and state.front_end is not front_end:
+            other = (
+                "a fullshard FullyShardedDataParallel"
+                if state.front_end is FrontEnd.WRAPPER
+                else "sharded by fullshard's fully_shard"
+            )
             raise ValueError(f"{where} is {other}; {_ONE_FRONT_END}")
-
-
-def _is_wrapper(module: nn.Module) -> bool:
-    """Whether ``module`` is a fullshard FullyShardedDataParallel (without importing that front end)."""
-    return isinstance(module, ModuleWrapper) and module.wrapped_key == FSDP_WRAPPED
 
 
 @dataclasses.dataclass
@@ -82,14 +84,14 @@ class Prepared:
 
     device: torch.device
     meta: bool
-    ignored: set[nn.Module]
+    ignored: Modules
 
 
 def prepare(
     module: nn.Module,
     device_id: Any,
     offload: bool,
-    ignored: set[nn.Module],
+    ignored: Modules,
 ) -> Prepared:
     """Choose the compute device and, unless the module is on the meta device, move it there.
 
@@ -104,21 +106,51 @@ def prepare(
     return Prepared(device, meta, ignored)
 
 
+def build_wrapper_unit(module: nn.Module, prepared: Prepared, config: WrapperConfig, exclude: AbstractSet[int]) -> Unit:
+    """The unit of one ``FullyShardedDataParallel``, built as ``config`` says (see :func:`build_unit`).
+
+    Keeps the original Parameter objects registered (torch FSDP1's ``use_orig_params``), so an
+    optimizer built before wrapping trains the model.
+    """
+    settings = unit_config(
+        prepared.device,
+        config.reshard_after_forward,
+        config.mixed_precision,
+        config.offload_params,
+        keep_param_objects=True,
+    )
+    return build_unit(
+        module,
+        prepared,
+        config.groups,
+        settings,
+        exclude,
+        param_init_fn=config.param_init_fn,
+        sync_module_states=config.sync_module_states,
+        buffer_dtype=config.buffer_dtype,
+    )
+
+
 def build_unit(
     module: nn.Module,
     prepared: Prepared,
     groups: Groups,
     config: UnitConfig,
-    exclude: set[int],
-    param_init_fn: Callable[[nn.Module], None] | None,
-    sync_module_states: bool,
-    buffer_dtype: torch.dtype | None,
+    exclude: AbstractSet[int] = frozenset(),
+    *,
+    param_init_fn: Callable[[nn.Module], None] | None = None,
+    sync_module_states: bool = False,
+    buffer_dtype: torch.dtype | None = None,
     materialize_meta: bool = True,
 ) -> Unit:
     """The unit of ``module``: the parameters no nested unit owns, materialized and sharded.
 
-    With ``materialize_meta=False`` (``fully_shard``) parameters on the meta device stay there,
-    sharded, until the program materializes them (``to_empty`` and its own initialization).
+    ``exclude``: ids of parameters an ancestor owns (shared beyond ``module``). Meta parameters
+    are materialized on the compute device and initialized by ``param_init_fn`` (else their
+    modules' ``reset_parameters()``); with ``materialize_meta=False`` (``fully_shard``) they stay
+    on the meta device, sharded, until the program materializes them (``to_empty`` and its own
+    initialization). ``sync_module_states`` broadcasts rank 0's values first; ``buffer_dtype``
+    casts floating-point buffers.
     """
     ignored = prepared.ignored
     region = list(walk_region(module, ignored))
@@ -156,69 +188,6 @@ def unit_config(
     )
 
 
-@dataclasses.dataclass
-class Groups:
-    """The groups a unit shards and replicates over (None: a group of one rank)."""
-
-    given: Any  # what nested units receive as process_group
-    shard: collectives.ProcessGroup | None
-    replicate: collectives.ProcessGroup | None
-    broadcast_order: list[collectives.ProcessGroup]  # sync_module_states: rank 0's values reach every rank
-
-
-def resolve_groups(process_group: Any, device_mesh: Any, strategy: ShardingStrategy) -> Groups:
-    """Shard and replicate groups from ``process_group`` / ``device_mesh`` and the strategy.
-
-    Raises:
-        ValueError: both given; a mesh or tuple that does not fit the strategy or the world size.
-    """
-    hybrid = strategy in _HYBRID
-    if device_mesh is not None and process_group is not None:
-        raise ValueError("pass process_group or device_mesh, not both")
-    if device_mesh is not None:
-        if device_mesh.ndim == 2 and hybrid:
-            shard, replicate = device_mesh.get_group(1), device_mesh.get_group(0)
-        elif device_mesh.ndim == 1 and not hybrid:
-            return _flat(device_mesh.get_group(), strategy)
-        else:
-            raise ValueError(
-                f"device_mesh has {device_mesh.ndim} dimension(s) but sharding_strategy={strategy.name} "
-                "needs " + ("2: (replicate, shard), e.g. init_device_mesh('cuda', (2, 4))" if hybrid else "1")
-            )
-    elif isinstance(process_group, tuple):
-        if not hybrid or len(process_group) != 2:
-            raise ValueError(
-                f"a process_group tuple means (shard_group, replicate_group) for HYBRID_SHARD or "
-                f"_HYBRID_SHARD_ZERO2, not {strategy.name}"
-            )
-        shard, replicate = process_group
-    elif hybrid:
-        shard, replicate = collectives.hybrid_groups(collectives.local_world_size())
-    else:
-        return _flat(process_group if process_group is not None else collectives.default_group(), strategy)
-    world = collectives.group_size(collectives.default_group())
-    if collectives.group_size(shard) * collectives.group_size(replicate) != world:
-        raise ValueError(
-            f"the hybrid groups cover {collectives.group_size(shard)} x "
-            f"{collectives.group_size(replicate)} ranks but the "
-            f"world size is {world}: build the mesh as init_device_mesh(device, (world // shard_size, shard_size))"
-        )
-    return Groups(
-        given=(shard, replicate),
-        shard=shard if collectives.group_size(shard) > 1 else None,
-        replicate=replicate if collectives.group_size(replicate) > 1 else None,
-        broadcast_order=[shard, replicate],
-    )
-
-
-def _flat(group: collectives.ProcessGroup, strategy: ShardingStrategy) -> Groups:
-    if collectives.group_size(group) == 1:
-        return Groups(group, None, None, [group])
-    if strategy is ShardingStrategy.NO_SHARD:
-        return Groups(group, None, group, [group])
-    return Groups(group, group, None, [group])
-
-
 def _as_device(device_id: int | str | torch.device) -> torch.device:
     if isinstance(device_id, int):
         return torch.device("cuda", device_id)
@@ -231,7 +200,7 @@ def _as_device(device_id: int | str | torch.device) -> torch.device:
 _warned_offload_on_cpu = False
 
 
-def _compute_device(module: nn.Module, device_id: Any, offload: bool, ignored: set[nn.Module]) -> torch.device:
+def _compute_device(module: nn.Module, device_id: Any, offload: bool, ignored: Modules) -> torch.device:
     """Where the unit computes: ``device_id``, else the module's device (a GPU under offload)."""
     global _warned_offload_on_cpu
     current = next(
@@ -266,7 +235,7 @@ def _compute_device(module: nn.Module, device_id: Any, offload: bool, ignored: s
     return device
 
 
-def _place(module: nn.Module, device: torch.device, offload: bool, ignored: set[nn.Module]) -> None:
+def _place(module: nn.Module, device: torch.device, offload: bool, ignored: Modules) -> None:
     """Move the module to ``device``; under offload only its buffers (shards stay on CPU)."""
     if device.type == "cpu":
         return
@@ -281,7 +250,7 @@ def _place(module: nn.Module, device: torch.device, offload: bool, ignored: set[
                 m._buffers[name] = b.to(device)
 
 
-def _cast_buffers(module: nn.Module, dtype: torch.dtype, ignored: set[nn.Module]) -> None:
+def _cast_buffers(module: nn.Module, dtype: torch.dtype, ignored: Modules) -> None:
     """Cast floating-point buffers to ``dtype``, remembering the original for state dicts."""
     for _, m in walk_region(module, ignored):
         for name, b in m._buffers.items():
@@ -292,8 +261,15 @@ def _cast_buffers(module: nn.Module, dtype: torch.dtype, ignored: set[nn.Module]
 
 
 def ignored_modules(
-    module: nn.Module, ignored_modules: Iterable[nn.Module] | None, ignored_states: Iterable[Any] | None
-) -> set[nn.Module]:
+    ignored_modules: Iterable[nn.Module] | None, ignored_states: Iterable[Any] | None
+) -> frozenset[nn.Module]:
+    """The modules a wrapper leaves alone: those given, with all their submodules.
+
+    Raises:
+        ValueError: both arguments given; an FSDP unit among them.
+        TypeError: an entry that is not an nn.Module.
+        NotImplementedError: a parameter in ``ignored_states``.
+    """
     if ignored_modules is not None and ignored_states is not None:
         raise ValueError("pass ignored_modules or ignored_states, not both")
     chosen = list(ignored_modules or []) + list(ignored_states or [])
@@ -302,14 +278,16 @@ def ignored_modules(
         if isinstance(m, nn.Parameter):
             raise NotImplementedError("ignored_states with parameters is not built yet; pass the modules that own them")
         if not isinstance(m, nn.Module):
-            raise TypeError(f"ignored_modules must hold nn.Module objects, got {type(m).__name__}")
+            raise TypeError(
+                f"ignored_modules must hold nn.Module objects, got {type(m).__name__}; pass the submodules to ignore"
+            )
         if is_unit(m):
             raise ValueError("ignored_modules must not contain FSDP units (wrapped or fully_shard modules)")
         out.update(m.modules())
-    return out
+    return frozenset(out)
 
 
-def walk_region(module: nn.Module, ignored: set[nn.Module], prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
+def walk_region(module: nn.Module, ignored: Modules, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
     """(qualified name, module) for ``module``'s tree, stopping at nested FSDP and ignored modules."""
     yield prefix, module
     for name, child in module.named_children():
@@ -318,7 +296,7 @@ def walk_region(module: nn.Module, ignored: set[nn.Module], prefix: str = "") ->
         yield from walk_region(child, ignored, f"{prefix}{name}.")
 
 
-def _check_one_device(module: nn.Module, ignored: set[nn.Module]) -> None:
+def _check_one_device(module: nn.Module, ignored: Modules) -> None:
     devices: dict[torch.device, str] = {}
     for prefix, m in walk_region(module, ignored):
         for name, p in m._parameters.items():
@@ -349,7 +327,7 @@ def shared_outside(child: nn.Module, holders: dict[int, set[int]]) -> set[int]:
 
 
 def owned_params(
-    module: nn.Module, ignored: set[nn.Module], exclude: set[int]
+    module: nn.Module, ignored: Modules, exclude: AbstractSet[int]
 ) -> list[tuple[str, nn.Parameter, list[ParamSlot]]]:
     """The parameters this unit owns: all in ``module``'s tree that no nested unit sharded.
 

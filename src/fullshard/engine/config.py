@@ -43,6 +43,17 @@ class BackwardPrefetch(enum.Enum):
     BACKWARD_POST = 2
 
 
+class FrontEnd(enum.Enum):
+    """Which front end made a module head its unit (``engine.hooks.UnitHooks.front_end``).
+
+    WRAPPER: ``FullyShardedDataParallel`` (torch FSDP1's wrapper API).
+    FULLY_SHARD: ``fully_shard`` (torch FSDP2's composable API).
+    """
+
+    WRAPPER = "FullyShardedDataParallel"
+    FULLY_SHARD = "fully_shard"
+
+
 @dataclasses.dataclass
 class MixedPrecision:
     """Dtypes for the gathered parameters, the gradient reduction and the buffers.

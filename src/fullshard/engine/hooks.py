@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from fullshard import probes
 from fullshard.comm import buffers
-from fullshard.engine.config import BackwardPrefetch, MixedPrecision
+from fullshard.engine.config import BackwardPrefetch, FrontEnd, MixedPrecision
 from fullshard.engine.module_wrapper import clean_name
 from fullshard.engine.unit import ShardState, TrainingState, Unit
 
@@ -48,9 +48,13 @@ class RootState:
 
 @dataclasses.dataclass
 class UnitHooks:
-    """Per-unit hook state: the unit, whether it is the root, and its tree's shared state."""
+    """Per-unit hook state: the unit, the front end that built it, whether it is the root, and
+    its tree's shared state. ``ignored``: the modules the unit's front end leaves alone
+    (FullyShardedDataParallel's ``ignored_modules``), for the state-dict code."""
 
     unit: Unit
+    front_end: FrontEnd
+    ignored: frozenset[nn.Module] = frozenset()
     is_root: bool = False
     root: RootState | None = None
     mixed_precision: MixedPrecision | None = None

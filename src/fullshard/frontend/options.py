@@ -333,3 +333,15 @@ def _default(field: dataclasses.Field) -> Any:
     if field.default_factory is not dataclasses.MISSING:
         return field.default_factory()
     return dataclasses.MISSING
+
+
+# ---------------------------------------------------------------------- settings without effect
+def warn_unused(setting: str, why: str, stacklevel: int) -> None:
+    """Warn (UserWarning) that ``setting``, which a user passed, does nothing in fullshard, and why.
+
+    Args:
+        setting: the argument or field and its value, as the user wrote it.
+        why: what fullshard does instead, and what to pass.
+        stacklevel: as for ``warnings.warn``, counted from the caller of this function.
+    """
+    warnings.warn(f"FullyShardedDataParallel: {setting} is not used: {why}", UserWarning, stacklevel=stacklevel + 1)

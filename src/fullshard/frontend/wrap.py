@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from torch import nn
@@ -119,7 +120,7 @@ def apply_policy(
     policy: Policy,
     wrap: Callable[[nn.Module], nn.Module],
     is_wrapped: Callable[[nn.Module], bool],
-    ignored: set[nn.Module],
+    ignored: AbstractSet[nn.Module],
 ) -> None:
     """Replace, bottom-up, the submodules of ``root`` that ``policy`` selects by ``wrap(m)``.
 

@@ -24,6 +24,8 @@ import torch
 from torch import nn
 
 from fullshard.comm import collectives
+from fullshard.engine.config import FrontEnd
+from fullshard.engine.hooks import UnitHooks, fsdp_state
 from fullshard.state.optim_state import init_state, load_sharded_optim_state_dict, sharded_optim_state_dict
 from fullshard.state.state_dict import load_sharded_state_dict, sharded_state_dict
 
@@ -77,42 +79,52 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[st
     A ``fully_shard`` model already registers DTensor parameters, so torch's own
     ``get_model_state_dict`` / ``get_optimizer_state_dict`` give it; the FSDP1 wrapper maps
     its plain shards itself. Both write the same keys, so ``convert`` reads either.
-    """
-    from fullshard.frontend.fsdp1 import FullyShardedDataParallel
-    from fullshard.frontend.fully_shard import FSDPModule
 
-    if isinstance(model, FSDPModule):
+    Raises:
+        TypeError: ``model`` heads no unit of either front end.
+    """
+    hooks = _hook_state(model)
+    if hooks.front_end is FrontEnd.FULLY_SHARD:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         state: dict[str, Any] = {"model": get_model_state_dict(model)}
         if optimizer is not None:
             state["optim"] = get_optimizer_state_dict(model, optimizer)
         return state
-    if not isinstance(model, FullyShardedDataParallel):
-        raise TypeError(
-            "model must be the root FullyShardedDataParallel or a module given to fully_shard, got "
-            f"{type(model).__name__}"
-        )
-    state = {"model": sharded_state_dict(model, model._ignored)}
+    state = {"model": sharded_state_dict(model, hooks.ignored)}
     if optimizer is not None:
         state["optim"] = sharded_optim_state_dict(model, optimizer)
     return state
 
 
+def _hook_state(model: nn.Module) -> UnitHooks:
+    """The hook state of the unit ``model`` heads (which front end built it, what it ignores).
+
+    Raises:
+        TypeError: ``model`` heads no unit.
+    """
+    state = fsdp_state(model) if isinstance(model, nn.Module) else None
+    if state is None:
+        raise TypeError(
+            "model must be the root FullyShardedDataParallel or a module given to fully_shard, got "
+            f"{type(model).__name__}"
+        )
+    return state
+
+
 def _apply(model: nn.Module, optimizer: torch.optim.Optimizer | None, target: dict[str, Any]) -> None:
     """Copy the loaded sharded state into the model and optimizer."""
-    from fullshard.frontend.fully_shard import FSDPModule
-
-    if isinstance(model, FSDPModule):
+    hooks = _hook_state(model)
+    if hooks.front_end is FrontEnd.FULLY_SHARD:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
         set_model_state_dict(model, target["model"])
         if optimizer is not None:
             set_optimizer_state_dict(model, optimizer, target["optim"])
         return
-    load_sharded_state_dict(model, target["model"], True, model._ignored)  # type: ignore[arg-type]
+    load_sharded_state_dict(model, target["model"], True, hooks.ignored)
     if optimizer is not None:
-        load_sharded_optim_state_dict(model, optimizer, target["optim"])  # type: ignore[arg-type]
+        load_sharded_optim_state_dict(model, optimizer, target["optim"])
 
 
 def save(

@@ -1,24 +1,20 @@
-"""torch FSDP1's older optimizer-state functions, built on the name-keyed mapping of ``_optim_state``.
+"""torch FSDP1's older optimizer-state functions, built on the name-keyed mapping of ``optim_state``.
 
 torch deprecated them in favour of ``optim_state_dict`` / ``optim_state_dict_to_load`` but still
 ships them, and FSDP1 programs call them: pytorch/examples' T5 example saves with
 ``full_optim_state_dict`` and loads with ``scatter_full_optim_state_dict``.
 ``FullyShardedDataParallel`` exposes each as a static method.
 
-Two key types (:class:`~fullshard.api.OptimStateKeyType`). The *full* and *sharded* forms key
-each parameter's state by its original name, as ``_optim_state`` does. The form
-``optimizer.load_state_dict`` takes keys it by *parameter id*: the parameter's position in the
-optimizer's parameter groups, counted across groups. The ``shard``/``scatter``/``flatten``
-functions return that form, holding this rank's rows of every parameter-shaped tensor.
+The *full* and *sharded* forms key each parameter's state by its original name, as
+``optim_state`` does; the ``shard``/``scatter``/``flatten`` functions return the id-keyed form
+``optimizer.load_state_dict`` takes (see :mod:`fullshard.state.optim_keys`), holding this
+rank's rows of every parameter-shaped tensor. ``rekey_optim_state_dict`` lives in ``optim_keys``
+and the broadcast behind ``scatter_full_optim_state_dict`` in ``optim_scatter``.
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import math
 import warnings
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -27,11 +23,18 @@ from torch import nn
 from fullshard.comm import collectives
 from fullshard.engine.config import OptimStateKeyType
 from fullshard.engine.hooks import is_unit
-from fullshard.engine.module_wrapper import clean_name
-from fullshard.state import optim_state
+from fullshard.state import optim_keys, optim_scatter, optim_state
+from fullshard.state.optim_keys import OptimInput, rekey_optim_state_dict
 from fullshard.state.state_dict import _sharded
 
-OptimInput = Iterable[Any] | None  # deprecated: the parameters, or parameter groups, given to the optimizer
+__all__ = [
+    "flatten_sharded_optim_state_dict",
+    "full_optim_state_dict",
+    "rekey_optim_state_dict",
+    "scatter_full_optim_state_dict",
+    "shard_full_optim_state_dict",
+    "sharded_optim_state_dict",
+]
 
 
 def full_optim_state_dict(
@@ -50,7 +53,7 @@ def full_optim_state_dict(
         model: the root FullyShardedDataParallel (or a module containing FSDP modules) whose
             parameters ``optim`` updates.
         optim: the optimizer over ``model``'s shards.
-        optim_input: deprecated and not needed (the parameters are read from ``optim``).
+        optim_input: deprecated and not used (the parameters are read from ``optim``); warns.
         rank0_only: only rank 0 of ``group`` receives the dict; the other ranks get ``{}``.
         group: the group whose rank 0 receives it under ``rank0_only`` (default: the world).
 
@@ -65,7 +68,7 @@ def full_optim_state_dict(
         ValueError: ``model`` contains no FSDP module, or ``optim`` holds parameters not in it.
     """
     _deprecated("full_optim_state_dict", "optim_state_dict")
-    _warn_optim_input(optim_input)
+    optim_keys.warn_optim_input(optim_input, optim, needed=False)
     _check_model(model)
     _check_optim(model, optim)
     keep = not rank0_only or collectives.group_rank(group if group is not None else collectives.default_group()) == 0
@@ -136,7 +139,7 @@ def shard_full_optim_state_dict(
         KeyError: a name that ``model`` lacks, or a parameter of ``optim`` with no state.
     """
     _deprecated("shard_full_optim_state_dict", "optim_state_dict_to_load")
-    _warn_optim_input(optim_input)
+    optim_keys.warn_optim_input(optim_input, optim)
     _check_model(model)
     return _to_load(full_optim_state_dict, "full_optim_state_dict", model, optim, optim_input)
 
@@ -198,85 +201,11 @@ def scatter_full_optim_state_dict(
         TypeError, KeyError: as :func:`shard_full_optim_state_dict`.
     """
     _deprecated("scatter_full_optim_state_dict", "optim_state_dict_to_load")
-    _warn_optim_input(optim_input)
+    optim_keys.warn_optim_input(optim_input, optim)
     _check_model(model)
     group = group if group is not None else collectives.default_group()
-    tensors: list[torch.Tensor] = []
-    problem: Exception | None = None
-    message: tuple[Any, str | None] = (None, None)
-    if collectives.group_rank(group) == 0:
-        try:
-            if full_optim_state_dict is None:
-                raise ValueError(
-                    "full_optim_state_dict is None on rank 0; rank 0 must pass the dict full_optim_state_dict returned"
-                )
-            _check_osd(full_optim_state_dict, "full_optim_state_dict")
-            message = (_skeleton(full_optim_state_dict, tensors), None)
-        except (TypeError, ValueError) as e:
-            problem, message = e, (None, f"{type(e).__name__}: {e}")
-    skeleton, error = collectives.broadcast_object(message, 0, group)
-    if problem is not None:
-        raise problem
-    if error is not None:
-        raise ValueError(f"scatter_full_optim_state_dict: rank 0's full_optim_state_dict is unusable ({error})")
-    osd = _receive(skeleton, tensors, model, group)
+    osd = optim_scatter.scatter(full_optim_state_dict, model, group, "full_optim_state_dict")
     return _to_load(osd, "full_optim_state_dict", model, optim, optim_input)
-
-
-def rekey_optim_state_dict(
-    optim_state_dict: dict[str, Any],
-    optim_state_key_type: OptimStateKeyType,
-    model: nn.Module,
-    optim_input: OptimInput = None,
-    optim: torch.optim.Optimizer | None = None,
-) -> dict[str, Any]:
-    """Re-key an optimizer state dict by parameter name or by parameter id (local).
-
-    Turns a name-keyed dict (:func:`full_optim_state_dict`) into one an unwrapped model's
-    optimizer loads, and an unwrapped optimizer's ``state_dict()`` into one
-    :func:`shard_full_optim_state_dict` takes. Names are ``model``'s original names (wrapped or
-    not); ids are positions in ``optim``'s parameter groups, or, without ``optim``, in
-    ``optim_input`` (default ``model.parameters()``). As in torch, each group's ``params`` come
-    out sorted, and a dict already keyed the asked way is returned as it is.
-
-    Args:
-        optim_state_dict: ``{"state": {key: {...}}, "param_groups": [...]}``, keyed all by names
-            (str) or all by ids (int).
-        optim_state_key_type: OptimStateKeyType.PARAM_NAME or OptimStateKeyType.PARAM_ID.
-        model: the module whose parameter names to use.
-        optim_input: deprecated; see above.
-        optim: the optimizer whose parameter order defines the ids (preferred).
-
-    Returns:
-        A new dict keyed the asked way; the per-parameter state values are shared, not copied.
-
-    Raises:
-        TypeError: ``optim_state_key_type`` is not an OptimStateKeyType, or a malformed dict.
-        ValueError: keys of both types, or a parameter (of ``optim``/``optim_input``) not in ``model``.
-        KeyError: a name or id that has no parameter.
-    """
-    _warn_optim_input(optim_input)
-    if not isinstance(optim_state_key_type, OptimStateKeyType):
-        raise TypeError(
-            "optim_state_key_type must be a fullshard.OptimStateKeyType (PARAM_NAME or PARAM_ID), got "
-            f"{optim_state_key_type!r}"
-        )
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    _check_osd(optim_state_dict, "optim_state_dict")
-    current = _key_type(optim_state_dict)
-    if current is None or current is optim_state_key_type:
-        return optim_state_dict
-    names = _ordered_names(model, _param_order(model, optim, optim_input))
-    to_id = optim_state_key_type is OptimStateKeyType.PARAM_ID
-    table: dict[Any, Any] = {name: i for i, name in enumerate(names)} if to_id else dict(enumerate(names))
-    what = "parameter name" if to_id else "parameter id"
-    where = f"the {len(names)} parameters of {'optim' if optim is not None else 'model'}"
-    state = {_lookup(table, k, what, where): v for k, v in optim_state_dict["state"].items()}
-    groups = [
-        _group(g, [_lookup(table, k, what, where) for k in g["params"]]) for g in optim_state_dict["param_groups"]
-    ]
-    return {"state": state, "param_groups": groups}
 
 
 # ---------------------------------------------------------------------------- loading
@@ -284,14 +213,14 @@ def _to_load(
     osd: Any, arg: str, model: nn.Module, optim: torch.optim.Optimizer | None, optim_input: OptimInput
 ) -> dict[str, Any]:
     """A name-keyed dict (full, this rank's rows, or DTensors) in the id-keyed form ``optim`` loads."""
-    _check_osd(osd, arg)
-    if _key_type(osd) is OptimStateKeyType.PARAM_ID:
+    optim_state.check_osd(osd, arg)
+    if optim_keys.key_type(osd) is OptimStateKeyType.PARAM_ID:
         raise ValueError(
             f"{arg} is keyed by parameter ids (as optimizer.state_dict() is); key it by names first: "
             f"FSDP.rekey_optim_state_dict({arg}, OptimStateKeyType.PARAM_NAME, model, optim=optim)"
         )
     if optim is None:
-        return _to_load_by_order(osd, model, _param_order(model, None, optim_input))
+        return _to_load_by_order(osd, model, optim_keys.param_order(model, None, optim_input))
     _check_optim(model, optim)
     if len(osd["param_groups"]) != len(optim.param_groups):
         raise ValueError(
@@ -303,13 +232,16 @@ def _to_load(
 
 def _to_load_by_order(osd: dict[str, Any], model: nn.Module, params: list[torch.Tensor]) -> dict[str, Any]:
     """Without an optimizer: ids are positions in ``params``; tensors of a parameter's full shape are cut."""
-    names = _ordered_names(model, params)
+    names = optim_keys.ordered_names(model, params)
     ids = {name: i for i, name in enumerate(names)}
     state: dict[int, dict[str, Any]] = {}
     for name, entry in osd["state"].items():
-        i = _lookup(ids, name, "parameter name", "model")
+        i = optim_keys.lookup(ids, name, "parameter name", "model")
         state[i] = {k: _rows(v, params[i], name, k) for k, v in entry.items()}
-    groups = [_group(g, [_lookup(ids, n, "parameter name", "model") for n in g["params"]]) for g in osd["param_groups"]]
+    groups = [
+        optim_keys.with_params(g, [optim_keys.lookup(ids, n, "parameter name", "model") for n in g["params"]])
+        for g in osd["param_groups"]
+    ]
     return {"state": state, "param_groups": groups}
 
 
@@ -338,63 +270,6 @@ def _rows(value: Any, param: torch.Tensor, name: str, key: str) -> Any:
     return sp.spec.local_slice(value).clone()
 
 
-# ---------------------------------------------------------------------------- scatter
-@dataclasses.dataclass(frozen=True)
-class _Sent:
-    """Stands in the broadcast object for a tensor that follows by itself."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
-def _skeleton(osd: dict[str, Any], tensors: list[torch.Tensor]) -> dict[str, Any]:
-    """``osd`` with each tensor of one or more dims replaced by a :class:`_Sent`, appended to ``tensors``."""
-    from torch.distributed.tensor import DTensor
-
-    state: dict[Any, dict[str, Any]] = {}
-    for name, entry in osd["state"].items():
-        out: dict[str, Any] = {}
-        for key, value in entry.items():
-            if isinstance(value, DTensor):
-                raise ValueError(
-                    f"full_optim_state_dict holds a DTensor at {name!r}/{key!r}; pass full tensors, or use "
-                    "flatten_sharded_optim_state_dict"
-                )
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
-                tensors.append(value)
-                value = _Sent(tuple(value.shape), value.dtype)
-            out[key] = value
-        state[name] = out
-    return {"state": state, "param_groups": osd["param_groups"]}
-
-
-def _receive(
-    skeleton: dict[str, Any], tensors: list[torch.Tensor], model: nn.Module, group: collectives.ProcessGroup
-) -> dict[str, Any]:
-    """Fill the skeleton by one broadcast per tensor, in skeleton order; each rank keeps its rows."""
-    params = {clean_name(n): p for n, p in model.named_parameters()}
-    sent = iter(tensors)
-    state: dict[Any, dict[str, Any]] = {}
-    for name, entry in skeleton["state"].items():
-        sp = _sharded(params[name]) if name in params else None
-        out: dict[str, Any] = {}
-        for key, value in entry.items():
-            if isinstance(value, _Sent):
-                mine = next(sent, None)
-                flat = (
-                    mine.detach().reshape(-1).contiguous()
-                    if mine is not None
-                    else torch.empty(math.prod(value.shape), dtype=value.dtype)
-                )
-                collectives.broadcast(flat, 0, group)
-                value = flat.reshape(value.shape)
-                if sp is not None and tuple(value.shape) == tuple(sp.spec.orig_shape):
-                    value = sp.spec.local_slice(value).clone()
-            out[key] = value
-        state[name] = out
-    return {"state": state, "param_groups": skeleton["param_groups"]}
-
-
 # ---------------------------------------------------------------------------- checks and keys
 def _deprecated(name: str, new: str) -> None:
     warnings.warn(
@@ -404,16 +279,11 @@ def _deprecated(name: str, new: str) -> None:
     )
 
 
-def _warn_optim_input(optim_input: OptimInput) -> None:
-    if optim_input is not None:
-        warnings.warn(
-            "optim_input is deprecated, as in torch; pass optim= (or neither) instead", FutureWarning, stacklevel=3
-        )
-
-
 def _check_model(model: Any) -> None:
     if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        raise TypeError(
+            f"model must be an nn.Module, got {type(model).__name__}; pass the root FullyShardedDataParallel"
+        )
     if not any(is_unit(m) for m in model.modules()):
         raise ValueError(
             f"model ({type(model).__name__}) contains no FullyShardedDataParallel module; pass the wrapped model "
@@ -423,67 +293,11 @@ def _check_model(model: Any) -> None:
 
 def _check_optim(model: nn.Module, optim: Any) -> None:
     if not isinstance(optim, torch.optim.Optimizer):
-        raise TypeError(f"optim must be a torch.optim.Optimizer, got {type(optim).__name__}")
+        raise TypeError(
+            f"optim must be a torch.optim.Optimizer, got {type(optim).__name__}; pass the optimizer over model's shards"
+        )
     names = optim_state.param_names(model)
     if any(id(p) not in names for g in optim.param_groups for p in g["params"]):
         raise ValueError(
             "optim holds parameters that are not model's; build the optimizer on model.parameters() after wrapping"
         )
-
-
-def _check_osd(osd: Any, arg: str) -> None:
-    if (
-        not isinstance(osd, dict)
-        or not isinstance(osd.get("state"), dict)
-        or not isinstance(osd.get("param_groups"), list)
-    ):
-        got = sorted(osd) if isinstance(osd, dict) else type(osd).__name__
-        raise TypeError(f"{arg} must be an optimizer state dict {{'state': dict, 'param_groups': list}}, got {got}")
-
-
-def _key_type(osd: dict[str, Any]) -> OptimStateKeyType | None:
-    """The key type of ``osd`` (from its state, else its groups); None when it names no parameter."""
-    keys = list(osd["state"]) or [k for g in osd["param_groups"] for k in g["params"]]
-    if not keys:
-        return None
-    if all(isinstance(k, str) for k in keys):
-        return OptimStateKeyType.PARAM_NAME
-    if all(isinstance(k, int) for k in keys):
-        return OptimStateKeyType.PARAM_ID
-    raise ValueError(f"optimizer state dict keys must be all parameter names or all ids, got {keys[:6]}")
-
-
-def _param_order(model: nn.Module, optim: torch.optim.Optimizer | None, optim_input: OptimInput) -> list[torch.Tensor]:
-    """The parameters in id order: ``optim``'s, else ``optim_input``'s, else ``model.parameters()``."""
-    if optim is not None:
-        if not isinstance(optim, torch.optim.Optimizer):
-            raise TypeError(f"optim must be a torch.optim.Optimizer, got {type(optim).__name__}")
-        return [p for g in optim.param_groups for p in g["params"]]
-    if optim_input is None:
-        return list(model.parameters())
-    items = list(optim_input)
-    if items and isinstance(items[0], dict):  # parameter groups
-        return [p for g in items for p in ([g["params"]] if isinstance(g["params"], torch.Tensor) else g["params"])]
-    return items
-
-
-def _ordered_names(model: nn.Module, params: list[torch.Tensor]) -> list[str]:
-    names = optim_state.param_names(model)
-    missing = [i for i, p in enumerate(params) if id(p) not in names]
-    if missing:
-        raise ValueError(
-            f"parameters at positions {missing[:6]} of the optimizer's parameters are not model's; pass "
-            "the matching model"
-        )
-    return [names[id(p)] for p in params]
-
-
-def _lookup(table: dict[Any, Any], key: Any, what: str, where: str) -> Any:
-    if key not in table:
-        raise KeyError(f"{what} {key!r} of the optimizer state dict is not among the parameters of {where}")
-    return table[key]
-
-
-def _group(group: dict[str, Any], params: list[Any]) -> dict[str, Any]:
-    """A copy of a parameter group's settings with ``params`` (sorted, as torch does)."""
-    return {**copy.deepcopy({k: v for k, v in group.items() if k != "params"}), "params": sorted(params)}

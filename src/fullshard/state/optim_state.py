@@ -11,13 +11,61 @@ Format: ``{"state": {name: {key: value}}, "param_groups": [{hyper-parameters, "p
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Union
 
 import torch
 from torch import nn
 
 from fullshard.engine.module_wrapper import clean_name
 from fullshard.state.state_dict import _sharded, _unit_of_param, as_dtensor, unit_mesh
+
+
+class StateView:
+    """An optimizer's parameters with the state and hyper-parameters of one of its own state dicts.
+
+    Stands in for the optimizer when a caller gives the id-keyed dict ``optim.state_dict()``
+    returned (torch's ``optim_state_dict(model, optim, optim_state_dict=...)``): ids are
+    positions in ``optimizer``'s parameter groups, counted across groups.
+
+    Raises:
+        TypeError: ``osd`` is not an optimizer state dict.
+        ValueError: a key that is no parameter id of ``optimizer``.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, osd: Any, arg: str) -> None:
+        check_osd(osd, arg)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+
+        def param(i: Any) -> torch.Tensor:
+            if not isinstance(i, int) or not 0 <= i < len(params):
+                raise ValueError(
+                    f"{arg}: {i!r} is not a parameter id of optim (0 to {len(params) - 1}); pass optim.state_dict()"
+                )
+            return params[i]
+
+        self.state: dict[torch.Tensor, dict[str, Any]] = {param(i): entry for i, entry in osd["state"].items()}
+        self.param_groups: list[dict[str, Any]] = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": [param(i) for i in g["params"]]}
+            for g in osd["param_groups"]
+        ]
+
+
+Optim = Union[torch.optim.Optimizer, StateView]  # what the saving functions read the state from
+
+
+def check_osd(osd: Any, arg: str) -> None:
+    """Check that argument ``arg`` is shaped like an optimizer state dict.
+
+    Raises:
+        TypeError: it is not ``{"state": dict, "param_groups": list, ...}``.
+    """
+    if (
+        not isinstance(osd, dict)
+        or not isinstance(osd.get("state"), dict)
+        or not isinstance(osd.get("param_groups"), list)
+    ):
+        got = sorted(osd) if isinstance(osd, dict) else type(osd).__name__
+        raise TypeError(f"{arg} must be an optimizer state dict {{'state': dict, 'param_groups': list}}, got {got}")
 
 
 def param_names(model: nn.Module) -> dict[int, str]:
@@ -50,7 +98,7 @@ def init_state(optimizer: torch.optim.Optimizer) -> None:
         p.grad = saved_grads[p]
 
 
-def sharded_optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def sharded_optim_state_dict(model: nn.Module, optimizer: Optim) -> dict[str, Any]:
     """The optimizer's state by parameter name, shard-shaped tensors as DTensors (full shape).
 
     The DTensors share storage with the optimizer's tensors, so a checkpoint load writes them
@@ -134,7 +182,7 @@ def _local(value: Any, sp: Any, current: torch.Tensor) -> torch.Tensor:
 
 
 def full_optim_state_dict(
-    model: nn.Module, optimizer: torch.optim.Optimizer, keep: bool = True, offload_to_cpu: bool = False
+    model: nn.Module, optimizer: Optim, keep: bool = True, offload_to_cpu: bool = False
 ) -> dict[str, Any]:
     """The optimizer's state by parameter name with full tensors (collective).
 

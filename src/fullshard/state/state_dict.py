@@ -4,13 +4,18 @@ A full state dict holds, for every parameter and persistent buffer of the unwrap
 tensor of its original shape under its original name. Building one gathers one unit at a time;
 loading one copies each rank's rows into its shards. Both are collective when a unit has more
 than one rank: every rank of the group must call them.
+
+Every function here takes the root module of an FSDP tree (a ``FullyShardedDataParallel``, or
+any module whose tree holds units) and finds the units through their hook state
+(:func:`~fullshard.engine.hooks.fsdp_state`), never through a front end's class.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any, Collection
+from collections.abc import Set as AbstractSet
+from typing import Any, Collection
 
 import torch
 from torch import nn
@@ -22,11 +27,20 @@ from fullshard.engine.module_wrapper import ModuleWrapper
 from fullshard.engine.sharded_param import ShardedParam
 from fullshard.engine.unit import Unit
 
-if TYPE_CHECKING:
-    from fullshard.frontend.fsdp1 import FullyShardedDataParallel
+Modules = AbstractSet[nn.Module]
 
 
-def _entries(root: nn.Module, ignored: set[nn.Module]) -> Iterator[tuple[str, nn.Module, str, bool]]:
+def tree_units(root: nn.Module) -> list[Unit]:
+    """The units of ``root``'s tree, each once, in ``root.modules()`` order (the same on every rank)."""
+    found: dict[int, Unit] = {}
+    for m in root.modules():
+        state = fsdp_state(m)
+        if state is not None:
+            found.setdefault(id(state.unit), state.unit)
+    return list(found.values())
+
+
+def _entries(root: nn.Module, ignored: Modules) -> Iterator[tuple[str, nn.Module, str, bool]]:
     """(clean name, owning module, attribute, is_parameter) in nn.Module.state_dict order."""
 
     def walk(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module, str, bool]]:
@@ -51,7 +65,7 @@ def _sharded(t: torch.Tensor) -> ShardedParam | None:
 
 
 def full_state_dict(
-    root: FullyShardedDataParallel, ignored: set[nn.Module], rank0_only: bool = False, offload_to_cpu: bool = False
+    root: nn.Module, ignored: Modules, rank0_only: bool = False, offload_to_cpu: bool = False
 ) -> OrderedDict[str, torch.Tensor]:
     """Full tensors under original names, gathering one unit at a time (collective).
 
@@ -62,8 +76,7 @@ def full_state_dict(
     keep = not rank0_only or collectives.group_rank(collectives.default_group()) == 0
     full: dict[int, torch.Tensor] = {}
     with torch.no_grad():
-        for fsdp in root.fsdp_modules(root):
-            unit = fsdp.unit
+        for unit in tree_units(root):
             values = unit.gather_full(unit.local_flat)
             if keep:
                 for sp, value in zip(unit.params, values):
@@ -84,9 +97,7 @@ def full_state_dict(
     return out
 
 
-def local_state_dict(
-    root: FullyShardedDataParallel, ignored: set[nn.Module], offload_to_cpu: bool = False
-) -> OrderedDict[str, torch.Tensor]:
+def local_state_dict(root: nn.Module, ignored: Modules, offload_to_cpu: bool = False) -> OrderedDict[str, torch.Tensor]:
     """This rank's shards (and the buffers) as plain tensors under the original names."""
     out: OrderedDict[str, torch.Tensor] = OrderedDict()
     for name, module, attr, is_param in _entries(root, ignored):
@@ -97,10 +108,10 @@ def local_state_dict(
 
 
 def load_full_state_dict(
-    root: FullyShardedDataParallel,
+    root: nn.Module,
     state_dict: Mapping[str, Any],
     strict: bool,
-    ignored: set[nn.Module],
+    ignored: Modules,
     shards: Collection[str] = (),
 ) -> _IncompatibleKeys:
     """Copy a full state dict into the shards and buffers; validate everything first.
@@ -139,7 +150,7 @@ def load_full_state_dict(
             errors.insert(0, "Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in unexpected) + ".")
     if errors:
         raise RuntimeError(
-            f"Error(s) in loading state_dict for {type(root.module).__name__}:\n\t" + "\n\t".join(errors)
+            f"Error(s) in loading state_dict for {type(_unwrapped(root)).__name__}:\n\t" + "\n\t".join(errors)
         )
     with torch.no_grad():
         for target, value, is_full in copies:
@@ -150,6 +161,11 @@ def load_full_state_dict(
                 continue  # loaded in place (a DTensor over this very shard)
             target.copy_(value)
     return _IncompatibleKeys(missing, unexpected)
+
+
+def _unwrapped(root: nn.Module) -> nn.Module:
+    """The module a wrapper wraps (the one the user built), or ``root`` itself."""
+    return root.module if isinstance(root, ModuleWrapper) else root
 
 
 # ---------------------------------------------------------------------------- sharded
@@ -206,18 +222,17 @@ def _sharded_value(t: torch.Tensor, units: dict[int, Unit]) -> Any:
 
 def _unit_of_param(root: nn.Module) -> dict[int, Unit]:
     """id(sharded parameter) -> its unit, for every unit in ``root``'s tree (root need not be one)."""
-    units = [h.unit for m in root.modules() if (h := fsdp_state(m)) is not None]
-    return {id(sp): unit for unit in units for sp in unit.params}
+    return {id(sp): unit for unit in tree_units(root) for sp in unit.params}
 
 
-def sharded_state_dict(root: "FullyShardedDataParallel", ignored: set[nn.Module]) -> "OrderedDict[str, Any]":
+def sharded_state_dict(root: nn.Module, ignored: Modules) -> OrderedDict[str, Any]:
     """Original names -> DTensor shards (Shard(0) over each unit's shard group; uneven allowed).
 
     Parameters every rank holds whole and buffers are plain tensors (replicated). The DTensors
     share storage with the shards. Collective only for 0-dim sharded parameters.
     """
     units = _unit_of_param(root)
-    out: "OrderedDict[str, Any]" = OrderedDict()
+    out: OrderedDict[str, Any] = OrderedDict()
     for name, module, attr, is_param in _entries(root, ignored):
         t = module._parameters[attr] if is_param else module._buffers[attr]
         assert t is not None
@@ -226,7 +241,7 @@ def sharded_state_dict(root: "FullyShardedDataParallel", ignored: set[nn.Module]
 
 
 def load_sharded_state_dict(
-    root: "FullyShardedDataParallel", state_dict: Mapping[str, Any], strict: bool, ignored: set[nn.Module]
+    root: nn.Module, state_dict: Mapping[str, Any], strict: bool, ignored: Modules
 ) -> _IncompatibleKeys:
     """Copy DTensor shards (this rank's layout) or full tensors into the model; validate first.
 

@@ -1,0 +1,116 @@
+"""``FullyShardedDataParallel``'s constructor arguments, turned once into the engine's WrapperConfig.
+
+The outermost wrapper calls :func:`wrapper_config`: option objects (fullshard's or torch's) go
+through :mod:`fullshard.frontend.options`, groups and meshes become the unit's groups, ignored
+modules one set. Arguments fullshard accepts but has no use for warn here, once per tree; the
+nested wrappers the wrap policy creates take the finished config.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from fullshard.comm import collectives
+from fullshard.engine import build
+from fullshard.engine.groups import resolve_groups
+from fullshard.engine.meta_init import is_meta
+from fullshard.engine.wrapper_config import WrapperConfig
+from fullshard.frontend.options import (
+    as_backward_prefetch,
+    as_cpu_offload,
+    as_mixed_precision,
+    parse_sharding_strategy,
+    warn_unused,
+)
+from fullshard.frontend.wrap import as_policy
+
+
+def wrapper_config(
+    module: nn.Module,
+    *,
+    process_group: collectives.ProcessGroup | None,
+    sharding_strategy: Any,
+    cpu_offload: Any,
+    auto_wrap_policy: Any,
+    backward_prefetch: Any,
+    mixed_precision: Any,
+    ignored_modules: Iterable[nn.Module] | None,
+    param_init_fn: Callable[[nn.Module], None] | None,
+    device_id: None | int | torch.device,
+    sync_module_states: bool,
+    forward_prefetch: bool,
+    limit_all_gathers: bool,
+    use_orig_params: bool | None,
+    ignored_states: Iterable[Any] | None,
+    device_mesh: Any,
+) -> WrapperConfig:
+    """The WrapperConfig for ``FullyShardedDataParallel(module, ...)``'s arguments (see its docstring).
+
+    Warns (UserWarning) for ``limit_all_gathers=False``, ``use_orig_params=False`` and a
+    ``param_init_fn`` that nothing on the meta device needs: fullshard does not act on them.
+
+    Raises:
+        TypeError, ValueError: as ``FullyShardedDataParallel``.
+    """
+    strategy = parse_sharding_strategy(sharding_strategy)
+    config = WrapperConfig(
+        mixed_precision=as_mixed_precision(mixed_precision),
+        cpu_offload=as_cpu_offload(cpu_offload),
+        backward_prefetch=as_backward_prefetch(backward_prefetch),
+        sharding_strategy=strategy,
+        groups=resolve_groups(process_group, device_mesh, strategy),
+        ignored=build.ignored_modules(ignored_modules, ignored_states),
+        auto_wrap_policy=as_policy(auto_wrap_policy),
+        forward_prefetch=forward_prefetch,
+        param_init_fn=param_init_fn,
+        device_id=device_id,
+        sync_module_states=sync_module_states,
+    )
+    _warn_no_effect(module, config, limit_all_gathers, use_orig_params)
+    return config
+
+
+def _warn_no_effect(module: nn.Module, config: WrapperConfig, limit_all_gathers: Any, use_orig_params: Any) -> None:
+    """Warn for the arguments that ask for something fullshard does not do."""
+    if limit_all_gathers is not True:
+        warn_unused(
+            f"limit_all_gathers={limit_all_gathers!r}",
+            "fullshard always limits all-gathers (at most the current unit's and one prefetched one are in flight)",
+            4,
+        )
+    if use_orig_params is not None and use_orig_params is not True:
+        warn_unused(
+            f"use_orig_params={use_orig_params!r}",
+            "fullshard always keeps the original parameters registered (names, shapes and Parameter objects, "
+            "as torch's use_orig_params=True) and has no FlatParameter",
+            4,
+        )
+    if config.param_init_fn is not None and not is_meta(module.modules()):
+        warn_unused(
+            "param_init_fn",
+            "no parameter or buffer of the module is on the meta device, and param_init_fn only "
+            "initializes those (as torch's); build the model under torch.device('meta') to use it",
+            4,
+        )
+
+
+def take_deprecated(deprecated: dict[str, Any], auto_wrap_policy: Any) -> Any:
+    """``auto_wrap_policy``, or the deprecated ``fsdp_auto_wrap_policy`` (FutureWarning).
+
+    Raises:
+        ValueError: both given.
+        TypeError: any other keyword left in ``deprecated``.
+    """
+    if "fsdp_auto_wrap_policy" in deprecated:
+        warnings.warn("fsdp_auto_wrap_policy is deprecated; use auto_wrap_policy", FutureWarning, stacklevel=3)
+        if auto_wrap_policy is not None:
+            raise ValueError("pass auto_wrap_policy or fsdp_auto_wrap_policy, not both")
+        auto_wrap_policy = deprecated.pop("fsdp_auto_wrap_policy")
+    if deprecated:
+        raise TypeError(f"FullyShardedDataParallel got unexpected keyword argument(s) {sorted(deprecated)}")
+    return auto_wrap_policy

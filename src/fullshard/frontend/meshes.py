@@ -1,0 +1,75 @@
+"""The device meshes ``fully_shard`` shards over, and the groups it reshards to after forward.
+
+Without a mesh, ``fully_shard`` shards over a 1-D mesh of the whole world, one per process
+group and device type. ``reshard_after_forward=M`` (an int) keeps 1/M of the parameters after
+forward: backward then all-gathers within groups of M consecutive ranks of the shard dimension.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import torch
+
+from fullshard.comm import collectives
+
+_DEFAULT_MESHES: dict[tuple[int, str], Any] = {}
+
+
+def default_mesh(device_type: str) -> Any:
+    """A 1-D DeviceMesh over the default group (one per process group and device type)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    key = (id(collectives.default_group()), device_type)
+    if key not in _DEFAULT_MESHES:
+        _DEFAULT_MESHES[key] = init_device_mesh(device_type, (collectives.group_size(collectives.default_group()),))
+    return _DEFAULT_MESHES[key]
+
+
+def mesh_device(mesh: Any) -> torch.device | None:
+    """The compute device a mesh implies (CUDA's current device for a CUDA mesh)."""
+    if mesh is None or mesh.device_type == "cpu":
+        return None
+    return (
+        torch.device(mesh.device_type, torch.cuda.current_device())
+        if mesh.device_type == "cuda"
+        else torch.device(mesh.device_type)
+    )
+
+
+def as_reshard_after_forward(value: Union[bool, int, None], shard_size: int) -> tuple[bool, int | None]:
+    """FSDP2's ``reshard_after_forward`` as (reshard, size of the group to reshard to).
+
+    A bool; None (True: the root keeps its parameters anyway); or an int M dividing the shard
+    group's size: after forward each rank keeps 1/M of the parameters and backward all-gathers
+    within a group of M ranks (1 keeps the full parameters, the shard group's size is True).
+
+    Raises:
+        ValueError: an int that does not divide the shard group's size, or another type.
+    """
+    if value is None or isinstance(value, bool):
+        return (True if value is None else value), None
+    if isinstance(value, int) and value >= 1:
+        if shard_size % value:
+            raise ValueError(
+                f"fully_shard: reshard_after_forward={value} must divide the shard group's size ({shard_size}), "
+                "as torch's: the number of ranks to reshard to after forward"
+            )
+        if value == 1:
+            return False, None
+        return True, (value if value != shard_size else None)
+    raise ValueError(f"fully_shard: reshard_after_forward must be a bool, None or a positive int, got {value!r}")
+
+
+_POST_FORWARD_MESHES: dict[tuple[int, int], Any] = {}
+
+
+def post_forward_group(mesh: Any, size: int) -> Any:
+    """The group of ``size`` consecutive ranks of the mesh's shard dimension holding this rank
+    (created collectively, once per mesh and size, as torch's: the mesh viewed as (-1, size))."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    key = (id(mesh), size)
+    if key not in _POST_FORWARD_MESHES:
+        _POST_FORWARD_MESHES[key] = DeviceMesh(mesh.device_type, mesh.mesh.reshape(-1, size))
+    return _POST_FORWARD_MESHES[key].get_group(1)
