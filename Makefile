@@ -18,7 +18,9 @@ demo: venv
 	$(VENV)/bin/fullshard train mnist --nproc 2
 
 test: venv
-	$(VPY) -m ruff check src tests
+	$(VPY) tools/check_layers.py
+	$(VPY) -m ruff check src tests tools
+	$(VPY) -m ruff format --check src tests tools
 	$(VPY) -m mypy
 	$(VPY) -m pytest -q
 
