@@ -1,1 +1,1 @@
-"""jobs/data"""
+"""Datasets of the training jobs: the bundled MNIST subset (and IDX files), text corpora."""
