@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 from dist import run_ranks
-from models import Block, make_stack, step_both
+from models import Block, batch, local, make_stack, step_both
 from torch import nn
 
 
@@ -117,3 +117,31 @@ def test_checkpointing_lowers_activation_memory(monkeypatch: pytest.MonkeyPatch)
     assert extra > 100 * 2**20, extra
     for a, b in zip(checkpointed["grads"], plain["grads"]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def recompute_prefetch_body(rank: int, world: int) -> list[int]:
+    """Recomputation under activation checkpointing prefetches nothing extra: as many
+    all-gathers with forward_prefetch as without, in each strategy."""
+
+    from fullshard import FSDP, ShardingStrategy, checkpoint_wrapper, probes
+
+    counts = []
+    for strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        for prefetch in (False, True):
+            m = make_stack()
+            for i in range(len(m.blocks)):
+                m.blocks[i] = checkpoint_wrapper(
+                    FSDP(m.blocks[i], forward_prefetch=prefetch, sharding_strategy=ShardingStrategy[strategy])
+                )
+            m = FSDP(m, forward_prefetch=prefetch, sharding_strategy=ShardingStrategy[strategy])
+            for _ in range(2):  # the second step has a recorded forward order to prefetch from
+                with probes.enabled(events=True) as p:
+                    m(local(batch(0, 8)[0], rank, world)).sum().backward()
+            counts.append(sum(e == "unshard" for e, _ in p.events or []))
+    return counts
+
+
+@pytest.mark.timeout(200)
+def test_recomputation_prefetches_nothing_extra() -> None:
+    counts = run_ranks(recompute_prefetch_body, 2, timeout=180)[0]
+    assert counts[0] == counts[1] and counts[2] == counts[3], counts

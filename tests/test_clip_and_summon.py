@@ -109,3 +109,22 @@ def summon_body(rank: int, world: int) -> list[str]:
 @pytest.mark.parametrize("world", [1, 3])
 def test_summon_full_params(world: int) -> None:
     assert run_ranks(summon_body, world, timeout=180)[0] == ["full inside", "writeback", "rank0_only", "errors"]
+
+
+def summon_no_grad_body(rank: int, world: int) -> list[str]:
+    """summon_full_params(with_grads=True) leaves .grad None where there is none."""
+    from fullshard import FSDP, ShardingStrategy
+
+    done = []
+    for strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        m = FSDP(make_stack(), sharding_strategy=ShardingStrategy[strategy])
+        m.module.head.requires_grad_(False)
+        with FSDP.summon_full_params(m, with_grads=True):
+            assert all(p.grad is None for p in m.parameters())
+        done.append(strategy)
+    return done
+
+
+@pytest.mark.timeout(200)
+def test_summon_with_grads_where_there_are_none() -> None:
+    assert run_ranks(summon_no_grad_body, 2, timeout=180)[0] == ["FULL_SHARD", "SHARD_GRAD_OP"]

@@ -8,7 +8,7 @@ import functools
 import pytest
 import torch
 from dist import run_ranks
-from models import Block, batch, make_stack
+from models import Block, batch, local, make_stack
 
 GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4
 STEPS = 10
@@ -140,3 +140,70 @@ def optimizer_before_wrap_body(rank: int, world: int) -> list[float]:
 def test_optimizer_built_before_wrapping_trains() -> None:
     errors = run_ranks(optimizer_before_wrap_body, 2, timeout=180)[0]
     assert max(errors) <= RTOL, errors
+
+
+class _FailOnce(torch.autograd.Function):
+    armed = True
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if _FailOnce.armed:
+            _FailOnce.armed = False
+            raise RuntimeError("boom in backward")
+        return g
+
+
+def irregular_loop_body(rank: int, world: int, strategy: str) -> list[str]:
+    """A forward with grad enabled and no backward (a metric) between backward and step; then a
+    backward that raises and is retried."""
+    from fullshard import FSDP, ShardingStrategy
+    from fullshard.engine.unit import ShardState, TrainingState
+    from fullshard.frontend.wrap import ModuleWrapPolicy
+
+    mse = torch.nn.functional.mse_loss
+    done = []
+    ref = make_stack()
+    model = FSDP(
+        copy.deepcopy(ref), sharding_strategy=ShardingStrategy[strategy], auto_wrap_policy=ModuleWrapPolicy({Block})
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(3):
+        x, y = batch(step, 8)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        mse(model(local(x, rank, world)), local(y, rank, world)).backward()
+        mse(ref(x), y).backward()
+        model(x)  # without torch.no_grad(): leaves gathered units behind
+        opt.step()
+        ref_opt.step()
+        out = model(x)
+        torch.testing.assert_close(out, ref(x), rtol=1e-5, atol=1e-6)  # no stale parameters
+        out.sum().backward()
+        opt.zero_grad()
+    done.append("forward without backward")
+
+    _FailOnce.armed = True
+    xs = local(batch(0, 8)[0], rank, world).requires_grad_()
+    with pytest.raises(RuntimeError, match="boom in backward"):
+        model(_FailOnce.apply(xs)).sum().backward()
+    opt.zero_grad()
+    model(_FailOnce.apply(xs)).sum().backward()
+    assert all(s is TrainingState.IDLE for s in model.training_states())
+    assert all(m.unit.shard_state is ShardState.SHARDED for m in model.fsdp_modules(model))
+    assert all(p.grad is not None for p in model.parameters())
+    done.append("backward raised")
+    return done
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
+def test_forward_without_backward_and_a_backward_that_raises(strategy: str) -> None:
+    assert run_ranks(irregular_loop_body, 2, strategy, timeout=180)[0] == [
+        "forward without backward",
+        "backward raised",
+    ]
