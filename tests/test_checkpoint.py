@@ -91,6 +91,46 @@ def test_checkpoint_reshards(tmp_path: Path, saved: int, loaded: list[int], api:
         assert [r[2].get("rank") for r in results] == [r if r < saved else None for r in range(world)]
 
 
+def per_rank_save_body(rank: int, world: int, base: str) -> tuple[dict, dict]:
+    """Each rank saves into its own directory (Ray Train's idiom), one holding a stale half-save."""
+    from fullshard.state import checkpoint
+
+    root = Path(base) / f"rank{rank}"
+    if rank == 1:  # an interrupted earlier save of the same step left a file behind
+        (root / "step_00000001.tmp").mkdir(parents=True)
+        (root / "step_00000001.tmp" / "__7_0.distcp").write_bytes(b"stale")
+    ref = make_stack()
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(2):
+        step_both(model, opt, ref, ref_opt, step, rank, world)
+        checkpoint.save(root, step, model, opt, extra={"rank": rank}, keep=1)
+    return _full_model(model), _full_optim(model, opt)
+
+
+@pytest.mark.timeout(300)
+def test_per_rank_directories_merge_into_one_checkpoint(tmp_path: Path) -> None:
+    import shutil
+
+    want_model, want_optim = run_ranks(per_rank_save_body, 2, str(tmp_path), timeout=180)[0]
+    merged = tmp_path / "merged"
+    merged.mkdir()
+    for rank in range(2):
+        assert [p.name for p in (tmp_path / f"rank{rank}").iterdir()] == ["step_00000001"]  # keep=1, no .tmp
+        for f in (tmp_path / f"rank{rank}" / "step_00000001").iterdir():
+            shutil.copy(f, merged / f.name)
+    names = sorted(p.name for p in merged.iterdir())
+    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "extra_rank0.pt", "extra_rank1.pt"], names
+    results = run_ranks(load_body, 3, str(merged), 2, timeout=180)
+    full, optim, _ = results[0]
+    for k, v in want_model.items():
+        assert torch.equal(full[k], v), k
+    for k, v in want_optim.items():
+        assert torch.equal(torch.as_tensor(optim[k]), torch.as_tensor(v)), k
+    assert [r[2].get("rank") for r in results] == [0, 1, None]
+
+
 def errors_body(rank: int, world: int, root: str) -> list[str]:
     from fullshard import FSDP, checkpoint
     from fullshard.comm import collectives

@@ -2,9 +2,14 @@
 
 Layout: ``ROOT/step_00000120/`` holds one checkpoint: DCP's files (every rank writes its shards,
 rank 0 writes ``.metadata`` last) and ``extra_rank{r}.pt`` (each rank's own extra state, such
-as RNG states). A save writes into ``step_00000120.tmp/`` and rank 0 renames it when every rank
-is done, so a directory without ``.tmp`` is complete: a crash during a save leaves the previous
+as RNG states). A save writes into ``step_00000120.tmp/`` and renames it when every rank is
+done, so a directory without ``.tmp`` is complete: a crash during a save leaves the previous
 checkpoint as the newest complete one. ``keep`` prunes older complete checkpoints.
+
+``ROOT`` may be shared by all ranks (rank 0 renames the directory) or local to each rank or
+node (each directory's lowest rank renames it): then every rank's directory holds its own
+shards and rank 0's the metadata, and merging the directories (as Ray Train does with the
+directories its workers report) gives one complete checkpoint.
 
 The model and optimizer state are sharded state dicts (DTensor ``Shard(0)`` entries), so a
 checkpoint saved at one world size loads at any other. Errors on any rank are raised on every
@@ -156,14 +161,7 @@ def save(
     final = step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
     rank = collectives.group_rank(collectives.default_group())
-
-    def prepare() -> None:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-
-    _everywhere(f"save to {final}", prepare)
-    collectives.barrier(collectives.default_group())
+    leader = _claim(tmp, f"save to {final}")
 
     def gather_state() -> dict[str, Any]:
         torch.save(extra or {}, tmp / f"extra_rank{rank}.pt")
@@ -175,7 +173,9 @@ def save(
     _everywhere(f"save to {final}", lambda: dcp.save(state, checkpoint_id=str(tmp)))
 
     def publish() -> None:
-        if rank == 0:
+        if rank == leader:
+            for claim in tmp.glob(f"{_CLAIM}*"):
+                claim.unlink()
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
@@ -185,10 +185,48 @@ def save(
     return final
 
 
+_CLAIM = ".fullshard-claim-"
+
+
+def _claim(tmp: Path, action: str) -> int:
+    """Prepare the temporary directory ``tmp`` of a save; return the rank that publishes it.
+
+    ``tmp`` may be one directory every rank sees (a shared file system) or a directory per rank
+    or per node (Ray Train's idiom: each worker saves into its own local directory and Ray merges
+    them). Every rank creates ``tmp`` and leaves a claim file with this save's token in it; the
+    lowest rank whose claim a rank sees is that directory's leader, which empties it of anything
+    older (an interrupted save) and later renames it. Collective; a failure on any rank raises
+    CheckpointError on all.
+    """
+    import uuid
+
+    group = collectives.default_group()
+    rank = collectives.group_rank(group)
+    token = collectives.broadcast_object(uuid.uuid4().hex if rank == 0 else None, 0, group)
+    mine = f"{_CLAIM}{token}-"
+
+    def create() -> None:
+        tmp.mkdir(parents=True, exist_ok=True)
+        (tmp / f"{mine}{rank}").touch()
+
+    _everywhere(action, create)  # its closing all-reduce is the barrier: every claim is written
+
+    def clean() -> int:
+        leader = min(int(p.name[len(mine) :]) for p in tmp.glob(f"{mine}*"))
+        if rank == leader:
+            for p in tmp.iterdir():
+                if not p.name.startswith(mine):
+                    shutil.rmtree(p) if p.is_dir() else p.unlink()
+        return leader
+
+    return _everywhere(action, clean)
+
+
 def _prune(root: Path, keep: int | None) -> None:
     if keep is None:
         return
-    complete = sorted(p for p in root.iterdir() if _STEP.match(p.name) and (p / ".metadata").is_file())
+    # A published directory is complete; in a per-rank directory only rank 0's holds .metadata.
+    complete = sorted(p for p in root.iterdir() if _STEP.match(p.name))
     for old in complete[: max(0, len(complete) - keep)]:
         shutil.rmtree(old, ignore_errors=True)
 
