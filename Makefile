@@ -19,8 +19,8 @@ demo: venv
 
 test: venv
 	$(VPY) tools/check_layers.py
-	$(VPY) -m ruff check src tests tools
-	$(VPY) -m ruff format --check src tests tools
+	$(VPY) -m ruff check src tests tools examples
+	$(VPY) -m ruff format --check src tests tools examples
 	$(VPY) -m mypy
 	$(VPY) -m pytest -q
 

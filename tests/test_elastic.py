@@ -189,3 +189,57 @@ def test_mnist_sigkill_mid_epoch_resumes_exactly(tmp_path: Path) -> None:
     want, got = torch.load(tmp_path / "ref.pt"), torch.load(tmp_path / "run.pt")
     for k, v in want.items():
         assert torch.equal(got[k], v), k
+
+
+def _descendants(root: int) -> list[tuple[int, bytes]]:
+    """(pid, command line) of every process below ``root``."""
+    children: dict[int, list[int]] = {}
+    cmds: dict[int, bytes] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                cmds[int(entry.name)] = (entry / "cmdline").read_bytes()
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append((child, cmds.get(child, b"")))
+            todo.append(child)
+    return found
+
+
+@pytest.mark.timeout(400)
+def test_ray_train_worker_sigkill_resumes_exactly(tmp_path: Path, reference: dict) -> None:
+    """Under Ray Train: FailureConfig restarts the worker group, which resumes from the last
+    checkpoint it reported (Ray merged the workers' shard directories) and ends bitwise equal."""
+    pytest.importorskip("ray.train")
+    args = [*_args(tmp_path, "run"), "--launcher", "ray", "--num-workers", "2"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
+    try:
+        deadline = time.monotonic() + 200
+        while _last_step(tmp_path / "run.jsonl") < 7:  # past the checkpoint of step 4
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
+            assert time.monotonic() < deadline, "the run did not reach step 7"
+            time.sleep(0.05)
+        workers = [pid for pid, cmd in _descendants(proc.pid) if b"RayTrainWorker" in cmd]
+        assert len(workers) == 2, workers
+        os.kill(workers[1], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    assert "resumed from" in out and "fullshard-gpt/step_00000" in out, out[-3000:]
+    final = _final(tmp_path / "run.pt")
+    for k, v in reference.items():
+        assert torch.equal(final[k], v), k
+    saved = tmp_path / "run-ckpt" / "fullshard-gpt" / f"step_{STEPS:08d}"
+    assert sorted(p.name for p in saved.iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "extra_rank0.pt",
+        "extra_rank1.pt",
+    ]

@@ -124,6 +124,10 @@ def run_job(name: str, worker: Callable[[Any], Any], cfg: Any, nproc: int, max_r
         (exit code, rank 0's return value or None). A worker failure is printed to stderr,
         prefixed with ``name``, and gives exit code 1.
     """
+    if getattr(cfg, "launcher", "torch") == "ray":
+        from fullshard.jobs import ray_launcher
+
+        return ray_launcher.run_job(name, worker, cfg)
     if env_world_size() is not None:
         result = worker(cfg)
         return 0, result if rank() == 0 else None
@@ -138,12 +142,20 @@ def run_job(name: str, worker: Callable[[Any], Any], cfg: Any, nproc: int, max_r
 def init_process_group(timeout_s: float = 300.0) -> torch.device:
     """Create the default process group from the launcher's environment; return this worker's device.
 
-    gloo on CPU; NCCL when CUDA is available and LOCAL_RANK names a device.
+    gloo on CPU; NCCL when CUDA is available and LOCAL_RANK names a device. When a default
+    group exists already (Ray Train creates it before the job's code runs), it is used as it is,
+    and :func:`destroy_process_group` leaves it to its creator.
 
     Raises:
         RuntimeError: the launcher's variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) are
             missing: start the job with ``fullshard train`` or ``torchrun``.
     """
+    global _OWN_GROUP
+    if collectives.is_initialized():
+        _OWN_GROUP = False
+        if collectives.backend(collectives.default_group()) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
     need = ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]
     absent = [k for k in need if k not in os.environ]
     if absent:
@@ -172,12 +184,19 @@ def init_process_group(timeout_s: float = 300.0) -> torch.device:
         timeout_s,
         device if backend == "nccl" else None,
     )
+    _OWN_GROUP = True
     return device
 
 
+_OWN_GROUP = False  # whether init_process_group created the default group (else e.g. Ray Train did)
+
+
 def destroy_process_group() -> None:
-    """Tear down the default process group if there is one."""
-    collectives.destroy_process_group()
+    """Tear down the default process group if :func:`init_process_group` created it."""
+    global _OWN_GROUP
+    if _OWN_GROUP:
+        collectives.destroy_process_group()
+        _OWN_GROUP = False
 
 
 def rank() -> int:

@@ -67,6 +67,18 @@ def step_dir(root: str | os.PathLike, step: int) -> Path:
     return Path(root) / f"step_{step:08d}"
 
 
+def step_of(path: str | os.PathLike) -> int:
+    """The step a checkpoint directory was saved at, from its name (``step_00000120`` -> 120).
+
+    Raises:
+        ValueError: the name is not ``step_`` and 8 digits.
+    """
+    m = _STEP.match(Path(path).name)
+    if m is None:
+        raise ValueError(f"{path} is not named like a checkpoint of a step (step_00000120)")
+    return int(m.group(1))
+
+
 def latest(root: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint directory under ``root`` (None when there is none)."""
     root = Path(root)

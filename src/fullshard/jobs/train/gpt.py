@@ -27,9 +27,9 @@ from fullshard.jobs import launch
 from fullshard.jobs.data.text import ByteCorpus, files_from_glob
 from fullshard.jobs.memory import model_state_bytes
 from fullshard.jobs.models.gpt import GPT, PRESETS, Block, init_module
-from fullshard.jobs.train import fsdp_options, resume_options
+from fullshard.jobs.train import fsdp_options, launcher_options, resume_options
 from fullshard.jobs.train.report import MetricsFile, gather_memory, mib
-from fullshard.state import checkpoint
+from fullshard.jobs.train.session import Session, open_session
 
 
 @dataclasses.dataclass
@@ -63,6 +63,10 @@ class GPTJobConfig:
     checkpoint_every: int = 0
     keep_checkpoints: int = 3
     max_restarts: int = 0
+    launcher: str = "torch"
+    num_workers: str | None = None
+    use_gpu: bool = False
+    ray_address: str | None = None
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -71,6 +75,7 @@ class GPTJobConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         resume_options.validate(self)
+        launcher_options.validate(self)
         if not self.lr > 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
         if self.seq_len > PRESETS[self.preset].max_seq_len:
@@ -122,6 +127,7 @@ def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
     p.add_argument("--metrics-file", default=None, metavar="PATH", help="JSON lines, one per log interval")
     p.add_argument("--save-model", default=None, metavar="PATH", help="write the full state dict here")
     resume_options.add_arguments(p)
+    launcher_options.add_arguments(p)
     return p
 
 
@@ -216,7 +222,8 @@ def train_loop(cfg: GPTJobConfig, device: torch.device, model: nn.Module, title:
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=True
     )
-    first = _resume(cfg, model, optimizer)
+    session = open_session(cfg)
+    first = _resume(session, model, optimizer)
     metrics = MetricsFile(cfg.metrics_file, rank == 0, append=first > 0)
     record: dict[str, Any] | None = None
     window_loss = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, steps: no sync per step
@@ -234,13 +241,13 @@ def train_loop(cfg: GPTJobConfig, device: torch.device, model: nn.Module, title:
         window_loss[0] += loss.detach()
         window_loss[1] += 1
         if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps):
-            extra = {"step": step + 1, "rng": torch.get_rng_state()}
-            checkpoint.save(cfg.checkpoint_dir, step + 1, model, optimizer, extra, keep=cfg.keep_checkpoints)  # type: ignore[arg-type]
+            session.save(step + 1, model, optimizer, {"step": step + 1, "rng": torch.get_rng_state()})
         if (step + 1) % cfg.log_interval == 0 or step + 1 == cfg.steps:
             record = _log(cfg, model, optimizer, val, device, step, window_loss, time.perf_counter() - last, start)
             if rank == 0:
                 print(_line(record, cfg.steps), flush=True)
             metrics.write(record)
+            session.report(record)
             window_loss.zero_()
             last = time.perf_counter()
     if cfg.save_model:
@@ -251,20 +258,21 @@ def train_loop(cfg: GPTJobConfig, device: torch.device, model: nn.Module, title:
     return record if rank == 0 else None
 
 
-def _resume(cfg: GPTJobConfig, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Load the newest complete checkpoint of ``--checkpoint-dir``; the step to continue from.
+def _resume(session: Session, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Load the newest checkpoint of the session, if any; the step to continue from.
 
     Everything that decides the rest of the run comes back: parameters, optimizer state, the
-    step (which fixes the learning rate and the data), and the RNG state.
+    step (which fixes the learning rate and the data), and the RNG state (a rank that did not
+    exist when the checkpoint was saved keeps its own).
     """
-    if not cfg.checkpoint_dir or checkpoint.latest(cfg.checkpoint_dir) is None:
+    resumed = session.resume(model, optimizer)
+    if resumed is None:
         return 0
-    extra = checkpoint.load(cfg.checkpoint_dir, model, optimizer)
-    if "rng" in extra:
-        torch.set_rng_state(extra["rng"])
+    if "rng" in resumed.extra:
+        torch.set_rng_state(resumed.extra["rng"])
     if collectives.group_rank(collectives.default_group()) == 0:
-        print(f"resumed from {checkpoint.latest(cfg.checkpoint_dir)} at step {extra.get('step', 0)}", flush=True)
-    return int(extra.get("step", 0))
+        print(f"resumed from {resumed.path} at step {resumed.step}", flush=True)
+    return resumed.step
 
 
 def _log(

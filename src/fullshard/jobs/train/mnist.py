@@ -27,9 +27,9 @@ from fullshard.jobs import launch
 from fullshard.jobs.data import mnist as mnist_data
 from fullshard.jobs.memory import model_state_bytes
 from fullshard.jobs.models.net import Net
-from fullshard.jobs.train import fsdp_options, resume_options
+from fullshard.jobs.train import fsdp_options, launcher_options, resume_options
 from fullshard.jobs.train.report import MetricsFile, gather_memory, mib
-from fullshard.state import checkpoint
+from fullshard.jobs.train.session import Session, open_session
 
 
 @dataclasses.dataclass
@@ -58,6 +58,10 @@ class MnistConfig:
     backward_prefetch: str = "pre"
     forward_prefetch: bool = False
     api: str = "fsdp1"
+    launcher: str = "torch"
+    num_workers: str | None = None
+    use_gpu: bool = False
+    ray_address: str | None = None
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
@@ -67,6 +71,7 @@ class MnistConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         fsdp_options.validate(self)
         resume_options.validate(self)
+        launcher_options.validate(self)
         if self.data_dir is not None:
             if not os.path.isdir(self.data_dir):
                 raise ValueError(f"--data-dir {self.data_dir} is not a directory")
@@ -94,6 +99,7 @@ def parse_args(argv: Sequence[str]) -> MnistConfig:
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no tqdm bar")
     fsdp_options.add_arguments(p)
     resume_options.add_arguments(p)
+    launcher_options.add_arguments(p)
     ns = p.parse_args(list(argv))
     try:
         return MnistConfig(**vars(ns))
@@ -190,7 +196,8 @@ def _run(cfg: MnistConfig, device: torch.device) -> dict[str, Any] | None:
         print(model, flush=True)
     optimizer = torch.optim.Adadelta(model.parameters(), lr=cfg.lr)
     scheduler = StepLR(optimizer, step_size=1, gamma=cfg.gamma)
-    pos = _resume(cfg, model, optimizer, scheduler)
+    session = open_session(cfg)
+    pos = _resume(session, model, optimizer, scheduler)
     metrics = MetricsFile(cfg.metrics_file, rank == 0, append=pos.step > 0)
     bar = _progress(cfg, rank, len(train_loader))
     record: dict[str, Any] | None = None
@@ -198,7 +205,7 @@ def _run(cfg: MnistConfig, device: torch.device) -> dict[str, Any] | None:
     def after_step(p: _Position) -> None:
         if cfg.checkpoint_every and p.step % cfg.checkpoint_every == 0:
             extra = {**dataclasses.asdict(p), "rng": torch.get_rng_state(), "scheduler": scheduler.state_dict()}
-            checkpoint.save(cfg.checkpoint_dir, p.step, model, optimizer, extra, keep=cfg.keep_checkpoints)  # type: ignore[arg-type]
+            session.save(p.step, model, optimizer, extra)
 
     for epoch in range(pos.epoch, cfg.epochs + 1):
         sampler.set_epoch(epoch)
@@ -226,6 +233,7 @@ def _run(cfg: MnistConfig, device: torch.device) -> dict[str, Any] | None:
         if rank == 0:
             _print_epoch(record, cfg.epochs, bar)
         metrics.write(record)
+        session.report(record)
     if bar is not None:
         bar.close()
     if cfg.save_model:
@@ -236,17 +244,16 @@ def _run(cfg: MnistConfig, device: torch.device) -> dict[str, Any] | None:
     return record if rank == 0 else None
 
 
-def _resume(cfg: MnistConfig, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: StepLR) -> _Position:
-    """The newest complete checkpoint of ``--checkpoint-dir`` loaded; where to continue."""
-    if not cfg.checkpoint_dir or checkpoint.latest(cfg.checkpoint_dir) is None:
+def _resume(session: Session, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: StepLR) -> _Position:
+    """The session's newest checkpoint loaded, if any; where to continue."""
+    resumed = session.resume(model, optimizer)
+    if resumed is None:
         return _Position()
-    extra = checkpoint.load(cfg.checkpoint_dir, model, optimizer)
+    extra = dict(resumed.extra)
     scheduler.load_state_dict(extra.pop("scheduler"))
     pos = _Position(**extra)
     if collectives.group_rank(collectives.default_group()) == 0:
-        print(
-            f"resumed from {checkpoint.latest(cfg.checkpoint_dir)} at epoch {pos.epoch}, batch {pos.batch}", flush=True
-        )
+        print(f"resumed from {resumed.path} at epoch {pos.epoch}, batch {pos.batch}", flush=True)
     return pos
 
 

@@ -1,0 +1,94 @@
+"""Where a training job's checkpoints and metrics go: its ``--checkpoint-dir``, or Ray Train.
+
+The training loops call :func:`open_session` once and then ``resume``, ``save`` and ``report``;
+they do not know who launched them. Under torch's launcher or ``torchrun`` checkpoints are
+folders of ``--checkpoint-dir`` (see ``fullshard.state.checkpoint``). Under Ray Train
+(``--launcher ray``) each worker saves into its own temporary directory and hands it to
+``ray.train.report`` as a ``ray.train.Checkpoint``; Ray merges the workers' directories into one
+complete checkpoint in the run's storage, and a restarted worker group resumes from
+``ray.train.get_checkpoint()``. Either way the checkpoint loads at any world size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from fullshard.state import checkpoint
+
+
+@dataclasses.dataclass
+class Resumed:
+    """A loaded checkpoint: its optimizer step, this rank's extra state (empty for a rank that
+    did not exist when it was saved) and where it was read from."""
+
+    step: int
+    extra: dict[str, Any]
+    path: str
+
+
+class Session:
+    """Checkpoints in ``cfg.checkpoint_dir`` (the torch launcher, torchrun); metrics stay local."""
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+
+    def resume(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Resumed | None:
+        """Load the newest complete checkpoint into ``model`` and ``optimizer`` (collective);
+        None when there is none."""
+        newest = checkpoint.latest(self.cfg.checkpoint_dir) if self.cfg.checkpoint_dir else None
+        if newest is None:
+            return None
+        extra = checkpoint.load(newest, model, optimizer)
+        return Resumed(checkpoint.step_of(newest), extra, str(newest))
+
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any]) -> None:
+        """Save a sharded checkpoint of the state after optimizer step ``step`` (collective)."""
+        checkpoint.save(self.cfg.checkpoint_dir, step, model, optimizer, extra, keep=self.cfg.keep_checkpoints)
+
+    def report(self, record: dict[str, Any]) -> None:
+        """Hand one log record to the launcher (nothing to do here; the jobs print and write it)."""
+
+
+class RaySession(Session):
+    """Checkpoints and metrics through Ray Train (``ray.train.report`` on every worker)."""
+
+    def resume(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Resumed | None:
+        import ray.train
+
+        found = ray.train.get_checkpoint()
+        if found is None:
+            return None
+        with found.as_directory() as directory:
+            extra = checkpoint.load(directory, model, optimizer)
+        return Resumed(checkpoint.step_of(Path(found.path)), extra, found.path)
+
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any]) -> None:
+        import ray.train
+
+        local = Path(tempfile.mkdtemp(prefix="fullshard-ckpt-"))
+        try:
+            path = checkpoint.save(local, step, model, optimizer, extra)
+            ray.train.report(
+                {"step": step},
+                checkpoint=ray.train.Checkpoint.from_directory(str(path)),
+                checkpoint_dir_name=path.name,
+            )
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
+
+    def report(self, record: dict[str, Any]) -> None:
+        import ray.train
+
+        ray.train.report(record)
+
+
+def open_session(cfg: Any) -> Session:
+    """The session for a job config: Ray Train's under ``--launcher ray``, else the local one."""
+    return RaySession(cfg) if getattr(cfg, "launcher", "torch") == "ray" else Session(cfg)
