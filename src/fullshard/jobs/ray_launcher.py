@@ -73,8 +73,9 @@ def run_job(name: str, worker: Callable[[Any], Any], cfg: Any) -> tuple[int, Any
     )
     workers = parse_num_workers(cfg.num_workers)
     if not ray.is_initialized():
-        if cfg.ray_address:
-            ray.init(address=cfg.ray_address)
+        address = cfg.ray_address or os.environ.get("RAY_ADDRESS")  # Ray's own variable, as `ray job` sets it
+        if address:
+            ray.init(address=address)
         else:  # a local instance with a CPU for every worker, even on a smaller machine
             most = workers if isinstance(workers, int) else workers[1]
             ray.init(num_cpus=max(os.cpu_count() or 1, most), include_dashboard=False)
