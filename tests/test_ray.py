@@ -24,7 +24,7 @@ def _example(storage: Path, workers: int, epochs: int) -> tuple[dict, str]:
         capture_output=True,
         text=True,
         timeout=200,
-        env=dict(os.environ, RAY_DEDUP_LOGS="0"),
+        env=dict(os.environ, RAY_DEDUP_LOGS="0", RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.2"),
     )
     assert r.returncode == 0, r.stderr[-3000:]
     last = [line for line in r.stdout.splitlines() if line.startswith('{"losses"')]
