@@ -349,14 +349,17 @@ def init_process_group(
     store_prefix: str,
     timeout_s: float,
     device_id: torch.device | None = None,
+    host_store: bool = False,
 ) -> None:
-    """Create the default process group on the launcher's TCPStore under ``store_prefix``."""
+    """Create the default process group on a TCPStore at ``master_addr:master_port`` under
+    ``store_prefix``: the launcher's store, or with ``host_store`` one this process serves (rank 0
+    when the launcher shares no store, as torch's ``env://`` does)."""
     # torch.distributed.nn.functional binds ``group.WORLD`` as default arguments when first
     # imported (optimizers and torch._dynamo import it). Imported after this point, it would
     # keep the default group, and gloo's threads, alive past destroy_process_group.
     import torch.distributed.nn.functional  # noqa: F401
 
-    store = dist.TCPStore(master_addr, master_port, world_size, is_master=False)
+    store = dist.TCPStore(master_addr, master_port, world_size, is_master=host_store)
     kwargs: dict[str, Any] = {}
     if device_id is not None:
         kwargs["device_id"] = device_id

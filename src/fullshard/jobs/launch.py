@@ -173,7 +173,13 @@ def init_process_group(timeout_s: float = 300.0) -> torch.device:
         device = torch.device("cpu")
         backend = "gloo"
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    # torch's convention (env://): the agent's store when the launcher shares it, else rank 0
+    # serves a fresh one each round (torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, or
+    # variables set by hand). The agent's store outlives restarts: a prefix per attempt keeps
+    # the dead attempt's gloo addresses out of reach. A fresh store needs none, and must not
+    # have one: an agent that joins an elastic job counts its restarts from 0, the others not.
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if agent_store else "fresh"
     collectives.init_process_group(
         backend,
         os.environ["MASTER_ADDR"],
@@ -183,6 +189,7 @@ def init_process_group(timeout_s: float = 300.0) -> torch.device:
         f"fullshard_attempt_{attempt}",
         timeout_s,
         device if backend == "nccl" else None,
+        host_store=rank == 0 and not agent_store,
     )
     _OWN_GROUP = True
     return device
