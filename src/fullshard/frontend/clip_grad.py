@@ -4,6 +4,10 @@ Each rank holds only its shards' gradients, so the p-norm is assembled from per-
 sums: ``sum |g|^p`` over a unit's shards is all-reduced over that unit's shard group, while
 gradients every rank holds whole (NO_SHARD units, ignored modules, one-rank groups) count once,
 locally. The inf-norm takes maxima the same way. Every rank must call it (it is collective).
+
+The partial sums are accumulated in float64: the norm then rounds to the same float32 whether a
+gradient is split over 1, 2 or 4 ranks, so a job's clipping, and with it its training, does not
+depend on the world size (an elastic job that changes world size keeps its loss curve).
 """
 
 from __future__ import annotations
@@ -53,10 +57,10 @@ def total_grad_norm(parameters: torch.Tensor | Iterable[torch.Tensor], norm_type
         device = collectives.reduction_device(next(iter(groups.values())))
     else:
         device = next((d for (_, d, _) in buckets), torch.device("cpu"))
-    partial = {key: torch.zeros((), dtype=torch.float32, device=device) for key in [0, *groups]}
+    partial = {key: torch.zeros((), dtype=torch.float64, device=device) for key in [0, *groups]}
     for (key, _, _), grads in buckets.items():
-        # One multi-tensor kernel per bucket: the p-norm of each gradient, in float32.
-        norms = torch.stack(torch._foreach_norm(grads, p, dtype=torch.float32)).to(device)
+        # One multi-tensor kernel per bucket: the p-norm of each gradient, in float64.
+        norms = torch.stack(torch._foreach_norm(grads, p, dtype=torch.float64)).to(device)
         term = norms.max() if inf else norms.pow(p).sum()
         partial[key] = torch.maximum(partial[key], term) if inf else partial[key] + term
     total = partial.pop(0)
@@ -67,7 +71,7 @@ def total_grad_norm(parameters: torch.Tensor | Iterable[torch.Tensor], norm_type
         else:
             collectives.all_reduce(value, groups[key])
             total = total + value
-    return total if inf else total.pow(1.0 / p)
+    return (total if inf else total.pow(1.0 / p)).to(torch.float32)
 
 
 def params_list(parameters: torch.Tensor | Iterable[torch.Tensor]) -> list[torch.Tensor]:
