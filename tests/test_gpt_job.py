@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -94,6 +95,8 @@ def test_gpt_rejects_bad_options(tmp_path: Path) -> None:
     for args, text in (
         (["--preset", "huge"], "--preset 'huge': use one of tiny"),
         (["--data", str(tmp_path / "none*.txt"), "--nproc", "1", "--steps", "1"], "matches no files"),
+        (["--nproc", "3", "--global-batch-size", "8", "--batch-size", "4"], "needs a world size in [1, 2]"),
+        (["--global-batch-size", "6", "--batch-size", "4"], "--global-batch-size 6 is not a multiple of --batch-size"),
     ):
         r = subprocess.run([str(BIN / "fullshard"), "train", "gpt", *args], capture_output=True, text=True, timeout=120)
         assert r.returncode != 0 and text in r.stderr, r.stderr[-2000:]
@@ -133,3 +136,35 @@ def test_gpt_job_on_fully_shard_checkpoints_and_resumes(tmp_path: Path) -> None:
         timeout=120,
     )
     assert bad.returncode != 0 and "--api fsdp2 --sharding-strategy no_shard" in bad.stderr, bad.stderr[-2000:]
+
+
+@pytest.mark.timeout(300)
+def test_global_batch_resumes_at_another_world_size_on_fully_shard(tmp_path: Path) -> None:
+    """``--global-batch-size 8 --batch-size 2`` under FSDP2: a 2-rank run (2 micro-batches per
+    rank, set_requires_gradient_sync) checkpoints at step 3; a 1-rank run (4 micro-batches)
+    resumes from that checkpoint, resharded, and steps 4-6 follow the 2-rank run's curve. (From
+    scratch the two would differ: the FSDP2 path initializes each rank's DTensor shard with its
+    own draws, so its initial weights depend on the world size; restarts load checkpoints.)"""
+    job = ["--api", "fsdp2", "--steps", "6", "--seq-len", "32", "--batch-size", "2", "--global-batch-size", "8"]
+    job += ["--log-interval", "1", "--eval-batches", "1", "--checkpoint-every", "3", "--keep-checkpoints", "2"]
+    ckpt = tmp_path / "ckpt"
+    r = _run(
+        [*job, "--nproc", "2", "--checkpoint-dir", str(ckpt), "--metrics-file", str(tmp_path / "two.jsonl")],
+        tmp_path,
+        280,
+    )
+    assert "(2 micro-batch(es) of 2 per rank)" in r.stdout, r.stdout[-2000:]
+    shutil.rmtree(ckpt / "step_00000006")
+    r = _run(
+        [*job, "--nproc", "1", "--checkpoint-dir", str(ckpt), "--metrics-file", str(tmp_path / "one.jsonl")],
+        tmp_path,
+        280,
+    )
+    assert "(4 micro-batch(es) of 2 per rank)" in r.stdout and "step_00000003 at step 3" in r.stdout, r.stdout[-2000:]
+    two = [json.loads(line) for line in (tmp_path / "two.jsonl").read_text().splitlines()]
+    one = [json.loads(line) for line in (tmp_path / "one.jsonl").read_text().splitlines()]
+    assert [rec["step"] for rec in one] == [4, 5, 6] and [rec["world_size"] for rec in one] == [1] * 3
+    for a, b in zip(one, two[3:], strict=True):
+        assert a["step"] == b["step"] and b["world_size"] == 2 and a["global_batch_size"] == 8
+        for key in ("train_loss", "val_loss"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4), (a["step"], key, a[key], b[key])

@@ -27,7 +27,7 @@ from fullshard.jobs import launch
 from fullshard.jobs.data.text import ByteCorpus, files_from_glob
 from fullshard.jobs.memory import model_state_bytes
 from fullshard.jobs.models.gpt import GPT, PRESETS, Block, init_module
-from fullshard.jobs.train import fsdp_options, launcher_options, resume_options
+from fullshard.jobs.train import fsdp_options, global_batch, launcher_options, resume_options
 from fullshard.jobs.train.report import MetricsFile, gather_memory, mib
 from fullshard.jobs.train.session import Session, open_session
 
@@ -41,6 +41,7 @@ class GPTJobConfig:
     steps: int = 300
     seq_len: int = 128
     batch_size: int = 16
+    global_batch_size: int | None = None
     lr: float = 3e-3
     warmup: int = 30
     min_lr_ratio: float = 0.1
@@ -81,6 +82,7 @@ class GPTJobConfig:
         if self.seq_len > PRESETS[self.preset].max_seq_len:
             raise ValueError(f"--seq-len {self.seq_len} exceeds the model's {PRESETS[self.preset].max_seq_len}")
         fsdp_options.validate(self)
+        global_batch.validate(self)
         if self.data is not None:
             try:
                 files_from_glob(self.data)
@@ -99,7 +101,10 @@ def config_from(p: argparse.ArgumentParser, argv: Sequence[str], cls: type) -> A
     """Parse ``argv`` and build ``cls`` from it, turning its ValueError into a usage error."""
     ns = p.parse_args(list(argv))
     try:
-        return cls(**vars(ns))
+        cfg = cls(**vars(ns))
+        if launch.env_world_size() is None and cfg.launcher == "torch":
+            global_batch.validate(cfg, cfg.nproc)  # under torchrun or Ray: at start-up, on every rank
+        return cfg
     except ValueError as e:
         p.error(str(e))
         raise
@@ -112,7 +117,8 @@ def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=launch.default_nproc(), help="worker processes (default: GPUs, else 2)")
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens (bytes) per sequence")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per rank and step")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per rank and micro-batch")
+    global_batch.add_arguments(p)
     p.add_argument("--lr", type=float, default=d.lr, help="peak AdamW learning rate")
     p.add_argument("--warmup", type=int, default=d.warmup, help="linear warm-up steps, then cosine decay")
     p.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio, help="final lr as a fraction of --lr")
@@ -204,6 +210,11 @@ def _run(cfg: GPTJobConfig, device: torch.device) -> dict[str, Any] | None:
     )
 
 
+def rows_per_step(cfg: GPTJobConfig, world: int) -> int:
+    """Sequences trained on per optimizer step, over all ranks."""
+    return cfg.global_batch_size or cfg.batch_size * world
+
+
 def train_loop(cfg: GPTJobConfig, device: torch.device, model: nn.Module, title: str) -> dict[str, Any] | None:
     """Train ``model`` (byte tokens (batch, seq) -> logits (batch, seq, 256)) on the corpus.
 
@@ -211,12 +222,15 @@ def train_loop(cfg: GPTJobConfig, device: torch.device, model: nn.Module, title:
     """
     group = collectives.default_group()
     rank, world = collectives.group_rank(group), collectives.group_size(group)
+    split = global_batch.plan(cfg, world)  # raises on every rank where G does not fit the world size
+    rows = rows_per_step(cfg, world)
     corpus = ByteCorpus.load(cfg.data)
     val = corpus.val_batches(cfg.eval_batches, cfg.batch_size, cfg.seq_len, cfg.seed)
     if rank == 0:
         print(
             f"{title}, {sum(1 for m in model.modules() if is_unit(m))} FSDP units ({cfg.api}), {world} ranks, "
-            f"{cfg.batch_size * world} x {cfg.seq_len} bytes per step",
+            f"{rows} x {cfg.seq_len} bytes per step"
+            + (f" ({split.accumulation} micro-batch(es) of {cfg.batch_size} per rank)" if split else ""),
             flush=True,
         )
     optimizer = torch.optim.AdamW(
@@ -231,10 +245,14 @@ def train_loop(cfg: GPTJobConfig, device: torch.device, model: nn.Module, title:
     for step in range(first, cfg.steps):
         for g in optimizer.param_groups:
             g["lr"] = lr_at(step, cfg)
-        x, y = corpus.batch(step, rank, cfg.batch_size, cfg.seq_len, cfg.seed)
-        loss = _loss(model, x.to(device), y.to(device))
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        if split is None:
+            x, y = corpus.batch(step, rank, cfg.batch_size, cfg.seq_len, cfg.seed)
+            loss = _loss(model, x.to(device), y.to(device))
+            loss.backward()
+        else:  # the step's rows depend on the step and the seed, not on the world size
+            x, y = corpus.batch(step, 0, split.global_batch, cfg.seq_len, cfg.seed)
+            loss = global_batch.accumulate(model, split, rank, (x.to(device), y.to(device)), _loss)
         if cfg.grad_clip > 0:
             fsdp_options.clip_grad_norm_(model, cfg.grad_clip)
         optimizer.step()
@@ -244,6 +262,7 @@ def train_loop(cfg: GPTJobConfig, device: torch.device, model: nn.Module, title:
             session.save(step + 1, model, optimizer, {"step": step + 1, "rng": torch.get_rng_state()})
         if (step + 1) % cfg.log_interval == 0 or step + 1 == cfg.steps:
             record = _log(cfg, model, optimizer, val, device, step, window_loss, time.perf_counter() - last, start)
+            record.update(global_batch_size=rows, world_size=world)
             if rank == 0:
                 print(_line(record, cfg.steps), flush=True)
             metrics.write(record)
@@ -296,7 +315,7 @@ def _log(
         "step": step + 1,
         "train_loss": window_loss[0].item() / window_loss[1].item(),
         "val_loss": val_loss,
-        "tokens_per_second": steps_in_window * cfg.batch_size * cfg.seq_len * world / seconds,
+        "tokens_per_second": steps_in_window * rows_per_step(cfg, world) * cfg.seq_len / seconds,
         "lr": optimizer.param_groups[0]["lr"],
         "elapsed_seconds": time.perf_counter() - start,
         "peak_rss_bytes": rss,
