@@ -5,6 +5,8 @@ Speaks ``torch.distributed.fsdp``'s API: replace
 ``from fullshard import FullyShardedDataParallel as FSDP``.
 """
 
+from fullshard.comm.flight_recorder import set_step
+from fullshard.comm.watchdog import set_collective_timeout
 from fullshard.engine.config import (
     BackwardPrefetch,
     CPUOffload,
@@ -39,6 +41,8 @@ from fullshard.jobs.memory import model_state_bytes, peak_rss_bytes
 __version__ = "0.1.0"
 
 __all__ = [
+    "set_collective_timeout",
+    "set_step",
     "FSDP",
     "BackwardPrefetch",
     "CPUOffload",

@@ -25,17 +25,20 @@ While :mod:`fullshard.probes` are enabled, each call is counted there (calls, by
 
 from __future__ import annotations
 
-import datetime
+import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from fullshard import probes
+from fullshard.comm import watchdog
 from fullshard.comm.buffers import POOL
+from fullshard.comm.flight_recorder import RECORDER, Entry
 
 ProcessGroup = Any  # torch's ProcessGroup type moves between versions
+F = TypeVar("F", bound=Callable[..., Any])
 
 _all_gather_fn: Callable[..., Any] = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_fn: Callable[..., Any] = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -47,12 +50,18 @@ class Handle:
     ``work`` is one torch Work (or Handle), a list of them (waited in order), or None.
     """
 
-    def __init__(self, work: Any, epilogue: Callable[[], Any] | None = None) -> None:
+    def __init__(self, work: Any, epilogue: Callable[[], Any] | None = None, entry: Entry | None = None) -> None:
         self._work = work
         self._epilogue = epilogue
         self._done = False
+        self._entry = entry  # the flight recorder's entry, completed by wait()
+        if entry is not None:
+            entry.probe = self.is_completed
 
     def wait(self) -> None:
+        _explained(self._wait)()
+
+    def _wait(self) -> None:
         if self._done:
             return
         if isinstance(self._work, list):
@@ -60,13 +69,50 @@ class Handle:
                 w.wait()
         elif self._work is not None:
             self._work.wait()
+        RECORDER.complete(self._entry)
         if self._epilogue is not None:
             self._epilogue()
         self._done = True
 
+    def is_completed(self) -> bool:
+        """Whether the communication has finished (without waiting)."""
+        works = self._work if isinstance(self._work, list) else [self._work]
+        return self._done or all(w is None or w.is_completed() for w in works)
 
-def _finish(work: Any, epilogue: Callable[[], Any] | None, async_op: bool) -> Handle | None:
-    handle = Handle(work, epilogue)
+
+def _explained(fn: F) -> F:
+    """Re-raise a backend failure (a peer's connection closed) naming the collective, its unit
+    and phase, and the ranks that exited."""
+
+    @functools.wraps(fn)
+    def inner(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as e:
+            pending = RECORDER.oldest_pending()
+            if pending is None or isinstance(e, CollectiveFailed):
+                raise
+            RECORDER.complete(pending)
+            raise CollectiveFailed(watchdog.explain_failure(pending, e)) from e
+
+    return inner  # type: ignore[return-value]
+
+
+class CollectiveFailed(RuntimeError):
+    """A collective failed in the backend; the message names it and the ranks that exited."""
+
+
+def _note(op: str, dtype: torch.dtype, numel: int, nbytes: int, group: ProcessGroup) -> Entry | None:
+    """Count a collective in the probes and record it in the flight recorder (issued)."""
+    if probes.ACTIVE is not None:
+        probes.ACTIVE.collectives.record(op, dtype, numel, nbytes)
+    if watchdog.ACTIVE is None and RECORDER.capacity > 0:
+        watchdog.start(dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size())
+    return RECORDER.issue(op, dtype, numel, nbytes, _group_name(group))
+
+
+def _finish(work: Any, epilogue: Callable[[], Any] | None, async_op: bool, entry: Entry | None) -> Handle | None:
+    handle = Handle(work, epilogue, entry)
     if async_op:
         return handle
     handle.wait()
@@ -108,45 +154,7 @@ def reduction_device(group: ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
-def local_world_size() -> int:
-    """Ranks on this node: LOCAL_WORLD_SIZE from the launcher, else the whole world."""
-    import os
-
-    value = os.environ.get("LOCAL_WORLD_SIZE")
-    return int(value) if value else group_size(default_group())
-
-
-_HYBRID_CACHE: dict[int, tuple[ProcessGroup, ProcessGroup]] = {}
-
-
-def hybrid_groups(shard_size: int) -> tuple[ProcessGroup, ProcessGroup]:
-    """(shard group, replicate group) of this rank for consecutive shard groups of ``shard_size``.
-
-    Shard group i holds ranks [i*S, (i+1)*S); replicate group j holds ranks j, j+S, j+2S, ...
-    Collective: every rank creates every group in the same order. Cached per size.
-
-    Raises:
-        ValueError: ``shard_size`` does not divide the world size.
-    """
-    if shard_size in _HYBRID_CACHE:
-        return _HYBRID_CACHE[shard_size]
-    world, me = group_size(default_group()), dist.get_rank()
-    if shard_size < 1 or world % shard_size:
-        raise ValueError(f"hybrid sharding: shard group size {shard_size} does not divide the world size {world}")
-    shard = replicate = None
-    for i in range(world // shard_size):
-        g = dist.new_group(list(range(i * shard_size, (i + 1) * shard_size)))
-        if i == me // shard_size:
-            shard = g
-    for j in range(shard_size):
-        g = dist.new_group(list(range(j, world, shard_size)))
-        if j == me % shard_size:
-            replicate = g
-    assert shard is not None and replicate is not None
-    _HYBRID_CACHE[shard_size] = (shard, replicate)
-    return shard, replicate
-
-
+@_explained
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup, async_op: bool = False) -> Handle | None:
     """All-gather ``input`` (shape (S,)) from every rank into ``output`` (shape (N*S,)).
 
@@ -158,10 +166,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup, a
         raise ValueError(
             f"all_gather: output has {output.numel()} elements, expected {n} x {input.numel()} (world size x input)"
         )
-    if probes.ACTIVE is not None:
-        probes.ACTIVE.collectives.record(
-            "all_gather", input.dtype, input.numel(), input.numel() * input.element_size() * (n - 1)
-        )
+    entry = _note("all_gather", input.dtype, input.numel(), input.numel() * input.element_size() * (n - 1), group)
     if n > 1 and backend(group) == "gloo":
         rank = group_rank(group)
         slices = output.view(n, -1)
@@ -174,7 +179,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup, a
             splits = [0, 0]
             splits[1 - rank] = input.numel()
             work = dist.all_to_all_single(slices[1 - rank], input, splits, splits, group=group, async_op=async_op)
-            return _finish(work, None, async_op)
+            return _finish(work, None, async_op, entry)
         # One broadcast rooted at each rank; the root sends its input as is, the others
         # receive into their slice of the output. Gloo runs them concurrently.
         works = [
@@ -183,12 +188,24 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup, a
             )
             for src in range(n)
         ]
-        return _finish(works, None, async_op)
+        return _finish(works, None, async_op, entry)
     work = _all_gather_fn(output, input, group=group, async_op=async_op)
-    return _finish(work if async_op else None, None, async_op)
+    return _finish(work if async_op else None, None, async_op, entry)
 
 
 _GLOBAL_RANKS: dict[Any, list[int]] = {}
+
+
+_GROUP_NAMES: dict[Any, str] = {}
+
+
+def _group_name(group: ProcessGroup) -> str:
+    """The group's global ranks, comma-separated (the flight recorder's group key)."""
+    name = _GROUP_NAMES.get(group)
+    if name is None:
+        name = ",".join(map(str, _global_ranks(group)))
+        _GROUP_NAMES[group] = name
+    return name
 
 
 def _global_ranks(group: ProcessGroup) -> list[int]:
@@ -200,6 +217,7 @@ def _global_ranks(group: ProcessGroup) -> list[int]:
     return ranks
 
 
+@_explained
 def reduce_scatter(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -219,9 +237,8 @@ def reduce_scatter(
             f"reduce_scatter: input has {input.numel()} elements, expected {n} x {output.numel()} (world size x output)"
         )
     nbytes = output.numel() * output.element_size() * (n - 1)
+    entry = _note("reduce_scatter", input.dtype, input.numel(), nbytes, group)
     if backend(group) == "gloo":
-        if probes.ACTIVE is not None:
-            probes.ACTIVE.collectives.record("reduce_scatter", input.dtype, input.numel(), nbytes)
         chunks = input.view(n, -1)
         if n == 2:
             # Send only the other rank's chunk and add the one that arrives to our own: no local
@@ -238,7 +255,7 @@ def reduce_scatter(
                 if divide_by != 1.0:
                     output.div_(divide_by)
 
-            return _finish(work, epilogue, async_op)
+            return _finish(work, epilogue, async_op, entry)
         received = POOL.take(input.numel(), input.dtype, input.device)
         work = dist.all_to_all_single(received, input, group=group, async_op=async_op)
 
@@ -248,11 +265,9 @@ def reduce_scatter(
             if divide_by != 1.0:
                 output.div_(divide_by)
 
-        return _finish(work, epilogue_n, async_op)
-    if probes.ACTIVE is not None:
-        probes.ACTIVE.collectives.record("reduce_scatter", input.dtype, input.numel(), nbytes)
+        return _finish(work, epilogue_n, async_op, entry)
     work = _reduce_scatter_fn(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-    return _finish(work, (lambda: output.div_(divide_by)) if divide_by != 1.0 else None, async_op)
+    return _finish(work, (lambda: output.div_(divide_by)) if divide_by != 1.0 else None, async_op, entry)
 
 
 def _staged(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -277,6 +292,7 @@ def _copy_back(
     return epilogue
 
 
+@_explained
 def all_reduce(
     tensor: torch.Tensor, group: ProcessGroup, divide_by: float = 1.0, async_op: bool = False
 ) -> Handle | None:
@@ -286,109 +302,66 @@ def all_reduce(
     reduced through a copy on the group's device and written back.
     """
     n = group_size(group)
-    if probes.ACTIVE is not None:
-        probes.ACTIVE.collectives.record(
-            "all_reduce", tensor.dtype, tensor.numel(), 2 * tensor.numel() * tensor.element_size() * (n - 1) // n
-        )
+    nbytes = 2 * tensor.numel() * tensor.element_size() * (n - 1) // n
+    entry = _note("all_reduce", tensor.dtype, tensor.numel(), nbytes, group)
     staged = _staged(tensor, group)
     work = dist.all_reduce(staged, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
     divide = (lambda: tensor.div_(divide_by)) if divide_by != 1.0 else None
-    return _finish(work, _copy_back(staged, tensor, divide), async_op)
+    return _finish(work, _copy_back(staged, tensor, divide), async_op, entry)
 
 
+@_explained
 def all_reduce_max(tensor: torch.Tensor, group: ProcessGroup) -> None:
     """Element-wise maximum over ranks, in place, synchronous (staged like :func:`all_reduce`)."""
-    if probes.ACTIVE is not None:
-        probes.ACTIVE.collectives.record(
-            "all_reduce", tensor.dtype, tensor.numel(), tensor.numel() * tensor.element_size()
-        )
+    entry = _note("all_reduce_max", tensor.dtype, tensor.numel(), tensor.numel() * tensor.element_size(), group)
     staged = _staged(tensor, group)
     dist.all_reduce(staged, op=dist.ReduceOp.MAX, group=group)
+    RECORDER.complete(entry)
     if staged is not tensor:
         tensor.copy_(staged)
 
 
+@_explained
 def broadcast(tensor: torch.Tensor, src_rank: int, group: ProcessGroup) -> None:
     """Copy ``tensor`` from group rank ``src_rank`` to every rank, in place, synchronous (staged
     like :func:`all_reduce`)."""
-    if probes.ACTIVE is not None:
-        probes.ACTIVE.collectives.record(
-            "broadcast", tensor.dtype, tensor.numel(), tensor.numel() * tensor.element_size()
-        )
+    entry = _note("broadcast", tensor.dtype, tensor.numel(), tensor.numel() * tensor.element_size(), group)
     staged = _staged(tensor, group)
     dist.broadcast(staged, src=dist.get_global_rank(group, src_rank), group=group)
+    RECORDER.complete(entry)
     if staged is not tensor:
         tensor.copy_(staged)
 
 
+@_explained
 def all_gather_object(obj: Any, group: ProcessGroup) -> list[Any]:
     """Gather one picklable object per rank; returns the list in rank order."""
     out: list[Any] = [None] * group_size(group)
+    entry = _note("all_gather_object", torch.uint8, 0, 0, group)
     dist.all_gather_object(out, obj, group=group)
+    RECORDER.complete(entry)
     return out
 
 
+@_explained
 def broadcast_object(obj: Any, src_rank: int, group: ProcessGroup) -> Any:
     """Send a picklable object from group rank ``src_rank`` to every rank; returns it on all
     (``obj`` is ignored on the other ranks)."""
     box = [obj if group_rank(group) == src_rank else None]
+    entry = _note("broadcast_object", torch.uint8, 0, 0, group)
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, src_rank), group=group)
+    RECORDER.complete(entry)
     return box[0]
 
 
+@_explained
 def barrier(group: ProcessGroup) -> None:
+    entry = _note("barrier", torch.uint8, 0, 0, group)
     dist.barrier(group=group)
+    RECORDER.complete(entry)
 
 
-def init_process_group(
-    backend_name: str,
-    master_addr: str,
-    master_port: int,
-    rank: int,
-    world_size: int,
-    store_prefix: str,
-    timeout_s: float,
-    device_id: torch.device | None = None,
-    host_store: bool = False,
-) -> None:
-    """Create the default process group on a TCPStore at ``master_addr:master_port`` under
-    ``store_prefix``: the launcher's store, or with ``host_store`` one this process serves (rank 0
-    when the launcher shares no store, as torch's ``env://`` does)."""
-    # torch.distributed.nn.functional binds ``group.WORLD`` as default arguments when first
-    # imported (optimizers and torch._dynamo import it). Imported after this point, it would
-    # keep the default group, and gloo's threads, alive past destroy_process_group.
-    import torch.distributed.nn.functional  # noqa: F401
-
-    store = dist.TCPStore(master_addr, master_port, world_size, is_master=host_store)
-    kwargs: dict[str, Any] = {}
-    if device_id is not None:
-        kwargs["device_id"] = device_id
-    dist.init_process_group(
-        backend_name,
-        store=dist.PrefixStore(store_prefix, store),
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        **kwargs,
-    )
-
-
-def destroy_process_group() -> None:
-    """Destroy every process group and let gloo's worker threads end now.
-
-    A gloo group's threads stop only when its last reference goes. Units reference their
-    groups through cycles, so after the groups are unregistered a collection runs here: with
-    the model already out of scope, the threads are joined now (see also
-    :func:`init_process_group` for a reference torch itself can keep). Left to interpreter exit, a
-    thread still releasing a finished collective's tensors needs the GIL while the
-    interpreter is finalizing and aborts the process ("terminate called without an active
-    exception"), roughly one run in six of a short job on this project's machine.
-    """
-    import gc
-
+def clear_caches() -> None:
+    """Forget cached group facts (before the groups are destroyed)."""
     _GLOBAL_RANKS.clear()
-    _HYBRID_CACHE.clear()
-    POOL.clear()
-    if is_initialized():
-        dist.destroy_process_group()
-    gc.collect()
+    _GROUP_NAMES.clear()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from fullshard.comm import collectives
+from fullshard.comm import collectives, process_groups
 from fullshard.engine.config import ShardingStrategy
 
 _HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
@@ -56,7 +56,7 @@ def resolve_groups(process_group: Any, device_mesh: Any, strategy: ShardingStrat
             )
         shard, replicate = process_group
     elif hybrid:
-        shard, replicate = collectives.hybrid_groups(collectives.local_world_size())
+        shard, replicate = process_groups.hybrid_groups(process_groups.local_world_size())
     else:
         return _flat(process_group if process_group is not None else collectives.default_group(), strategy)
     world = collectives.group_size(collectives.default_group())

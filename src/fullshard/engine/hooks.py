@@ -25,7 +25,7 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fullshard import probes
-from fullshard.comm import buffers
+from fullshard.comm import buffers, collectives, flight_recorder
 from fullshard.engine.config import BackwardPrefetch, FrontEnd, MixedPrecision
 from fullshard.engine.module_wrapper import clean_name
 from fullshard.engine.unit import ShardState, TrainingState, Unit
@@ -44,6 +44,7 @@ class RootState:
     last_reduced: Unit | None = None
     pre_backward_done: set[int] = dataclasses.field(default_factory=set)
     post_optim_event: Any = None  # a CUDA event the next forward's all-gathers wait for
+    units_checked: bool = False  # whether every rank was found to wrap the same units
 
 
 @dataclasses.dataclass
@@ -124,7 +125,8 @@ def _neighbour(order: list[Unit], unit: Unit, step: int) -> Unit | None:
 
 def _prefetch(unit: Unit | None) -> None:
     if unit is not None and unit.shard_state is ShardState.SHARDED:
-        unit.unshard(async_op=True)
+        with flight_recorder.at(phase="backward prefetch" if _in_backward() else "forward prefetch"):
+            unit.unshard(async_op=True)
 
 
 def prepare_inputs(hooks: UnitHooks, inputs: Any) -> Any:
@@ -182,10 +184,43 @@ def root_pre_forward(hooks: UnitHooks) -> None:
     if root.post_optim_event is not None:
         torch.cuda.current_stream().wait_event(root.post_optim_event)
         root.post_optim_event = None
+    if not root.units_checked:
+        check_same_units(root)
     if torch.is_grad_enabled():
+        flight_recorder.root_forward()
         if root.forward_order:
             root.last_forward_order = root.forward_order
         root.forward_order = []
+
+
+def check_same_units(root: RootState) -> None:
+    """At the first forward: every rank of the root's group must wrap the same units, in the
+    same order, of the same sizes; else their collectives would pair up wrongly or hang.
+
+    Raises:
+        RuntimeError: on every rank, naming the first unit that differs on each rank.
+    """
+    first = root.units[0]
+    group = first.shard_group if first.world > 1 else collectives.default_group()
+    root.units_checked = True
+    if collectives.group_size(group) == 1:
+        return
+    mine = [(u.name, u.full_nbytes) for u in root.units]
+    with flight_recorder.at(phase="unit order check"):
+        every = collectives.all_gather_object(mine, group)
+    if all(units == every[0] for units in every):
+        return
+    i = next(
+        k for k in range(max(map(len, every))) if len({units[k] if k < len(units) else None for units in every}) > 1
+    )
+    seen = "; ".join(
+        f"rank {r}: " + (f"{units[i][0]!r} ({units[i][1]} bytes)" if i < len(units) else "no such unit")
+        for r, units in enumerate(every)
+    )
+    raise RuntimeError(
+        f"FSDP units differ across ranks at unit #{i} in construction order ({seen}): every rank must wrap "
+        "the same model with the same policy (rank-dependent model code or wrapping?)"
+    )
 
 
 def pre_forward(hooks: UnitHooks) -> None:

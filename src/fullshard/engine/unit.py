@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from fullshard import probes
-from fullshard.comm import buffers, collectives
+from fullshard.comm import buffers, collectives, flight_recorder
 from fullshard.engine import shard_sync
 from fullshard.engine.layout import (
     ParamEntry,
@@ -83,6 +83,11 @@ class Unit(UnitLayout):
 
     def unshard(self, async_op: bool = False) -> None:
         """Start (or do) the all-gather that materializes the full parameters."""
+        phase = _PHASES.get(self.training_state)  # None (a prefetch): the caller's label stands
+        with flight_recorder.at(self.name, phase):
+            self._unshard(async_op)
+
+    def _unshard(self, async_op: bool) -> None:
         if self.shard_state is ShardState.UNSHARDED or self._pending_gather is not None:
             if not async_op:
                 self.wait_unshard()
@@ -267,7 +272,8 @@ class Unit(UnitLayout):
 
     def reduce_grads(self) -> None:
         """Launch the reduce-scatter of the accumulated full gradient: :meth:`GradReducer.launch`."""
-        self.grads.launch()
+        with flight_recorder.at(self.name, "post-backward reduce-scatter"):
+            self.grads.launch()
 
     def finish_reduce(self) -> None:
         """Wait for the pending reduction; the shards' ``.grad`` get it: :meth:`GradReducer.finish`."""
@@ -276,6 +282,9 @@ class Unit(UnitLayout):
     @property
     def has_pending_reduce(self) -> bool:
         return self.grads.has_pending
+
+
+_PHASES = {TrainingState.FORWARD: "forward", TrainingState.PRE_BACKWARD: "backward"}
 
 
 class _SplitFull(torch.autograd.Function):

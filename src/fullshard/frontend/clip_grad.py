@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from fullshard.comm import collectives
+from fullshard.comm import collectives, flight_recorder
 from fullshard.engine.sharded_param import local_tensor
 
 
@@ -65,12 +65,13 @@ def total_grad_norm(parameters: torch.Tensor | Iterable[torch.Tensor], norm_type
         partial[key] = torch.maximum(partial[key], term) if inf else partial[key] + term
     total = partial.pop(0)
     for key, value in partial.items():
-        if inf:
-            collectives.all_reduce_max(value, groups[key])
-            total = torch.maximum(total, value)
-        else:
-            collectives.all_reduce(value, groups[key])
-            total = total + value
+        with flight_recorder.at(phase="clip"):
+            if inf:
+                collectives.all_reduce_max(value, groups[key])
+                total = torch.maximum(total, value)
+            else:
+                collectives.all_reduce(value, groups[key])
+                total = total + value
     return (total if inf else total.pow(1.0 / p)).to(torch.float32)
 
 

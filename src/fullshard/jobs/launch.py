@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from fullshard.comm import collectives
+from fullshard.comm import collectives, process_groups
 
 
 class WorkerFailed(RuntimeError):
@@ -180,7 +180,7 @@ def init_process_group(timeout_s: float = 300.0) -> torch.device:
     # have one: an agent that joins an elastic job counts its restarts from 0, the others not.
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if agent_store else "fresh"
-    collectives.init_process_group(
+    process_groups.init_process_group(
         backend,
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
@@ -202,7 +202,7 @@ def destroy_process_group() -> None:
     """Tear down the default process group if :func:`init_process_group` created it."""
     global _OWN_GROUP
     if _OWN_GROUP:
-        collectives.destroy_process_group()
+        process_groups.destroy_process_group()
         _OWN_GROUP = False
 
 

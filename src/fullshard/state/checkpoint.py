@@ -28,7 +28,7 @@ from typing import Any, Callable, TypeVar
 import torch
 from torch import nn
 
-from fullshard.comm import collectives
+from fullshard.comm import collectives, flight_recorder
 from fullshard.engine.config import FrontEnd
 from fullshard.engine.hooks import UnitHooks, fsdp_state
 from fullshard.state.optim_state import init_state, load_sharded_optim_state_dict, sharded_optim_state_dict
@@ -144,6 +144,7 @@ def _apply(model: nn.Module, optimizer: torch.optim.Optimizer | None, target: di
         load_sharded_optim_state_dict(model, optimizer, target["optim"])
 
 
+@flight_recorder.labelled("checkpoint save")
 def save(
     root: str | os.PathLike,
     step: int,
@@ -243,6 +244,7 @@ def _prune(root: Path, keep: int | None) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+@flight_recorder.labelled("checkpoint load")
 def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
     """Load a checkpoint into ``model`` (and ``optimizer``), at any world size (collective).
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fullshard.comm import collectives
+from fullshard.comm import collectives, flight_recorder
 from fullshard.engine.hooks import is_unit
 from fullshard.frontend.activation_checkpointing import apply_activation_checkpointing
 from fullshard.frontend.wrap import transformer_auto_wrap_policy
@@ -68,6 +68,7 @@ class GPTJobConfig:
     num_workers: str | None = None
     use_gpu: bool = False
     ray_address: str | None = None
+    collective_timeout: float | None = None
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -210,6 +211,14 @@ def _run(cfg: GPTJobConfig, device: torch.device) -> dict[str, Any] | None:
     )
 
 
+def _start_step(optimizer: torch.optim.Optimizer, step: int, cfg: GPTJobConfig) -> None:
+    """Set the step's learning rate, clear the gradients, label the step's collectives."""
+    flight_recorder.set_step(step + 1)
+    for g in optimizer.param_groups:
+        g["lr"] = lr_at(step, cfg)
+    optimizer.zero_grad(set_to_none=True)
+
+
 def rows_per_step(cfg: GPTJobConfig, world: int) -> int:
     """Sequences trained on per optimizer step, over all ranks."""
     return cfg.global_batch_size or cfg.batch_size * world
@@ -243,9 +252,7 @@ def train_loop(cfg: GPTJobConfig, device: torch.device, model: nn.Module, title:
     window_loss = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, steps: no sync per step
     start = last = time.perf_counter()
     for step in range(first, cfg.steps):
-        for g in optimizer.param_groups:
-            g["lr"] = lr_at(step, cfg)
-        optimizer.zero_grad(set_to_none=True)
+        _start_step(optimizer, step, cfg)
         if split is None:
             x, y = corpus.batch(step, rank, cfg.batch_size, cfg.seq_len, cfg.seed)
             loss = _loss(model, x.to(device), y.to(device))

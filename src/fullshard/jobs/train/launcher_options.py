@@ -4,6 +4,7 @@ default, or ``torchrun`` around the job) or Ray Train."""
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 from fullshard.jobs import ray_launcher
@@ -25,6 +26,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--use-gpu", action="store_true", help="Ray Train: one GPU per worker, NCCL")
     p.add_argument("--ray-address", default=None, metavar="ADDR", help="an existing Ray cluster (default: a local one)")
+    p.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="a collective waiting longer stops the job, naming the ranks that did not join it "
+        "(default: FULLSHARD_COLLECTIVE_TIMEOUT, else 300)",
+    )
 
 
 def validate(cfg: Any) -> None:
@@ -32,8 +41,14 @@ def validate(cfg: Any) -> None:
 
     Raises:
         ValueError: Ray options without ``--launcher ray``; a bad ``--num-workers``; Ray not
-            installed (naming ``pip install 'fullshard[ray]'``).
+            installed (naming ``pip install 'fullshard[ray]'``); a non-positive
+            ``--collective-timeout``.
     """
+    timeout = getattr(cfg, "collective_timeout", None)
+    if timeout is not None:
+        if not timeout > 0:
+            raise ValueError(f"--collective-timeout {timeout}: give a positive number of seconds")
+        os.environ["FULLSHARD_COLLECTIVE_TIMEOUT"] = str(timeout)  # the workers inherit it
     if cfg.launcher != "ray":
         if cfg.num_workers is not None or cfg.use_gpu or cfg.ray_address:
             raise ValueError("--num-workers, --use-gpu and --ray-address need --launcher ray")

@@ -62,6 +62,7 @@ class MnistConfig:
     num_workers: str | None = None
     use_gpu: bool = False
     ray_address: str | None = None
+    collective_timeout: float | None = None
 
     def __post_init__(self) -> None:
         if self.nproc < 1:

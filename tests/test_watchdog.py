@@ -1,0 +1,102 @@
+"""The watchdog and flight recorder: five programs that would hang (tests/hang_cases.py, under
+torchrun at 2 ranks, FULLSHARD_COLLECTIVE_TIMEOUT=3) end within seconds of the timeout with a
+line naming the step, phase, unit and collective, and where the other rank is."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+BIN = Path(sys.executable).parent
+CASES = Path(__file__).with_name("hang_cases.py")
+
+
+def _run_case(case: str, tmp: Path) -> tuple[int, str, float]:
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", FULLSHARD_COLLECTIVE_TIMEOUT="3")
+    env["FULLSHARD_FLIGHT_RECORDER_DIR"] = str(tmp / "dumps")
+    cmd = [str(BIN / "torchrun"), "--nproc-per-node", "2", "--monitor-interval", "0.2", str(CASES), case]
+    start = time.monotonic()
+    r = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=100)
+    return r.returncode, r.stdout + r.stderr, time.monotonic() - start
+
+
+def _line(out: str, start: str) -> str:
+    lines = [ln for ln in out.splitlines() if start in ln]
+    assert lines, out[-4000:]
+    return lines[0]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("case", "sentence"),
+    [
+        (
+            "skip_forward",
+            "ranks diverged at #3 of group [0,1]: rank 1 issued all_gather for unit 'layers.2' (forward) "
+            "where rank 0 issued all_gather for unit 'layers.1' (forward)",
+        ),
+        (
+            "return_before_backward",
+            "unit 'layers.2', backward, step 2); not joined: rank 1 is alive, not in a collective, at "
+            "hang_cases.py:56 main",
+        ),
+        ("slow_data", "forward, step 2); not joined: rank 1 is alive, not in a collective, at hang_cases.py:38 data"),
+    ],
+)
+def test_a_stuck_collective_names_the_rank_and_where_it_is(tmp_path: Path, case: str, sentence: str) -> None:
+    rc, out, seconds = _run_case(case, tmp_path)
+    assert rc != 0, out[-4000:]
+    line = _line(out, "fullshard watchdog: rank 0 waited")
+    assert "(timeout 3 s) in all_gather #" in line and sentence in line, line
+    # Every live rank says where it is, and both dumps land in one directory.
+    assert "fullshard watchdog: rank 1 is not in a collective, at hang_cases.py" in out, out[-4000:]
+    dumps = {p.name: json.loads(p.read_text()) for p in (tmp_path / "dumps").iterdir()}
+    assert set(dumps) == {"rank0.json", "rank1.json"}
+    rank0 = dumps["rank0.json"]
+    assert rank0["format"] == "fullshard-flight-recorder" and rank0["rank"] == 0 and rank0["world_size"] == 2
+    last = rank0["entries"][-1]
+    assert last["state"] == "issued" and last["op"] == "all_gather" and last["completed_at"] is None
+    assert all(e["state"] == "completed" for e in rank0["entries"][:-1])
+    assert [e["seq"] for e in rank0["entries"]] == list(range(1, len(rank0["entries"]) + 1))
+    print(f"{case}: stopped after {seconds:.1f} s")  # start-up included; the timeout is 3 s
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_rank_is_named_as_exited(tmp_path: Path) -> None:
+    rc, out, _ = _run_case("sigkill", tmp_path)
+    assert rc != 0
+    line = _line(out, "CollectiveFailed: rank 0:")
+    assert "(544 bytes, unit 'layers.2', backward, step 2) failed" in line and "rank 1 exited" in line, line
+
+
+@pytest.mark.timeout(120)
+def test_ranks_with_different_models_fail_at_the_first_forward(tmp_path: Path) -> None:
+    rc, out, seconds = _run_case("different_model", tmp_path)
+    assert rc != 0
+    line = _line(out, "[rank1]: RuntimeError: FSDP units differ across ranks")
+    assert "at unit #3 in construction order (rank 0: 'layers.2' (1088 bytes); rank 1: 'layers.2' (1024 bytes))" in line
+    assert "[rank0]: RuntimeError: FSDP units differ across ranks" in out
+    assert not (tmp_path / "dumps").exists()  # no timeout was needed
+
+
+def test_timeout_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fullshard.comm import watchdog
+
+    monkeypatch.setenv("FULLSHARD_COLLECTIVE_TIMEOUT", "7.5")
+    assert watchdog.collective_timeout() == 7.5
+    watchdog.set_collective_timeout(2)
+    assert watchdog.collective_timeout() == 2.0
+    watchdog.set_collective_timeout(None)
+    monkeypatch.setenv("FULLSHARD_COLLECTIVE_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="FULLSHARD_COLLECTIVE_TIMEOUT='soon'"):
+        watchdog.collective_timeout()
+    with pytest.raises(ValueError, match="positive number of seconds"):
+        watchdog.set_collective_timeout(0)
+    monkeypatch.delenv("FULLSHARD_COLLECTIVE_TIMEOUT")
+    assert watchdog.collective_timeout() == watchdog.DEFAULT_TIMEOUT_S
