@@ -22,7 +22,7 @@ test: venv
 	$(VPY) -m ruff check src tests tools examples
 	$(VPY) -m ruff format --check src tests tools examples
 	$(VPY) -m mypy
-	$(VPY) -m pytest -q
+	$(VPY) -m pytest -q -n 2 --dist loadfile
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache

@@ -1,5 +1,7 @@
+import fcntl
 import os
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -15,3 +17,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def ray_exclusive():
+    """One local Ray instance at a time on this machine (pytest-xdist runs test files in two
+    workers): a file lock around each test that starts Ray."""
+    with open(os.path.join(tempfile.gettempdir(), "fullshard-tests-ray.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield

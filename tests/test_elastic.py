@@ -212,7 +212,7 @@ def _descendants(root: int) -> list[tuple[int, bytes]]:
 
 
 @pytest.mark.timeout(400)
-def test_ray_train_worker_sigkill_resumes_exactly(tmp_path: Path, reference: dict) -> None:
+def test_ray_train_worker_sigkill_resumes_exactly(tmp_path: Path, reference: dict, ray_exclusive: None) -> None:
     """Under Ray Train: FailureConfig restarts the worker group, which resumes from the last
     checkpoint it reported (Ray merged the workers' shard directories) and ends bitwise equal."""
     pytest.importorskip("ray.train")

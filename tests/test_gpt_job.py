@@ -30,11 +30,14 @@ def _run(args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProc
 
 
 @pytest.mark.timeout(600)
-def test_tiny_preset_defaults_reach_2_5_nats_per_byte(tmp_path: Path) -> None:
+def test_tiny_preset_reaches_2_5_nats_per_byte(tmp_path: Path) -> None:
+    """The defaults but 120 steps (the suite's time): 2.34 after 60 steps when measured; the
+    full 300 reach 1.52 (README)."""
     metrics, saved = tmp_path / "gpt.jsonl", tmp_path / "gpt.pt"
-    r = _run(["--nproc", "2", "--metrics-file", str(metrics), "--save-model", str(saved)], tmp_path, timeout=580)
+    args = ["--nproc", "2", "--steps", "120", "--log-interval", "40", "--metrics-file", str(metrics)]
+    r = _run([*args, "--save-model", str(saved)], tmp_path, timeout=580)
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [rec["step"] for rec in records] == [50, 100, 150, 200, 250, 300]
+    assert [rec["step"] for rec in records] == [40, 80, 120]
     assert records[-1]["val_loss"] < 2.5, records[-1]
     assert records[-1]["val_loss"] < records[0]["val_loss"]
     assert all(rec["tokens_per_second"] > 0 and len(rec["peak_rss_bytes"]) == 2 for rec in records)

@@ -33,7 +33,9 @@ def _example(storage: Path, workers: int, epochs: int) -> tuple[dict, str]:
 
 
 @pytest.mark.timeout(400)
-def test_user_train_func_under_torch_trainer_resumes_at_another_worker_count(tmp_path: Path) -> None:
+def test_user_train_func_under_torch_trainer_resumes_at_another_worker_count(
+    tmp_path: Path, ray_exclusive: None
+) -> None:
     pytest.importorskip("ray.train")
     first, _ = _example(tmp_path, workers=2, epochs=3)
     assert len(first["losses"]) == 3

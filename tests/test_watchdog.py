@@ -20,7 +20,8 @@ CASES = Path(__file__).with_name("hang_cases.py")
 def _run_case(case: str, tmp: Path) -> tuple[int, str, float]:
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", FULLSHARD_COLLECTIVE_TIMEOUT="3")
     env["FULLSHARD_FLIGHT_RECORDER_DIR"] = str(tmp / "dumps")
-    cmd = [str(BIN / "torchrun"), "--nproc-per-node", "2", "--monitor-interval", "0.2", str(CASES), case]
+    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "--monitor-interval", "0.2"]
+    cmd += [str(CASES), case]
     start = time.monotonic()
     r = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=100)
     return r.returncode, r.stdout + r.stderr, time.monotonic() - start
