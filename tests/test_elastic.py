@@ -90,7 +90,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("seed", [1, 2])
 def test_sigkill_at_a_random_step_resumes_exactly(tmp_path: Path, reference: dict, seed: int) -> None:
     rng = random.Random(seed)
     kill_at = rng.randint(3, STEPS - 4)

@@ -100,11 +100,11 @@ def test_mnist_under_torchrun(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(500)
-def test_mnist_bf16_reaches_094(tmp_path: Path) -> None:
-    """--mixed-precision bf16: bf16 all-gathers and compute, fp32 shards, the same accuracy bar
-    after 2 epochs instead of 10: a bf16 epoch takes 35-50 s on this CPU (no bf16 instructions;
-    the whole run 76 s idle, so the 480 s limit is over 6x), and the runs measured 0.935, 0.956,
-    0.965 after epochs 1-3 (0.969 after 10)."""
+def test_mnist_bf16_reaches_092_in_one_epoch(tmp_path: Path) -> None:
+    """--mixed-precision bf16: bf16 all-gathers and compute, fp32 shards, one epoch instead of 10
+    (the suite's time): a bf16 epoch takes 35-50 s on this CPU (no bf16 instructions), and the
+    runs measured 0.935, 0.956, 0.965 after epochs 1-3 (0.969 after 10); the bar after one
+    epoch is 0.92."""
     metrics = tmp_path / "bf16.jsonl"
     _run(
         [
@@ -117,7 +117,7 @@ def test_mnist_bf16_reaches_094(tmp_path: Path) -> None:
             "bf16",
             "--forward-prefetch",
             "--epochs",
-            "2",
+            "1",
             "--metrics-file",
             str(metrics),
         ],
@@ -125,4 +125,4 @@ def test_mnist_bf16_reaches_094(tmp_path: Path) -> None:
         timeout=480,
     )
     last = _records(metrics)[-1]
-    assert last["epoch"] == 2 and last["test_accuracy"] >= 0.94, last
+    assert last["epoch"] == 1 and last["test_accuracy"] >= 0.92, last

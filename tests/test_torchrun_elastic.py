@@ -4,7 +4,7 @@ running job (scale-out); each time the job re-rendezvouses, loads its newest che
 to the new world size and goes on, and it finishes with the loss curve of an uninterrupted 2-rank
 run. ``--global-batch-size`` keeps each step's samples independent of the world size (gradient
 accumulation makes up the difference), and the gradient norm is summed in float64, so only the
-loss reports' summation order differs (1.4e-7 relative at most over 120 steps when written).
+loss reports' summation order differs (1.4e-7 relative at most over 120 steps when measured).
 
 torch's shared rendezvous store (its default since 2.4) cannot take a node that joins after the
 first round (see README, "Multi-node and elastic training"): the agents run with
@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 BIN = Path(sys.executable).parent
-STEPS = 120
+STEPS = 80
 JOB = ["--steps", str(STEPS), "--seq-len", "32", "--batch-size", "4", "--global-batch-size", "8"]
 JOB += ["--log-interval", "1", "--eval-batches", "1", "--checkpoint-every", "4"]
 
