@@ -11,6 +11,7 @@ commands:
   train JOB [options]   run a training job across processes (jobs: mnist, gpt, hf)
   bench WORKLOAD        time fullshard (workloads: compare, gpu, prefetch, optimizer)
   convert CKPT OUT      write a sharded checkpoint as one full state dict (.safetensors or .pt)
+  plot METRICS... -o F  draw loss, throughput and per-rank memory of runs' metrics files
 """
 
 
@@ -37,6 +38,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"fullshard convert: {e}", file=sys.stderr)
             return 1
         return 0
+    if command == "plot":
+        from fullshard.jobs.plot import main as plot_main
+
+        return plot_main(rest)
     if command == "bench":
         from fullshard.jobs.bench.main import main as bench_main
 
