@@ -1,5 +1,5 @@
-"""Programs that would hang, run by tests/test_watchdog.py under torchrun (2 ranks, gloo):
-``python -m torch.distributed.run --nproc-per-node 2 tests/hang_cases.py CASE``.
+"""Programs that would hang, at 2 ranks on gloo: ``torchrun --nproc-per-node 2 tests/hang_cases.py CASE``, or
+``python tests/hang_cases.py CASE --launcher fullshard`` (``fullshard train``'s launcher). Run by test_watchdog.py.
 
 Rank 1 misbehaves in a different way in each CASE; the watchdog must stop the job within
 seconds of ``FULLSHARD_COLLECTIVE_TIMEOUT`` and say what is stuck.
@@ -65,4 +65,11 @@ def main(case: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[2:] == ["--launcher", "fullshard"]:
+        try:
+            launch.launch(main, (sys.argv[1],), 2)
+        except launch.WorkerFailed as e:
+            print(f"hang_cases: {e}", file=sys.stderr)
+            sys.exit(1)
+    else:
+        main(sys.argv[1])

@@ -86,12 +86,56 @@ def test_gpt_options_checkpointing_bf16_own_data(tmp_path: Path) -> None:
             "2",
             "--metrics-file",
             str(metrics),
+            "--tensorboard",
+            str(tmp_path / "tb"),
+            "--profile-steps",
+            "12:13",
+            "--profile-dir",
+            str(tmp_path / "prof"),
         ],
         tmp_path,
         timeout=280,
     )
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert records[-1]["val_loss"] < records[0]["val_loss"] < 6, records
+    _check_observability(records, tmp_path / "tb", tmp_path / "prof")
+
+
+def _check_observability(records: list[dict], tb: Path, prof: Path) -> None:
+    """Every log record's numbers are TensorBoard scalars at its step (per-rank lists as one tag
+    per rank); the step splits into compute and exposed communication; the profiler trace of
+    each rank names fullshard's units and collectives."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tb), size_guidance={"scalars": 0})
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for key in ("train_loss", "val_loss", "grad_norm", "lr", "tokens_per_second", "mfu", "step_seconds"):
+        assert key in tags, (key, sorted(tags))
+        assert [(e.step, e.value) for e in events.Scalars(key)] == [
+            (r["step"], pytest.approx(r[key], rel=1e-6)) for r in records
+        ]
+    per_rank = ("compute_seconds", "comm_exposed_seconds", "peak_rss_bytes", "sharded_state_bytes")
+    for key in per_rank:
+        for rank in (0, 1):
+            values = [e.value for e in events.Scalars(f"{key}/rank{rank}")]
+            assert values == [pytest.approx(r[key][rank], rel=1e-6) for r in records], key
+    for r in records:
+        assert r["grad_norm"] > 0 and 0 < r["mfu"] < 1 and r["lr"] > 0
+        for compute, comm in zip(r["compute_seconds"], r["comm_exposed_seconds"]):
+            assert compute > 0 and comm > 0 and compute + comm == pytest.approx(r["step_seconds"])
+    for rank in (0, 1):
+        names = {e.get("name", "") for e in json.loads((prof / f"rank{rank}.pt.trace.json").read_text())["traceEvents"]}
+        for expected in (
+            "fullshard::unit forward blocks.0",
+            "fullshard::unit backward blocks.3",
+            "fullshard::all_gather blocks.1",
+            "fullshard::wait all_gather blocks.2",
+            "fullshard::post-backward reduce-scatter blocks.0",
+            "fullshard::clip",
+        ):
+            assert expected in names, (expected, sorted(n for n in names if n.startswith("fullshard")))
 
 
 def test_gpt_rejects_bad_options(tmp_path: Path) -> None:
@@ -100,6 +144,8 @@ def test_gpt_rejects_bad_options(tmp_path: Path) -> None:
         (["--data", str(tmp_path / "none*.txt"), "--nproc", "1", "--steps", "1"], "matches no files"),
         (["--nproc", "3", "--global-batch-size", "8", "--batch-size", "4"], "needs a world size in [1, 2]"),
         (["--global-batch-size", "6", "--batch-size", "4"], "--global-batch-size 6 is not a multiple of --batch-size"),
+        (["--profile-steps", "7:5"], "--profile-steps '7:5': need 1 <= A <= B"),
+        (["--peak-tflops", "0"], "--peak-tflops 0.0: give a positive number"),
     ):
         r = subprocess.run([str(BIN / "fullshard"), "train", "gpt", *args], capture_output=True, text=True, timeout=120)
         assert r.returncode != 0 and text in r.stderr, r.stderr[-2000:]

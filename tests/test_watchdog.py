@@ -17,11 +17,23 @@ BIN = Path(sys.executable).parent
 CASES = Path(__file__).with_name("hang_cases.py")
 
 
-def _run_case(case: str, tmp: Path) -> tuple[int, str, float]:
+def _run_case(
+    case: str, tmp: Path, launcher: str = "torchrun", monitor_interval: float = 0.2
+) -> tuple[int, str, float]:
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", FULLSHARD_COLLECTIVE_TIMEOUT="3")
     env["FULLSHARD_FLIGHT_RECORDER_DIR"] = str(tmp / "dumps")
-    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "--monitor-interval", "0.2"]
-    cmd += [str(CASES), case]
+    if launcher == "torchrun":
+        cmd = [
+            str(BIN / "torchrun"),
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--monitor-interval",
+            str(monitor_interval),
+        ]
+        cmd += [str(CASES), case]
+    else:  # fullshard's job launcher (torch's elastic agent in this process, spawned workers)
+        cmd = [sys.executable, str(CASES), case, "--launcher", "fullshard"]
     start = time.monotonic()
     r = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=100)
     return r.returncode, r.stdout + r.stderr, time.monotonic() - start
@@ -70,10 +82,32 @@ def test_a_stuck_collective_names_the_rank_and_where_it_is(tmp_path: Path, case:
 
 @pytest.mark.timeout(120)
 def test_a_killed_rank_is_named_as_exited(tmp_path: Path) -> None:
-    rc, out, _ = _run_case("sigkill", tmp_path)
+    # torchrun's agent stops the survivor when it next polls: 3 s lets rank 0 reach its collective
+    rc, out, _ = _run_case("sigkill", tmp_path, monitor_interval=3.0)
     assert rc != 0
     line = _line(out, "CollectiveFailed: rank 0:")
     assert "(544 bytes, unit 'layers.2', backward, step 2) failed" in line and "rank 1 exited" in line, line
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_rank_under_the_job_launcher_is_named_by_the_launcher(tmp_path: Path) -> None:
+    """The job launcher notices the death within 0.1 s and stops the survivor itself (it may be
+    computing still, not yet in the collective that would fail), naming the killed rank."""
+    rc, out, seconds = _run_case("sigkill", tmp_path, "fullshard")
+    assert rc == 1, out[-4000:]
+    assert "hang_cases: worker rank 1 failed (exit code -9): Signal 9 (SIGKILL)" in out, out[-4000:]
+    assert seconds < 60
+
+
+@pytest.mark.timeout(120)
+def test_under_the_job_launcher_a_stuck_rank_is_named_too(tmp_path: Path) -> None:
+    """The job launcher's workers (spawned by torch's elastic agent in the launching process)
+    time out the same way, and the launcher reports the failure."""
+    rc, out, _ = _run_case("return_before_backward", tmp_path, "fullshard")
+    assert rc == 1, out[-4000:]
+    line = _line(out, "fullshard watchdog: rank 0 waited")
+    assert "backward, step 2); not joined: rank 1 is alive, not in a collective, at hang_cases.py" in line, line
+    assert "hang_cases: " in out and {p.name for p in (tmp_path / "dumps").iterdir()} == {"rank0.json", "rank1.json"}
 
 
 @pytest.mark.timeout(120)

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from fullshard import probes
-from fullshard.comm import watchdog
+from fullshard.comm import exposure, watchdog
 from fullshard.comm.buffers import POOL
 from fullshard.comm.flight_recorder import RECORDER, Entry
 
@@ -59,7 +59,15 @@ class Handle:
             entry.probe = self.is_completed
 
     def wait(self) -> None:
-        _explained(self._wait)()
+        with exposure.blocked(self._label):
+            _explained(self._wait)()
+
+    def _label(self) -> str:
+        """The profiler range of the wait: ``fullshard::wait <op> <unit>``."""
+        works = self._work if isinstance(self._work, list) else [self._work]
+        inner = [w._entry for w in works if isinstance(w, Handle) and w._entry is not None]
+        e = self._entry or (inner[0] if inner else None)
+        return f"fullshard::wait {e.op} {e.unit or ''}".rstrip() if e else "fullshard::wait"
 
     def _wait(self) -> None:
         if self._done:
@@ -96,6 +104,10 @@ def _explained(fn: F) -> F:
             raise CollectiveFailed(watchdog.explain_failure(pending, e)) from e
 
     return inner  # type: ignore[return-value]
+
+
+def _unit() -> str | None:
+    return RECORDER.context.unit
 
 
 class CollectiveFailed(RuntimeError):
@@ -154,6 +166,7 @@ def reduction_device(group: ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
+@exposure.blocking("all_gather", _unit)
 @_explained
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup, async_op: bool = False) -> Handle | None:
     """All-gather ``input`` (shape (S,)) from every rank into ``output`` (shape (N*S,)).
@@ -217,6 +230,7 @@ def _global_ranks(group: ProcessGroup) -> list[int]:
     return ranks
 
 
+@exposure.blocking("reduce_scatter", _unit)
 @_explained
 def reduce_scatter(
     output: torch.Tensor,
@@ -292,6 +306,7 @@ def _copy_back(
     return epilogue
 
 
+@exposure.blocking("all_reduce", _unit)
 @_explained
 def all_reduce(
     tensor: torch.Tensor, group: ProcessGroup, divide_by: float = 1.0, async_op: bool = False
@@ -310,6 +325,7 @@ def all_reduce(
     return _finish(work, _copy_back(staged, tensor, divide), async_op, entry)
 
 
+@exposure.blocking("all_reduce_max", _unit)
 @_explained
 def all_reduce_max(tensor: torch.Tensor, group: ProcessGroup) -> None:
     """Element-wise maximum over ranks, in place, synchronous (staged like :func:`all_reduce`)."""
@@ -321,6 +337,7 @@ def all_reduce_max(tensor: torch.Tensor, group: ProcessGroup) -> None:
         tensor.copy_(staged)
 
 
+@exposure.blocking("broadcast", _unit)
 @_explained
 def broadcast(tensor: torch.Tensor, src_rank: int, group: ProcessGroup) -> None:
     """Copy ``tensor`` from group rank ``src_rank`` to every rank, in place, synchronous (staged
@@ -333,6 +350,7 @@ def broadcast(tensor: torch.Tensor, src_rank: int, group: ProcessGroup) -> None:
         tensor.copy_(staged)
 
 
+@exposure.blocking("all_gather_object", _unit)
 @_explained
 def all_gather_object(obj: Any, group: ProcessGroup) -> list[Any]:
     """Gather one picklable object per rank; returns the list in rank order."""
@@ -343,6 +361,7 @@ def all_gather_object(obj: Any, group: ProcessGroup) -> list[Any]:
     return out
 
 
+@exposure.blocking("broadcast_object", _unit)
 @_explained
 def broadcast_object(obj: Any, src_rank: int, group: ProcessGroup) -> Any:
     """Send a picklable object from group rank ``src_rank`` to every rank; returns it on all
@@ -354,6 +373,7 @@ def broadcast_object(obj: Any, src_rank: int, group: ProcessGroup) -> Any:
     return box[0]
 
 
+@exposure.blocking("barrier", _unit)
 @_explained
 def barrier(group: ProcessGroup) -> None:
     entry = _note("barrier", torch.uint8, 0, 0, group)

@@ -38,6 +38,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+from fullshard.comm import exposure
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -131,16 +133,19 @@ RECORDER = FlightRecorder(_capacity())
 
 @contextlib.contextmanager
 def at(unit: str | None = None, phase: str | None = None) -> Iterator[None]:
-    """Label the collectives issued inside with ``unit`` and/or ``phase`` (restored after)."""
+    """Label the collectives issued inside with ``unit`` and/or ``phase`` (restored after); while
+    torch.profiler records, the region is the range ``fullshard::<phase> <unit>``."""
     c = RECORDER.context
     old = (c.unit, c.phase)
     if unit is not None:
         c.unit = unit
     if phase is not None:
         c.phase = phase
+    token = exposure.open_range(f"fullshard::{c.phase} {c.unit or ''}".rstrip())
     try:
         yield
     finally:
+        exposure.close_range(token)
         c.unit, c.phase = old
 
 

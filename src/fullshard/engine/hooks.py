@@ -25,7 +25,7 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fullshard import probes
-from fullshard.comm import buffers, collectives, flight_recorder
+from fullshard.comm import buffers, collectives, exposure, flight_recorder
 from fullshard.engine.config import BackwardPrefetch, FrontEnd, MixedPrecision
 from fullshard.engine.module_wrapper import clean_name
 from fullshard.engine.unit import ShardState, TrainingState, Unit
@@ -65,6 +65,7 @@ class UnitHooks:
     # this unit's forward / backward starts, instead of the neighbour in the recorded order.
     prefetch_in_forward: list[Unit] | None = None
     prefetch_in_backward: list[Unit] | None = None
+    profile_range: Any = None  # the open torch.profiler range of this unit's forward
 
 
 _STATE_ATTR = "_fsdp_state"
@@ -231,6 +232,7 @@ def pre_forward(hooks: UnitHooks) -> None:
     unit._check_state((TrainingState.IDLE, TrainingState.PRE_BACKWARD), "run forward")
     if unit.training_state is TrainingState.IDLE:
         unit.training_state = TrainingState.FORWARD
+    hooks.profile_range = exposure.open_range(f"fullshard::unit forward {unit.name}")
     unit.unshard()
     unit.install_full_params()
     if probes.ACTIVE is not None:
@@ -250,6 +252,8 @@ def post_forward(hooks: UnitHooks, output: Any) -> Any:
     assert root is not None
     if probes.ACTIVE is not None:
         probes.record_event("forward_end", unit.name)
+    exposure.close_range(hooks.profile_range)
+    hooks.profile_range = None
     unit.uninstall_full_params()
     grad = torch.is_grad_enabled()
     in_recompute = unit.training_state is not TrainingState.FORWARD
@@ -283,6 +287,7 @@ def _pre_backward(hooks: UnitHooks, grad: torch.Tensor) -> torch.Tensor:
     if probes.ACTIVE is not None:
         probes.record_event("backward", unit.name)
     unit.training_state = TrainingState.PRE_BACKWARD
+    unit.profile_range = exposure.open_range(f"fullshard::unit backward {unit.name}")
     unit.unshard()
     unit.install_full_params()  # for forward recomputation under activation checkpointing
     if hooks.prefetch_in_backward is not None:
@@ -303,6 +308,8 @@ def post_backward(unit: Unit, root: RootState) -> None:
         root.last_reduced = unit
     if unit.reshard_after_backward:
         unit.reshard()
+    exposure.close_range(unit.profile_range)
+    unit.profile_range = None
     if root.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
         _prefetch(_neighbour(root.forward_order, unit, -1))
 
@@ -318,6 +325,8 @@ def finish_backward(root: RootState) -> None:
     for unit in root.units:
         if unit.reshard_after_backward:
             unit.reshard()
+        exposure.close_range(unit.profile_range)  # a unit whose parameters got no gradient
+        unit.profile_range = None
         unit.training_state = TrainingState.IDLE
     buffers.POOL.clear(keep_cpu=True)  # CPU memory is kept for the next step; CUDA's allocator caches its own
     root.last_reduced = None

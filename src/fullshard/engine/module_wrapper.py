@@ -19,9 +19,13 @@ _PREFIXES = (FSDP_WRAPPED + ".", CHECKPOINT_WRAPPED + ".")
 
 
 def clean_name(name: str) -> str:
-    """A parameter, buffer or module name without fullshard's wrapper attributes."""
+    """A parameter, buffer or module name without fullshard's wrapper attributes
+    (``blocks.0._checkpoint_wrapped_module.fc.weight`` -> ``blocks.0.fc.weight``)."""
     for prefix in _PREFIXES:
         name = name.replace(prefix, "")
+    for wrapped in (FSDP_WRAPPED, CHECKPOINT_WRAPPED):  # a module name may end in one: "blocks.0._checkpoint_..."
+        if name == wrapped or name.endswith("." + wrapped):
+            name = name[: -len(wrapped)].rstrip(".")
     return name
 
 

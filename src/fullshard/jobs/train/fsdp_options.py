@@ -138,3 +138,16 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             {k: v.cpu() for k, v in state.items()} if collectives.group_rank(collectives.default_group()) == 0 else {}
         )
     return dict(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))  # type: ignore[arg-type]
+
+
+def save_full_model(model: nn.Module, path: str | None) -> None:
+    """``--save-model``: gather the full state dict (collective: every rank) and write it to
+    ``path`` with torch.save on rank 0; nothing when ``path`` is None."""
+    from fullshard.comm import collectives
+
+    if path is None:
+        return
+    state = full_state_dict(model)
+    if collectives.group_rank(collectives.default_group()) == 0:
+        torch.save(state, path)
+        print(f"saved the full state dict to {path}", flush=True)

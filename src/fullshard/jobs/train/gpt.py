@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -27,8 +27,8 @@ from fullshard.jobs import launch
 from fullshard.jobs.data.text import ByteCorpus, files_from_glob
 from fullshard.jobs.memory import model_state_bytes
 from fullshard.jobs.models.gpt import GPT, PRESETS, Block, init_module
-from fullshard.jobs.train import fsdp_options, global_batch, launcher_options, resume_options
-from fullshard.jobs.train.report import MetricsFile, gather_memory, mib
+from fullshard.jobs.train import fsdp_options, global_batch, launcher_options, observe, resume_options
+from fullshard.jobs.train.report import MetricsFile, mib
 from fullshard.jobs.train.session import Session, open_session
 
 
@@ -69,6 +69,11 @@ class GPTJobConfig:
     use_gpu: bool = False
     ray_address: str | None = None
     collective_timeout: float | None = None
+    tensorboard: str | None = None
+    profile_steps: str | None = None
+    profile_dir: str = "fullshard_profile"
+    peak_tflops: float | None = None
+    progress: bool = True
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -84,6 +89,7 @@ class GPTJobConfig:
             raise ValueError(f"--seq-len {self.seq_len} exceeds the model's {PRESETS[self.preset].max_seq_len}")
         fsdp_options.validate(self)
         global_batch.validate(self)
+        observe.validate(self)
         if self.data is not None:
             try:
                 files_from_glob(self.data)
@@ -135,6 +141,7 @@ def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
     p.add_argument("--save-model", default=None, metavar="PATH", help="write the full state dict here")
     resume_options.add_arguments(p)
     launcher_options.add_arguments(p)
+    observe.add_arguments(p)
     return p
 
 
@@ -206,9 +213,8 @@ def worker(cfg: GPTJobConfig) -> dict[str, Any] | None:
 def _run(cfg: GPTJobConfig, device: torch.device) -> dict[str, Any] | None:
     torch.manual_seed(cfg.seed)
     model = build_model(cfg, device)
-    return train_loop(
-        cfg, device, model, f"GPT preset {cfg.preset}: {PRESETS[cfg.preset].num_params / 1e6:.2f}M parameters"
-    )
+    title = f"GPT preset {cfg.preset}: {PRESETS[cfg.preset].num_params / 1e6:.2f}M parameters"
+    return train_loop(cfg, device, model, title, lambda: GPT(PRESETS[cfg.preset]))
 
 
 def _start_step(optimizer: torch.optim.Optimizer, step: int, cfg: GPTJobConfig) -> None:
@@ -224,9 +230,12 @@ def rows_per_step(cfg: GPTJobConfig, world: int) -> int:
     return cfg.global_batch_size or cfg.batch_size * world
 
 
-def train_loop(cfg: GPTJobConfig, device: torch.device, model: nn.Module, title: str) -> dict[str, Any] | None:
+def train_loop(
+    cfg: GPTJobConfig, device: torch.device, model: nn.Module, title: str, plain: Callable[[], nn.Module]
+) -> dict[str, Any] | None:
     """Train ``model`` (byte tokens (batch, seq) -> logits (batch, seq, 256)) on the corpus.
 
+    ``plain`` builds the unsharded model (called on the meta device, to count its FLOPs for MFU).
     Returns the last log record on rank 0, None elsewhere.
     """
     group = collectives.default_group()
@@ -236,52 +245,74 @@ def train_loop(cfg: GPTJobConfig, device: torch.device, model: nn.Module, title:
     corpus = ByteCorpus.load(cfg.data)
     val = corpus.val_batches(cfg.eval_batches, cfg.batch_size, cfg.seq_len, cfg.seed)
     if rank == 0:
-        print(
-            f"{title}, {sum(1 for m in model.modules() if is_unit(m))} FSDP units ({cfg.api}), {world} ranks, "
-            f"{rows} x {cfg.seq_len} bytes per step"
-            + (f" ({split.accumulation} micro-batch(es) of {cfg.batch_size} per rank)" if split else ""),
-            flush=True,
-        )
+        units = sum(1 for m in model.modules() if is_unit(m))
+        micro = f" ({split.accumulation} micro-batch(es) of {cfg.batch_size} per rank)" if split else ""
+        shape = f"{rows} x {cfg.seq_len} bytes per step{micro}"
+        print(f"{title}, {units} FSDP units ({cfg.api}), {world} ranks, {shape}", flush=True)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=True
     )
     session = open_session(cfg)
     first = _resume(session, model, optimizer)
     metrics = MetricsFile(cfg.metrics_file, rank == 0, append=first > 0)
+    obs = _observer(cfg, device, plain, first)
     record: dict[str, Any] | None = None
-    window_loss = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, steps: no sync per step
+    window = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, steps, last grad norm
     start = last = time.perf_counter()
     for step in range(first, cfg.steps):
         _start_step(optimizer, step, cfg)
-        if split is None:
-            x, y = corpus.batch(step, rank, cfg.batch_size, cfg.seq_len, cfg.seed)
-            loss = _loss(model, x.to(device), y.to(device))
-            loss.backward()
-        else:  # the step's rows depend on the step and the seed, not on the world size
-            x, y = corpus.batch(step, 0, split.global_batch, cfg.seq_len, cfg.seed)
-            loss = global_batch.accumulate(model, split, rank, (x.to(device), y.to(device)), _loss)
-        if cfg.grad_clip > 0:
-            fsdp_options.clip_grad_norm_(model, cfg.grad_clip)
+        obs.step_started(step)
+        loss, norm = _train_step(cfg, model, corpus, split, step, rank, device)
         optimizer.step()
-        window_loss[0] += loss.detach()
-        window_loss[1] += 1
+        window[0] += loss
+        window[1] += 1
+        window[2] = norm
         if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps):
             session.save(step + 1, model, optimizer, {"step": step + 1, "rng": torch.get_rng_state()})
+        obs.step_finished(step)
         if (step + 1) % cfg.log_interval == 0 or step + 1 == cfg.steps:
-            record = _log(cfg, model, optimizer, val, device, step, window_loss, time.perf_counter() - last, start)
-            record.update(global_batch_size=rows, world_size=world)
-            if rank == 0:
-                print(_line(record, cfg.steps), flush=True)
+            record = _log(cfg, model, optimizer, val, obs, step, window, time.perf_counter() - last)
+            record.update(elapsed_seconds=time.perf_counter() - start, global_batch_size=rows, world_size=world)
+            obs.say(_line(record, cfg.steps))
             metrics.write(record)
+            obs.write(record, step + 1)
             session.report(record)
-            window_loss.zero_()
+            window.zero_()
             last = time.perf_counter()
-    if cfg.save_model:
-        state = fsdp_options.full_state_dict(model)  # collective: every rank gathers, rank 0 writes
-        if rank == 0:
-            torch.save(state, cfg.save_model)
-            print(f"saved the full state dict to {cfg.save_model}", flush=True)
+    obs.close()
+    fsdp_options.save_full_model(model, cfg.save_model)
     return record if rank == 0 else None
+
+
+def _train_step(
+    cfg: GPTJobConfig,
+    model: nn.Module,
+    corpus: ByteCorpus,
+    split: global_batch.Plan | None,
+    step: int,
+    rank: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward, backward and clipping of one step; (this rank's loss, the global grad norm)."""
+    if split is None:
+        x, y = corpus.batch(step, rank, cfg.batch_size, cfg.seq_len, cfg.seed)
+        loss = _loss(model, x.to(device), y.to(device))
+        loss.backward()
+    else:  # the step's rows depend on the step and the seed, not on the world size
+        x, y = corpus.batch(step, 0, split.global_batch, cfg.seq_len, cfg.seed)
+        loss = global_batch.accumulate(model, split, rank, (x.to(device), y.to(device)), _loss)
+    # max_norm inf: the norm is still computed (and logged) when clipping is off
+    norm = fsdp_options.clip_grad_norm_(model, cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+    return loss.detach(), norm.detach()
+
+
+def _observer(cfg: GPTJobConfig, device: torch.device, plain: Callable[[], nn.Module], first: int) -> observe.Observer:
+    """The job's metrics sinks, with the model FLOPs of one sequence and the peak per rank."""
+    flops = observe.model_flops(plain, lambda: torch.zeros(1, cfg.seq_len, dtype=torch.long))
+    peak = observe.peak_flops(device, fsdp_options.PRECISIONS[cfg.mixed_precision] or torch.float32, cfg.peak_tflops)
+    obs = observe.Observer(cfg, device, flops, peak, cfg.steps, first)
+    obs.say(f"model FLOPs {flops / cfg.seq_len:,.0f} per token; peak {peak[0] / 1e12:.3g} TFLOP/s per rank ({peak[1]})")
+    return obs
 
 
 def _resume(session: Session, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -306,35 +337,38 @@ def _log(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     val: list,
-    device: torch.device,
+    obs: observe.Observer,
     step: int,
-    window_loss: torch.Tensor,
+    window: torch.Tensor,
     seconds: float,
-    start: float,
 ) -> dict[str, Any]:
+    """The record of a log window (collective): losses, grad norm, lr, throughput, MFU, the step
+    split into compute and exposed communication, memory per rank."""
     group = collectives.default_group()
     world = collectives.group_size(group)
-    collectives.all_reduce(window_loss, group)
-    steps_in_window = window_loss[1].item() / world
-    val_loss = evaluate(model, val, device)
-    rss, state = gather_memory(model_state_bytes(model, optimizer)["total"])
+    norm = window[2].item()  # the same on every rank: read before the sum
+    collectives.all_reduce(window, group)
+    steps = round(window[1].item() / world)
+    sequences = steps * rows_per_step(cfg, world)
+    seen = obs.window(seconds, steps, sequences, model_state_bytes(model, optimizer)["total"])
+    seen["tokens_per_second"] = seen.pop("samples_per_second") * cfg.seq_len
     return {
         "step": step + 1,
-        "train_loss": window_loss[0].item() / window_loss[1].item(),
-        "val_loss": val_loss,
-        "tokens_per_second": steps_in_window * rows_per_step(cfg, world) * cfg.seq_len / seconds,
+        "train_loss": window[0].item() / window[1].item(),
+        "val_loss": evaluate(model, val, obs.device),
+        "grad_norm": norm,
         "lr": optimizer.param_groups[0]["lr"],
-        "elapsed_seconds": time.perf_counter() - start,
-        "peak_rss_bytes": rss,
-        "sharded_state_bytes": state,
+        **seen,
     }
 
 
 def _line(r: dict[str, Any], steps: int) -> str:
+    exposed = max(r["comm_exposed_seconds"])
     return (
         f"step {r['step']}/{steps}  train loss {r['train_loss']:.4f}  val loss {r['val_loss']:.4f}  "
-        f"{r['tokens_per_second']:,.0f} tok/s  {r['elapsed_seconds']:.0f} s  "
-        f"peak RSS per rank [{', '.join(mib(b) for b in r['peak_rss_bytes'])}]"
+        f"grad norm {r['grad_norm']:.3f}  {r['tokens_per_second']:,.0f} tok/s  MFU {100 * r['mfu']:.1f}%  "
+        f"step {1000 * r['step_seconds']:.0f} ms (comm exposed {1000 * exposed:.0f} ms)  "
+        f"{r['elapsed_seconds']:.0f} s  peak RSS per rank [{', '.join(mib(b) for b in r['peak_rss_bytes'])}]"
     )
 
 

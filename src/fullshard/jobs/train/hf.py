@@ -146,7 +146,8 @@ def _run(cfg: HFJobConfig, device: torch.device) -> dict[str, Any] | None:
     classes = layer_classes(model, names)
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=classes)
     wrapped = fsdp_options.shard_model(model, cfg, policy)
-    return train_loop(cfg, device, wrapped, f"transformers {cfg.config} ({', '.join(names)} per unit)")
+    title = f"transformers {cfg.config} ({', '.join(names)} per unit)"
+    return train_loop(cfg, device, wrapped, title, lambda: CausalLMLogits(build()))
 
 
 def main(argv: Sequence[str]) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import math
 import os
 import sys
 import time
@@ -27,8 +28,8 @@ from fullshard.jobs import launch
 from fullshard.jobs.data import mnist as mnist_data
 from fullshard.jobs.memory import model_state_bytes
 from fullshard.jobs.models.net import Net
-from fullshard.jobs.train import fsdp_options, launcher_options, resume_options
-from fullshard.jobs.train.report import MetricsFile, gather_memory, mib
+from fullshard.jobs.train import fsdp_options, launcher_options, observe, resume_options
+from fullshard.jobs.train.report import MetricsFile, mib
 from fullshard.jobs.train.session import Session, open_session
 
 
@@ -63,6 +64,10 @@ class MnistConfig:
     use_gpu: bool = False
     ray_address: str | None = None
     collective_timeout: float | None = None
+    tensorboard: str | None = None
+    profile_steps: str | None = None
+    profile_dir: str = "fullshard_profile"
+    peak_tflops: float | None = None
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
@@ -73,6 +78,7 @@ class MnistConfig:
         fsdp_options.validate(self)
         resume_options.validate(self)
         launcher_options.validate(self)
+        observe.validate(self)
         if self.data_dir is not None:
             if not os.path.isdir(self.data_dir):
                 raise ValueError(f"--data-dir {self.data_dir} is not a directory")
@@ -97,10 +103,10 @@ def parse_args(argv: Sequence[str]) -> MnistConfig:
     p.add_argument("--data-dir", default=None, help="folder with the 4 MNIST IDX files (default: bundled subset)")
     p.add_argument("--save-model", default=None, metavar="PATH", help="write the full state dict here")
     p.add_argument("--metrics-file", default=None, metavar="PATH", help="JSON lines, one per epoch")
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no tqdm bar")
     fsdp_options.add_arguments(p)
     resume_options.add_arguments(p)
     launcher_options.add_arguments(p)
+    observe.add_arguments(p)
     ns = p.parse_args(list(argv))
     try:
         return MnistConfig(**vars(ns))
@@ -139,9 +145,11 @@ def _train_epoch(
     bar: Any,
     pos: _Position,
     after_step: Any,
+    obs: observe.Observer,
 ) -> torch.Tensor:
+    """Train the rest of an epoch; (loss sum, samples, last grad norm), float64, this rank."""
     model.train()
-    stats = torch.tensor(pos.stats, dtype=torch.float64, device=device)  # loss sum, samples
+    stats = torch.tensor([*pos.stats, 0.0], dtype=torch.float64, device=device)  # loss sum, samples, norm
     batches = iter(loader)  # creating it draws from the RNG, so a resume restores the RNG after
     for _ in range(pos.batch):
         next(batches)
@@ -151,13 +159,16 @@ def _train_epoch(
     for data, target in batches:
         data, target = data.to(device), target.to(device)
         optimizer.zero_grad()
+        obs.step_started(pos.step)
         loss = F.nll_loss(model(data).float(), target, reduction="sum")
         loss.backward()
+        stats[2] = fsdp_options.clip_grad_norm_(model, math.inf).item()  # the global norm, for the record
         optimizer.step()
         stats[0] += loss.item()
         stats[1] += len(data)
-        pos.batch, pos.step, pos.stats = pos.batch + 1, pos.step + 1, stats.tolist()
+        pos.batch, pos.step, pos.stats = pos.batch + 1, pos.step + 1, stats[:2].tolist()
         after_step(pos)
+        obs.step_finished(pos.step - 1)
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item() / len(data):.4f}")
@@ -201,6 +212,7 @@ def _run(cfg: MnistConfig, device: torch.device) -> dict[str, Any] | None:
     pos = _resume(session, model, optimizer, scheduler)
     metrics = MetricsFile(cfg.metrics_file, rank == 0, append=pos.step > 0)
     bar = _progress(cfg, rank, len(train_loader))
+    obs = _observer(cfg, device, cfg.epochs * len(train_loader))
     record: dict[str, Any] | None = None
 
     def after_step(p: _Position) -> None:
@@ -214,35 +226,44 @@ def _run(cfg: MnistConfig, device: torch.device) -> dict[str, Any] | None:
         if bar is not None:
             bar.reset()
             bar.set_description(f"epoch {epoch}/{cfg.epochs}")
-        train_stats = _train_epoch(model, train_loader, optimizer, device, bar, pos, after_step)
+        steps = len(train_loader) - pos.batch
+        train_stats = _train_epoch(model, train_loader, optimizer, device, bar, pos, after_step, obs)
+        train_seconds = time.perf_counter() - start
         pos.epoch, pos.batch, pos.stats = epoch + 1, 0, [0.0, 0.0]
         test_stats = _test(model, test_loader, device)
+        lr = scheduler.get_last_lr()[0]
         scheduler.step()
         seconds = time.perf_counter() - start
+        norm = train_stats[2].item()  # the same on every rank: read before the sum
         collectives.all_reduce(train_stats, group)
         collectives.all_reduce(test_stats, group)
-        rss, state = gather_memory(model_state_bytes(model, optimizer)["total"])
         record = {
             "epoch": epoch,
             "train_loss": train_stats[0].item() / train_stats[1].item(),
             "test_loss": test_stats[0].item() / test_stats[2].item(),
             "test_accuracy": test_stats[1].item() / test_stats[2].item(),
+            "grad_norm": norm,
+            "lr": lr,
             "epoch_seconds": seconds,
-            "peak_rss_bytes": rss,
-            "sharded_state_bytes": state,
         }
-        if rank == 0:
-            _print_epoch(record, cfg.epochs, bar)
+        samples = round(train_stats[1].item())
+        record.update(obs.window(train_seconds, steps, samples, model_state_bytes(model, optimizer)["total"]))
+        _print_epoch(record, cfg.epochs, bar if rank == 0 else False)
         metrics.write(record)
+        obs.write(record, epoch)
         session.report(record)
     if bar is not None:
         bar.close()
-    if cfg.save_model:
-        state_dict = fsdp_options.full_state_dict(model)  # collective: every rank gathers, rank 0 writes
-        if rank == 0:
-            torch.save(state_dict, cfg.save_model)
-            print(f"saved the full state dict to {cfg.save_model}", flush=True)
+    obs.close()
+    fsdp_options.save_full_model(model, cfg.save_model)
     return record if rank == 0 else None
+
+
+def _observer(cfg: MnistConfig, device: torch.device, total_steps: int) -> observe.Observer:
+    """Metrics sinks of the job, with the Net's FLOPs per image and the peak per rank."""
+    flops = observe.model_flops(Net, lambda: torch.zeros(1, 1, 28, 28))
+    peak = observe.peak_flops(device, fsdp_options.PRECISIONS[cfg.mixed_precision] or torch.float32, cfg.peak_tflops)
+    return observe.Observer(cfg, device, flops, peak, total_steps, bar=False)  # the job has its own bar
 
 
 def _resume(session: Session, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: StepLR) -> _Position:
@@ -267,9 +288,13 @@ def _progress(cfg: MnistConfig, rank: int, total: int) -> Any:
 
 
 def _print_epoch(r: dict[str, Any], epochs: int, bar: Any) -> None:
+    """Print the epoch's line on rank 0 (``bar`` False elsewhere), above the bar if there is one."""
+    if bar is False:
+        return
     line = (
         f"epoch {r['epoch']}/{epochs}  train loss {r['train_loss']:.4f}  test loss {r['test_loss']:.4f}  "
-        f"accuracy {r['test_accuracy']:.4f}  {r['epoch_seconds']:.1f} s  "
+        f"accuracy {r['test_accuracy']:.4f}  {r['samples_per_second']:,.0f} samples/s  MFU {100 * r['mfu']:.1f}%  "
+        f"{r['epoch_seconds']:.1f} s  "
         f"peak RSS per rank [{', '.join(mib(b) for b in r['peak_rss_bytes'])}]  "
         f"sharded state per rank [{', '.join(mib(b) for b in r['sharded_state_bytes'])}]"
     )

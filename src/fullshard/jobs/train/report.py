@@ -1,19 +1,10 @@
-"""Per-epoch reporting shared by the training jobs: one line per epoch and a JSON-lines file."""
+"""Reporting shared by the training jobs: the JSON-lines metrics file and byte sizes for humans."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Any
-
-from fullshard.comm import collectives
-from fullshard.jobs.memory import peak_rss_bytes
-
-
-def gather_memory(state_bytes: int) -> tuple[list[int], list[int]]:
-    """(peak RSS bytes per rank, model-state bytes per rank), collective over the world group."""
-    rows = collectives.all_gather_object((peak_rss_bytes(), state_bytes), collectives.default_group())
-    return [r[0] for r in rows], [r[1] for r in rows]
 
 
 def mib(n: int) -> str:
