@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -60,7 +60,10 @@ class Handle:
 
     def wait(self) -> None:
         with exposure.blocked(self._label):
-            _explained(self._wait)()
+            try:
+                self._wait()
+            except RuntimeError as e:
+                _explain(e)
 
     def _label(self) -> str:
         """The profiler range of the wait: ``fullshard::wait <op> <unit>``."""
@@ -97,13 +100,18 @@ def _explained(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except RuntimeError as e:
-            pending = RECORDER.oldest_pending()
-            if pending is None or isinstance(e, CollectiveFailed):
-                raise
-            RECORDER.complete(pending)
-            raise CollectiveFailed(watchdog.explain_failure(pending, e)) from e
+            _explain(e)
 
     return inner  # type: ignore[return-value]
+
+
+def _explain(e: RuntimeError) -> NoReturn:
+    """Raise ``e`` again, as a CollectiveFailed naming the pending collective if there is one."""
+    pending = RECORDER.oldest_pending()
+    if pending is None or isinstance(e, CollectiveFailed):
+        raise e
+    RECORDER.complete(pending)
+    raise CollectiveFailed(watchdog.explain_failure(pending, e)) from e
 
 
 def _unit() -> str | None:

@@ -43,7 +43,7 @@ from fullshard.comm import exposure
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Entry:
     """One collective on this rank. Times are seconds since the epoch; ``nbytes`` is bytes sent."""
 

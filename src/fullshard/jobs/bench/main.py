@@ -5,6 +5,9 @@
 
 ``fullshard bench gpu`` measures the GPT presets on one CUDA device (see :mod:`fullshard.jobs.bench.gpu`).
 
+``fullshard bench recorder [--calls 2000] [--rounds 2] [--nproc 2]`` times one-element all-reduces
+with the flight recorder on and off, taking turns: what recording adds to each collective.
+
 ``fullshard bench prefetch [--nproc 2] [--steps 12]`` trains a stack of large Linear layers
 (communication-heavy: many parameters, small batch) with FULL_SHARD under each prefetch setting
 and prints the median step time of each, with its ratio to the no-prefetch run. Timings belong
@@ -35,13 +38,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.workload == "optimizer":
         print("\n".join(micro.optimizer_report(args.numel)))
         return 0
+    if args.workload == "recorder":
+        print("\n".join(micro.recorder_report(args.calls, args.rounds, args.nproc)))
+        return 0
     print("\n".join(micro.prefetch_report(args.d_model, args.layers, args.batch, args.steps, args.nproc)))
     return 0
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fullshard bench", description=__doc__)
-    p.add_argument("workload", choices=["prefetch", "optimizer", "compare", "gpu"])
+    p.add_argument("workload", choices=["prefetch", "optimizer", "compare", "gpu", "recorder"])
     p.add_argument("--compare", default="compute", choices=sorted(COMPARE_WORKLOADS), help="compare: one workload")
     p.add_argument(
         "--workloads",
@@ -61,6 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--numel", type=int, default=62_000_000, help="optimizer: elements per rank")
+    p.add_argument("--calls", type=int, default=2000, help="recorder: collectives per setting and round")
     return p
 
 

@@ -155,3 +155,48 @@ def optimizer_report(numel: int) -> list[str]:
         "|---|---|---|",
         *(f"| {name} | {seconds:.3f} | {seconds / rows[0][1]:.2f}x |" for name, seconds in rows),
     ]
+
+
+def _recorder_worker(calls: int, rounds: int) -> list[tuple[float, float]]:
+    """(seconds per call with the recorder on, off) per round: 1-element all-reduces, the two
+    settings taking turns (first one, then the other, reversed every other round), so drift in the
+    machine's speed hits both alike."""
+    from fullshard.comm.flight_recorder import RECORDER
+
+    launch.init_process_group()
+    try:
+        group = collectives.default_group()
+        t = torch.zeros(1)
+        capacity, out = RECORDER.capacity, []
+        for r in range(rounds):
+            per_setting = {}
+            for cap in (capacity, 0) if r % 2 == 0 else (0, capacity):  # the order reversed every other round
+                RECORDER.capacity = cap
+                collectives.barrier(group)
+                start = time.perf_counter()
+                for _ in range(calls):
+                    collectives.all_reduce(t, group)
+                per_setting[cap] = (time.perf_counter() - start) / calls
+            out.append((per_setting[capacity], per_setting[0]))
+        RECORDER.capacity = capacity
+        return out
+    finally:
+        launch.destroy_process_group()
+
+
+def recorder_report(calls: int, rounds: int, nproc: int) -> list[str]:
+    """``fullshard bench recorder``: what the flight recorder (with its watchdog heartbeat)
+    adds to one collective: ``calls`` 1-element all-reduces per setting and round at ``nproc``
+    ranks on gloo (the smallest collective, so the fixed cost shows most). Lines of markdown."""
+    results = launch.launch(_recorder_worker, (calls, rounds), nproc, env=BENCH_ENV)[0]
+    on = statistics.median(r[0] for r in results)
+    off = statistics.median(r[1] for r in results)
+    return [
+        f"Flight recorder cost: {calls} one-element all-reduces x {rounds} rounds per setting, {nproc} ranks, gloo, "
+        f"torch {torch.__version__} (median over rounds, rank 0)",
+        "| recorder | per collective (us) |",
+        "|---|---|",
+        f"| on (default, 4096 entries) | {on * 1e6:.1f} |",
+        f"| off (FULLSHARD_FLIGHT_RECORDER_SIZE=0) | {off * 1e6:.1f} |",
+        f"| difference | {(on - off) * 1e6:+.1f} |",
+    ]
