@@ -26,8 +26,14 @@ def _records(path: Path) -> list[dict]:
 
 
 @pytest.mark.timeout(500)
-def test_mnist_defaults_two_processes_reach_094(tmp_path: Path) -> None:
-    """Defaults (10 epochs, batch 64, Adadelta lr 1.0) at --nproc 2; the model saved loads plainly."""
+def test_mnist_default_recipe_two_processes_reach_094_in_three_epochs(tmp_path: Path) -> None:
+    """The default recipe (batch 64, Adadelta lr 1.0, StepLR 0.7) at --nproc 2, three of its ten
+    epochs (the suite's time; 0.962 measured; all ten, `make demo`, reach 0.956 as NOTES.md
+    says); the model saved loads plainly."""
+    from fullshard.jobs.train.mnist import MnistConfig, parse_args
+
+    assert parse_args([]) == MnistConfig(nproc=parse_args([]).nproc)  # the defaults are the dataclass's
+    assert (MnistConfig.epochs, MnistConfig.batch_size, MnistConfig.lr, MnistConfig.gamma) == (10, 64, 1.0, 0.7)
     metrics, saved = tmp_path / "m2.jsonl", tmp_path / "net.pt"
     r = _run(
         [
@@ -36,6 +42,8 @@ def test_mnist_defaults_two_processes_reach_094(tmp_path: Path) -> None:
             "mnist",
             "--nproc",
             "2",
+            "--epochs",
+            "3",
             "--metrics-file",
             str(metrics),
             "--save-model",
@@ -45,8 +53,10 @@ def test_mnist_defaults_two_processes_reach_094(tmp_path: Path) -> None:
         timeout=480,
     )
     two = _records(metrics)
-    assert [rec["epoch"] for rec in two] == list(range(1, 11))
+    assert [rec["epoch"] for rec in two] == [1, 2, 3]
     assert two[-1]["test_accuracy"] >= 0.94, two[-1]
+    assert [rec["lr"] for rec in two] == pytest.approx([1.0, 0.7, 0.49])
+    assert all(rec["grad_norm"] > 0 and rec["samples_per_second"] > 0 and 0 < rec["mfu"] < 1 for rec in two)
     for key in ("train_loss", "test_loss", "epoch_seconds"):
         assert two[-1][key] > 0
     assert len(two[-1]["peak_rss_bytes"]) == 2 and min(two[-1]["peak_rss_bytes"]) > 0

@@ -83,3 +83,24 @@ def test_model_flops_falls_back_to_six_n_per_token_when_forward_reads_values() -
 class _Floats(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * x.sum().item()
+
+
+@pytest.mark.timeout(120)
+def test_bench_recorder_prints_both_settings() -> None:
+    """``fullshard bench recorder`` runs the two settings at 2 ranks (its numbers are for
+    BENCHMARKS.md, not asserted here)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cmd = [str(Path(sys.executable).parent / "fullshard"), "bench", "recorder", "--calls", "20", "--rounds", "2"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=100)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [line for line in r.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert [row.split("|")[1].strip() for row in rows] == [
+        "recorder",
+        "on (default, 4096 entries)",
+        "off (FULLSHARD_FLIGHT_RECORDER_SIZE=0)",
+        "difference",
+    ], r.stdout
+    assert all(float(row.split("|")[2]) > 0 for row in rows[1:3])
