@@ -217,8 +217,8 @@ def test_ray_train_worker_sigkill_resumes_exactly(tmp_path: Path, reference: dic
     checkpoint it reported (Ray merged the workers' shard directories) and ends bitwise equal."""
     pytest.importorskip("ray.train")
     args = [*_args(tmp_path, "run"), "--launcher", "ray", "--num-workers", "2"]
-    # Reports reach Ray's controller once per health check (2 s by default); 0.5 s keeps it quick.
-    env = _env(RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.5")
+    # Reports reach Ray's controller once per health check (2 s by default); 0.2 s keeps it quick.
+    env = _env(RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.2")
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         deadline = time.monotonic() + 200

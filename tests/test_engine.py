@@ -339,9 +339,9 @@ def test_launch_sets_threads_and_asked_variables_for_workers_only(monkeypatch: p
     monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 4)  # read in this process, where launch decides
-    threads = {rank: s[2] for rank, s in launch.launch(_worker_settings, (), 2).items()}
-    assert threads == {0: 2, 1: 2}  # 4 cores shared by 2 workers: torch in each uses 2 threads
-    assert launch.launch(_worker_settings, (), 1)[0][:2] == (None, "4")  # huge pages: the caller's choice
+    settings = launch.launch(_worker_settings, (), 2)
+    assert {rank: s[2] for rank, s in settings.items()} == {0: 2, 1: 2}  # 4 cores, 2 workers: 2 threads each
+    assert settings[0][:2] == (None, "2")  # huge pages: the caller's choice
     assert launch.launch(_worker_settings, (), 1, env={"THP_MEM_ALLOC_ENABLE": "1"})[0][:2] == (
         "1",
         "4",

@@ -37,10 +37,14 @@ from fullshard.frontend.fully_shard import (
     register_fsdp_forward_method,
 )
 from fullshard.jobs.memory import model_state_bytes, peak_rss_bytes
+from fullshard.jobs.memory_report import MemoryReport, UnitMemory, memory_report
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "MemoryReport",
+    "UnitMemory",
+    "memory_report",
     "set_collective_timeout",
     "set_step",
     "FSDP",

@@ -26,6 +26,7 @@ from fullshard.frontend.wrap import transformer_auto_wrap_policy
 from fullshard.jobs import launch
 from fullshard.jobs.data.text import ByteCorpus, files_from_glob
 from fullshard.jobs.memory import model_state_bytes
+from fullshard.jobs.memory_report import memory_report
 from fullshard.jobs.models.gpt import GPT, PRESETS, Block, init_module
 from fullshard.jobs.train import fsdp_options, global_batch, launcher_options, observe, resume_options
 from fullshard.jobs.train.report import MetricsFile, mib
@@ -252,6 +253,8 @@ def train_loop(
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=True
     )
+    if rank == 0:
+        print(memory_report(model, optimizer).summary(), flush=True)
     session = open_session(cfg)
     first = _resume(session, model, optimizer)
     metrics = MetricsFile(cfg.metrics_file, rank == 0, append=first > 0)

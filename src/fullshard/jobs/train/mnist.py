@@ -27,6 +27,7 @@ from fullshard.frontend.wrap import size_based_auto_wrap_policy
 from fullshard.jobs import launch
 from fullshard.jobs.data import mnist as mnist_data
 from fullshard.jobs.memory import model_state_bytes
+from fullshard.jobs.memory_report import memory_report
 from fullshard.jobs.models.net import Net
 from fullshard.jobs.train import fsdp_options, launcher_options, observe, resume_options
 from fullshard.jobs.train.report import MetricsFile, mib
@@ -147,7 +148,7 @@ def _train_epoch(
     after_step: Any,
     obs: observe.Observer,
 ) -> torch.Tensor:
-    """Train the rest of an epoch; (loss sum, samples, last grad norm), float64, this rank."""
+    """Train the rest of an epoch; (loss sum, samples, the last step's grad norm), float64, this rank."""
     model.train()
     stats = torch.tensor([*pos.stats, 0.0], dtype=torch.float64, device=device)  # loss sum, samples, norm
     batches = iter(loader)  # creating it draws from the RNG, so a resume restores the RNG after
@@ -162,7 +163,8 @@ def _train_epoch(
         obs.step_started(pos.step)
         loss = F.nll_loss(model(data).float(), target, reduction="sum")
         loss.backward()
-        stats[2] = fsdp_options.clip_grad_norm_(model, math.inf).item()  # the global norm, for the record
+        if pos.batch == len(loader) - 1:  # the epoch's last step: its global norm goes in the record
+            stats[2] = fsdp_options.clip_grad_norm_(model, math.inf).item()
         optimizer.step()
         stats[0] += loss.item()
         stats[1] += len(data)
@@ -204,9 +206,9 @@ def _run(cfg: MnistConfig, device: torch.device) -> dict[str, Any] | None:
     train_loader, test_loader, sampler = _loaders(cfg, rank, world)
     policy = functools.partial(size_based_auto_wrap_policy, min_num_params=cfg.min_num_params)
     model = fsdp_options.shard_model(Net().to(device), cfg, policy)
-    if rank == 0:
-        print(model, flush=True)
     optimizer = torch.optim.Adadelta(model.parameters(), lr=cfg.lr)
+    if rank == 0:
+        print(f"{model}\n{memory_report(model, optimizer).summary()}", flush=True)
     scheduler = StepLR(optimizer, step_size=1, gamma=cfg.gamma)
     session = open_session(cfg)
     pos = _resume(session, model, optimizer, scheduler)

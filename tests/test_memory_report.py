@@ -1,0 +1,142 @@
+"""``fullshard.memory_report`` on real wrapped models: every byte checked against the shapes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from dist import run_ranks
+from torch import nn
+
+SHAPES = {"0": [(7, 10), (7,)], "2": [(3, 7), (3,)]}  # the two Linear units' weight and bias
+
+
+def _local_rows(rows: int, world: int, rank: int) -> int:
+    per = math.ceil(rows / world)
+    return max(0, min(per, rows - rank * per))
+
+
+def _expected(world: int, rank: int) -> dict[str, dict[str, int]]:
+    out = {}
+    for name, shapes in SHAPES.items():
+        numel = sum(math.prod(s) for s in shapes)
+        padded = sum(math.ceil(s[0] / world) * math.prod(s[1:]) for s in shapes)  # each rank's shard
+        local = sum(_local_rows(s[0], world, rank) * math.prod(s[1:]) for s in shapes)
+        out[name] = {
+            "numel": numel,
+            "shard_bytes": 4 * padded,
+            "full_bytes": 0 if world == 1 else 4 * world * padded,
+            "optim_bytes": 4 * (2 * local + len(shapes)),  # exp_avg, exp_avg_sq; a 0-dim step per parameter
+            "full_state_bytes": 4 * (4 * numel + len(shapes)),  # params, grads, both moments, the steps
+        }
+    return out
+
+
+OPTIMIZERS = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+    "adadelta": lambda ps: torch.optim.Adadelta(ps),
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+}
+
+
+def _net() -> nn.Module:
+    return nn.Sequential(nn.Linear(10, 7), nn.ReLU(), nn.Linear(7, 3))
+
+
+def report_body(rank: int, world: int, api: str, optimizer: str = "adamw") -> dict:
+    from fullshard import FullyShardedDataParallel, fully_shard, memory_report
+    from fullshard.jobs.plan.estimate import estimate_model_state
+    from fullshard.wrap import ModuleWrapPolicy
+
+    with torch.device("meta"):
+        plain = _net()
+    predicted = estimate_model_state(
+        plain, lambda m: isinstance(m, nn.Linear), world, rank=rank, optimizer=optimizer, momentum=0.9
+    )
+    torch.manual_seed(0)
+    net = _net()
+    if api == "fsdp1":
+        model = FullyShardedDataParallel(net, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+    else:
+        for layer in (net[0], net[2]):
+            fully_shard(layer)
+        model = fully_shard(net)
+    opt = OPTIMIZERS[optimizer](model.parameters())
+    with pytest.raises(ValueError, match="no fullshard FSDP unit"):
+        memory_report(nn.Linear(2, 2))
+    before = memory_report(model, opt)
+    model(torch.randn(4, 10)).sum().backward()
+    opt.step()
+    after = memory_report(model, opt)
+    return {
+        "before": [(u.name, u.grad_bytes, u.optim_bytes) for u in before.units],
+        "after": {u.name: dict(vars(u)) for u in after.units},
+        "text": str(after),
+        "reduction": after.reduction,
+        "world": after.world_size,
+        "predicted": {u.name: dict(vars(u)) for u in predicted},
+    }
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("api", ["fsdp1", "fully_shard"])
+@pytest.mark.parametrize("world", [1, 3])
+def test_memory_report_counts_every_byte(world: int, api: str) -> None:
+    for rank, got in enumerate(run_ranks(report_body, world, api, timeout=180)):
+        assert got["world"] == world
+        assert all(grads == 0 and optim == 0 for _, grads, optim in got["before"]), got["before"]
+        units = got["after"]
+        assert set(units) == {"<root>", "0", "2"}, units
+        assert units["<root>"]["numel"] == 0
+        for name, want in _expected(world, rank).items():
+            unit = units[name]
+            for key, value in want.items():
+                assert unit[key] == value, (rank, name, key, unit[key], value)
+            assert unit["grad_bytes"] == want["shard_bytes"]  # the sharded gradients fill the shards' size
+        state = sum(u["shard_bytes"] + u["grad_bytes"] + u["optim_bytes"] for u in units.values())
+        full = sum(u["full_state_bytes"] for u in units.values())
+        assert got["reduction"] == pytest.approx(full / state)
+        assert "| total | 101 |" in got["text"] and f"({world} ranks)" in got["text"], got["text"]
+        _matches_prediction(got)
+
+
+def _matches_prediction(got: dict) -> None:
+    """The estimator's bytes (from shapes, on the meta device) equal the measured ones exactly."""
+    for name, unit in got["after"].items():
+        predicted = got["predicted"][name]
+        for key in ("numel", "shard_bytes", "grad_bytes", "optim_bytes", "full_bytes"):
+            assert predicted[key] == unit[key], (name, key, predicted[key], unit[key])
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(("world", "api", "optimizer"), [(2, "fsdp1", "adadelta"), (3, "fully_shard", "sgd")])
+def test_estimated_model_state_equals_the_measured_one(world: int, api: str, optimizer: str) -> None:
+    for got in run_ranks(report_body, world, api, optimizer, timeout=180):
+        _matches_prediction(got)
+
+
+def test_live_tensor_bytes_counts_each_storage_once_and_forgets_freed_ones() -> None:
+    from fullshard.jobs.plan.tracker import LiveTensorBytes
+
+    x = torch.ones(1000, requires_grad=True)  # made before: seen only when adopted
+    with LiveTensorBytes(label=lambda: "step") as live:
+        live.adopt([x])
+        assert live.current == 4000
+        a = torch.empty(1000)
+        view = a[:10]  # a view: no new memory
+        assert live.current == 8000
+        del a, view
+        y = (x * 2).exp()  # x * 2 is a temporary; exp saves its output for backward
+        assert live.peak == 12000  # x, the temporary x * 2 and exp's output at once
+        loss = y.sum()
+        del y  # still alive: the graph saved it
+        live.reset_peak()
+        loss.backward()
+        assert x.grad is not None
+        del loss
+        b = torch.empty(10)
+    assert live.peak >= 4000 + 4000 + 4000  # x, exp's saved output and the gradient, during backward
+    assert live.current == 4000 + 4000 + 40, live.current  # x, x.grad, b: everything else freed
+    assert live.peak_label == "step"
+    del b
