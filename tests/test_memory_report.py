@@ -140,3 +140,28 @@ def test_live_tensor_bytes_counts_each_storage_once_and_forgets_freed_ones() -> 
     assert live.current == 4000 + 4000 + 40, live.current  # x, x.grad, b: everything else freed
     assert live.peak_label == "step"
     del b
+
+
+def test_live_tensor_bytes_on_the_meta_device_measures_without_allocating() -> None:
+    from fullshard.jobs.plan.tracker import LiveTensorBytes
+
+    with LiveTensorBytes("meta") as live:
+        with torch.device("meta"):
+            layer = nn.Linear(2**16, 2**16)  # 16 GiB of weights: sizes only
+        assert live.current == 4 * (2**32 + 2**16)
+        layer(torch.zeros(8, 2**16, device="meta")).sum().backward()
+    assert live.peak >= 2 * 4 * 2**32  # the weight and its gradient at once
+    assert live.measure() == 2 * 4 * (2**32 + 2**16)  # parameters and gradients remain
+
+
+@pytest.mark.timeout(200)
+def test_predicted_step_peak_is_within_5_percent_of_the_measured_one() -> None:
+    """Bytes, not seconds: the estimate from a meta-device trace against LiveTensorBytes on three
+    real steps (the third step's peak on rank 0). The full table is `fullshard bench estimate`."""
+    from fullshard.jobs.plan import validate
+
+    for config in (validate.Config("gpt-tiny", 2, ac=True), validate.Config("mnist", 1, batch=64)):
+        estimate, peak, _ = validate.compare(config)
+        parts = (estimate.shards, estimate.optimizer, estimate.gathered, estimate.activations)
+        assert all(p >= 0 for p in parts) and estimate.activations > 0
+        assert abs(estimate.total - peak) <= 0.05 * peak, (config, estimate, peak)

@@ -9,9 +9,10 @@ USAGE = """usage: fullshard COMMAND ...
 
 commands:
   train JOB [options]   run a training job across processes (jobs: mnist, gpt, hf)
-  bench WORKLOAD        time fullshard (workloads: compare, gpu, prefetch, optimizer)
+  bench WORKLOAD        time fullshard (compare, gpu, prefetch, optimizer, recorder, estimate)
   convert CKPT OUT      write a sharded checkpoint as one full state dict (.safetensors or .pt)
   plot METRICS... -o F  draw loss, throughput and per-rank memory of runs' metrics files
+  estimate --model M    predict memory per rank of an FSDP configuration (nothing allocated)
 """
 
 
@@ -42,6 +43,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from fullshard.jobs.plot import main as plot_main
 
         return plot_main(rest)
+    if command == "estimate":
+        from fullshard.jobs.plan.cli import main as estimate_main
+
+        return estimate_main(rest)
     if command == "bench":
         from fullshard.jobs.bench.main import main as bench_main
 

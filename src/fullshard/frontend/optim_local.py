@@ -20,12 +20,12 @@ fullshard unit (other DTensors, plain tensors) are left alone.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from fullshard.engine.sharded_param import ShardedParam
 
@@ -60,6 +60,10 @@ def _stand_in(param: Any, sp: ShardedParam) -> nn.Parameter:
 
 
 def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if "torch.distributed.tensor" not in sys.modules:  # no DTensor exists; importing it costs 0.7 s
+        return
+    from torch.distributed.tensor import DTensor
+
     if optimizer in _SWAPPED:  # the last step raised before the post-hook: undo it first
         _post_step(optimizer, args, kwargs)
     swapped = []
@@ -90,6 +94,8 @@ def _post_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
     swapped = _SWAPPED.pop(optimizer, None)
     if swapped is None:
         return
+    from torch.distributed.tensor import DTensor
+
     state = optimizer.state
     for group, i, param, plain, wrappers in swapped:
         group["params"][i] = param

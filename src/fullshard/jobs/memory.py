@@ -12,13 +12,11 @@ from torch import nn
 
 def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once)."""
-    from torch.distributed.tensor import DTensor
-
     seen: dict[int, int] = {}
     for t in tensors:
         if t is None:
             continue
-        if isinstance(t, DTensor):  # torch FSDP2's parameters: count this rank's local shard
+        if hasattr(t, "to_local"):  # a DTensor (torch FSDP2's, fully_shard's): this rank's local shard
             t = t.to_local()
         s = t.untyped_storage()
         seen[s.data_ptr() if s.nbytes() else id(s)] = s.nbytes()

@@ -5,6 +5,9 @@
 
 ``fullshard bench gpu`` measures the GPT presets on one CUDA device (see :mod:`fullshard.jobs.bench.gpu`).
 
+``fullshard bench estimate`` predicts each configuration's peak live tensor bytes per rank and
+measures it on three real steps (see :mod:`fullshard.jobs.plan.validate`).
+
 ``fullshard bench recorder [--calls 2000] [--rounds 2] [--nproc 2]`` times one-element all-reduces
 with the flight recorder on and off, taking turns: what recording adds to each collective.
 
@@ -38,6 +41,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.workload == "optimizer":
         print("\n".join(micro.optimizer_report(args.numel)))
         return 0
+    if args.workload == "estimate":
+        from fullshard.jobs.plan import validate
+
+        print("\n".join(validate.report()))
+        return 0
     if args.workload == "recorder":
         print("\n".join(micro.recorder_report(args.calls, args.rounds, args.nproc)))
         return 0
@@ -47,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fullshard bench", description=__doc__)
-    p.add_argument("workload", choices=["prefetch", "optimizer", "compare", "gpu", "recorder"])
+    p.add_argument("workload", choices=["prefetch", "optimizer", "compare", "gpu", "recorder", "estimate"])
     p.add_argument("--compare", default="compute", choices=sorted(COMPARE_WORKLOADS), help="compare: one workload")
     p.add_argument(
         "--workloads",

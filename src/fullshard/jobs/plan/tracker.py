@@ -11,7 +11,8 @@ It measures what torch allocates through ops (parameters, gradients, optimizer s
 activations, communication buffers, temporaries that reach Python or autograd). Workspaces
 that kernels allocate and free inside one op (a convolution's im2col buffer) and the backend's
 own buffers (gloo's) are invisible to it, as they are to ``torch.cuda.max_memory_allocated``'s
-Python-level peers.
+Python-level peers. On the meta device (``device_type="meta"``) it measures a step that
+allocates nothing: storages there have sizes but no addresses, so each counts by identity.
 """
 
 from __future__ import annotations
@@ -50,6 +51,11 @@ class LiveTensorBytes(TorchDispatchMode):
                 self._register(t)
         self._measure()
 
+    def measure(self) -> int:
+        """Bytes alive now (``current`` is otherwise as of the last allocation)."""
+        self._measure()
+        return self.current
+
     def reset_peak(self) -> None:
         """Start a new peak from the bytes alive now."""
         self._measure()
@@ -73,7 +79,7 @@ class LiveTensorBytes(TorchDispatchMode):
         for ref in list(self._storages.values()):
             st = ref()
             if st is not None and (n := st.nbytes()) > 0:
-                ptr = st.data_ptr()
+                ptr = st.data_ptr() if self.device_type != "meta" else id(st)  # meta storages have no address
                 sizes[ptr] = max(sizes.get(ptr, 0), n)
         self.current = sum(sizes.values())
         if self.current > self.peak:

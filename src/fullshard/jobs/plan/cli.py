@@ -1,0 +1,116 @@
+"""``fullshard estimate``: predicted memory per rank of one FSDP configuration, before any step.
+
+    fullshard estimate --model gpt:124m --batch-size 8 --seq-len 1024 --world-size 8 \\
+        --activation-checkpointing --mixed-precision bf16
+    fullshard estimate --model mnist --batch-size 64 --world-size 2
+    fullshard estimate --model mypkg.models:make_model --input-shape 16,3,224,224 \\
+        --wrap-cls Bottleneck --world-size 4
+
+Nothing is allocated: the model is built and traced on the meta device (see
+:mod:`fullshard.jobs.plan.peak`). A ``module:factory`` model is called with no arguments; its
+input is a float tensor of ``--input-shape`` and its loss the sum of its output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from fullshard.jobs.plan.estimate import OPTIMIZER_BUFFERS
+from fullshard.jobs.plan.peak import PeakEstimate, estimate_peak
+
+PRECISIONS = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fullshard estimate", description=__doc__)
+    p.add_argument("--model", required=True, help="gpt:PRESET, mnist, or module.path:factory")
+    p.add_argument("--batch-size", type=int, default=16, help="samples per rank")
+    p.add_argument("--seq-len", type=int, default=128, help="gpt: tokens per sequence")
+    p.add_argument("--input-shape", default=None, help="module:factory: the input's shape, e.g. 16,3,224,224")
+    p.add_argument("--wrap-cls", default=None, help="module:factory: class names that become units, comma-separated")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--sharding-strategy", default="full_shard", choices=["full_shard", "shard_grad_op", "no_shard"])
+    p.add_argument("--activation-checkpointing", action="store_true", help="recompute each unit in backward")
+    p.add_argument("--mixed-precision", default="none", choices=sorted(PRECISIONS))
+    p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_BUFFERS))
+    return p
+
+
+def _model_parts(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
+    """(make_model, example, loss_fn, is_unit) for ``--model``; ValueError when it is unusable."""
+    if args.model.startswith("gpt:"):
+        from fullshard.jobs.models.gpt import GPT, PRESETS, Block
+
+        preset = args.model[4:]
+        if preset not in PRESETS:
+            raise ValueError(f"--model {args.model}: presets are {', '.join('gpt:' + p for p in PRESETS)}")
+        shape = (args.batch_size, args.seq_len)
+        return (
+            lambda: GPT(PRESETS[preset]),
+            lambda: (torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.long)),
+            lambda m, b: F.cross_entropy(m(b[0]).float().flatten(0, 1), b[1].flatten()),
+            lambda m: isinstance(m, Block),
+        )
+    if args.model == "mnist":
+        from fullshard.jobs.plan.validate import Config, mnist_parts
+
+        return mnist_parts(Config("mnist", args.world_size, batch=args.batch_size))
+    module_name, _, factory = args.model.partition(":")
+    if not factory or args.input_shape is None or args.wrap_cls is None:
+        raise ValueError(
+            f"--model {args.model!r}: give gpt:PRESET, mnist, or module.path:factory with --input-shape and --wrap-cls"
+        )
+    make = getattr(importlib.import_module(module_name), factory)
+    dims = [int(d) for d in args.input_shape.split(",")]
+    names = set(args.wrap_cls.split(","))
+    return make, (lambda: torch.zeros(dims)), (lambda m, x: m(x).float().sum()), (lambda m: type(m).__name__ in names)
+
+
+def table(e: PeakEstimate, world: int) -> list[str]:
+    """The estimate as markdown lines (MiB per rank)."""
+    rows = [
+        ("parameter shards", e.shards),
+        ("sharded gradients (produced by the peak)", e.gradients),
+        ("optimizer state", e.optimizer),
+        ("gathered full parameters (root, current, prefetched)", e.gathered),
+        ("full gradient before its reduce-scatter", e.gradient_buffer),
+        ("activations, saved tensors and temporaries", e.activations),
+    ]
+    lines = [f"| per rank ({world} ranks) | MiB |", "|---|---|"]
+    lines += [f"| {name} | {b / 2**20:,.2f} |" for name, b in rows]
+    lines.append(f"| **peak** (in {e.phase}) | **{e.total / 2**20:,.2f}** |")
+    units = sorted(e.units, key=lambda u: u.full_bytes, reverse=True)
+    largest = f"the largest ({units[0].name}) gathers {units[0].full_bytes / 2**20:,.2f} MiB"
+    lines.append(f"\n{len(e.units)} FSDP units; {largest}")
+    return lines
+
+
+def main(argv: Sequence[str]) -> int:
+    """Entry point of ``fullshard estimate``; returns the exit code (2 on bad options)."""
+    p = _parser()
+    args = p.parse_args(list(argv))
+    if args.world_size < 1 or args.batch_size < 1:
+        p.error("--world-size and --batch-size must be at least 1")
+    try:
+        make, example, loss_fn, is_unit = _model_parts(args)
+    except (ValueError, ImportError, AttributeError) as err:
+        p.error(str(err))
+    estimate = estimate_peak(
+        make,
+        example,
+        loss_fn,
+        is_unit,
+        args.world_size,
+        param_dtype=PRECISIONS[args.mixed_precision],
+        checkpoint=is_unit if args.activation_checkpointing else None,
+        optimizer=args.optimizer,
+        sharding_strategy=args.sharding_strategy,
+    )
+    print("\n".join(table(estimate, args.world_size)))
+    return 0

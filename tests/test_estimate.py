@@ -1,0 +1,52 @@
+"""``fullshard estimate``: the CLI over the meta-device estimator (nothing allocated)."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+
+def make_mlp() -> nn.Module:
+    """A module:factory model for the CLI: two Linear units and a root holding nothing."""
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+
+
+def test_estimate_gpt_preset_prints_the_categories_and_the_peak(capsys: pytest.CaptureFixture[str]) -> None:
+    from fullshard.jobs.plan import cli, validate
+
+    assert cli.main(["--model", "gpt:tiny", "--batch-size", "16", "--world-size", "2"]) == 0
+    out = capsys.readouterr().out
+    expected = validate.predict(validate.Config("gpt-tiny", 2))
+    assert f"| **peak** (in backward) | **{expected.total / 2**20:,.2f}** |" in out, out
+    for name in ("parameter shards", "optimizer state", "gathered full parameters", "activations"):
+        assert name in out
+    assert "5 FSDP units; the largest (blocks.0)" in out
+
+
+def test_estimate_a_user_factory(capsys: pytest.CaptureFixture[str]) -> None:
+    from fullshard.jobs.plan import cli
+
+    args = ["--model", "test_estimate:make_mlp", "--input-shape", "32,64", "--wrap-cls", "Linear", "--world-size", "4"]
+    assert cli.main([*args, "--optimizer", "sgd"]) == 0
+    out = capsys.readouterr().out
+    # Shards: 64 x 256 + 256 and 256 x 64 + 64 elements in chunks of ceil(rows / 4) rows, fp32.
+    shards = 4 * (64 * 64 + 64) + 4 * (16 * 256 + 16)
+    assert f"| parameter shards | {shards / 2**20:,.2f} |" in out and "| optimizer state | 0.00 |" in out, out
+    assert "3 FSDP units; the largest (0)" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "gpt:huge"], "presets are gpt:tiny"),
+        (["--model", "nothing"], "give gpt:PRESET, mnist, or module.path:factory"),
+        (["--model", "no_such_module:f", "--input-shape", "1", "--wrap-cls", "X"], "No module named 'no_such_module'"),
+        (["--model", "mnist", "--world-size", "0"], "--world-size and --batch-size must be at least 1"),
+    ],
+)
+def test_estimate_rejects_bad_models(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from fullshard.jobs.plan import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(args)
+    assert e.value.code == 2 and message in capsys.readouterr().err
