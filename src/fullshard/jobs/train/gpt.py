@@ -274,6 +274,7 @@ def train_loop(
             session.save(step + 1, model, optimizer, {"step": step + 1, "rng": torch.get_rng_state()})
         obs.step_finished(step)
         if (step + 1) % cfg.log_interval == 0 or step + 1 == cfg.steps:
+            obs.end_window()
             record = _log(cfg, model, optimizer, val, obs, step, window, time.perf_counter() - last)
             record.update(elapsed_seconds=time.perf_counter() - start, global_batch_size=rows, world_size=world)
             obs.say(_line(record, cfg.steps))
@@ -281,6 +282,7 @@ def train_loop(
             obs.write(record, step + 1)
             session.report(record)
             window.zero_()
+            obs.start_window()
             last = time.perf_counter()
     obs.close()
     fsdp_options.save_full_model(model, cfg.save_model)

@@ -150,6 +150,7 @@ def _train_epoch(
 ) -> torch.Tensor:
     """Train the rest of an epoch; (loss sum, samples, the last step's grad norm), float64, this rank."""
     model.train()
+    obs.start_window()
     stats = torch.tensor([*pos.stats, 0.0], dtype=torch.float64, device=device)  # loss sum, samples, norm
     batches = iter(loader)  # creating it draws from the RNG, so a resume restores the RNG after
     for _ in range(pos.batch):
@@ -174,6 +175,7 @@ def _train_epoch(
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item() / len(data):.4f}")
+    obs.end_window()
     return stats
 
 

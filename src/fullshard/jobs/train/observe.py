@@ -162,7 +162,7 @@ class Observer:
         self.profile = parse_profile_steps(cfg.profile_steps)
         self.profile_dir = Path(cfg.profile_dir)
         self._profiler: Any = None
-        self._exposed = exposure.exposed_seconds()
+        self._exposed = self._exposed_end = exposure.exposed_seconds()
         self.writer = _writer(cfg.tensorboard) if self.rank == 0 else None
         self.bar = _bar(total_steps, first_step) if bar and self.rank == 0 and cfg.progress else None
 
@@ -188,22 +188,29 @@ class Observer:
         if self.bar is not None:
             self.bar.update(1)
 
+    def start_window(self) -> None:
+        """A log window's steps begin now (after the previous window's logging and evaluation)."""
+        self._exposed = exposure.exposed_seconds()
+
+    def end_window(self) -> None:
+        """A log window's steps ended now: collectives after this (logging, evaluation) are not its."""
+        self._exposed_end = exposure.exposed_seconds()
+
     def window(self, seconds: float, steps: int, samples: int, state_bytes: int) -> dict[str, Any]:
-        """Metrics of a log window of ``steps`` optimizer steps over ``seconds`` in which all
-        ranks together trained ``samples`` samples (collective: gathers per-rank values).
+        """Metrics of a log window of ``steps`` optimizer steps over ``seconds`` (between
+        :meth:`start_window` and :meth:`end_window`) in which all ranks together trained
+        ``samples`` samples (collective: gathers per-rank values).
 
         Returns: step_seconds, compute_seconds and comm_exposed_seconds (per rank, seconds per
         step), samples_per_second (all ranks), mfu (fraction of the peak), peak_rss_bytes and
         sharded_state_bytes (per rank, bytes), and on CUDA cuda_max_allocated_bytes and
         cuda_max_reserved_bytes (per rank).
         """
-        exposed = exposure.exposed_seconds()
         mine: dict[str, Any] = {
-            "comm_exposed_seconds": (exposed - self._exposed) / max(steps, 1),
+            "comm_exposed_seconds": (self._exposed_end - self._exposed) / max(steps, 1),
             "peak_rss_bytes": peak_rss_bytes(),
             "sharded_state_bytes": state_bytes,
         }
-        self._exposed = exposed
         if self.device.type == "cuda":
             mine["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
             mine["cuda_max_reserved_bytes"] = torch.cuda.max_memory_reserved(self.device)
