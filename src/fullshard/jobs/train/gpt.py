@@ -270,10 +270,9 @@ def train_loop(
         window[0] += loss
         window[1] += 1
         window[2] = norm
-        if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps):
-            session.save(step + 1, model, optimizer, {"step": step + 1, "rng": torch.get_rng_state()})
         obs.step_finished(step)
-        if (step + 1) % cfg.log_interval == 0 or step + 1 == cfg.steps:
+        logged = (step + 1) % cfg.log_interval == 0 or step + 1 == cfg.steps
+        if logged:  # before the checkpoint: a rank lost after the save must not lose this record
             obs.end_window()
             record = _log(cfg, model, optimizer, val, obs, step, window, time.perf_counter() - last)
             record.update(elapsed_seconds=time.perf_counter() - start, global_batch_size=rows, world_size=world)
@@ -281,6 +280,9 @@ def train_loop(
             metrics.write(record)
             obs.write(record, step + 1)
             session.report(record)
+        if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps):
+            session.save(step + 1, model, optimizer, {"step": step + 1, "rng": torch.get_rng_state()})
+        if logged:
             window.zero_()
             obs.start_window()
             last = time.perf_counter()
