@@ -1,14 +1,23 @@
-"""Run a function on N gloo ranks in fresh processes, with a hard timeout.
+"""Run a function on N gloo ranks in worker processes, with a hard timeout.
 
-``run_ranks(fn, world_size, *args)`` spawns one process per rank, creates the default process
-group (gloo, FileStore, loopback), calls ``fn(rank, world_size, *args)`` and returns the
-results in rank order. When any rank fails, the others are killed and the failing rank's
-traceback is raised; when the timeout passes, all are killed and TimeoutError names the ranks
-still running. Functions must be importable (module level).
+``run_ranks(fn, world_size, *args)`` calls ``fn(rank, world_size, *args)`` on ``world_size``
+ranks of a default process group (gloo, FileStore, loopback) and returns the results in rank
+order. When any rank fails, all ranks are killed and the failing rank's traceback is raised;
+when the timeout passes, all are killed and TimeoutError names the ranks still running.
+Functions must be importable (module level).
+
+Ranks are kept between calls, one set per world size (each spawned rank costs seconds of
+imports on this machine, and the suite runs a few hundred calls): a kept rank restores the
+environment variables, default dtype, grad mode, thread count and RNG seed before each call,
+and a set that failed or timed out is killed, never reused. ``fresh=True`` (and every call made
+while this process's environment differs from the one the kept ranks started with, e.g. under
+``monkeypatch.setenv``) runs in new processes instead: for measurements of a whole process such
+as peak RSS, and for variables read at process start.
 """
 
 from __future__ import annotations
 
+import atexit
 import io
 import multiprocessing as mp
 import os
@@ -21,26 +30,48 @@ from typing import Any
 
 import torch
 
+_SEED = 1234  # every call starts from this default-generator seed (torch seeds new processes at random)
 
-def _entry(fn: Callable[..., Any], rank: int, world: int, store_path: str, q: Any, args: tuple, backend: str) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+
+def _setup(rank: int, world: int, store_path: str, backend: str) -> None:
     import datetime
 
-    import torch
     import torch.distributed as dist
 
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+
+
+def _call(fn: Callable[..., Any], rank: int, world: int, args: tuple) -> tuple[str, Any]:
+    """Run one call from a clean slate; ("ok", pickled result) or ("error", traceback)."""
+    env = dict(os.environ)
+    torch.manual_seed(_SEED)
     try:
-        store = dist.FileStore(store_path, world)
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-        dist.init_process_group(
-            backend, store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
-        )
         result = fn(rank, world, *args)
         buffer = io.BytesIO()  # tensors by value: a queue would share them by file descriptor,
         torch.save(result, buffer)  # which breaks once this process exits
-        q.put((rank, "ok", buffer.getvalue()))
+        return "ok", buffer.getvalue()
+    except BaseException:
+        return "error", traceback.format_exc()
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+        torch.set_default_dtype(torch.float32)
+        torch.set_grad_enabled(True)
+        torch.set_num_threads(1)
+
+
+def _entry(fn: Callable[..., Any], rank: int, world: int, store_path: str, q: Any, args: tuple, backend: str) -> None:
+    """A fresh rank: set up, run ``fn`` once, leave."""
+    import torch.distributed as dist
+
+    try:
+        _setup(rank, world, store_path, backend)
+        q.put((rank, *_call(fn, rank, world, args)))
     except BaseException:
         q.put((rank, "error", traceback.format_exc()))
     finally:
@@ -48,42 +79,111 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, store_path: str, q: An
             dist.destroy_process_group()
 
 
-def run_ranks(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240, backend: str = "gloo"
-) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; results in rank order."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        store_path = os.path.join(tmp, "store")
-        procs = [
-            ctx.Process(target=_entry, args=(fn, r, world_size, store_path, q, args, backend), daemon=True)
-            for r in range(world_size)
-        ]
-        for p in procs:
+def _kept(rank: int, world: int, store_path: str, inbox: Any, q: Any) -> None:
+    """A kept rank: set up once, then run each ``(fn, args)`` from ``inbox`` until None."""
+    try:
+        _setup(rank, world, store_path, "gloo")
+    except BaseException:
+        q.put((rank, "error", traceback.format_exc()))
+        return
+    parent = os.getppid()
+    while os.getppid() == parent:  # a pytest worker may leave by os._exit, without atexit
+        try:
+            job = inbox.get(timeout=1.0)
+        except queue.Empty:
+            continue
+        if job is None:
+            return
+        fn, args = job
+        q.put((rank, *_call(fn, rank, world, args)))
+
+
+class _Ranks:
+    """``world`` processes and their queues: kept ranks (with inboxes) or one call's fresh ranks."""
+
+    def __init__(self, world: int, fn: Callable[..., Any] | None, args: tuple, backend: str) -> None:
+        ctx = mp.get_context("spawn")
+        self.world, self.q = world, ctx.Queue()
+        self.tmp = tempfile.TemporaryDirectory()
+        store = os.path.join(self.tmp.name, "store")
+        self.env = dict(os.environ)
+        self.inboxes = [ctx.Queue() for _ in range(world)] if fn is None else []
+        if fn is None:
+            targets = [(_kept, (r, world, store, self.inboxes[r], self.q)) for r in range(world)]
+        else:
+            targets = [(_entry, (fn, r, world, store, self.q, args, backend)) for r in range(world)]
+        self.procs = [ctx.Process(target=t, args=a, daemon=True) for t, a in targets]
+        for p in self.procs:
             p.start()
+
+    def collect(self, timeout: float) -> list[Any]:
         results: dict[int, Any] = {}
         deadline = time.monotonic() + timeout
+        while len(results) < self.world:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                running = [r for r in range(self.world) if r not in results]
+                raise TimeoutError(f"ranks {running} still running after {timeout:.0f} s")
+            try:
+                rank, status, value = self.q.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self.procs) if r not in results and p.exitcode not in (None, 0)]
+                if dead:
+                    codes = [self.procs[r].exitcode for r in dead]
+                    raise RuntimeError(f"ranks {dead} died with exit codes {codes}") from None
+                continue
+            if status == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            results[rank] = torch.load(io.BytesIO(value), weights_only=False)
+        return [results[r] for r in range(self.world)]
+
+    def close(self, kill: bool) -> None:
+        for box in self.inboxes:
+            box.put(None)
+        for p in self.procs:
+            if kill:
+                p.kill()
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self.tmp.cleanup()
+
+
+_KEPT: dict[int, _Ranks] = {}
+
+
+@atexit.register
+def _close_kept() -> None:
+    while _KEPT:
+        _KEPT.popitem()[1].close(kill=False)
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 240,
+    backend: str = "gloo",
+    fresh: bool = False,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; results in rank order."""
+    kept = _KEPT.get(world_size)
+    if kept is not None and kept.env != dict(os.environ):
+        fresh = True
+    if fresh or backend != "gloo":
+        ranks = _Ranks(world_size, fn, args, backend)
         try:
-            while len(results) < world_size:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    running = [r for r in range(world_size) if r not in results]
-                    raise TimeoutError(f"ranks {running} still running after {timeout:.0f} s")
-                try:
-                    rank, status, value = q.get(timeout=min(left, 1.0))
-                except queue.Empty:
-                    dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode not in (None, 0)]
-                    if dead:
-                        raise RuntimeError(f"ranks {dead} died with exit codes {[procs[r].exitcode for r in dead]}")
-                    continue
-                if status == "error":
-                    raise RuntimeError(f"rank {rank} failed:\n{value}")
-                results[rank] = torch.load(io.BytesIO(value), weights_only=False)
+            return ranks.collect(timeout)
         finally:
-            for p in procs:
-                p.join(timeout=5)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
-    return [results[r] for r in range(world_size)]
+            ranks.close(kill=False)
+    if kept is None:
+        kept = _KEPT[world_size] = _Ranks(world_size, None, (), backend)
+    for box in kept.inboxes:
+        box.put((fn, args))
+    try:
+        return kept.collect(timeout)
+    except BaseException:
+        del _KEPT[world_size]
+        kept.close(kill=True)
+        raise

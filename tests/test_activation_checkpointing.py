@@ -108,8 +108,8 @@ def test_checkpointing_lowers_activation_memory(monkeypatch: pytest.MonkeyPatch)
     # peak RSS follows the live tensors (glibc would otherwise keep and reuse freed activations
     # depending on its allocation history: one process running both varied by 60-170 MiB).
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
-    checkpointed = run_ranks(peak_body, 1, True, timeout=180)[0]
-    plain = run_ranks(peak_body, 1, False, timeout=180)[0]
+    checkpointed = run_ranks(peak_body, 1, True, timeout=180, fresh=True)[0]
+    plain = run_ranks(peak_body, 1, False, timeout=180, fresh=True)[0]
     # Without checkpointing each of 12 blocks keeps ~9 x 4 MiB of activations (~430 MiB); with
     # it, only each block's 4 MiB input and one block's recomputation at a time. The plain run
     # must need well over 100 MiB more (measured here: 278 MiB, the same in every run).

@@ -119,8 +119,8 @@ def test_meta_init_peak_is_shards_plus_one_unit(monkeypatch: pytest.MonkeyPatch)
     # follows live tensor memory (by default the threshold grows after the first free of a
     # 16 MiB block and later blocks stay in the heap after they are freed).
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
-    meta = max(run_ranks(init_memory_body, 2, True, timeout=180))
-    eager = max(run_ranks(init_memory_body, 2, False, timeout=180))
+    meta = max(run_ranks(init_memory_body, 2, True, timeout=180, fresh=True))
+    eager = max(run_ranks(init_memory_body, 2, False, timeout=180, fresh=True))
     shards = 8 * UNIT_MB / 2  # this rank's half of 128 MiB
     # From meta: the shards plus about one unit's full weight at a time.
     assert shards <= meta <= shards + 2 * UNIT_MB, (meta, shards)

@@ -168,7 +168,7 @@ def rank0_memory_body(rank: int, world: int) -> tuple[float, int]:
 @pytest.mark.timeout(200)
 def test_rank0_only_full_state_dict_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(1 << 20))  # freed blocks go back to the OS
-    (r0, n0), (r1, n1) = run_ranks(rank0_memory_body, 2, timeout=180)
+    (r0, n0), (r1, n1) = run_ranks(rank0_memory_body, 2, timeout=180, fresh=True)
     assert n0 == 8 and n1 == 0
     assert r0 >= 8 * UNIT_MB  # rank 0 holds the whole model on CPU
     assert r1 <= 2 * UNIT_MB, r1  # rank 1 holds one unit at a time

@@ -51,6 +51,17 @@ def _agent(tmp: Path, name: str, port: int) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=tmp, env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def _wait_for_listener(port: int, agent: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            assert agent.poll() is None and time.monotonic() < deadline, "agent A never hosted the rendezvous"
+            time.sleep(0.05)
+
+
 def _records(metrics: Path) -> list[dict]:
     if not metrics.exists():
         return []
@@ -115,7 +126,7 @@ def test_two_ranks_to_one_and_back_keep_the_loss_curve(tmp_path: Path, reference
     checkpoint), then node C joins the running 1-rank job (scale-out: both restart at 2 ranks)."""
     metrics, port = tmp_path / "m.jsonl", _port()
     a = _agent(tmp_path, "A", port)  # hosts the rendezvous endpoint: the node that stays
-    time.sleep(1)
+    _wait_for_listener(port, a)  # B must not host the store: it is the node that leaves
     b = _agent(tmp_path, "B", port)
     agents = [a, b]
     try:

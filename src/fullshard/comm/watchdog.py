@@ -218,12 +218,22 @@ def explain_failure(entry: flight_recorder.Entry, error: BaseException) -> str:
     text = f"rank {rank}: {entry.describe()} failed ({str(error).splitlines()[0][:160]})"
     if ACTIVE is None:
         return text
+    peers = [int(x) for x in entry.group.split(",") if int(x) != ACTIVE.rank]
+    # A killed peer's sockets close before its process is a zombie: look again for up to 2 s.
+    deadline = time.monotonic() + 2.0
+    while not (gone := _gone(ACTIVE, peers)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return text + ("; " + "; ".join(gone) if gone else "")
+
+
+def _gone(dog: Watchdog, peers: list[int]) -> list[str]:
+    """A phrase for each of ``peers`` whose process has exited, by its heartbeat."""
     gone = []
-    for r in (int(x) for x in entry.group.split(",")):
-        hb = ACTIVE.peer(r) if r != ACTIVE.rank else None
+    for r in peers:
+        hb = dog.peer(r)
         if hb is not None and _exited(hb):
             gone.append(f"rank {r} exited (last completed: {hb['completed']})")
-    return text + ("; " + "; ".join(gone) if gone else "")
+    return gone
 
 
 ACTIVE: Watchdog | None = None
