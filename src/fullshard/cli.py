@@ -9,10 +9,12 @@ USAGE = """usage: fullshard COMMAND ...
 
 commands:
   train JOB [options]   run a training job across processes (jobs: mnist, gpt, hf)
-  bench WORKLOAD        time fullshard (compare, gpu, prefetch, optimizer, recorder, estimate)
+  bench WORKLOAD        time fullshard (compare, gpu, prefetch, optimizer, recorder, estimate, steptime)
   convert CKPT OUT      write a sharded checkpoint as one full state dict (.safetensors or .pt)
   plot METRICS... -o F  draw loss, throughput and per-rank memory of runs' metrics files
   estimate --model M    predict memory per rank of an FSDP configuration (nothing allocated)
+  plan --model M --memory-budget SIZE
+                        choose units' sharding, checkpointing and prefetch for a budget per rank
 """
 
 
@@ -47,6 +49,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from fullshard.jobs.plan.cli import main as estimate_main
 
         return estimate_main(rest)
+    if command == "plan":
+        from fullshard.jobs.plan.plan_cli import main as plan_main
+
+        return plan_main(rest)
     if command == "bench":
         from fullshard.jobs.bench.main import main as bench_main
 

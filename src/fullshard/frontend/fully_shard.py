@@ -242,9 +242,16 @@ def _register_forward_hooks(
 ) -> None:
     """Gather before the first of ``modules`` runs forward and free after the last one has."""
     pending: set[int] = set()
+    running: set[int] = set()  # modules whose forward has started and not yet returned
     ids = {id(m) for m in modules}
 
     def pre(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if id(module) in running:
+            # Its last forward never returned: torch's non-reentrant checkpoint stops a
+            # recomputation as soon as it has the tensors backward needs, skipping forward hooks.
+            running.clear()
+            pending.clear()
+        running.add(id(module))
         hooks.lazy_init(module)
         args, kwargs = hooks.prepare_inputs(state, (args, kwargs))
         if not pending:
@@ -253,6 +260,7 @@ def _register_forward_hooks(
         return args, kwargs
 
     def post(module: nn.Module, args: tuple, output: Any) -> Any:
+        running.discard(id(module))
         pending.discard(id(module))
         if not pending:
             output = hooks.post_forward(state, output)

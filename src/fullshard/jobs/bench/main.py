@@ -46,6 +46,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print("\n".join(validate.report()))
         return 0
+    if args.workload == "plan":
+        from fullshard.jobs.plan import plan_bench
+
+        print("\n".join(plan_bench.report()))
+        return 0
+    if args.workload == "steptime":
+        from fullshard.jobs.plan import validate_time
+
+        print("\n".join(validate_time.report()))
+        return 0
     if args.workload == "recorder":
         print("\n".join(micro.recorder_report(args.calls, args.rounds, args.nproc)))
         return 0
@@ -55,7 +65,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fullshard bench", description=__doc__)
-    p.add_argument("workload", choices=["prefetch", "optimizer", "compare", "gpu", "recorder", "estimate"])
+    p.add_argument(
+        "workload", choices=["prefetch", "optimizer", "compare", "gpu", "recorder", "estimate", "steptime", "plan"]
+    )
     p.add_argument("--compare", default="compute", choices=sorted(COMPARE_WORKLOADS), help="compare: one workload")
     p.add_argument(
         "--workloads",

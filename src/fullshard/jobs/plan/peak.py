@@ -21,7 +21,7 @@ The moment of the peak is reported as forward or backward.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -113,20 +113,41 @@ def estimate_peak(
     units = estimate_model_state(
         plain, is_unit, world_size, sharding_strategy=sharding_strategy, param_dtype=param_dtype, optimizer=optimizer
     )
-    activations, grad_fraction, phase = trace_activations(make_model, example, loss_fn, param_dtype, checkpoint)
-    by_size = sorted((u for u in units if u.name != "<root>"), key=lambda u: u.full_bytes, reverse=True)
+    traced = trace_activations(make_model, example, loss_fn, param_dtype, checkpoint)
+    keep = [u.name for u in units] if sharding_strategy == "shard_grad_op" else []
+    return combine(units, traced, world_size, keep_gathered=keep, no_shard=sharding_strategy == "no_shard")
+
+
+def combine(
+    units: list[UnitEstimate],
+    traced: tuple[int, float, str],
+    world_size: int,
+    *,
+    keep_gathered: Collection[str] = (),
+    no_shard: bool = False,
+) -> PeakEstimate:
+    """The peak from its parts: ``units`` from :func:`estimate_model_state`, ``traced`` from
+    :func:`trace_activations`; units named in ``keep_gathered`` do not reshard after forward
+    (SHARD_GRAD_OP for them), ``no_shard`` replicates everything (nothing gathered, gradients
+    all-reduced in place)."""
+    activations, grad_fraction, phase = traced
+    by_size = sorted(
+        (u for u in units if u.name != "<root>" and u.name not in keep_gathered),
+        key=lambda u: u.full_bytes,
+        reverse=True,
+    )
     root = next(u for u in units if u.name == "<root>")
-    gathered = root.full_bytes + sum(u.full_bytes for u in by_size[:2])
-    if sharding_strategy == "shard_grad_op":  # no unit reshards after forward: all stay gathered
-        gathered = sum(u.full_bytes for u in units)
+    kept = sum(u.full_bytes for u in units if u.name in keep_gathered and u.name != "<root>")
+    gathered = root.full_bytes + kept + sum(u.full_bytes for u in by_size[:2])
     grad_buffer = 0
-    if phase == "backward" and by_size and world_size > 1:
-        grad_buffer = by_size[0].full_bytes
+    largest = max((u.full_bytes for u in units if u.name != "<root>"), default=0)
+    if phase == "backward" and world_size > 1 and not no_shard:
+        grad_buffer = largest
     return PeakEstimate(
         shards=sum(u.shard_bytes for u in units),
         gradients=round(grad_fraction * sum(u.grad_bytes for u in units)),
         optimizer=sum(u.optim_bytes for u in units),
-        gathered=gathered,
+        gathered=0 if no_shard else gathered,
         gradient_buffer=grad_buffer,
         activations=activations,
         phase=phase,

@@ -27,11 +27,17 @@ from fullshard.jobs.plan.peak import estimate_peak
 from fullshard.jobs.plan.tracker import LiveTensorBytes
 
 
+def _wide() -> Any:
+    from fullshard.jobs.models.gpt import GPTConfig
+
+    return GPTConfig(d_model=512, n_layers=4, n_heads=8)
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """One validated configuration."""
 
-    model: str  # "gpt-tiny" or "mnist"
+    model: str  # "gpt-tiny", "gpt-wide" (memory-bound: d_model 512, 4 layers) or "mnist"
     world: int
     strategy: str = "full_shard"
     ac: bool = False
@@ -63,7 +69,8 @@ def gpt_parts(c: Config) -> tuple[Any, Any, Any, Any]:
     def example() -> Any:
         return torch.zeros(c.batch, 128, dtype=torch.long), torch.zeros(c.batch, 128, dtype=torch.long)
 
-    return (lambda: GPT(PRESETS["tiny"])), example, loss, (lambda m: isinstance(m, Block))
+    shape = PRESETS["tiny"] if c.model == "gpt-tiny" else _wide()
+    return (lambda: GPT(shape)), example, loss, (lambda m: isinstance(m, Block))
 
 
 def mnist_parts(c: Config) -> tuple[Any, Any, Any, Any]:
@@ -81,7 +88,7 @@ def mnist_parts(c: Config) -> tuple[Any, Any, Any, Any]:
 
 
 def _parts(c: Config) -> tuple[Any, Any, Any, Any]:
-    return gpt_parts(c) if c.model == "gpt-tiny" else mnist_parts(c)
+    return gpt_parts(c) if c.model.startswith("gpt") else mnist_parts(c)
 
 
 def predict(c: Config) -> Any:
@@ -96,7 +103,7 @@ def predict(c: Config) -> Any:
         c.world,
         param_dtype=dtype,
         checkpoint=is_unit if c.ac else None,
-        optimizer="adamw" if c.model == "gpt-tiny" else "adadelta",
+        optimizer="adamw" if c.model.startswith("gpt") else "adadelta",
         sharding_strategy=c.strategy,
     )
 

@@ -1,0 +1,258 @@
+"""Calibration for the step-time model: what collectives and blocks cost on this machine.
+
+- :func:`calibrate_comm` times all-gather, reduce-scatter and all-reduce of a few sizes in the
+  process group (every rank at once, the slowest rank's time counts) and fits
+  ``seconds = latency + bytes x seconds_per_byte`` per collective, ``bytes`` being the full
+  (gathered, or pre-reduction) tensor's.
+- :func:`time_blocks` times the forward and the backward of each distinct FSDP unit (one module
+  of each kind at the input shape a meta-device trace of the real batch gives it, on the real
+  device, one at a time) and of the root's own layers (the model with every unit replaced by a
+  stand-in that costs nothing), so no more than one block is ever materialized with the root.
+- :func:`time_optimizer` times an optimizer step over a rank's shard.
+
+Each takes seconds, not minutes; the numbers feed :mod:`fullshard.jobs.plan.simulate`.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from fullshard.comm import collectives
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """One collective's fitted cost: ``latency`` seconds plus ``seconds_per_byte`` per byte."""
+
+    latency: float
+    seconds_per_byte: float
+
+    def seconds(self, nbytes: int) -> float:
+        """Predicted seconds for a collective over a full tensor of ``nbytes`` bytes (0 for none)."""
+        return 0.0 if nbytes <= 0 else self.latency + self.seconds_per_byte * nbytes
+
+
+FREE = Link(0.0, 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class CommModel:
+    """Fitted costs of the three collectives FSDP issues, for one backend and world size."""
+
+    world_size: int
+    backend: str
+    all_gather: Link = FREE
+    reduce_scatter: Link = FREE
+    all_reduce: Link = FREE
+
+
+def _fit(points: list[tuple[int, float]]) -> Link:
+    """Least-squares line through (bytes, seconds); both coefficients kept non-negative."""
+    n = len(points)
+    mb = sum(b for b, _ in points) / n
+    mt = sum(t for _, t in points) / n
+    var = sum((b - mb) ** 2 for b, _ in points)
+    slope = max(0.0, sum((b - mb) * (t - mt) for b, t in points) / var) if var else 0.0
+    return Link(max(0.0, mt - slope * mb), slope)
+
+
+def _time_op(run: Callable[[], None], repeats: int, group: Any) -> float:
+    """Median seconds of ``run`` over ``repeats``, the slowest rank's (a collective call)."""
+    run()  # warm-up: first use of a size allocates gloo's buffers
+    times = []
+    for _ in range(repeats):
+        collectives.barrier(group)
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    t = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    collectives.all_reduce_max(t, group)
+    return float(t.item())
+
+
+def calibrate_comm(
+    group: Any = None, sizes: tuple[int, ...] = (1 << 14, 1 << 18, 1 << 21, 1 << 23), repeats: int = 5
+) -> CommModel:
+    """Time the three collectives at each full-tensor size in ``sizes`` (bytes, float32) and fit
+    each; collective: every rank of ``group`` (default: the world) must call it. A world of one
+    rank communicates nothing (all costs 0)."""
+    group = group if group is not None else collectives.default_group()
+    world = collectives.group_size(group)
+    device = collectives.reduction_device(group)
+    model = CommModel(world, collectives.backend(group))
+    if world == 1:
+        return model
+    fits: dict[str, list[tuple[int, float]]] = {"all_gather": [], "reduce_scatter": [], "all_reduce": []}
+    for size in sizes:
+        numel = max(world, size // 4 // world * world)
+        full = torch.zeros(numel, device=device)
+        shard = torch.zeros(numel // world, device=device)
+        ops: dict[str, Callable[[], Any]] = {
+            "all_gather": lambda: collectives.all_gather(full, shard, group),
+            "reduce_scatter": lambda: collectives.reduce_scatter(shard, full, group),
+            "all_reduce": lambda: collectives.all_reduce(full, group),
+        }
+        for name, op in ops.items():
+            fits[name].append((numel * 4, _time_op(op, repeats, group)))
+    ag, rs, ar = (_fit(fits[name]) for name in ("all_gather", "reduce_scatter", "all_reduce"))
+    return dataclasses.replace(model, all_gather=ag, reduce_scatter=rs, all_reduce=ar)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockTime:
+    """Seconds of one forward and of one backward (without recomputation) of a module."""
+
+    forward: float
+    backward: float
+
+
+class _Stub(nn.Module):
+    """Stands in for a unit when the root's own layers are timed: returns a fresh tensor of the
+    unit's output shape that passes a zero gradient back to the unit's first input."""
+
+    def __init__(self, shape: torch.Size, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.shape, self.dtype = shape, dtype
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out = torch.zeros(self.shape, dtype=self.dtype, device=x.device)
+        return out + x.flatten()[0] * 0 if x.requires_grad else out
+
+
+def _units(model: nn.Module, is_unit: Callable[[nn.Module], bool]) -> dict[str, nn.Module]:
+    """The outermost unit modules by name (a unit nested in another is timed with its parent)."""
+    out: dict[str, nn.Module] = {}
+    for name, m in model.named_modules():
+        if name and is_unit(m) and not any(name.startswith(o + ".") for o in out):
+            out[name] = m
+    return out
+
+
+def _like(t: Any, device: torch.device) -> Any:
+    """A real tensor for a meta one: random floats that need a gradient, zeros otherwise."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    if t.is_floating_point():
+        return torch.randn(t.shape, dtype=t.dtype, device=device).requires_grad_(True)
+    return torch.zeros(t.shape, dtype=t.dtype, device=device)
+
+
+def _materialize(module: nn.Module, device: torch.device) -> nn.Module:
+    module = module.to_empty(device=device)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0.0, 0.02)
+    return module
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_fb(forward: Callable[[], torch.Tensor], device: torch.device, repeats: int) -> BlockTime:
+    fwd, bwd = [], []
+    for i in range(repeats + 1):  # the first is a warm-up
+        _sync(device)
+        t0 = time.perf_counter()
+        out = forward()
+        _sync(device)
+        t1 = time.perf_counter()
+        (out if out.dim() == 0 else (out.float() * torch.randn_like(out, dtype=torch.float32)).sum()).backward()
+        _sync(device)
+        if i:
+            fwd.append(t1 - t0)
+            bwd.append(time.perf_counter() - t1)
+    return BlockTime(statistics.median(fwd), statistics.median(bwd))
+
+
+def time_blocks(
+    make_model: Callable[[], nn.Module],
+    example: Callable[[], Any],
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    is_unit: Callable[[nn.Module], bool],
+    device: torch.device,
+    compute_dtype: torch.dtype | None = None,
+    repeats: int = 3,
+) -> dict[str, BlockTime]:
+    """Forward and backward seconds per outermost unit (by name) and of ``"<root>"``'s own layers
+    (with the loss), at the batch ``example()`` builds, timed on ``device``.
+
+    Units of one kind (same class, parameter shapes and input shapes) are timed once. Each
+    unit's first positional argument must be a tensor and its output one tensor.
+
+    Raises:
+        TypeError: a unit's output is not a tensor.
+    """
+    with torch.device("meta"):
+        model = make_model()
+        if compute_dtype is not None:
+            model.to(compute_dtype)
+        batch = example()
+    units = _units(model, is_unit)
+    seen: dict[str, tuple[tuple, Any]] = {}
+
+    def keep(name: str, args: tuple, output: Any) -> None:  # a hook returning None leaves the output be
+        seen.setdefault(name, (args, output))
+
+    hooks = [m.register_forward_hook(lambda m, a, o, n=name: keep(n, a, o)) for name, m in units.items()]
+    loss_fn(model, batch)
+    for h in hooks:
+        h.remove()
+    out: dict[str, BlockTime] = {}
+    kinds: dict[tuple, BlockTime] = {}
+    for name, m in units.items():
+        args, result = seen[name]
+        if not isinstance(result, torch.Tensor):
+            raise TypeError(f"unit {name!r} returns {type(result).__name__}; time_blocks needs one tensor")
+        shapes = tuple((n, tuple(p.shape), p.dtype) for n, p in m.named_parameters())
+        kind = (type(m).__qualname__, shapes, tuple(getattr(a, "shape", a) for a in args))
+        if kind not in kinds:
+            real = _materialize(copy.deepcopy(m), device)
+            inputs = tree_map(lambda t: _like(t, device), args)
+
+            def run(r: nn.Module = real, i: tuple = inputs) -> torch.Tensor:
+                return r(*i)
+
+            kinds[kind] = _time_fb(run, device, repeats)
+        out[name] = kinds[kind]
+    for name, m in units.items():
+        parent, _, leaf = name.rpartition(".")
+        result = seen[name][1]
+        model.get_submodule(parent).register_module(leaf, _Stub(result.shape, result.dtype))
+    root = _materialize(model, device)
+    with torch.device(device):
+        real_batch = tree_map(lambda t: t.zero_() if isinstance(t, torch.Tensor) else t, example())
+    out["<root>"] = _time_fb(lambda: loss_fn(root, real_batch), device, repeats)
+    return out
+
+
+def time_optimizer(numel: int, device: torch.device, optimizer: str = "adamw", repeats: int = 3) -> float:
+    """Seconds of one ``optimizer`` step over ``numel`` float32 parameters (a rank's shard)."""
+    p = nn.Parameter(torch.zeros(max(1, numel), device=device))
+    p.grad = torch.randn_like(p)
+    opt: torch.optim.Optimizer
+    if optimizer in ("adamw", "adam"):
+        opt = torch.optim.AdamW([p], lr=1e-3, fused=True)
+    elif optimizer == "adadelta":
+        opt = torch.optim.Adadelta([p], lr=1.0)
+    else:
+        opt = torch.optim.SGD([p], lr=1e-3)
+    times = []
+    for i in range(repeats + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        opt.step()
+        _sync(device)
+        if i:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)

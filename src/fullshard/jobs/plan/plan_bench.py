@@ -1,0 +1,129 @@
+"""``fullshard bench plan``: the planner's choice against hand configurations, measured.
+
+For each workload (compute-bound GPT, memory-bound GPT, MNIST; 2 ranks) and budget (ample:
+twice the largest hand configuration's predicted peak; tight: 1.15 x the smallest predicted
+peak of all candidates), ``world`` fresh processes calibrate and plan; then the planned
+configuration and the six hand configurations (FULL_SHARD per block, SHARD_GRAD_OP per block,
+NO_SHARD, each with and without activation checkpointing) are each built from the same seed,
+applied with :meth:`~fullshard.jobs.plan.planner.Candidate.apply`, and measured: the median
+step of 5 after 2 warm-up steps, and the third step's peak of live tensor bytes on rank 0
+(a separate build under :class:`~fullshard.jobs.plan.tracker.LiveTensorBytes`, which slows
+steps down).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from fullshard.comm import collectives
+from fullshard.jobs import launch
+from fullshard.jobs.bench.workloads import BENCH_ENV
+from fullshard.jobs.plan.planner import Candidate, plan
+from fullshard.jobs.plan.steptime import calibrate
+from fullshard.jobs.plan.tracker import LiveTensorBytes
+from fullshard.jobs.plan.validate import Config, _parts
+
+WORKLOADS = {
+    "compute-bound GPT (tiny, 16 x 128 tokens)": Config("gpt-tiny", 2, batch=16),
+    "memory-bound GPT (d 512 x 4 layers, 2 x 128 tokens)": Config("gpt-wide", 2, batch=2),
+    "MNIST Net (64 images)": Config("mnist", 2, batch=64),
+}
+
+
+def hand_configurations(names: tuple[str, ...]) -> dict[str, Candidate]:
+    """The six hand configurations for units ``names``."""
+    out = {}
+    for ac in ((), names):
+        suffix = " +AC" if ac else ""
+        out["FULL_SHARD" + suffix] = Candidate(False, (), ac, False, names)
+        out["SHARD_GRAD_OP" + suffix] = Candidate(False, names, ac, False, names)
+        out["NO_SHARD" + suffix] = Candidate(True, (), ac, False, names)
+    return out
+
+
+def _steps(c: Config, cand: Candidate, device: torch.device, n: int, live: LiveTensorBytes | None) -> list[float]:
+    make, example, loss_fn, _ = _parts(c)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = cand.apply(make(), torch.bfloat16 if c.precision == "bf16" else None)
+    opt_cls: Any = torch.optim.AdamW if c.model.startswith("gpt") else torch.optim.Adadelta
+    opt = opt_cls(model.parameters(), lr=1e-3)
+    times = []
+    for _ in range(n):
+        batch = tuple(t.random_(0, 10) for t in example())
+        if live is not None:
+            live.reset_peak()
+        start = time.perf_counter()
+        loss_fn(model, batch).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def measure(c: Config, cand: Candidate, device: torch.device) -> tuple[float, int]:
+    """(median step seconds, third-step peak live tensor bytes) of ``cand`` on this rank."""
+    seconds = statistics.median(_steps(c, cand, device, 7, None)[2:])
+    with LiveTensorBytes() as live:
+        _steps(c, cand, device, 3, live)
+    return seconds, live.peak
+
+
+def _worker(c: Config) -> list[dict[str, Any]] | None:
+    device = launch.init_process_group()
+    try:
+        make, example, loss_fn, is_unit = _parts(c)
+        cal = calibrate(
+            make, example, loss_fn, is_unit, device, optimizer="adamw" if c.model != "mnist" else "adadelta"
+        )
+        names = tuple(n for n in cal.blocks if n != "<root>")
+        hands = hand_configurations(names)
+        every = {s.candidate: s for s in plan(cal, make, example, loss_fn, is_unit, 2**60).scored}
+        largest = max(every[h].peak.total for h in hands.values())
+        smallest = min(s.peak.total for s in every.values())
+        rows = []
+        for label, budget in (("ample", 2 * largest), ("tight", int(1.15 * smallest))):
+            chosen = plan(cal, make, example, loss_fn, is_unit, budget).best
+            assert chosen is not None  # the smallest candidate fits 1.15 x its own peak
+            cand = collectives.broadcast_object(chosen.candidate, 0, collectives.default_group())
+            rows.append({"budget": label, "bytes": budget, "plan": cand, "predicted": chosen})
+        measured = {name: measure(c, cand, device) for name, cand in hands.items()}
+        for row in rows:
+            row["measured"] = measure(c, row["plan"], device)
+        return [{"hands": measured, "predicted_hands": {n: every[h] for n, h in hands.items()}, "rows": rows}]
+    finally:
+        launch.destroy_process_group()
+
+
+def report(workloads: dict[str, Config] | None = None) -> list[str]:
+    """Markdown lines: per workload and budget, the plan and every hand configuration, measured."""
+    mib = 2**20
+    lines = []
+    for title, c in (workloads or WORKLOADS).items():
+        result = launch.launch(_worker, (c,), c.world, env=BENCH_ENV)[0][0]
+        lines += [
+            f"\n**{title}**, {c.world} ranks\n",
+            "| budget | configuration | peak predicted / measured (MiB) | "
+            "step predicted / measured (ms) | fits | vs fastest fitting hand |",
+            "|---|---|---|---|---|---|",
+        ]
+        for row in result["rows"]:
+            budget = row["bytes"]
+            fitting = {n: m for n, m in result["hands"].items() if m[1] <= budget}
+            fastest = min(fitting.items(), key=lambda kv: kv[1][0]) if fitting else None
+            for name, cand, pred, (sec, peak) in [
+                ("plan: " + row["plan"].describe(), row["plan"], row["predicted"], row["measured"]),
+                *[(n, None, result["predicted_hands"][n], m) for n, m in result["hands"].items()],
+            ]:
+                ratio = f"{sec / fastest[1][0]:.2f}x ({fastest[0]})" if fastest else "no hand config fits"
+                lines.append(
+                    f"| {row['budget']} {budget / mib:,.1f} | {name} | "
+                    f"{pred.peak.total / mib:,.1f} / {peak / mib:,.1f} | "
+                    f"{1e3 * pred.step.seconds:,.1f} / {1e3 * sec:,.1f} | {'yes' if peak <= budget else 'NO'} | "
+                    f"{ratio if cand is not None else ''} |"
+                )
+    return lines

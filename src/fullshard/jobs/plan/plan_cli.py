@@ -1,0 +1,80 @@
+"""``fullshard plan``: the fastest predicted FSDP configuration under a memory budget per rank.
+
+    fullshard plan --model gpt:tiny --batch-size 16 --seq-len 128 --world-size 2 --memory-budget 64MiB
+    fullshard plan --model mnist --batch-size 64 --world-size 2 --memory-budget 8MiB
+
+Takes the models of ``fullshard estimate``. It starts ``--world-size`` local processes (gloo on
+CPU, NCCL when CUDA is there) that calibrate this machine for a few seconds (collectives at that
+world size, each block at the batch shape, the optimizer), then rank 0 scores every candidate
+(:mod:`fullshard.jobs.plan.planner`) and prints the plan, its predicted peak by category and
+step time, and the runners-up, or the smallest budget that would fit. Exit status 1 when
+nothing fits, 2 on bad options.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from fullshard.jobs import launch
+from fullshard.jobs.plan.cli import PRECISIONS, _model_parts, _parser
+
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+
+
+def parse_size(text: str) -> int:
+    """Bytes in ``text``: a number with an optional unit (KiB, MiB, GiB, TiB, KB, MB, GB; any case).
+
+    Raises:
+        ValueError: not a positive size, naming the accepted forms.
+    """
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _UNITS or float(m.group(1)) <= 0:
+        raise ValueError(
+            f"{text!r} is not a size: give a positive number with KiB, MiB, GiB (or KB, MB, GB), e.g. 8GiB"
+        )
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def _worker(args: Any) -> list[str] | None:
+    from fullshard.comm import collectives
+    from fullshard.jobs.plan.planner import plan
+    from fullshard.jobs.plan.steptime import calibrate
+
+    device = launch.init_process_group()
+    try:
+        make, example, loss_fn, is_unit = _model_parts(args)
+        dtype = PRECISIONS[args.mixed_precision]
+        cal = calibrate(make, example, loss_fn, is_unit, device, compute_dtype=dtype, optimizer=args.optimizer)
+        if collectives.group_rank(collectives.default_group()) != 0:
+            return None
+        result = plan(cal, make, example, loss_fn, is_unit, args.budget, param_dtype=dtype)
+        return result.describe() if result.best is not None else ["NOTHING FITS", *result.describe()]
+    finally:
+        launch.destroy_process_group()
+
+
+def main(argv: Sequence[str]) -> int:
+    """Entry point of ``fullshard plan``; returns the exit code (1: nothing fits, 2: bad options)."""
+    p = _parser()
+    p.prog = "fullshard plan"
+    p.description = __doc__
+    p.add_argument("--memory-budget", required=True, help="bytes per rank, e.g. 8GiB or 512MiB")
+    args = p.parse_args(list(argv))
+    try:
+        args.budget = parse_size(args.memory_budget)
+    except ValueError as e:
+        p.error(f"--memory-budget: {e}")
+    if args.world_size < 1 or args.batch_size < 1:
+        p.error("--world-size and --batch-size must be at least 1")
+    try:
+        _model_parts(args)
+    except (ValueError, ImportError, AttributeError) as err:
+        p.error(str(err))
+    lines = launch.launch(_worker, (args,), args.world_size)[0]
+    assert lines is not None
+    fits = lines[0] != "NOTHING FITS"
+    print("\n".join(lines if fits else lines[1:]))
+    return 0 if fits else 1

@@ -1,0 +1,232 @@
+"""``plan``: the FSDP configuration with the least predicted step time under a memory budget.
+
+The candidates, per outermost unit in forward order (``n`` of them besides the root):
+
+- sharding: NO_SHARD (replicated; gradients all-reduced), or FULL_SHARD with the last ``m``
+  units (the first to run backward, where keeping them gathered saves the most waiting) kept
+  gathered after forward, i.e. SHARD_GRAD_OP for them; ``m = n`` is SHARD_GRAD_OP throughout;
+- activation checkpointing of the first ``k`` units (identical blocks save and cost the same
+  whichever ``k`` are chosen);
+- forward prefetch on or off (time only: the prefetched unit is in the memory estimate anyway).
+
+Memory comes from :mod:`fullshard.jobs.plan.peak` (one meta-device trace per ``k``, the rest
+arithmetic), time from :mod:`fullshard.jobs.plan.steptime` on one calibration. CPU offload is
+not a candidate: on a CPU machine shards already live in host memory, and no GPU has been
+available to calibrate its copies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from fullshard.jobs.plan.estimate import estimate_model_state
+from fullshard.jobs.plan.peak import PeakEstimate, combine, trace_activations
+from fullshard.jobs.plan.simulate import StepTime
+from fullshard.jobs.plan.steptime import Calibration, predict_step
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One configuration: NO_SHARD or FULL_SHARD with ``keep_gathered`` units kept gathered
+    after forward, ``checkpoint`` units recomputed in backward, forward prefetch or not."""
+
+    no_shard: bool
+    keep_gathered: tuple[str, ...]
+    checkpoint: tuple[str, ...]
+    forward_prefetch: bool
+    all_units: tuple[str, ...]
+
+    @property
+    def n_units(self) -> int:
+        return len(self.all_units)
+
+    def describe(self) -> str:
+        if self.no_shard:
+            shard = "NO_SHARD"
+        elif len(self.keep_gathered) >= self.n_units:
+            shard = "SHARD_GRAD_OP"
+        elif not self.keep_gathered:
+            shard = "FULL_SHARD"
+        else:
+            shard = f"FULL_SHARD, last {len(self.keep_gathered)}/{self.n_units} units SHARD_GRAD_OP"
+        ac = f", AC on {len(self.checkpoint)}/{self.n_units} units" if self.checkpoint else ""
+        return shard + ac + (", forward prefetch" if self.forward_prefetch else "")
+
+    def apply(self, model: nn.Module, param_dtype: torch.dtype | None = None) -> nn.Module:
+        """Wrap ``model`` (unwrapped, parameters on the device; the units' names as planned) as
+        planned and return it: activation checkpointing on the planned units, then NO_SHARD by
+        the FSDP1 wrapper, or ``fully_shard`` on each unit (``reshard_after_forward`` as
+        planned) and the root. ``param_dtype``: mixed precision (gathers, compute, reductions).
+
+        Raises:
+            AttributeError: a planned unit's name is not a submodule of ``model``.
+        """
+        from fullshard.engine.config import MixedPrecision, ShardingStrategy
+        from fullshard.frontend.activation_checkpointing import apply_activation_checkpointing
+        from fullshard.frontend.fsdp1 import FSDP
+        from fullshard.frontend.fully_shard import MixedPrecisionPolicy, fully_shard
+        from fullshard.frontend.wrap import ModuleWrapPolicy
+
+        units = {n: model.get_submodule(n) for n in self.all_units}
+        if self.checkpoint:
+            chosen = {id(units[n]) for n in self.checkpoint}
+            apply_activation_checkpointing(model, check_fn=lambda m: id(m) in chosen)
+        dtype = param_dtype
+        if self.no_shard:
+            mp = MixedPrecision(dtype, dtype, dtype) if dtype is not None else None
+            policy = ModuleWrapPolicy({type(m) for m in units.values()})
+            return FSDP(model, sharding_strategy=ShardingStrategy.NO_SHARD, auto_wrap_policy=policy, mixed_precision=mp)
+        kw: dict[str, Any] = {"mp_policy": MixedPrecisionPolicy(dtype, dtype)} if dtype is not None else {}
+        for name, unit in units.items():
+            fully_shard(unit, reshard_after_forward=name not in self.keep_gathered, **kw)
+        fully_shard(model, **kw)
+        if self.forward_prefetch:
+            order: list[Any] = list(units.values())
+            for unit, following in zip(order, order[1:]):
+                unit.set_modules_to_forward_prefetch([following])
+        return model
+
+
+@dataclasses.dataclass(frozen=True)
+class Scored:
+    """A candidate with its predicted peak (bytes per rank) and step time."""
+
+    candidate: Candidate
+    peak: PeakEstimate
+    step: StepTime
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The chosen candidate (``best``; None when nothing fits), the runners-up (fastest first),
+    the budget (bytes per rank), the candidate with the smallest predicted peak, and every
+    candidate scored."""
+
+    best: Scored | None
+    runners_up: list[Scored]
+    budget: int
+    smallest: Scored
+    scored: list[Scored]
+
+    def describe(self) -> list[str]:
+        """Markdown lines: the plan (or why none), its peak by category and step time, runners-up."""
+        mib = 2**20
+        if self.best is None:
+            s = self.smallest
+            return [
+                f"Nothing fits {self.budget / mib:,.1f} MiB per rank: the smallest configuration "
+                f"({s.candidate.describe()}) needs {s.peak.total / mib:,.1f} MiB; raise the budget to that, add "
+                "ranks (shards and optimizer state shrink with the world size) or use a smaller batch."
+            ]
+        b = self.best
+        p = b.peak
+        lines = [
+            f"Plan for {self.budget / mib:,.1f} MiB per rank: **{b.candidate.describe()}**",
+            f"predicted peak {p.total / mib:,.1f} MiB (in {p.phase}): shards {p.shards / mib:,.1f}, "
+            f"gradients {p.gradients / mib:,.1f}, optimizer {p.optimizer / mib:,.1f}, gathered "
+            f"{p.gathered / mib:,.1f}, gradient buffer {p.gradient_buffer / mib:,.1f}, activations "
+            f"{p.activations / mib:,.1f}",
+            f"predicted step {1e3 * b.step.seconds:,.1f} ms (compute {1e3 * b.step.compute:,.1f}, exposed "
+            f"communication {1e3 * b.step.exposed_comm:,.1f}, optimizer {1e3 * b.step.optimizer:,.1f})",
+            "",
+            "| runner-up | peak (MiB) | step (ms) |",
+            "|---|---|---|",
+        ]
+        lines += [
+            f"| {s.candidate.describe()} | {s.peak.total / mib:,.1f} | {1e3 * s.step.seconds:,.1f} |"
+            for s in self.runners_up
+        ]
+        return lines
+
+
+def candidates(names: list[str], prefetch: bool = True) -> list[Candidate]:
+    """Every candidate for units ``names`` (outermost, forward order; the root excluded)."""
+    n, out, every = len(names), [], tuple(names)
+    for k in range(n + 1):
+        ac = every[:k]
+        for fp in (False, True) if prefetch else (False,):
+            out.append(Candidate(True, (), ac, fp, every))
+            out += [Candidate(False, every[n - m :], ac, fp, every) for m in range(n + 1)]
+    return out
+
+
+def plan(
+    cal: Calibration,
+    make_model: Callable[[], nn.Module],
+    example: Callable[[], Any],
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    is_unit: Callable[[nn.Module], bool],
+    budget: int,
+    *,
+    param_dtype: torch.dtype | None = None,
+    runners_up: int = 4,
+) -> Plan:
+    """Choose the fastest predicted candidate whose predicted peak fits ``budget`` bytes per rank.
+
+    ``cal`` comes from :func:`~fullshard.jobs.plan.steptime.calibrate` at the job's world size,
+    batch and dtype; ``make_model``, ``example``, ``loss_fn`` and ``is_unit`` as for
+    :func:`~fullshard.jobs.plan.peak.estimate_peak`.
+
+    Raises:
+        ValueError: ``budget`` is not positive.
+    """
+    if budget <= 0:
+        raise ValueError(f"budget={budget}: give the memory per rank in bytes, e.g. 8 * 2**30")
+    world = cal.comm.world_size
+    names = [n for n in cal.blocks if n != "<root>"]
+    with torch.device("meta"):
+        plain = make_model()
+    state = {
+        ns: estimate_model_state(
+            plain,
+            is_unit,
+            world,
+            sharding_strategy="no_shard" if ns else "full_shard",
+            param_dtype=param_dtype,
+            optimizer=cal.optimizer,
+        )
+        for ns in (False, True)
+    }
+    traces: dict[int, tuple[int, float, str]] = {}
+    scored = []
+    for c in candidates(names):
+        k = len(c.checkpoint)
+        if k not in traces:
+            traces[k] = trace_activations(_tagged(make_model, c.checkpoint), example, loss_fn, param_dtype, _is_tagged)
+        peak = combine(state[c.no_shard], traces[k], world, keep_gathered=c.keep_gathered, no_shard=c.no_shard)
+        step = predict_step(
+            cal,
+            make_model,
+            is_unit,
+            no_shard=c.no_shard,
+            keep_gathered=c.keep_gathered,
+            checkpoint=c.checkpoint,
+            param_dtype=param_dtype,
+            forward_prefetch=c.forward_prefetch,
+        )
+        scored.append(Scored(c, peak, step))
+    fitting = sorted((s for s in scored if s.peak.total <= budget), key=lambda s: (s.step.seconds, s.peak.total))
+    smallest = min(scored, key=lambda s: s.peak.total)
+    best = fitting[0] if fitting else None
+    return Plan(best, fitting[1 : 1 + runners_up], budget, smallest, scored)
+
+
+def _tagged(make_model: Callable[[], nn.Module], names: tuple[str, ...]) -> Callable[[], nn.Module]:
+    """``make_model`` with the modules named in ``names`` marked for activation checkpointing."""
+
+    def make() -> nn.Module:
+        model = make_model()
+        for name in names:
+            model.get_submodule(name)._fullshard_plan_checkpoint = True  # type: ignore[assignment]
+        return model
+
+    return make
+
+
+def _is_tagged(module: nn.Module) -> bool:
+    return bool(getattr(module, "_fullshard_plan_checkpoint", False))

@@ -1,0 +1,117 @@
+"""Predicted step time: fullshard's schedule replayed on calibrated costs.
+
+Two clocks advance: compute (one stream of forward and backward work) and communication (one
+process group's collectives, one at a time, in issue order). The schedule is the engine's
+(:mod:`fullshard.engine.hooks`):
+
+- forward: the root gathers first; each unit gathers at its pre-forward (with
+  ``forward_prefetch``, the next unit's gather is issued then too) and computes once its
+  parameters are there;
+- backward, units in reverse: a unit that resharded after forward gathers again (with
+  BACKWARD_PRE the next unit's gather is issued at this one's pre-backward, with BACKWARD_POST
+  after its backward), recomputes its forward under activation checkpointing, computes its
+  backward, then waits for the previous unit's reduce-scatter (one in flight) and issues its own;
+- the step ends when the last reduction is done, then the optimizer steps on the shards.
+
+NO_SHARD gathers nothing and all-reduces gradients instead of reduce-scattering them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fullshard.jobs.plan.calibrate import BlockTime, CommModel, Link
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitCost:
+    """One unit in forward order: its compute, the bytes it moves and its settings."""
+
+    name: str
+    time: BlockTime
+    gather_bytes: int  # full parameters in the compute dtype (0: nothing to gather)
+    reduce_bytes: int  # full flat gradient in the reduce dtype
+    reshard_after_forward: bool = True
+    checkpoint: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """Predicted seconds of one step and how they split."""
+
+    seconds: float
+    compute: float
+    exposed_comm: float
+    optimizer: float
+
+
+class _Clock:
+    """The communication stream: a collective starts when issued and the previous one is done."""
+
+    def __init__(self) -> None:
+        self.free = 0.0
+
+    def issue(self, link: Link, nbytes: int, at: float) -> float:
+        start = max(self.free, at)
+        self.free = start + link.seconds(nbytes)
+        return self.free
+
+
+def simulate_step(
+    root: UnitCost,
+    units: list[UnitCost],
+    comm: CommModel,
+    *,
+    root_split: float = 0.5,
+    no_shard: bool = False,
+    forward_prefetch: bool = False,
+    backward_prefetch: str | None = "pre",
+    optimizer_seconds: float = 0.0,
+) -> StepTime:
+    """Replay one training step (see module docstring).
+
+    Args:
+        root: the root unit; its forward (loss included) runs ``root_split`` before the units
+            and the rest after them, its backward the other way round.
+        units: the other units in forward order.
+        comm: fitted collective costs for this backend and world size.
+        no_shard: replicated parameters (no gathers; gradients all-reduced).
+        backward_prefetch: ``"pre"``, ``"post"`` or None.
+        optimizer_seconds: the optimizer step on this rank's shard.
+
+    Raises:
+        ValueError: ``backward_prefetch`` is not pre, post or None.
+    """
+    if backward_prefetch not in ("pre", "post", None):
+        raise ValueError(f"backward_prefetch={backward_prefetch!r}: use 'pre', 'post' or None")
+    ag = comm.all_gather if not no_shard else Link(0.0, 0.0)
+    reduce = comm.all_reduce if no_shard else comm.reduce_scatter
+    net = _Clock()
+    now = net.issue(ag, root.gather_bytes, 0.0) + root.time.forward * root_split
+    ahead: dict[int, float] = {}
+    for i, u in enumerate(units):
+        ready = ahead.pop(i) if i in ahead else net.issue(ag, u.gather_bytes, now)
+        now = max(now, ready)
+        if forward_prefetch and i + 1 < len(units):
+            ahead[i + 1] = net.issue(ag, units[i + 1].gather_bytes, now)
+        now += u.time.forward
+    now += root.time.forward * (1 - root_split) + root.time.backward * (1 - root_split)
+    ahead, in_flight = {}, 0.0
+    for i in reversed(range(len(units))):
+        u = units[i]
+        if u.reshard_after_forward:
+            ready = ahead.pop(i) if i in ahead else net.issue(ag, u.gather_bytes, now)
+            now = max(now, ready)
+        prev = units[i - 1] if i else None
+        if backward_prefetch == "pre" and prev is not None and prev.reshard_after_forward:
+            ahead[i - 1] = net.issue(ag, prev.gather_bytes, now)
+        now += u.time.backward + (u.time.forward if u.checkpoint else 0.0)
+        if backward_prefetch == "post" and prev is not None and prev.reshard_after_forward:
+            ahead[i - 1] = net.issue(ag, prev.gather_bytes, now)
+        now = max(now, in_flight)
+        in_flight = net.issue(reduce, u.reduce_bytes, now)
+    now += root.time.backward * root_split
+    now = max(now, in_flight)
+    now = max(now, net.issue(reduce, root.reduce_bytes, now))
+    compute = sum(u.time.forward * (2 if u.checkpoint else 1) + u.time.backward for u in [root, *units])
+    return StepTime(now + optimizer_seconds, compute, now - compute, optimizer_seconds)

@@ -1,0 +1,114 @@
+"""Step-time prediction: calibrate once on this machine, then predict any configuration.
+
+:func:`calibrate` (collective, a few seconds) measures the collectives of this backend and
+world size, each distinct block's forward and backward at the real batch shape, and the
+optimizer's seconds per parameter; :func:`predict_step` turns a configuration (per-unit
+resharding, activation checkpointing, mixed precision, NO_SHARD) into unit costs and replays
+fullshard's schedule (:func:`~fullshard.jobs.plan.simulate.simulate_step`). Only rank 0's
+blocks matter for the prediction; every rank calibrates the collectives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Collection
+from typing import Any
+
+import torch
+from torch import nn
+
+from fullshard.comm import collectives
+from fullshard.jobs.plan.calibrate import BlockTime, CommModel, calibrate_comm, time_blocks, time_optimizer
+from fullshard.jobs.plan.estimate import estimate_model_state
+from fullshard.jobs.plan.simulate import StepTime, UnitCost, simulate_step
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """What :func:`predict_step` needs from the machine: collective costs (``comm``), block
+    times by unit name (``blocks``, ``"<root>"`` included) and optimizer seconds per parameter."""
+
+    comm: CommModel
+    blocks: dict[str, BlockTime]
+    optimizer_seconds_per_param: float
+    optimizer: str
+
+
+def calibrate(
+    make_model: Callable[[], nn.Module],
+    example: Callable[[], Any],
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    is_unit: Callable[[nn.Module], bool],
+    device: torch.device,
+    *,
+    compute_dtype: torch.dtype | None = None,
+    optimizer: str = "adamw",
+    group: Any = None,
+) -> Calibration:
+    """Measure this machine for the model (collective: every rank of ``group`` calls it)."""
+    group = group if group is not None else collectives.default_group()
+    comm = calibrate_comm(group)
+    blocks = time_blocks(make_model, example, loss_fn, is_unit, device, compute_dtype)
+    with torch.device("meta"):
+        numel = sum(p.numel() for p in make_model().parameters())
+    shard = max(1, numel // collectives.group_size(group))
+    per_param = time_optimizer(shard, device, optimizer) / shard
+    collectives.barrier(group)
+    return Calibration(comm, blocks, per_param, optimizer)
+
+
+def predict_step(
+    cal: Calibration,
+    make_model: Callable[[], nn.Module],
+    is_unit: Callable[[nn.Module], bool],
+    *,
+    no_shard: bool = False,
+    keep_gathered: Collection[str] = (),
+    checkpoint: Collection[str] = (),
+    param_dtype: torch.dtype | None = None,
+    forward_prefetch: bool = False,
+    backward_prefetch: str | None = "pre",
+) -> StepTime:
+    """Predicted step time of one configuration on the calibrated machine.
+
+    Args:
+        keep_gathered: units that do not reshard after forward (SHARD_GRAD_OP for them).
+        checkpoint: units whose activations are recomputed in backward.
+        param_dtype: the mixed-precision dtype (gathers and reductions in it), if any.
+
+    Raises:
+        KeyError: a unit has no calibrated block time (calibrated on another model).
+    """
+    world = cal.comm.world_size
+    with torch.device("meta"):
+        model = make_model()
+    strategy = "no_shard" if no_shard else "full_shard"
+    units = estimate_model_state(model, is_unit, world, sharding_strategy=strategy, param_dtype=param_dtype)
+    reduce_size = param_dtype.itemsize if param_dtype is not None else 4
+    costs = []
+    for u in units:
+        if u.name not in cal.blocks:
+            continue  # a unit nested in another: timed with its parent
+        time_ = cal.blocks[u.name]
+        full = u.full_bytes if world > 1 else 0
+        costs.append(
+            UnitCost(
+                u.name,
+                time_,
+                gather_bytes=full,
+                reduce_bytes=u.numel * reduce_size if world > 1 else 0,
+                reshard_after_forward=u.name not in keep_gathered,
+                checkpoint=u.name in checkpoint,
+            )
+        )
+    root, rest = costs[0], costs[1:]
+    local = sum(u.numel for u in units) if no_shard else sum(u.numel for u in units) // world
+    return simulate_step(
+        root,
+        rest,
+        cal.comm,
+        no_shard=no_shard,
+        forward_prefetch=forward_prefetch,
+        backward_prefetch=backward_prefetch,
+        optimizer_seconds=local * cal.optimizer_seconds_per_param,
+    )

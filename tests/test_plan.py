@@ -1,0 +1,161 @@
+"""The step-time model and the planner: schedule arithmetic, fitting, candidates, plans, the CLI."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist import run_ranks
+
+from fullshard.jobs.plan.calibrate import BlockTime, CommModel, Link, _fit
+from fullshard.jobs.plan.simulate import UnitCost, simulate_step
+
+MS = 1e-3
+COMM = CommModel(2, "gloo", all_gather=Link(0.0, MS), reduce_scatter=Link(0.0, 2 * MS), all_reduce=Link(MS, MS))
+
+
+def _unit(name: str, fwd: float, bwd: float, nbytes: int, **kw: bool) -> UnitCost:
+    return UnitCost(name, BlockTime(fwd * MS, bwd * MS), gather_bytes=nbytes, reduce_bytes=nbytes, **kw)
+
+
+def test_fit_recovers_a_line_and_keeps_coefficients_non_negative() -> None:
+    link = _fit([(1000, 0.002), (2000, 0.003), (4000, 0.005)])
+    assert link.latency == pytest.approx(0.001) and link.seconds_per_byte == pytest.approx(1e-6)
+    assert _fit([(1000, 0.005), (2000, 0.004)]).seconds_per_byte == 0.0
+    assert Link(1.0, 1.0).seconds(0) == 0.0  # nothing to move costs nothing
+
+
+def test_schedule_without_prefetch_waits_for_every_gather() -> None:
+    # Root: 2 ms forward (1 before, 1 after the units), 4 ms backward; gathers of 1 / 3 / 3 ms.
+    root = _unit("<root>", 2, 4, 1)
+    units = [_unit("a", 10, 20, 3), _unit("b", 10, 20, 3)]
+    t = simulate_step(root, units, COMM, backward_prefetch=None)
+    # forward: root gather 1, root 1, gather a 3, a 10, gather b 3, b 10, root 1
+    fwd = 1 + 1 + 3 + 10 + 3 + 10 + 1
+    now = fwd + 2  # the root's backward half after the units
+    now += 3 + 20  # gather b (network idle), b's backward
+    rs_b = now + 6  # reduce-scatter of b: 3 bytes x 2 ms
+    now = max(now, rs_b) + 3  # a's gather queues behind b's reduce-scatter on the one network
+    now += 20  # a's backward; b's reduction already done, a's issued
+    rs_a = now + 6
+    now += 2  # the root's remaining backward
+    now = max(now, rs_a) + 2  # the root's reduce-scatter (1 byte)
+    assert t.seconds == pytest.approx(now * MS)
+    assert t.compute == pytest.approx((2 + 4 + 30 + 30) * MS)
+    assert t.exposed_comm == pytest.approx(t.seconds - t.compute)
+
+
+def test_prefetch_and_kept_units_hide_gathers_and_checkpointing_adds_a_forward() -> None:
+    root = _unit("<root>", 2, 4, 1)
+    plain = [_unit("a", 10, 20, 3), _unit("b", 10, 20, 3)]
+    base = simulate_step(root, plain, COMM, backward_prefetch=None)
+    pre = simulate_step(root, plain, COMM, backward_prefetch="pre", forward_prefetch=True)
+    kept = simulate_step(root, [_unit("a", 10, 20, 3), _unit("b", 10, 20, 3, reshard_after_forward=False)], COMM)
+    ckpt = simulate_step(root, [_unit("a", 10, 20, 3, checkpoint=True), _unit("b", 10, 20, 3)], COMM)
+    assert pre.seconds < base.seconds and pre.exposed_comm < base.exposed_comm
+    assert kept.seconds <= simulate_step(root, plain, COMM).seconds
+    assert ckpt.compute == pytest.approx(simulate_step(root, plain, COMM).compute + 10 * MS)
+    no_shard = simulate_step(root, plain, COMM, no_shard=True)
+    assert no_shard.compute == base.compute and no_shard.exposed_comm < base.exposed_comm
+
+
+def test_parse_size() -> None:
+    from fullshard.jobs.plan.plan_cli import parse_size
+
+    assert parse_size("8GiB") == 8 * 2**30 and parse_size("1.5 mib") == 3 * 2**19 and parse_size("2GB") == 2 * 10**9
+    assert parse_size("4096") == 4096
+    for bad in ("", "-1GiB", "8 GiBs", "0"):
+        with pytest.raises(ValueError, match="KiB, MiB, GiB"):
+            parse_size(bad)
+
+
+def _fake_calibration(comm_per_byte: float) -> object:
+    from fullshard.jobs.plan.steptime import Calibration
+
+    blocks = {"<root>": BlockTime(0.004, 0.008)} | {f"blocks.{i}": BlockTime(0.01, 0.02) for i in range(4)}
+    comm = CommModel(2, "gloo", *(Link(1e-4, comm_per_byte) for _ in range(3)))
+    return Calibration(comm, blocks, 1e-9, "adamw")
+
+
+def _gpt_parts() -> tuple:
+    from fullshard.jobs.plan.validate import Config, gpt_parts
+
+    return gpt_parts(Config("gpt-tiny", 2, batch=16))
+
+
+def test_planner_picks_the_fastest_that_fits_and_says_when_nothing_does() -> None:
+    from fullshard.jobs.plan.planner import candidates, plan
+
+    names = [f"blocks.{i}" for i in range(4)]
+    assert len(candidates(names)) == 5 * 2 * 6  # AC on 0..4 units x prefetch x (NO_SHARD + 5 resharding splits)
+    make, example, loss, is_unit = _gpt_parts()
+    slow_net = plan(_fake_calibration(1e-6), make, example, loss, is_unit, 2**40)
+    # A slow network: NO_SHARD (no gathers, one all-reduce per unit) is fastest; checkpointing
+    # that hides behind the all-reduces costs no time, so the tie goes to the smaller peak.
+    assert slow_net.best is not None and slow_net.best.candidate.no_shard
+    assert (
+        slow_net.best.peak.total < next(s for s in slow_net.scored if s.candidate.describe() == "NO_SHARD").peak.total
+    )
+    fits = [s for s in slow_net.scored if s.peak.total <= slow_net.best.peak.total]
+    assert all(s.step.seconds >= slow_net.best.step.seconds for s in fits)
+    # A budget below NO_SHARD's peak but above the smallest: the fastest candidate under it.
+    budget = (slow_net.best.peak.total + slow_net.smallest.peak.total) // 2
+    tight = plan(_fake_calibration(1e-6), make, example, loss, is_unit, budget)
+    assert tight.best is not None and tight.best.peak.total <= budget
+    assert tight.best.step.seconds == min(s.step.seconds for s in tight.scored if s.peak.total <= budget)
+    assert tight.best.step.seconds >= slow_net.best.step.seconds
+    none = plan(_fake_calibration(1e-6), make, example, loss, is_unit, slow_net.smallest.peak.total - 1)
+    assert none.best is None
+    text = "\n".join(none.describe())
+    assert f"needs {slow_net.smallest.peak.total / 2**20:,.1f} MiB" in text and "Nothing fits" in text
+    with pytest.raises(ValueError, match="budget=0"):
+        plan(_fake_calibration(1e-6), make, example, loss, is_unit, 0)
+
+
+def apply_body(rank: int, world: int) -> dict:
+    """A plan applied to the tiny GPT trains, with the planned units resharding / checkpointed."""
+    from fullshard.frontend.activation_checkpointing import CheckpointWrapper
+    from fullshard.jobs.plan.planner import Candidate
+
+    make, example, loss, _ = _gpt_parts()
+    names = tuple(f"blocks.{i}" for i in range(4))
+    cand = Candidate(False, names[2:], names[:1], True, names)
+    torch.manual_seed(0)
+    model = cand.apply(make())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = tuple(t.random_(0, 10) for t in example())
+    losses = []
+    for _ in range(2):
+        value = loss(model, batch)
+        value.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(value.item())
+    blocks = model.get_submodule("blocks")
+    return {
+        "wrapped": [isinstance(b, CheckpointWrapper) for b in blocks],
+        "losses": losses,
+        "no_shard": type(Candidate(True, (), (), False, names).apply(make())).__name__,
+    }
+
+
+@pytest.mark.timeout(200)
+def test_a_plan_applies_and_trains() -> None:
+    a, b = run_ranks(apply_body, 2, timeout=180)
+    assert a["wrapped"] == [True, False, False, False]
+    assert a["losses"][1] < a["losses"][0] and a["losses"] == b["losses"]
+    assert a["no_shard"] == "FullyShardedDataParallel"
+
+
+@pytest.mark.timeout(200)
+def test_plan_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    from fullshard.jobs.plan import plan_cli
+
+    base = ["--model", "gpt:tiny", "--batch-size", "2", "--seq-len", "32", "--world-size", "1"]
+    assert plan_cli.main([*base, "--memory-budget", "1GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "Plan for 1,024.0 MiB per rank: **NO_SHARD" in out and "predicted step" in out, out
+    assert plan_cli.main([*base, "--memory-budget", "1KiB"]) == 1
+    assert "Nothing fits 0.0 MiB per rank" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        plan_cli.main([*base, "--memory-budget", "lots"])
+    assert "--memory-budget: 'lots' is not a size" in capsys.readouterr().err
