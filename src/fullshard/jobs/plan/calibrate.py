@@ -161,7 +161,7 @@ def _sync(device: torch.device) -> None:
 
 def _time_fb(forward: Callable[[], torch.Tensor], device: torch.device, repeats: int) -> BlockTime:
     fwd, bwd = [], []
-    for i in range(repeats + 1):  # the first is a warm-up
+    for i in range(repeats + 2):  # the first two are warm-ups (allocations, kernel selection)
         _sync(device)
         t0 = time.perf_counter()
         out = forward()
@@ -169,7 +169,7 @@ def _time_fb(forward: Callable[[], torch.Tensor], device: torch.device, repeats:
         t1 = time.perf_counter()
         (out if out.dim() == 0 else (out.float() * torch.randn_like(out, dtype=torch.float32)).sum()).backward()
         _sync(device)
-        if i:
+        if i >= 2:
             fwd.append(t1 - t0)
             bwd.append(time.perf_counter() - t1)
     return BlockTime(statistics.median(fwd), statistics.median(bwd))
@@ -182,7 +182,7 @@ def time_blocks(
     is_unit: Callable[[nn.Module], bool],
     device: torch.device,
     compute_dtype: torch.dtype | None = None,
-    repeats: int = 3,
+    repeats: int = 5,
 ) -> dict[str, BlockTime]:
     """Forward and backward seconds per outermost unit (by name) and of ``"<root>"``'s own layers
     (with the loss), at the batch ``example()`` builds, timed on ``device``.
