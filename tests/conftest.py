@@ -1,13 +1,20 @@
 import fcntl
 import os
+import shutil
+import socket
+import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+RAY_LOCK = os.path.join(tempfile.gettempdir(), "fullshard-tests-ray.lock")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -19,10 +26,52 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def _ray_address_file(config: pytest.Config) -> Path:
+    """Where this run's shared Ray cluster's address is kept: one file per pytest run (the
+    pytest-xdist workers' parent, or the single pytest process)."""
+    run = os.getppid() if hasattr(config, "workerinput") else os.getpid()
+    return Path(tempfile.gettempdir()) / f"fullshard-tests-ray-{run}.address"
+
+
+def _ray(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    ray = shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray"
+    return subprocess.run([ray, *args], capture_output=True, text=True, timeout=180, env=env)
+
+
 @pytest.fixture
-def ray_exclusive():
-    """One local Ray instance at a time on this machine (pytest-xdist runs test files in two
-    workers): a file lock around each test that starts Ray."""
-    with open(os.path.join(tempfile.gettempdir(), "fullshard-tests-ray.lock"), "w") as lock:
+def ray_cluster(request: pytest.FixtureRequest) -> Iterator[dict[str, str]]:
+    """The environment for a process that runs Ray Train on the run's one local Ray cluster.
+
+    Starting and stopping a Ray instance costs 10-30 s here, so the first test that needs one
+    starts it (``ray start --head`` on a free port, its workers' environment set for tests: Train's
+    health check every 0.2 s instead of 2 s, as reports wait for it) and the run's last act stops
+    it (:func:`pytest_sessionfinish`). The tests using it hold a file lock, one at a time, so the
+    Ray worker processes alive during a test are that test's.
+    """
+    pytest.importorskip("ray.train")
+    with open(RAY_LOCK, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
+        where = _ray_address_file(request.config)
+        if not where.exists():
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            # no token: drivers then reach it by address alone (this machine's, not the network's)
+            env = dict(os.environ, RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.2", RAY_AUTH_MODE="disabled")
+            r = _ray(
+                "start", "--head", f"--port={port}", "--num-cpus=8", "--include-dashboard=false",
+                "--disable-usage-stats", env=env,
+            )  # fmt: skip
+            assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+            where.write_text(f"127.0.0.1:{port}")
+        yield dict(os.environ, RAY_ADDRESS=where.read_text(), RAY_DEDUP_LOGS="0")
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Stop the run's shared Ray cluster, if a test started one (in the process that owns the run)."""
+    if hasattr(session.config, "workerinput"):
+        return
+    where = _ray_address_file(session.config)
+    if where.exists():
+        _ray("stop", "--force")
+        where.unlink()

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from dist import run_ranks
@@ -10,6 +16,7 @@ from fullshard.jobs.plan.calibrate import BlockTime, CommModel, Link, _fit
 from fullshard.jobs.plan.simulate import UnitCost, simulate_step
 
 MS = 1e-3
+BIN = Path(sys.executable).parent
 COMM = CommModel(2, "gloo", all_gather=Link(0.0, MS), reduce_scatter=Link(0.0, 2 * MS), all_reduce=Link(MS, MS))
 
 
@@ -59,7 +66,7 @@ def test_prefetch_and_kept_units_hide_gathers_and_checkpointing_adds_a_forward()
 
 
 def test_parse_size() -> None:
-    from fullshard.jobs.plan.plan_cli import parse_size
+    from fullshard.jobs.plan.planner import parse_size
 
     assert parse_size("8GiB") == 8 * 2**30 and parse_size("1.5 mib") == 3 * 2**19 and parse_size("2GB") == 2 * 10**9
     assert parse_size("4096") == 4096
@@ -131,10 +138,20 @@ def apply_body(rank: int, world: int) -> dict:
         opt.zero_grad()
         losses.append(value.item())
     blocks = model.get_submodule("blocks")
+    # Built on the meta device, each rank materializes what it holds by the job's init function.
+    from fullshard.jobs.models.gpt import init_module
+
+    materialized = []
+    for cand in (Candidate(True, (), names[:2], False, names), Candidate(False, names[3:], (), True, names)):
+        with torch.device("meta"):
+            plain = make()
+        wrapped = cand.apply(plain, param_init_fn=lambda m: init_module(m, n_layers=4))
+        materialized.append(all(not p.is_meta for p in wrapped.parameters()) and bool(loss(wrapped, batch).isfinite()))
     return {
         "wrapped": [isinstance(b, CheckpointWrapper) for b in blocks],
         "losses": losses,
         "no_shard": type(Candidate(True, (), (), False, names).apply(make())).__name__,
+        "materialized": materialized,
     }
 
 
@@ -144,6 +161,26 @@ def test_a_plan_applies_and_trains() -> None:
     assert a["wrapped"] == [True, False, False, False]
     assert a["losses"][1] < a["losses"][0] and a["losses"] == b["losses"]
     assert a["no_shard"] == "FullyShardedDataParallel"
+    assert a["materialized"] == b["materialized"] == [True, True]
+
+
+@pytest.mark.timeout(300)
+def test_gpt_job_plan_auto(tmp_path: Path) -> None:
+    """``--plan auto``: the job plans at start-up, prints the plan, trains as planned; when
+    nothing fits, it fails on every rank with the smallest budget that would."""
+    base = [str(BIN / "fullshard"), "train", "gpt", "--nproc", "2", "--steps", "2", "--seq-len", "32"]
+    base += ["--batch-size", "4", "--eval-batches", "1", "--log-interval", "1", "--no-progress", "--plan", "auto"]
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
+    metrics = tmp_path / "m.jsonl"
+    run = [*base, "--memory-budget", "1GiB", "--metrics-file", str(metrics)]
+    r = subprocess.run(run, capture_output=True, text=True, timeout=280, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "--plan auto: Plan for 1,024.0 MiB per rank: **" in r.stdout, r.stdout[-3000:]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [rec["step"] for rec in records] == [1, 2] and records[-1]["val_loss"] > 0
+    r = subprocess.run([*base, "--memory-budget", "1MiB"], capture_output=True, text=True, timeout=280, env=env)
+    assert r.returncode != 0
+    assert "--plan auto --memory-budget 1MiB: Nothing fits 1.0 MiB per rank" in r.stderr, r.stderr[-3000:]
 
 
 @pytest.mark.timeout(200)

@@ -5,7 +5,6 @@ worker is in test_elastic.py (it shares that file's uninterrupted reference run)
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,14 +16,14 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "ray_train_fsdp.py"
 
 
-def _example(storage: Path, workers: int, epochs: int) -> tuple[dict, str]:
+def _example(storage: Path, workers: int, epochs: int, env: dict[str, str]) -> tuple[dict, str]:
     r = subprocess.run(
         [sys.executable, str(EXAMPLE), "--num-workers", str(workers), "--epochs", str(epochs)]
         + ["--storage-path", str(storage)],
         capture_output=True,
         text=True,
         timeout=200,
-        env=dict(os.environ, RAY_DEDUP_LOGS="0", RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.2"),
+        env=env,
     )
     assert r.returncode == 0, r.stderr[-3000:]
     last = [line for line in r.stdout.splitlines() if line.startswith('{"losses"')]
@@ -33,18 +32,15 @@ def _example(storage: Path, workers: int, epochs: int) -> tuple[dict, str]:
 
 
 @pytest.mark.timeout(400)
-def test_user_train_func_under_torch_trainer_resumes_at_another_worker_count(
-    tmp_path: Path, ray_exclusive: None
-) -> None:
-    pytest.importorskip("ray.train")
-    first, _ = _example(tmp_path, workers=2, epochs=3)
+def test_user_train_func_under_torch_trainer_resumes_at_another_worker_count(tmp_path: Path, ray_cluster: dict) -> None:
+    first, _ = _example(tmp_path, workers=2, epochs=3, env=ray_cluster)
     assert len(first["losses"]) == 3
     ckpt = Path(first["checkpoint"])  # merged by Ray from both workers' directories
     names = sorted(p.name for p in ckpt.iterdir())
     assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "extra_rank0.pt", "extra_rank1.pt"], names
 
     # The same run started again on one worker: Ray hands it the last checkpoint, which reshards.
-    second, output = _example(tmp_path, workers=1, epochs=5)
+    second, output = _example(tmp_path, workers=1, epochs=5, env=ray_cluster)
     assert "resumed at epoch 3 on 1 workers" in output, output[-3000:]
     assert second["losses"][:3] == first["losses"]
     assert len(second["losses"]) == 5 and second["losses"][-1] < first["losses"][-1] < first["losses"][0]

@@ -13,29 +13,12 @@ nothing fits, 2 on bad options.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from typing import Any
 
 from fullshard.jobs import launch
 from fullshard.jobs.plan.cli import PRECISIONS, _model_parts, _parser
-
-_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9}
-
-
-def parse_size(text: str) -> int:
-    """Bytes in ``text``: a number with an optional unit (KiB, MiB, GiB, TiB, KB, MB, GB; any case).
-
-    Raises:
-        ValueError: not a positive size, naming the accepted forms.
-    """
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    unit = m.group(2).lower() if m else ""
-    if m is None or unit not in _UNITS or float(m.group(1)) <= 0:
-        raise ValueError(
-            f"{text!r} is not a size: give a positive number with KiB, MiB, GiB (or KB, MB, GB), e.g. 8GiB"
-        )
-    return int(float(m.group(1)) * _UNITS[unit])
+from fullshard.jobs.plan.planner import parse_size
 
 
 def _worker(args: Any) -> list[str] | None:

@@ -18,6 +18,7 @@ available to calibrate its copies.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -57,11 +58,21 @@ class Candidate:
         ac = f", AC on {len(self.checkpoint)}/{self.n_units} units" if self.checkpoint else ""
         return shard + ac + (", forward prefetch" if self.forward_prefetch else "")
 
-    def apply(self, model: nn.Module, param_dtype: torch.dtype | None = None) -> nn.Module:
-        """Wrap ``model`` (unwrapped, parameters on the device; the units' names as planned) as
-        planned and return it: activation checkpointing on the planned units, then NO_SHARD by
-        the FSDP1 wrapper, or ``fully_shard`` on each unit (``reshard_after_forward`` as
-        planned) and the root. ``param_dtype``: mixed precision (gathers, compute, reductions).
+    def apply(
+        self,
+        model: nn.Module,
+        param_dtype: torch.dtype | None = None,
+        *,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
+        device: torch.device | None = None,
+    ) -> nn.Module:
+        """Wrap ``model`` (unwrapped; the units' names as planned) as planned and return it:
+        activation checkpointing on the planned units, then NO_SHARD by the FSDP1 wrapper, or
+        ``fully_shard`` on each unit (``reshard_after_forward`` as planned) and the root.
+        ``param_dtype``: mixed precision (gathers, compute, reductions). A model on the meta
+        device is materialized on ``device`` (default CPU) by ``param_init_fn`` (called on every
+        module): the wrapper's ``param_init_fn``, or ``to_empty`` then ``param_init_fn`` on the
+        DTensor shards after ``fully_shard``; without it the parameters must be on the device.
 
         Raises:
             AttributeError: a planned unit's name is not a submodule of ``model``.
@@ -80,7 +91,13 @@ class Candidate:
         if self.no_shard:
             mp = MixedPrecision(dtype, dtype, dtype) if dtype is not None else None
             policy = ModuleWrapPolicy({type(m) for m in units.values()})
-            return FSDP(model, sharding_strategy=ShardingStrategy.NO_SHARD, auto_wrap_policy=policy, mixed_precision=mp)
+            init: dict[str, Any] = {}
+            if param_init_fn is not None:
+                init["param_init_fn"] = param_init_fn
+                init["device_id"] = device if device is not None and device.type == "cuda" else None
+            return FSDP(
+                model, sharding_strategy=ShardingStrategy.NO_SHARD, auto_wrap_policy=policy, mixed_precision=mp, **init
+            )
         kw: dict[str, Any] = {"mp_policy": MixedPrecisionPolicy(dtype, dtype)} if dtype is not None else {}
         for name, unit in units.items():
             fully_shard(unit, reshard_after_forward=name not in self.keep_gathered, **kw)
@@ -89,6 +106,10 @@ class Candidate:
             order: list[Any] = list(units.values())
             for unit, following in zip(order, order[1:]):
                 unit.set_modules_to_forward_prefetch([following])
+        if param_init_fn is not None:
+            model.to_empty(device=device or torch.device("cpu"))
+            for module in model.modules():
+                param_init_fn(module)
         return model
 
 
@@ -142,6 +163,24 @@ class Plan:
             for s in self.runners_up
         ]
         return lines
+
+
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+
+
+def parse_size(text: str) -> int:
+    """Bytes in ``text``: a number with an optional unit (KiB, MiB, GiB, TiB, KB, MB, GB; any case).
+
+    Raises:
+        ValueError: not a positive size, naming the accepted forms.
+    """
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _UNITS or float(m.group(1)) <= 0:
+        raise ValueError(
+            f"{text!r} is not a size: give a positive number with KiB, MiB, GiB (or KB, MB, GB), e.g. 8GiB"
+        )
+    return int(float(m.group(1)) * _UNITS[unit])
 
 
 def candidates(names: list[str], prefetch: bool = True) -> list[Candidate]:

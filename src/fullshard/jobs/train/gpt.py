@@ -28,7 +28,7 @@ from fullshard.jobs.data.text import ByteCorpus, files_from_glob
 from fullshard.jobs.memory import model_state_bytes
 from fullshard.jobs.memory_report import memory_report
 from fullshard.jobs.models.gpt import GPT, PRESETS, Block, init_module
-from fullshard.jobs.train import fsdp_options, global_batch, launcher_options, observe, resume_options
+from fullshard.jobs.train import fsdp_options, global_batch, launcher_options, observe, plan_options, resume_options
 from fullshard.jobs.train.report import MetricsFile, mib
 from fullshard.jobs.train.session import Session, open_session
 
@@ -59,6 +59,8 @@ class GPTJobConfig:
     backward_prefetch: str = "pre"
     forward_prefetch: bool = False
     api: str = "fsdp1"
+    plan: str = "none"
+    memory_budget: str | None = None
     metrics_file: str | None = None
     save_model: str | None = None
     checkpoint_dir: str | None = None
@@ -89,6 +91,7 @@ class GPTJobConfig:
         if self.seq_len > PRESETS[self.preset].max_seq_len:
             raise ValueError(f"--seq-len {self.seq_len} exceeds the model's {PRESETS[self.preset].max_seq_len}")
         fsdp_options.validate(self)
+        plan_options.validate(self)
         global_batch.validate(self)
         observe.validate(self)
         if self.data is not None:
@@ -138,6 +141,7 @@ def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
     p.add_argument("--eval-batches", type=int, default=d.eval_batches, help="validation batches per evaluation")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
     fsdp_options.add_arguments(p)
+    plan_options.add_arguments(p)
     p.add_argument("--metrics-file", default=None, metavar="PATH", help="JSON lines, one per log interval")
     p.add_argument("--save-model", default=None, metavar="PATH", help="write the full state dict here")
     resume_options.add_arguments(p)
@@ -158,13 +162,16 @@ def build_model(cfg: GPTJobConfig, device: torch.device) -> nn.Module:
     """The preset's GPT, built on the meta device, one unit per Block. The FSDP1 wrapper
     materializes it shard by shard (``param_init_fn``); under ``--api fsdp2`` the program does,
     as FSDP2 programs do: ``to_empty`` on the device, then the GPT recipe on the DTensor shards
-    (each rank draws its own rows, so the initial weights differ from the FSDP1 path's)."""
+    (each rank draws its own rows, so the initial weights differ from the FSDP1 path's). Under
+    ``--plan auto`` the plan wraps it (:func:`plan_options.planned_model`)."""
     model_cfg = PRESETS[cfg.preset]
+    init = functools.partial(init_module, n_layers=model_cfg.n_layers)
+    if cfg.plan == "auto":
+        return plan_options.planned_model(cfg, device, lambda: GPT(model_cfg), lambda m: isinstance(m, Block), init)
     with torch.device("meta"):
         model = GPT(model_cfg)
     if cfg.activation_checkpointing:
         apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
-    init = functools.partial(init_module, n_layers=model_cfg.n_layers)
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
     if cfg.api == "fsdp1":
         return fsdp_options.shard_model(
