@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from mnist_idx import half_train_set
 
 BIN = Path(sys.executable).parent
 STEPS = 24
@@ -149,6 +150,8 @@ def test_sigkill_in_the_middle_of_a_save(tmp_path: Path, reference: dict) -> Non
 
 
 def _mnist_args(tmp: Path, name: str) -> list[str]:
+    """Two epochs of 16 steps per rank on ``tmp/data`` (half the shipped training images, see
+    :func:`mnist_idx.half_train_set`), a checkpoint every 10 steps."""
     return [
         str(BIN / "fullshard"),
         "train",
@@ -157,6 +160,8 @@ def _mnist_args(tmp: Path, name: str) -> list[str]:
         "2",
         "--epochs",
         "2",
+        "--data-dir",
+        str(tmp / "data"),
         "--checkpoint-every",
         "10",
         "--checkpoint-dir",
@@ -172,15 +177,16 @@ def _mnist_args(tmp: Path, name: str) -> list[str]:
 @pytest.mark.timeout(400)
 def test_mnist_sigkill_mid_epoch_resumes_exactly(tmp_path: Path) -> None:
     """Dropout RNG, the position inside the epoch, Adadelta and StepLR all come back."""
+    half_train_set(tmp_path / "data")
     r = subprocess.run(_mnist_args(tmp_path, "ref"), capture_output=True, text=True, timeout=280, env=_env())
     assert r.returncode == 0, r.stderr[-3000:]
     proc = subprocess.Popen(
         _mnist_args(tmp_path, "run"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
     )
     deadline = time.monotonic() + 200
-    while not (tmp_path / "run-ckpt" / "step_00000040").is_dir():  # step 40: inside epoch 2
+    while not (tmp_path / "run-ckpt" / "step_00000020").is_dir():  # step 20: inside epoch 2
         assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "the run did not reach step 40"
+        assert time.monotonic() < deadline, "the run did not reach step 20"
         time.sleep(0.02)
     os.kill(_workers(proc.pid)[1], signal.SIGKILL)
     out, err = proc.communicate(timeout=240)
