@@ -160,8 +160,61 @@ def test_predicted_step_peak_is_within_5_percent_of_the_measured_one() -> None:
     real steps (the third step's peak on rank 0). The full table is `fullshard bench estimate`."""
     from fullshard.jobs.plan import validate
 
-    for config in (validate.Config("gpt-tiny", 2, ac=True), validate.Config("mnist", 1, batch=64)):
+    configs = (validate.Config("gpt-tiny", 2, ac=True), validate.Config("mnist", 1, batch=64))
+    # the memory-bound GPT: resident gradient shards and the reduce-scatter's receive buffer
+    for config in (*configs, validate.Config("gpt-wide", 2, batch=2)):
         estimate, peak, _ = validate.compare(config)
         parts = (estimate.shards, estimate.optimizer, estimate.gathered, estimate.activations)
         assert all(p >= 0 for p in parts) and estimate.activations > 0
         assert abs(estimate.total - peak) <= 0.05 * peak, (config, estimate, peak)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_meta_trace_of_attention_equals_the_cpu_step(dtype: torch.dtype) -> None:
+    """On meta, SDPA would take its math path (float32 attention weights saved); the trace runs
+    CPU's flash kernel instead, so its activation bytes are the real CPU step's, to the byte."""
+    from fullshard.jobs.models.gpt import GPT, PRESETS
+    from fullshard.jobs.plan.peak import trace_activations
+    from fullshard.jobs.plan.tracker import LiveTensorBytes
+
+    def example() -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.zeros(2, 64, dtype=torch.long), torch.zeros(2, 64, dtype=torch.long)
+
+    def loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(model(batch[0]).float().flatten(0, 1), batch[1].flatten())
+
+    traced = trace_activations(lambda: GPT(PRESETS["tiny"]), example, loss, dtype)[0]
+    model = GPT(PRESETS["tiny"]).to(dtype)
+    params = list(model.parameters())
+    with LiveTensorBytes(label=lambda: sum(p.grad.nbytes for p in params if p.grad is not None)) as live:
+        live.adopt(params)
+        batch = example()
+        live.reset_peak()
+        loss(model, batch).backward()
+    measured = live.peak - sum(p.nbytes for p in params) - live.peak_label
+    assert traced == measured, (traced, measured)
+
+
+def test_peak_counts_resident_gradient_shards_and_the_receive_buffer() -> None:
+    """On gloo each unit keeps its gradient shard between steps, and a reduce-scatter in flight
+    holds its receive buffer (one shard at 2 ranks, the whole input beyond) once there are two
+    units; on NCCL neither: gradients count as far as the trace had produced them."""
+    from fullshard.jobs.plan.estimate import UnitEstimate
+    from fullshard.jobs.plan.peak import combine, grad_scale
+
+    def units(n: int, world: int) -> list[UnitEstimate]:
+        full = 4000
+        return [UnitEstimate("<root>", 10, 40 // world, 40 // world, 0, 40)] + [
+            UnitEstimate(f"b{i}", 1000, full // world, full // world, 0, full) for i in range(n)
+        ]
+
+    traced = (500, 0.25, "backward")
+    two = combine(units(2, 2), traced, 2, backend="gloo")
+    assert two.gradients == 20 + 2 * 2000 and two.gradient_buffer == 4000 + 2000
+    assert combine(units(2, 4), traced, 4, backend="gloo").gradient_buffer == 4000 + 4000
+    assert combine(units(1, 2), traced, 2, backend="gloo").gradient_buffer == 4000  # one unit: no overlap
+    nccl = combine(units(2, 2), traced, 2, backend="nccl")
+    assert nccl.gradients == round(0.25 * (20 + 2 * 2000)) and nccl.gradient_buffer == 4000
+    assert combine(units(2, 2), traced, 2, no_shard=True).gradient_buffer == 0
+    assert grad_scale(2, False, "gloo") == 0.0 and grad_scale(4, False, "nccl") == 0.25
+    assert grad_scale(2, True, "gloo") == 1.0 and grad_scale(1, False, "gloo") == 1.0

@@ -39,6 +39,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute each unit in backward")
     p.add_argument("--mixed-precision", default="none", choices=sorted(PRECISIONS))
     p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_BUFFERS))
+    p.add_argument(
+        "--backend",
+        default="nccl" if torch.cuda.is_available() else "gloo",
+        choices=["gloo", "nccl"],
+        help="the process group's (default: nccl when CUDA is available, else gloo)",
+    )
     return p
 
 
@@ -76,10 +82,10 @@ def table(e: PeakEstimate, world: int) -> list[str]:
     """The estimate as markdown lines (MiB per rank)."""
     rows = [
         ("parameter shards", e.shards),
-        ("sharded gradients (produced by the peak)", e.gradients),
+        ("sharded gradients (gloo: all, kept between steps; nccl: produced by the peak)", e.gradients),
         ("optimizer state", e.optimizer),
         ("gathered full parameters (root, current, prefetched)", e.gathered),
-        ("full gradient before its reduce-scatter", e.gradient_buffer),
+        ("gradient being reduce-scattered (packed input; gloo: receive buffer)", e.gradient_buffer),
         ("activations, saved tensors and temporaries", e.activations),
     ]
     lines = [f"| per rank ({world} ranks) | MiB |", "|---|---|"]
@@ -111,6 +117,7 @@ def main(argv: Sequence[str]) -> int:
         checkpoint=is_unit if args.activation_checkpointing else None,
         optimizer=args.optimizer,
         sharding_strategy=args.sharding_strategy,
+        backend=args.backend,
     )
     print("\n".join(table(estimate, args.world_size)))
     return 0

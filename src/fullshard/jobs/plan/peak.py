@@ -7,24 +7,34 @@ take (activation checkpointing applied as the job applies it; under mixed precis
 traced in the compute dtype). The FSDP step's peak adds, per rank:
 
 - model state (:func:`~fullshard.jobs.plan.estimate.estimate_model_state`): parameter shards and
-  optimizer state in full, sharded gradients in the fraction the trace had produced at its peak;
+  optimizer state in full; gradient shards in full on gloo (CPU) at world sizes above 1, where
+  each unit keeps its reduce-scatter output buffer between steps (``zero_grad`` drops only the
+  views), otherwise in the fraction the trace had produced at its peak;
 - gathered full parameters: the root unit, the largest unit and the largest other unit (the one
   being prefetched), in the compute dtype; fullshard's CPU buffer pool keeps such buffers
   between units, so the set is counted whole (SHARD_GRAD_OP: every unit, none reshards after
   forward);
 - when the peak falls in backward, one full flat gradient of the largest unit (the
-  reduce-scatter's input).
+  reduce-scatter's input) and, on gloo with two units or more, the receive buffer of the
+  reduce-scatter in flight during the next unit's backward (one shard at 2 ranks, the whole
+  input beyond; measured at the peak of a 4-unit GPT, absent from a 1-unit MNIST Net's).
 
-The moment of the peak is reported as forward or backward.
+Since a rank holds gradient shards rather than full gradients, its peak is not the unwrapped
+model's: the trace takes the peak of activations plus the gradients as this rank holds them
+(none extra when they are resident, ``1 / world`` of them otherwise, all under NO_SHARD). The
+moment of the peak is reported as forward or backward.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Collection
 from typing import Any
+from unittest import mock
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fullshard.jobs.plan.estimate import UnitEstimate, estimate_model_state
@@ -49,24 +59,55 @@ class PeakEstimate:
         return self.shards + self.gradients + self.optimizer + self.gathered + self.gradient_buffer + self.activations
 
 
+_SDPA = F.scaled_dot_product_attention
+
+
+def _cpu_attention(*args: Any, **kwargs: Any) -> Any:
+    """``F.scaled_dot_product_attention`` as CPU runs it, for the meta trace.
+
+    Meta tensors take SDPA's math path, which saves the attention weights in float32 (B x H x T
+    x T); on CPU torch runs its flash kernel, which saves only the output and the log-sum-exp
+    (measured on the tiny GPT in bf16: 82.6 MiB of activations traced the math way, 66.8 MiB
+    real). Calls with a mask, dropout or grouped heads, or on real tensors, are SDPA's own.
+    """
+    names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    opts = {**dict(zip(names, args[3:])), **kwargs}
+    plain = opts.get("attn_mask") is None and not opts.get("dropout_p") and not opts.get("enable_gqa")
+    if plain and args[0].is_meta:
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        return flash(*args[:3], 0.0, bool(opts.get("is_causal", False)), scale=opts.get("scale"))[0]
+    return _SDPA(*args, **kwargs)
+
+
 def trace_activations(
     make_model: Callable[[], nn.Module],
     example: Callable[[], Any],
     loss_fn: Callable[[nn.Module, Any], torch.Tensor],
     compute_dtype: torch.dtype | None = None,
     checkpoint: Callable[[nn.Module], bool] | None = None,
+    grad_scale: float = 1.0,
+    device_type: str = "cpu",
 ) -> tuple[int, float, str]:
-    """(activation and temporary bytes at the unwrapped step's peak, the fraction of gradient
-    bytes produced by then, "forward" or "backward"), traced on the meta device."""
+    """(activation and temporary bytes at the step's peak, the fraction of gradient bytes
+    produced by then, "forward" or "backward"), traced on the meta device.
+
+    The peak is taken of activations plus ``grad_scale`` x the gradients produced so far: the
+    unwrapped model holds full gradients (``grad_scale`` 1), a rank of a sharded one its
+    shards (``1 / world``), so its peak comes earlier in backward, where more activations live.
+    ``device_type``: where the step will run; on "cpu" attention is traced as CPU's flash
+    kernel (:func:`_cpu_attention`), elsewhere as SDPA's math path.
+    """
     from fullshard.frontend.activation_checkpointing import apply_activation_checkpointing
 
     params: list[nn.Parameter] = []
 
-    def label() -> tuple[int, int]:
-        grads = sum(p.grad.nbytes for p in params if p.grad is not None)
-        return grads, torch._C._current_graph_task_id()
+    def grads() -> int:
+        return sum(p.grad.nbytes for p in params if p.grad is not None)
 
-    with LiveTensorBytes("meta", label=label) as live:
+    def label() -> tuple[int, int]:
+        return grads(), torch._C._current_graph_task_id()
+
+    with LiveTensorBytes("meta", label=label, discount=lambda: round((1 - grad_scale) * grads())) as live:
         with torch.device("meta"):
             model = make_model()
             if compute_dtype is not None:
@@ -77,11 +118,17 @@ def trace_activations(
         params.extend(model.parameters())
         param_bytes = sum(p.nbytes for p in params)
         live.reset_peak()
-        loss_fn(model, batch).backward()
-    grads, task = live.peak_label
+        # patched, not a TorchFunctionMode: checkpointed blocks recompute in autograd's thread
+        with (
+            mock.patch.object(F, "scaled_dot_product_attention", _cpu_attention)
+            if device_type == "cpu"
+            else (contextlib.nullcontext())
+        ):
+            loss_fn(model, batch).backward()
+    produced, task = live.peak_label
     total_grads = sum(p.nbytes for p in params if p.requires_grad) or 1
     phase = "backward" if task >= 0 else "forward"
-    return live.peak - param_bytes - grads, grads / total_grads, phase
+    return live.peak - param_bytes - round(grad_scale * produced), produced / total_grads, phase
 
 
 def estimate_peak(
@@ -95,6 +142,7 @@ def estimate_peak(
     checkpoint: Callable[[nn.Module], bool] | None = None,
     optimizer: str = "adamw",
     sharding_strategy: str = "full_shard",
+    backend: str = "gloo",
 ) -> PeakEstimate:
     """Predict rank 0's peak live tensor bytes in a steady training step (see module docstring).
 
@@ -104,6 +152,7 @@ def estimate_peak(
         loss_fn: ``(model, batch) -> scalar loss`` as the training loop computes it.
         is_unit: the auto-wrap policy's choice of units.
         checkpoint: the modules whose activations are recomputed in backward, if any.
+        backend: the process group's, "gloo" (CPU) or "nccl" (CUDA).
 
     Raises:
         ValueError: as :func:`~fullshard.jobs.plan.estimate.estimate_model_state`.
@@ -113,9 +162,26 @@ def estimate_peak(
     units = estimate_model_state(
         plain, is_unit, world_size, sharding_strategy=sharding_strategy, param_dtype=param_dtype, optimizer=optimizer
     )
-    traced = trace_activations(make_model, example, loss_fn, param_dtype, checkpoint)
+    no_shard = sharding_strategy == "no_shard"
+    scale = grad_scale(world_size, no_shard, backend)
+    device = "cuda" if backend == "nccl" else "cpu"
+    traced = trace_activations(make_model, example, loss_fn, param_dtype, checkpoint, scale, device)
     keep = [u.name for u in units] if sharding_strategy == "shard_grad_op" else []
-    return combine(units, traced, world_size, keep_gathered=keep, no_shard=sharding_strategy == "no_shard")
+    return combine(units, traced, world_size, keep_gathered=keep, no_shard=no_shard, backend=backend)
+
+
+def _resident_grads(world_size: int, no_shard: bool, backend: str) -> bool:
+    """Whether gradient shards stay allocated between steps (fullshard's CPU reduce-scatter)."""
+    return backend == "gloo" and world_size > 1 and not no_shard
+
+
+def grad_scale(world_size: int, no_shard: bool, backend: str) -> float:
+    """The share of the unwrapped model's gradient bytes that grows with backward on one rank:
+    0 when gradient shards are resident (counted as model state instead), else ``1 / world``
+    (1 under NO_SHARD)."""
+    if _resident_grads(world_size, no_shard, backend):
+        return 0.0
+    return 1.0 if no_shard else 1 / world_size
 
 
 def combine(
@@ -125,11 +191,12 @@ def combine(
     *,
     keep_gathered: Collection[str] = (),
     no_shard: bool = False,
+    backend: str = "gloo",
 ) -> PeakEstimate:
     """The peak from its parts: ``units`` from :func:`estimate_model_state`, ``traced`` from
-    :func:`trace_activations`; units named in ``keep_gathered`` do not reshard after forward
-    (SHARD_GRAD_OP for them), ``no_shard`` replicates everything (nothing gathered, gradients
-    all-reduced in place)."""
+    :func:`trace_activations` (with :func:`grad_scale` of the same settings); units named in
+    ``keep_gathered`` do not reshard after forward (SHARD_GRAD_OP for them), ``no_shard``
+    replicates everything (nothing gathered, gradients all-reduced in place)."""
     activations, grad_fraction, phase = traced
     by_size = sorted(
         (u for u in units if u.name != "<root>" and u.name not in keep_gathered),
@@ -143,9 +210,14 @@ def combine(
     largest = max((u.full_bytes for u in units if u.name != "<root>"), default=0)
     if phase == "backward" and world_size > 1 and not no_shard:
         grad_buffer = largest
+        if backend == "gloo" and sum(u.name != "<root>" for u in units) >= 2:
+            # a reduce-scatter in flight (its all-to-all's receive buffer) while the next unit's
+            # backward runs; with one unit it only overlaps the root's, after the peak
+            grad_buffer += largest // world_size if world_size == 2 else largest
+    resident = _resident_grads(world_size, no_shard, backend)
     return PeakEstimate(
         shards=sum(u.shard_bytes for u in units),
-        gradients=round(grad_fraction * sum(u.grad_bytes for u in units)),
+        gradients=round((1.0 if resident else grad_fraction) * sum(u.grad_bytes for u in units)),
         optimizer=sum(u.optim_bytes for u in units),
         gathered=0 if no_shard else gathered,
         gradient_buffer=grad_buffer,

@@ -5,8 +5,9 @@ twice the largest hand configuration's predicted peak; tight: 1.15 x the smalles
 peak of all candidates), ``world`` fresh processes calibrate and plan; then the planned
 configuration and the six hand configurations (FULL_SHARD per block, SHARD_GRAD_OP per block,
 NO_SHARD, each with and without activation checkpointing) are each built from the same seed,
-applied with :meth:`~fullshard.jobs.plan.planner.Candidate.apply`, and measured: the median
-step of 5 after 2 warm-up steps, and the third step's peak of live tensor bytes on rank 0
+applied with :meth:`~fullshard.jobs.plan.planner.Candidate.apply`, and measured
+(:func:`measure_all`): the median step of 5 after 2 warm-up steps, the fastest of 3 rounds, and
+the third step's peak of live tensor bytes on rank 0
 (a separate build under :class:`~fullshard.jobs.plan.tracker.LiveTensorBytes`, which slows
 steps down).
 """
@@ -73,6 +74,20 @@ def measure(c: Config, cand: Candidate, device: torch.device) -> tuple[float, in
     return seconds, live.peak
 
 
+def measure_all(cands: list[Candidate], c: Config, device: torch.device, rounds: int = 3) -> dict[Candidate, Any]:
+    """(seconds, peak bytes) of each distinct candidate: the fastest of ``rounds`` medians, the
+    candidates measured in turn each round, so that the machine's slow minutes (on this 2-core
+    machine the same configuration measured 142 and 219 ms minutes apart) do not fall on one of
+    them only; a plan that equals a hand configuration is that configuration's measurement."""
+    times: dict[Candidate, list[float]] = {cand: [] for cand in dict.fromkeys(cands)}
+    peaks: dict[Candidate, int] = {}
+    for _ in range(rounds):
+        for cand in times:
+            seconds, peaks[cand] = measure(c, cand, device)
+            times[cand].append(seconds)
+    return {cand: (min(ts), peaks[cand]) for cand, ts in times.items()}
+
+
 def _worker(c: Config) -> list[dict[str, Any]] | None:
     device = launch.init_process_group()
     try:
@@ -91,9 +106,10 @@ def _worker(c: Config) -> list[dict[str, Any]] | None:
             assert chosen is not None  # the smallest candidate fits 1.15 x its own peak
             cand = collectives.broadcast_object(chosen.candidate, 0, collectives.default_group())
             rows.append({"budget": label, "bytes": budget, "plan": cand, "predicted": chosen})
-        measured = {name: measure(c, cand, device) for name, cand in hands.items()}
+        by_cand = measure_all([*hands.values(), *(row["plan"] for row in rows)], c, device)
         for row in rows:
-            row["measured"] = measure(c, row["plan"], device)
+            row["measured"] = by_cand[row["plan"]]
+        measured = {name: by_cand[cand] for name, cand in hands.items()}
         return [{"hands": measured, "predicted_hands": {n: every[h] for n, h in hands.items()}, "rows": rows}]
     finally:
         launch.destroy_process_group()

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from fullshard.jobs.plan.estimate import estimate_model_state
-from fullshard.jobs.plan.peak import PeakEstimate, combine, trace_activations
+from fullshard.jobs.plan.peak import PeakEstimate, combine, grad_scale, trace_activations
 from fullshard.jobs.plan.simulate import StepTime
 from fullshard.jobs.plan.steptime import Calibration, predict_step
 
@@ -216,6 +216,22 @@ def plan(
     """
     if budget <= 0:
         raise ValueError(f"budget={budget}: give the memory per rank in bytes, e.g. 8 * 2**30")
+    scored = _score_all(cal, make_model, example, loss_fn, is_unit, param_dtype)
+    fitting = sorted((s for s in scored if s.peak.total <= budget), key=lambda s: (s.step.seconds, s.peak.total))
+    smallest = min(scored, key=lambda s: s.peak.total)
+    best = fitting[0] if fitting else None
+    return Plan(best, fitting[1 : 1 + runners_up], budget, smallest, scored)
+
+
+def _score_all(
+    cal: Calibration,
+    make_model: Callable[[], nn.Module],
+    example: Callable[[], Any],
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    is_unit: Callable[[nn.Module], bool],
+    param_dtype: torch.dtype | None,
+) -> list[Scored]:
+    """Every candidate with its predicted peak (one meta trace per AC count and sharding) and step."""
     world = cal.comm.world_size
     names = [n for n in cal.blocks if n != "<root>"]
     with torch.device("meta"):
@@ -231,13 +247,23 @@ def plan(
         )
         for ns in (False, True)
     }
-    traces: dict[int, tuple[int, float, str]] = {}
+    traces: dict[tuple[int, bool], tuple[int, float, str]] = {}
     scored = []
     for c in candidates(names):
-        k = len(c.checkpoint)
-        if k not in traces:
-            traces[k] = trace_activations(_tagged(make_model, c.checkpoint), example, loss_fn, param_dtype, _is_tagged)
-        peak = combine(state[c.no_shard], traces[k], world, keep_gathered=c.keep_gathered, no_shard=c.no_shard)
+        key = (len(c.checkpoint), c.no_shard)
+        if key not in traces:
+            scale = grad_scale(world, c.no_shard, cal.comm.backend)
+            make = _tagged(make_model, c.checkpoint)
+            device = "cuda" if cal.comm.backend == "nccl" else "cpu"
+            traces[key] = trace_activations(make, example, loss_fn, param_dtype, _is_tagged, scale, device)
+        peak = combine(
+            state[c.no_shard],
+            traces[key],
+            world,
+            keep_gathered=c.keep_gathered,
+            no_shard=c.no_shard,
+            backend=cal.comm.backend,
+        )
         step = predict_step(
             cal,
             make_model,
@@ -249,10 +275,7 @@ def plan(
             forward_prefetch=c.forward_prefetch,
         )
         scored.append(Scored(c, peak, step))
-    fitting = sorted((s for s in scored if s.peak.total <= budget), key=lambda s: (s.step.seconds, s.peak.total))
-    smallest = min(scored, key=lambda s: s.peak.total)
-    best = fitting[0] if fitting else None
-    return Plan(best, fitting[1 : 1 + runners_up], budget, smallest, scored)
+    return scored
 
 
 def _tagged(make_model: Callable[[], nn.Module], names: tuple[str, ...]) -> Callable[[], nn.Module]:

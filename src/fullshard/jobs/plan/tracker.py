@@ -31,14 +31,16 @@ class LiveTensorBytes(TorchDispatchMode):
 
     Attributes:
         current: bytes alive at the last allocation (int).
-        peak: the largest ``current`` since construction or :meth:`reset_peak` (bytes).
+        peak: the largest ``current - discount()`` since construction or :meth:`reset_peak`
+            (bytes; ``discount`` returns 0 unless given).
         peak_label: what :attr:`label` returned at the peak (e.g. the unit and phase).
     """
 
-    def __init__(self, device_type: str = "cpu", label: Any = None) -> None:
+    def __init__(self, device_type: str = "cpu", label: Any = None, discount: Any = None) -> None:
         super().__init__()
         self.device_type = device_type
         self.label = label or (lambda: None)
+        self.discount = discount or (lambda: 0)
         self._storages: dict[int, weakref.ref] = {}
         self.current = 0
         self.peak = 0
@@ -59,7 +61,7 @@ class LiveTensorBytes(TorchDispatchMode):
     def reset_peak(self) -> None:
         """Start a new peak from the bytes alive now."""
         self._measure()
-        self.peak, self.peak_label = self.current, self.label()
+        self.peak, self.peak_label = self.current - self.discount(), self.label()
 
     def _register(self, t: torch.Tensor) -> bool:
         if hasattr(t, "to_local"):  # DTensor: its local tensor holds the memory
@@ -82,8 +84,8 @@ class LiveTensorBytes(TorchDispatchMode):
                 ptr = st.data_ptr() if self.device_type != "meta" else id(st)  # meta storages have no address
                 sizes[ptr] = max(sizes.get(ptr, 0), n)
         self.current = sum(sizes.values())
-        if self.current > self.peak:
-            self.peak, self.peak_label = self.current, self.label()
+        if (value := self.current - self.discount()) > self.peak:
+            self.peak, self.peak_label = value, self.label()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))

@@ -55,6 +55,9 @@ CONFIGS = [
     Config("gpt-tiny", 2, ac=True, precision="bf16"),
     Config("gpt-tiny", 2, strategy="shard_grad_op"),
     *(Config("mnist", w, batch=64) for w in (1, 2, 4)),
+    Config("gpt-wide", 2, batch=2),
+    Config("gpt-wide", 2, strategy="shard_grad_op", batch=2),
+    Config("gpt-wide", 4, batch=2),
 ]
 
 
@@ -105,6 +108,7 @@ def predict(c: Config) -> Any:
         checkpoint=is_unit if c.ac else None,
         optimizer="adamw" if c.model.startswith("gpt") else "adadelta",
         sharding_strategy=c.strategy,
+        backend="nccl" if torch.cuda.is_available() else "gloo",
     )
 
 
@@ -118,6 +122,15 @@ def _build(c: Config, device: torch.device) -> tuple[nn.Module, torch.optim.Opti
             activation_checkpointing=c.ac, sharding_strategy=c.strategy, mixed_precision=c.precision, nproc=c.world
         )
         model = build_model(cfg, device)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    if c.model == "gpt-wide":  # no preset: built whole on the device, wrapped as the job wraps
+        from fullshard.frontend.wrap import transformer_auto_wrap_policy
+        from fullshard.jobs.models.gpt import GPT, Block
+        from fullshard.jobs.train.gpt import GPTJobConfig
+
+        cfg = GPTJobConfig(sharding_strategy=c.strategy, mixed_precision=c.precision, nproc=c.world)
+        policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
+        model = fsdp_options.shard_model(GPT(_wide()).to(device), cfg, policy)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     from fullshard.frontend.wrap import size_based_auto_wrap_policy
     from fullshard.jobs.models.net import Net
