@@ -147,9 +147,10 @@ def test_recomputation_prefetches_nothing_extra() -> None:
     assert counts[0] == counts[1] and counts[2] == counts[3], counts
 
 
-def selective_fully_shard_body(rank: int, world: int) -> list[float]:
-    """fully_shard on every GPT block, every other block checkpointed, against the unwrapped
-    model on the same batch (every rank trains on it, so the averaged gradient is its own)."""
+def selective_fully_shard_body(rank: int, world: int, grouped: bool = False) -> list[float]:
+    """fully_shard on every GPT block (``grouped``: on pairs of blocks, one unit each), every
+    other block checkpointed, against the unwrapped model on the same batch (every rank trains
+    on it, so the averaged gradient is its own)."""
     from fullshard import apply_activation_checkpointing, fully_shard
     from fullshard.jobs.models.gpt import GPT, PRESETS
 
@@ -157,9 +158,10 @@ def selective_fully_shard_body(rank: int, world: int) -> list[float]:
     ref = GPT(PRESETS["tiny"])
     model = copy.deepcopy(ref)
     blocks = list(model.blocks)
-    apply_activation_checkpointing(model, check_fn=lambda m: any(m is b for b in blocks[::2]))
-    for b in blocks:
-        fully_shard(b)
+    chosen = blocks[1::2] if grouped else blocks[::2]  # grouped: the unit's second member
+    apply_activation_checkpointing(model, check_fn=lambda m: any(m is b for b in chosen))
+    for unit in [blocks[i : i + 2] for i in range(0, len(blocks), 2)] if grouped else blocks:
+        fully_shard(unit)
     fully_shard(model)
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
     x = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(1))
@@ -177,6 +179,9 @@ def selective_fully_shard_body(rank: int, world: int) -> list[float]:
 
 
 @pytest.mark.timeout(200)
-def test_selective_checkpointing_under_fully_shard_matches_the_unwrapped_model() -> None:
-    losses = run_ranks(selective_fully_shard_body, 2, timeout=180)[0]
+@pytest.mark.parametrize("grouped", [False, True])
+def test_selective_checkpointing_under_fully_shard_matches_the_unwrapped_model(grouped: bool) -> None:
+    """A recomputation stopped early (torch's non-reentrant checkpoint) must not leave the
+    unit's next forward ungathered, also when the checkpointed block is one of a unit's list."""
+    losses = run_ranks(selective_fully_shard_body, 2, grouped, timeout=180)[0]
     assert losses[0::2] == pytest.approx(losses[1::2], rel=1e-5)

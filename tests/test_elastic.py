@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from mnist_idx import half_train_set
+from mnist_idx import train_subset
 
 BIN = Path(sys.executable).parent
 STEPS = 24
@@ -91,9 +91,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("seed", [1, 2])
-def test_sigkill_at_a_random_step_resumes_exactly(tmp_path: Path, reference: dict, seed: int) -> None:
-    rng = random.Random(seed)
+def test_sigkill_at_a_random_step_resumes_exactly(tmp_path: Path, reference: dict) -> None:
+    rng = random.Random(1)
     kill_at = rng.randint(5, STEPS - 4)  # step 4's checkpoint is complete before step 5's record
     proc = subprocess.Popen(
         _args(tmp_path, "run"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
@@ -150,8 +149,8 @@ def test_sigkill_in_the_middle_of_a_save(tmp_path: Path, reference: dict) -> Non
 
 
 def _mnist_args(tmp: Path, name: str) -> list[str]:
-    """Two epochs of 16 steps per rank on ``tmp/data`` (half the shipped training images, see
-    :func:`mnist_idx.half_train_set`), a checkpoint every 10 steps."""
+    """Two epochs of 16 steps per rank on ``tmp/data`` (half the shipped training images and a
+    fifth of its test images, see :func:`mnist_idx.train_subset`), a checkpoint every 10 steps."""
     return [
         str(BIN / "fullshard"),
         "train",
@@ -177,7 +176,7 @@ def _mnist_args(tmp: Path, name: str) -> list[str]:
 @pytest.mark.timeout(400)
 def test_mnist_sigkill_mid_epoch_resumes_exactly(tmp_path: Path) -> None:
     """Dropout RNG, the position inside the epoch, Adadelta and StepLR all come back."""
-    half_train_set(tmp_path / "data")
+    train_subset(tmp_path / "data", 0.5, 0.2)
     r = subprocess.run(_mnist_args(tmp_path, "ref"), capture_output=True, text=True, timeout=280, env=_env())
     assert r.returncode == 0, r.stderr[-3000:]
     proc = subprocess.Popen(

@@ -120,6 +120,18 @@ def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(FULLSHARD + list(args), capture_output=True, text=True, timeout=timeout)
 
 
+def _main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """``fullshard ARGS`` in this process (options are checked before any worker starts): the
+    exit code and what it wrote to stderr."""
+    from fullshard.cli import main
+
+    try:
+        code = main(list(args))
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    return code, capsys.readouterr().err
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "args,text",
@@ -129,23 +141,23 @@ def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         (["--epochs", "0"], "--epochs must be at least 1"),
     ],
 )
-def test_cli_rejects_bad_options(args: list[str], text: str) -> None:
-    r = _cli("train", "mnist", *args)
-    assert r.returncode == 2 and text in r.stderr, r.stderr
+def test_cli_rejects_bad_options(capsys: pytest.CaptureFixture[str], args: list[str], text: str) -> None:
+    code, err = _main(capsys, "train", "mnist", *args)
+    assert code == 2 and text in err, err
 
 
-@pytest.mark.timeout(120)
-def test_cli_data_dir_without_mnist(tmp_path: Path) -> None:
+def test_cli_data_dir_without_mnist(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     (tmp_path / "train-images-idx3-ubyte").write_bytes(b"")
-    r = _cli("train", "mnist", "--data-dir", str(tmp_path))
-    assert r.returncode == 2, r.stderr
-    assert "t10k-images-idx3-ubyte" in r.stderr and "leave out --data-dir" in r.stderr, r.stderr
+    code, err = _main(capsys, "train", "mnist", "--data-dir", str(tmp_path))
+    assert code == 2, err
+    assert "t10k-images-idx3-ubyte" in err and "leave out --data-dir" in err, err
 
 
-def test_cli_unknown_command_and_job() -> None:
-    assert _cli("frobnicate").returncode == 2
-    r = _cli("train", "imagenet")
-    assert r.returncode == 2 and "unknown job 'imagenet'" in r.stderr
+def test_cli_unknown_command_and_job(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _main(capsys, "frobnicate")[0] == 2
+    code, err = _main(capsys, "train", "imagenet")
+    assert code == 2 and "unknown job 'imagenet'" in err
+    assert _cli("frobnicate").returncode == 2  # the installed command's exit status
 
 
 @pytest.mark.timeout(180)
@@ -202,9 +214,9 @@ def test_idx_files_in_torchvision_layout(tmp_path: Path) -> None:
         mnist_data.load(tmp_path)
 
 
-def test_cli_bench_rejects_unknown_workload() -> None:
-    r = _cli("bench", "nope")
-    assert r.returncode == 2 and "invalid choice" in r.stderr
+def test_cli_bench_rejects_unknown_workload(capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = _main(capsys, "bench", "nope")
+    assert code == 2 and "invalid choice" in err
 
 
 @pytest.mark.timeout(300)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from mnist_idx import half_train_set
+from mnist_idx import train_subset
 
 BIN = Path(sys.executable).parent
 
@@ -95,24 +95,27 @@ def test_mnist_under_torchrun(tmp_path: Path) -> None:
             "1",
             "--sharding-strategy",
             "shard_grad_op",
+            "--data-dir",
+            str(train_subset(tmp_path / "data", 0.5, 0.5)),
             "--metrics-file",
             str(metrics),
         ],
         tmp_path,
         timeout=280,
     )
-    rec = _records(metrics)[0]
-    assert rec["test_accuracy"] > 0.85 and len(rec["sharded_state_bytes"]) == 2
+    rec = _records(metrics)[0]  # half the training and test images: 0.870 measured
+    assert rec["test_accuracy"] > 0.8 and len(rec["sharded_state_bytes"]) == 2
 
 
 @pytest.mark.timeout(500)
-def test_mnist_bf16_learns_in_one_epoch_of_half_the_data(tmp_path: Path) -> None:
+def test_mnist_bf16_learns_in_one_epoch_of_a_quarter_of_the_data(tmp_path: Path) -> None:
     """--mixed-precision bf16: bf16 all-gathers and compute, fp32 shards. This CPU has no bf16
     convolution kernel (torch falls back to a slow one, 8.5x float32's time), so the suite trains
-    one epoch on half the training images (given as IDX files by --data-dir): 0.823 measured, bar
-    0.78. On the whole subset the runs measured 0.935, 0.956, 0.965 after epochs 1-3, 0.969 after 10."""
+    one epoch on a quarter of the training images (1,000, given as IDX files by --data-dir; 500
+    test images): 0.714 measured (half the images: 0.823), bar 0.6 (chance: 0.1). On the whole
+    subset the runs measured 0.935, 0.956, 0.965 after epochs 1-3, 0.969 after 10."""
     metrics = tmp_path / "bf16.jsonl"
-    data = half_train_set(tmp_path)
+    data = train_subset(tmp_path, 0.25, 0.5)
     _run(
         [
             str(BIN / "fullshard"),
@@ -134,4 +137,4 @@ def test_mnist_bf16_learns_in_one_epoch_of_half_the_data(tmp_path: Path) -> None
         timeout=480,
     )
     last = _records(metrics)[-1]
-    assert last["epoch"] == 1 and last["test_accuracy"] >= 0.78, last
+    assert last["epoch"] == 1 and last["test_accuracy"] >= 0.6, last

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist import run_ranks
+from torch import nn
 
 from fullshard.jobs.plan.calibrate import BlockTime, CommModel, Link, _fit
 from fullshard.jobs.plan.simulate import UnitCost, simulate_step
@@ -65,6 +66,33 @@ def test_prefetch_and_kept_units_hide_gathers_and_checkpointing_adds_a_forward()
     assert no_shard.compute == base.compute and no_shard.exposed_comm < base.exposed_comm
 
 
+def test_grouped_units_gather_once_and_carry_their_members_recomputation() -> None:
+    from fullshard.jobs.plan.estimate import UnitEstimate, group_units
+    from fullshard.jobs.plan.simulate import merge_costs
+
+    # Latency-only all-gather (5 ms a call, any size): two units of two blocks save two gathers.
+    comm = CommModel(2, "gloo", all_gather=Link(5 * MS, 0.0), reduce_scatter=Link(0.0, 0.0), all_reduce=Link(0.0, 0.0))
+    root = _unit("<root>", 2, 4, 1)
+    blocks = [_unit(n, 10, 20, 3, checkpoint=n == "b") for n in "abcd"]
+    merged = merge_costs(blocks, 2)
+    assert [(u.name, u.gather_bytes, u.reduce_bytes, u.checkpoint) for u in merged] == [
+        ("a", 6, 6, False),
+        ("c", 6, 6, False),
+    ]
+    assert merged[0].time == BlockTime(20 * MS, 50 * MS)  # b's recomputed forward in the group's backward
+    per_block = simulate_step(root, blocks, comm, backward_prefetch=None)
+    grouped = simulate_step(root, merged, comm, backward_prefetch=None)
+    assert grouped.compute == pytest.approx(per_block.compute)
+    assert per_block.seconds - grouped.seconds == pytest.approx(4 * 5 * MS)  # 2 fewer gathers, forward and backward
+    assert merge_costs(blocks, 3)[1] is blocks[3] and merge_costs(blocks, 1) == blocks
+    with pytest.raises(ValueError, match="size=0"):
+        merge_costs(blocks, 0)
+    units = [UnitEstimate("<root>", 1, 2, 3, 4, 5)] + [UnitEstimate(n, 10, 20, 30, 40, 50) for n in "abc"]
+    assert group_units(units, [("a", "b"), ("c",)]) == [units[0], UnitEstimate("a", 20, 40, 60, 80, 100), units[3]]
+    with pytest.raises(KeyError, match="'z'"):
+        group_units(units, [("a", "z")])
+
+
 def test_parse_size() -> None:
     from fullshard.jobs.plan.planner import parse_size
 
@@ -93,7 +121,15 @@ def test_planner_picks_the_fastest_that_fits_and_says_when_nothing_does() -> Non
     from fullshard.jobs.plan.planner import candidates, plan
 
     names = [f"blocks.{i}" for i in range(4)]
-    assert len(candidates(names)) == 5 * 2 * 6  # AC on 0..4 units x prefetch x (NO_SHARD + 5 resharding splits)
+    # AC on 0..4 blocks x prefetch x (NO_SHARD + FULL_SHARD with 0..all units kept gathered, for
+    # units of 1 (5 splits), 2 (3) and 4 blocks (2))
+    assert len(candidates(names)) == 5 * 2 * (1 + 5 + 3 + 2)
+    assert len(candidates(names, grouping=False)) == 5 * 2 * 6
+    assert {c.describe() for c in candidates(names) if c.checkpoint == tuple(names[:1]) and not c.forward_prefetch} >= {
+        "FULL_SHARD (2 units of 2 blocks), last 1/2 units SHARD_GRAD_OP, AC on 1/4 blocks",
+        "SHARD_GRAD_OP (one unit of all 4 blocks), AC on 1/4 blocks",
+        "FULL_SHARD, last 1/4 units SHARD_GRAD_OP, AC on 1/4 units",
+    }
     make, example, loss, is_unit = _gpt_parts()
     slow_net = plan(_fake_calibration(1e-6), make, example, loss, is_unit, 2**40)
     # A slow network: NO_SHARD (no gathers, one all-reduce per unit) is fastest; checkpointing
@@ -125,18 +161,25 @@ def apply_body(rank: int, world: int) -> dict:
 
     make, example, loss, _ = _gpt_parts()
     names = tuple(f"blocks.{i}" for i in range(4))
-    cand = Candidate(False, names[2:], names[:1], True, names)
-    torch.manual_seed(0)
-    model = cand.apply(make())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batch = tuple(t.random_(0, 10) for t in example())
-    losses = []
-    for _ in range(2):
-        value = loss(model, batch)
-        value.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(value.item())
+
+    def train(cand: Candidate) -> tuple[nn.Module, list[float]]:
+        torch.manual_seed(0)
+        model = cand.apply(make())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses = []
+        for _ in range(2):
+            value = loss(model, batch)
+            value.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(value.item())
+        return model, losses
+
+    model, losses = train(Candidate(False, names[2:], names[:1], True, names))
+    # Units of two blocks (fully_shard of a list), AC on the second block of the first unit, the
+    # last unit kept gathered, forward prefetch: the same losses.
+    _, grouped = train(Candidate(False, names[2:], names[1:2], True, names, group=2))
     blocks = model.get_submodule("blocks")
     # Built on the meta device, each rank materializes what it holds by the job's init function.
     from fullshard.jobs.models.gpt import init_module
@@ -150,6 +193,7 @@ def apply_body(rank: int, world: int) -> dict:
     return {
         "wrapped": [isinstance(b, CheckpointWrapper) for b in blocks],
         "losses": losses,
+        "grouped": grouped,
         "no_shard": type(Candidate(True, (), (), False, names).apply(make())).__name__,
         "materialized": materialized,
     }
@@ -160,6 +204,7 @@ def test_a_plan_applies_and_trains() -> None:
     a, b = run_ranks(apply_body, 2, timeout=180)
     assert a["wrapped"] == [True, False, False, False]
     assert a["losses"][1] < a["losses"][0] and a["losses"] == b["losses"]
+    assert a["grouped"] == pytest.approx(a["losses"], rel=1e-5) and a["grouped"] == b["grouped"]
     assert a["no_shard"] == "FullyShardedDataParallel"
     assert a["materialized"] == b["materialized"] == [True, True]
 

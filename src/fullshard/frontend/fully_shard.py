@@ -32,7 +32,7 @@ from fullshard.engine import build, hooks
 from fullshard.engine.config import BackwardPrefetch, FrontEnd, MixedPrecision, ShardingStrategy
 from fullshard.engine.groups import resolve_groups
 from fullshard.engine.shard_sync import register_dtensors
-from fullshard.engine.unit import Unit
+from fullshard.engine.unit import TrainingState, Unit
 from fullshard.frontend import meshes, optim_local
 from fullshard.frontend.fsdp_module import FSDPModule
 from fullshard.frontend.options import as_mp_policy, as_offload_policy
@@ -245,25 +245,36 @@ def _register_forward_hooks(
     running: set[int] = set()  # modules whose forward has started and not yet returned
     ids = {id(m) for m in modules}
 
+    def recomputing() -> bool:
+        # Activation checkpointing recomputes one member's forward inside the unit's backward.
+        # torch's non-reentrant checkpoint stops a recomputation as soon as it has the tensors
+        # backward needs, skipping the forward hook, so a recomputation must not count towards
+        # the next forward's first-member / last-member bookkeeping.
+        return state.unit.training_state is TrainingState.PRE_BACKWARD
+
     def pre(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if id(module) in running:
-            # Its last forward never returned: torch's non-reentrant checkpoint stops a
-            # recomputation as soon as it has the tensors backward needs, skipping forward hooks.
+        hooks.lazy_init(module)
+        args, kwargs = hooks.prepare_inputs(state, (args, kwargs))
+        if recomputing():
+            hooks.pre_forward(state)
+            return args, kwargs
+        if id(module) in running:  # its last forward never returned (an exception, or as above)
             running.clear()
             pending.clear()
         running.add(id(module))
-        hooks.lazy_init(module)
-        args, kwargs = hooks.prepare_inputs(state, (args, kwargs))
         if not pending:
             pending.update(ids)
             hooks.pre_forward(state)
         return args, kwargs
 
     def post(module: nn.Module, args: tuple, output: Any) -> Any:
-        running.discard(id(module))
-        pending.discard(id(module))
-        if not pending:
+        if recomputing():
             output = hooks.post_forward(state, output)
+        else:
+            running.discard(id(module))
+            pending.discard(id(module))
+            if not pending:
+                output = hooks.post_forward(state, output)
         if output_dtype is not None:
             output = tree_map(
                 lambda t: t.to(output_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, output

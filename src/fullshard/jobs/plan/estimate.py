@@ -20,7 +20,7 @@ Activations, temporaries and the schedule's peak are not predicted here yet (iss
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -111,4 +111,36 @@ def estimate_model_state(
             else sum(world * s.padded_shard_numel * (compute or p.element_size()) for s, p in specs)
         )
         out.append(UnitEstimate(name or "<root>", sum(p.numel() for p in params), shard, grads, optim, full))
+    return out
+
+
+def group_units(units: list[UnitEstimate], groups: Sequence[Sequence[str]]) -> list[UnitEstimate]:
+    """``units`` with each group of unit names (``fully_shard`` of a list of modules: one unit)
+    merged into one, named after its first member, bytes and element counts summed; units in no
+    group are kept as they are, in their order.
+
+    Raises:
+        KeyError: a name in ``groups`` is not one of ``units``.
+    """
+    by_name = {u.name: u for u in units}
+    missing = [n for g in groups for n in g if n not in by_name]
+    if missing:
+        raise KeyError(f"groups name {missing} that are not units ({', '.join(by_name)})")
+    first = {g[0]: g for g in groups if len(g) > 1}
+    merged = {n for g in first.values() for n in g[1:]}
+    out = []
+    for u in units:
+        if u.name in merged:
+            continue
+        members = [by_name[n] for n in first.get(u.name, (u.name,))]
+        out.append(
+            UnitEstimate(
+                u.name,
+                sum(m.numel for m in members),
+                sum(m.shard_bytes for m in members),
+                sum(m.grad_bytes for m in members),
+                sum(m.optim_bytes for m in members),
+                sum(m.full_bytes for m in members),
+            )
+        )
     return out

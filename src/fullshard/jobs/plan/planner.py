@@ -7,7 +7,10 @@ The candidates, per outermost unit in forward order (``n`` of them besides the r
   gathered after forward, i.e. SHARD_GRAD_OP for them; ``m = n`` is SHARD_GRAD_OP throughout;
 - activation checkpointing of the first ``k`` units (identical blocks save and cost the same
   whichever ``k`` are chosen);
-- forward prefetch on or off (time only: the prefetched unit is in the memory estimate anyway).
+- forward prefetch on or off (time only: the prefetched unit is in the memory estimate anyway);
+- for FULL_SHARD, which modules are units: each block its own, or ``g`` consecutive blocks
+  sharded together (``fully_shard`` of a list: one all-gather and one reduce-scatter for them,
+  fewer and larger collectives, more gathered at once), ``g`` in 1, 2, 4 and all of them.
 
 Memory comes from :mod:`fullshard.jobs.plan.peak` (one meta-device trace per ``k``, the rest
 arithmetic), time from :mod:`fullshard.jobs.plan.steptime` on one calibration. CPU offload is
@@ -25,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fullshard.jobs.plan.estimate import estimate_model_state
+from fullshard.jobs.plan.estimate import estimate_model_state, group_units
 from fullshard.jobs.plan.peak import PeakEstimate, combine, grad_scale, trace_activations
 from fullshard.jobs.plan.simulate import StepTime
 from fullshard.jobs.plan.steptime import Calibration, predict_step
@@ -33,29 +36,42 @@ from fullshard.jobs.plan.steptime import Calibration, predict_step
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """One configuration: NO_SHARD or FULL_SHARD with ``keep_gathered`` units kept gathered
-    after forward, ``checkpoint`` units recomputed in backward, forward prefetch or not."""
+    """One configuration: NO_SHARD or FULL_SHARD with ``keep_gathered`` blocks kept gathered
+    after forward, ``checkpoint`` blocks recomputed in backward, forward prefetch or not;
+    ``all_units`` are the blocks (the auto-wrap policy's units, forward order) and ``group``
+    how many consecutive ones make one unit (the last may have fewer)."""
 
     no_shard: bool
     keep_gathered: tuple[str, ...]
     checkpoint: tuple[str, ...]
     forward_prefetch: bool
     all_units: tuple[str, ...]
+    group: int = 1
+
+    @property
+    def groups(self) -> list[tuple[str, ...]]:
+        """The units: blocks in chunks of ``group`` (one each for NO_SHARD)."""
+        size = 1 if self.no_shard else self.group
+        return [self.all_units[i : i + size] for i in range(0, len(self.all_units), size)]
 
     @property
     def n_units(self) -> int:
-        return len(self.all_units)
+        return len(self.groups)
 
     def describe(self) -> str:
+        n, kept = self.n_units, sum(g[0] in self.keep_gathered for g in self.groups)
+        grouped = f" ({n} units of {self.group} blocks)" if n < len(self.all_units) else ""
+        grouped = f" (one unit of all {len(self.all_units)} blocks)" if n == 1 and grouped else grouped
         if self.no_shard:
             shard = "NO_SHARD"
-        elif len(self.keep_gathered) >= self.n_units:
-            shard = "SHARD_GRAD_OP"
-        elif not self.keep_gathered:
-            shard = "FULL_SHARD"
+        elif kept >= n:
+            shard = "SHARD_GRAD_OP" + grouped
+        elif not kept:
+            shard = "FULL_SHARD" + grouped
         else:
-            shard = f"FULL_SHARD, last {len(self.keep_gathered)}/{self.n_units} units SHARD_GRAD_OP"
-        ac = f", AC on {len(self.checkpoint)}/{self.n_units} units" if self.checkpoint else ""
+            shard = f"FULL_SHARD{grouped}, last {kept}/{n} units SHARD_GRAD_OP"
+        noun = "blocks" if grouped else "units"
+        ac = f", AC on {len(self.checkpoint)}/{len(self.all_units)} {noun}" if self.checkpoint else ""
         return shard + ac + (", forward prefetch" if self.forward_prefetch else "")
 
     def apply(
@@ -99,11 +115,16 @@ class Candidate:
                 model, sharding_strategy=ShardingStrategy.NO_SHARD, auto_wrap_policy=policy, mixed_precision=mp, **init
             )
         kw: dict[str, Any] = {"mp_policy": MixedPrecisionPolicy(dtype, dtype)} if dtype is not None else {}
-        for name, unit in units.items():
-            fully_shard(unit, reshard_after_forward=name not in self.keep_gathered, **kw)
+        for group in self.groups:
+            members = [units[n] for n in group]
+            fully_shard(
+                members if len(members) > 1 else members[0],
+                reshard_after_forward=group[0] not in self.keep_gathered,
+                **kw,
+            )
         fully_shard(model, **kw)
         if self.forward_prefetch:
-            order: list[Any] = list(units.values())
+            order: list[Any] = [units[g[0]] for g in self.groups]
             for unit, following in zip(order, order[1:]):
                 unit.set_modules_to_forward_prefetch([following])
         if param_init_fn is not None:
@@ -183,14 +204,26 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
-def candidates(names: list[str], prefetch: bool = True) -> list[Candidate]:
-    """Every candidate for units ``names`` (outermost, forward order; the root excluded)."""
+def group_sizes(n: int) -> list[int]:
+    """Blocks per unit tried for ``n`` blocks: 1, 2, 4 and all of them (those up to ``n``)."""
+    return sorted({g for g in (1, 2, 4, n) if 1 <= g <= n})
+
+
+def candidates(names: list[str], prefetch: bool = True, grouping: bool = True) -> list[Candidate]:
+    """Every candidate for blocks ``names`` (the outermost units, forward order; the root
+    excluded): NO_SHARD, and FULL_SHARD per :func:`group_sizes` (``grouping``; else one block
+    per unit) with the last 0..all units kept gathered; times AC on the first 0..n blocks,
+    times forward prefetch off / on (``prefetch``)."""
     n, out, every = len(names), [], tuple(names)
     for k in range(n + 1):
         ac = every[:k]
         for fp in (False, True) if prefetch else (False,):
             out.append(Candidate(True, (), ac, fp, every))
-            out += [Candidate(False, every[n - m :], ac, fp, every) for m in range(n + 1)]
+            for g in group_sizes(n) if grouping else [1]:
+                units = [every[i : i + g] for i in range(0, n, g)]
+                for m in range(len(units) + 1):
+                    kept = tuple(b for u in units[len(units) - m :] for b in u)
+                    out.append(Candidate(False, kept, ac, fp, every, g))
     return out
 
 
@@ -257,7 +290,7 @@ def _score_all(
             device = "cuda" if cal.comm.backend == "nccl" else "cpu"
             traces[key] = trace_activations(make, example, loss_fn, param_dtype, _is_tagged, scale, device)
         peak = combine(
-            state[c.no_shard],
+            group_units(state[c.no_shard], c.groups),
             traces[key],
             world,
             keep_gathered=c.keep_gathered,
@@ -273,6 +306,8 @@ def _score_all(
             checkpoint=c.checkpoint,
             param_dtype=param_dtype,
             forward_prefetch=c.forward_prefetch,
+            group=1 if c.no_shard else c.group,
+            state=state[c.no_shard],
         )
         scored.append(Scored(c, peak, step))
     return scored

@@ -57,6 +57,37 @@ class _Clock:
         return self.free
 
 
+def merge_costs(units: list[UnitCost], size: int) -> list[UnitCost]:
+    """``units`` (forward order) grouped ``size`` consecutive ones to a unit (the last group may
+    be smaller), as ``fully_shard`` of a list of modules makes them: one gather and one
+    reduction of the summed bytes, compute summed (a member's recomputation under activation
+    checkpointing goes into the group's backward), resharding as the group's first member.
+
+    Raises:
+        ValueError: ``size`` is below 1.
+    """
+    if size < 1:
+        raise ValueError(f"size={size}: group at least one unit")
+    out = []
+    for i in range(0, len(units), size):
+        chunk = units[i : i + size]
+        if len(chunk) == 1:
+            out.append(chunk[0])
+            continue
+        forward = sum(u.time.forward for u in chunk)
+        backward = sum(u.time.backward + (u.time.forward if u.checkpoint else 0.0) for u in chunk)
+        out.append(
+            UnitCost(
+                chunk[0].name,
+                BlockTime(forward, backward),
+                sum(u.gather_bytes for u in chunk),
+                sum(u.reduce_bytes for u in chunk),
+                chunk[0].reshard_after_forward,
+            )
+        )
+    return out
+
+
 def simulate_step(
     root: UnitCost,
     units: list[UnitCost],

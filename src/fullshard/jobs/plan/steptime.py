@@ -19,8 +19,8 @@ from torch import nn
 
 from fullshard.comm import collectives
 from fullshard.jobs.plan.calibrate import BlockTime, CommModel, calibrate_comm, time_blocks, time_optimizer
-from fullshard.jobs.plan.estimate import estimate_model_state
-from fullshard.jobs.plan.simulate import StepTime, UnitCost, simulate_step
+from fullshard.jobs.plan.estimate import UnitEstimate, estimate_model_state
+from fullshard.jobs.plan.simulate import StepTime, UnitCost, merge_costs, simulate_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +68,8 @@ def predict_step(
     param_dtype: torch.dtype | None = None,
     forward_prefetch: bool = False,
     backward_prefetch: str | None = "pre",
+    group: int = 1,
+    state: list[UnitEstimate] | None = None,
 ) -> StepTime:
     """Predicted step time of one configuration on the calibrated machine.
 
@@ -75,33 +77,35 @@ def predict_step(
         keep_gathered: units that do not reshard after forward (SHARD_GRAD_OP for them).
         checkpoint: units whose activations are recomputed in backward.
         param_dtype: the mixed-precision dtype (gathers and reductions in it), if any.
+        group: consecutive units sharded together as one (``fully_shard`` of a list).
+        state: :func:`~fullshard.jobs.plan.estimate.estimate_model_state` of the model at these
+            settings, when the caller has it (saves building the model on the meta device).
 
     Raises:
         KeyError: a unit has no calibrated block time (calibrated on another model).
+        ValueError: ``group`` is below 1.
     """
     world = cal.comm.world_size
-    with torch.device("meta"):
-        model = make_model()
-    strategy = "no_shard" if no_shard else "full_shard"
-    units = estimate_model_state(model, is_unit, world, sharding_strategy=strategy, param_dtype=param_dtype)
+    if state is None:
+        with torch.device("meta"):
+            model = make_model()
+        strategy = "no_shard" if no_shard else "full_shard"
+        state = estimate_model_state(model, is_unit, world, sharding_strategy=strategy, param_dtype=param_dtype)
+    units = state
     reduce_size = param_dtype.itemsize if param_dtype is not None else 4
-    costs = []
-    for u in units:
-        if u.name not in cal.blocks:
-            continue  # a unit nested in another: timed with its parent
-        time_ = cal.blocks[u.name]
-        full = u.full_bytes if world > 1 else 0
-        costs.append(
-            UnitCost(
-                u.name,
-                time_,
-                gather_bytes=full,
-                reduce_bytes=u.numel * reduce_size if world > 1 else 0,
-                reshard_after_forward=u.name not in keep_gathered,
-                checkpoint=u.name in checkpoint,
-            )
+    costs = [
+        UnitCost(
+            u.name,
+            cal.blocks[u.name],
+            gather_bytes=u.full_bytes if world > 1 else 0,
+            reduce_bytes=u.numel * reduce_size if world > 1 else 0,
+            reshard_after_forward=u.name not in keep_gathered,
+            checkpoint=u.name in checkpoint,
         )
-    root, rest = costs[0], costs[1:]
+        for u in units
+        if u.name in cal.blocks  # else a unit nested in another: timed with its parent
+    ]
+    root, rest = costs[0], merge_costs(costs[1:], group)
     local = sum(u.numel for u in units) if no_shard else sum(u.numel for u in units) // world
     return simulate_step(
         root,
