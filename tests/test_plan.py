@@ -121,10 +121,10 @@ def test_planner_picks_the_fastest_that_fits_and_says_when_nothing_does() -> Non
     from fullshard.jobs.plan.planner import candidates, plan
 
     names = [f"blocks.{i}" for i in range(4)]
-    # AC on 0..4 blocks x prefetch x (NO_SHARD + FULL_SHARD with 0..all units kept gathered, for
+    # AC on 0..4 blocks x (NO_SHARD + prefetch x FULL_SHARD with 0..all units kept gathered, for
     # units of 1 (5 splits), 2 (3) and 4 blocks (2))
-    assert len(candidates(names)) == 5 * 2 * (1 + 5 + 3 + 2)
-    assert len(candidates(names, grouping=False)) == 5 * 2 * 6
+    assert len(candidates(names)) == 5 * (1 + 2 * (5 + 3 + 2))
+    assert len(candidates(names, grouping=False)) == 5 * (1 + 2 * 5)
     assert {c.describe() for c in candidates(names) if c.checkpoint == tuple(names[:1]) and not c.forward_prefetch} >= {
         "FULL_SHARD (2 units of 2 blocks), last 1/2 units SHARD_GRAD_OP, AC on 1/4 blocks",
         "SHARD_GRAD_OP (one unit of all 4 blocks), AC on 1/4 blocks",
@@ -241,3 +241,35 @@ def test_plan_cli(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         plan_cli.main([*base, "--memory-budget", "lots"])
     assert "--memory-budget: 'lots' is not a size" in capsys.readouterr().err
+
+
+def slowest_rank_body(rank: int, world: int) -> tuple[dict, float]:
+    """calibrate() with rank 1's blocks and optimizer made 3x slower than rank 0's."""
+    from unittest import mock
+
+    from fullshard.jobs.plan import steptime
+
+    make, example, loss, is_unit = _gpt_parts()
+    real_blocks, real_optim = steptime.time_blocks, steptime.time_optimizer
+    slow = 3.0 if rank == 1 else 1.0
+    fake_blocks = {"<root>": BlockTime(0.01, 0.02), "blocks.0": BlockTime(0.1, 0.2)}
+
+    def blocks(*args: object, **kwargs: object) -> dict:
+        return {n: BlockTime(t.forward * slow, t.backward * slow) for n, t in fake_blocks.items()}
+
+    with (
+        mock.patch.object(steptime, "time_blocks", blocks),
+        mock.patch.object(steptime, "time_optimizer", lambda numel, *a: 1e-9 * numel * slow),
+    ):
+        cal = steptime.calibrate(make, example, loss, is_unit, torch.device("cpu"))
+    assert (real_blocks, real_optim) == (steptime.time_blocks, steptime.time_optimizer)
+    return {n: (t.forward, t.backward) for n, t in cal.blocks.items()}, cal.optimizer_seconds_per_param
+
+
+@pytest.mark.timeout(200)
+def test_calibration_keeps_the_slowest_ranks_times() -> None:
+    """A step waits for the slowest rank, so every rank's calibration holds its times."""
+    a, b = run_ranks(slowest_rank_body, 2, timeout=180)
+    assert a == b
+    assert a[0] == {"<root>": pytest.approx((0.03, 0.06)), "blocks.0": pytest.approx((0.3, 0.6))}
+    assert a[1] == pytest.approx(3e-9)

@@ -211,14 +211,14 @@ def group_sizes(n: int) -> list[int]:
 
 def candidates(names: list[str], prefetch: bool = True, grouping: bool = True) -> list[Candidate]:
     """Every candidate for blocks ``names`` (the outermost units, forward order; the root
-    excluded): NO_SHARD, and FULL_SHARD per :func:`group_sizes` (``grouping``; else one block
-    per unit) with the last 0..all units kept gathered; times AC on the first 0..n blocks,
-    times forward prefetch off / on (``prefetch``)."""
+    excluded), each with AC on the first 0..n blocks: NO_SHARD, and FULL_SHARD per
+    :func:`group_sizes` (``grouping``; else one block per unit) with the last 0..all units kept
+    gathered, forward prefetch off / on (``prefetch``)."""
     n, out, every = len(names), [], tuple(names)
     for k in range(n + 1):
         ac = every[:k]
+        out.append(Candidate(True, (), ac, False, every))  # NO_SHARD gathers nothing to prefetch
         for fp in (False, True) if prefetch else (False,):
-            out.append(Candidate(True, (), ac, fp, every))
             for g in group_sizes(n) if grouping else [1]:
                 units = [every[i : i + g] for i in range(0, n, g)]
                 for m in range(len(units) + 1):

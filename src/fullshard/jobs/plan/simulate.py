@@ -43,6 +43,7 @@ class StepTime:
     compute: float
     exposed_comm: float
     optimizer: float
+    communication: float = 0.0  # every collective's own seconds, summed (hidden or not)
 
 
 class _Clock:
@@ -50,10 +51,12 @@ class _Clock:
 
     def __init__(self) -> None:
         self.free = 0.0
+        self.busy = 0.0
 
     def issue(self, link: Link, nbytes: int, at: float) -> float:
         start = max(self.free, at)
         self.free = start + link.seconds(nbytes)
+        self.busy += link.seconds(nbytes)
         return self.free
 
 
@@ -145,4 +148,4 @@ def simulate_step(
     now = max(now, in_flight)
     now = max(now, net.issue(reduce, root.reduce_bytes, now))
     compute = sum(u.time.forward * (2 if u.checkpoint else 1) + u.time.backward for u in [root, *units])
-    return StepTime(now + optimizer_seconds, compute, now - compute, optimizer_seconds)
+    return StepTime(now + optimizer_seconds, compute, now - compute, optimizer_seconds, net.busy)

@@ -4,8 +4,8 @@
 world size, each distinct block's forward and backward at the real batch shape, and the
 optimizer's seconds per parameter; :func:`predict_step` turns a configuration (per-unit
 resharding, activation checkpointing, mixed precision, NO_SHARD) into unit costs and replays
-fullshard's schedule (:func:`~fullshard.jobs.plan.simulate.simulate_step`). Only rank 0's
-blocks matter for the prediction; every rank calibrates the collectives.
+fullshard's schedule (:func:`~fullshard.jobs.plan.simulate.simulate_step`). Every rank
+calibrates at once; each time is the slowest rank's, as a step waits for the slowest rank.
 """
 
 from __future__ import annotations
@@ -53,8 +53,15 @@ def calibrate(
         numel = sum(p.numel() for p in make_model().parameters())
     shard = max(1, numel // collectives.group_size(group))
     per_param = time_optimizer(shard, device, optimizer) / shard
-    collectives.barrier(group)
-    return Calibration(comm, blocks, per_param, optimizer)
+    # A step runs at the pace of the slowest rank (every collective waits for it): keep each
+    # time's maximum over the ranks, which time the same blocks at the same moment.
+    names = list(blocks)
+    times = [t for n in names for t in (blocks[n].forward, blocks[n].backward)] + [per_param]
+    slowest = torch.tensor(times, dtype=torch.float64, device=collectives.reduction_device(group))
+    collectives.all_reduce_max(slowest, group)
+    values = slowest.tolist()
+    blocks = {n: BlockTime(values[2 * i], values[2 * i + 1]) for i, n in enumerate(names)}
+    return Calibration(comm, blocks, values[-1], optimizer)
 
 
 def predict_step(

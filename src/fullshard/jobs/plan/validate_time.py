@@ -79,8 +79,8 @@ def report(configs: list[Config] | None = None) -> list[str]:
     """Predict and measure every configuration; markdown lines of the table (ms, errors in %)."""
     rows = [
         "| configuration | predicted step (ms) | measured step (ms) | error | predicted compute / exposed comm / "
-        "optimizer (ms) |",
-        "|---|---|---|---|---|",
+        "optimizer (ms) | all comm (ms) | serial error |",
+        "|---|---|---|---|---|---|---|",
     ]
     worst = 0.0
     chosen = configs or TIME_CONFIGS
@@ -89,6 +89,8 @@ def report(configs: list[Config] | None = None) -> list[str]:
         err = (pred.seconds - measured) / measured
         worst = max(worst, abs(err))
         parts = " / ".join(f"{1e3 * x:.1f}" for x in (pred.compute, pred.exposed_comm, pred.optimizer))
+        serial = pred.compute + pred.communication + pred.optimizer
+        parts += f" | {1e3 * pred.communication:.1f} | {100 * (serial - measured) / measured:+.1f}%"
         rows.append(
             f"| {c.describe()} b{c.batch} | {1e3 * pred.seconds:.1f} | {1e3 * measured:.1f} | {100 * err:+.1f}% | "
             f"{parts} |"
