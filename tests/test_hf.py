@@ -92,3 +92,14 @@ def test_train_hf_job(tmp_path: Path) -> None:
     assert records[-1]["val_loss"] < records[0]["val_loss"] < 5.6
     bad = subprocess.run(cmd[:-2] + ["--wrap-cls", "NotALayer"], capture_output=True, text=True, timeout=280)
     assert bad.returncode == 1 and "match no module" in bad.stderr, bad.stderr[-2000:]
+
+
+def test_hf_job_refuses_plan_auto_with_the_reason(capsys: pytest.CaptureFixture[str]) -> None:
+    """The meta-device trace cannot run transformers' mask code (it reads tensor values), so
+    `--plan auto` is refused when the options are parsed, not on every rank after start-up."""
+    from fullshard.jobs.train import hf
+
+    with pytest.raises(SystemExit) as e:
+        hf.parse_args(["--config", "gpt2-tiny", "--plan", "auto", "--memory-budget", "1GiB"])
+    assert e.value.code == 2
+    assert "--plan auto does not work with the transformers models yet" in capsys.readouterr().err

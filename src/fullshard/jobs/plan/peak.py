@@ -164,10 +164,14 @@ def estimate_peak(
     )
     no_shard = sharding_strategy == "no_shard"
     scale = grad_scale(world_size, no_shard, backend)
-    device = "cuda" if backend == "nccl" else "cpu"
-    traced = trace_activations(make_model, example, loss_fn, param_dtype, checkpoint, scale, device)
+    traced = trace_activations(make_model, example, loss_fn, param_dtype, checkpoint, scale, device_type(backend))
     keep = [u.name for u in units] if sharding_strategy == "shard_grad_op" else []
     return combine(units, traced, world_size, keep_gathered=keep, no_shard=no_shard, backend=backend)
+
+
+def device_type(backend: str) -> str:
+    """The device a process group of ``backend`` steps on: "cuda" for nccl, else "cpu"."""
+    return "cuda" if backend == "nccl" else "cpu"
 
 
 def _resident_grads(world_size: int, no_shard: bool, backend: str) -> bool:

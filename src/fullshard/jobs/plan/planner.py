@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from fullshard.jobs.plan.estimate import estimate_model_state, group_units
-from fullshard.jobs.plan.peak import PeakEstimate, combine, grad_scale, trace_activations
+from fullshard.jobs.plan.peak import PeakEstimate, combine, device_type, grad_scale, trace_activations
 from fullshard.jobs.plan.simulate import StepTime
 from fullshard.jobs.plan.steptime import Calibration, predict_step
 
@@ -287,7 +287,7 @@ def _score_all(
         if key not in traces:
             scale = grad_scale(world, c.no_shard, cal.comm.backend)
             make = _tagged(make_model, c.checkpoint)
-            device = "cuda" if cal.comm.backend == "nccl" else "cpu"
+            device = device_type(cal.comm.backend)
             traces[key] = trace_activations(make, example, loss_fn, param_dtype, _is_tagged, scale, device)
         peak = combine(
             group_units(state[c.no_shard], c.groups),

@@ -93,12 +93,12 @@ def predict_step(
         ValueError: ``group`` is below 1.
     """
     world = cal.comm.world_size
-    if state is None:
+    units = state
+    if units is None:
         with torch.device("meta"):
             model = make_model()
         strategy = "no_shard" if no_shard else "full_shard"
-        state = estimate_model_state(model, is_unit, world, sharding_strategy=strategy, param_dtype=param_dtype)
-    units = state
+        units = estimate_model_state(model, is_unit, world, sharding_strategy=strategy, param_dtype=param_dtype)
     reduce_size = param_dtype.itemsize if param_dtype is not None else 4
     costs = [
         UnitCost(

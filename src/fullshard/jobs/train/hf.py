@@ -19,7 +19,7 @@ from torch import nn
 from fullshard.frontend.fsdp1 import FullyShardedDataParallel as FSDP
 from fullshard.frontend.wrap import transformer_auto_wrap_policy
 from fullshard.jobs import launch
-from fullshard.jobs.train import fsdp_options, plan_options
+from fullshard.jobs.train import fsdp_options
 from fullshard.jobs.train.gpt import GPTJobConfig, config_from, make_parser, train_loop
 
 
@@ -115,6 +115,14 @@ class HFJobConfig(GPTJobConfig):
         super().__post_init__()
         if self.config not in HF_CONFIGS:
             raise ValueError(f"--config {self.config!r}: use one of {', '.join(HF_CONFIGS)}")
+        if self.plan == "auto":
+            # planning traces the model on the meta device, where transformers' causal-mask code
+            # (it reads tensor values) fails: refuse here rather than on every rank at start-up
+            raise ValueError(
+                "--plan auto does not work with the transformers models yet (their mask code reads "
+                "tensor values, which the meta-device trace cannot give): choose the FSDP options by "
+                "hand, or plan the GPT job (fullshard train gpt --plan auto)"
+            )
 
 
 def parse_args(argv: Sequence[str]) -> HFJobConfig:
@@ -144,13 +152,8 @@ def _run(cfg: HFJobConfig, device: torch.device) -> dict[str, Any] | None:
     model = CausalLMLogits(build()).to(device)
     names = (cfg.wrap_cls or default_cls).split(",")
     classes = layer_classes(model, names)
-    if cfg.plan == "auto":
-        wrapped = plan_options.planned_model(
-            cfg, device, lambda: CausalLMLogits(build()), lambda m: isinstance(m, tuple(classes))
-        )
-    else:
-        policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=classes)
-        wrapped = fsdp_options.shard_model(model, cfg, policy)
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=classes)
+    wrapped = fsdp_options.shard_model(model, cfg, policy)
     title = f"transformers {cfg.config} ({', '.join(names)} per unit)"
     return train_loop(cfg, device, wrapped, title, lambda: CausalLMLogits(build()))
 

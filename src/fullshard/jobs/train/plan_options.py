@@ -1,5 +1,7 @@
-"""``--plan auto --memory-budget SIZE``: the language-model jobs let fullshard choose the FSDP
-configuration (sharding per unit, activation checkpointing, forward prefetch, front end).
+"""``--plan auto --memory-budget SIZE``: the GPT job lets fullshard choose the FSDP
+configuration (sharding per unit, activation checkpointing, forward prefetch, front end). The
+HF job parses the options but refuses ``auto``: transformers' mask code reads tensor values,
+which the meta-device trace cannot run.
 
 At start-up every rank calibrates this machine for a few seconds (collectives at the job's world
 size, each block at the job's micro-batch, AdamW), rank 0 runs :func:`fullshard.jobs.plan.planner.plan`
