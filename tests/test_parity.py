@@ -182,7 +182,7 @@ def irregular_loop_body(rank: int, world: int, strategy: str) -> list[str]:
         opt.step()
         ref_opt.step()
         out = model(x)
-        torch.testing.assert_close(out, ref(x), rtol=1e-5, atol=1e-6)  # no stale parameters
+        torch.testing.assert_close(out, ref(x), rtol=1e-4, atol=1e-5)  # no stale parameters; float32 sums differ
         out.sum().backward()
         opt.zero_grad()
     done.append("forward without backward")
