@@ -66,6 +66,53 @@ def test_prefetch_and_kept_units_hide_gathers_and_checkpointing_adds_a_forward()
     assert no_shard.compute == base.compute and no_shard.exposed_comm < base.exposed_comm
 
 
+def test_contended_cores_overlap_nothing_and_pay_each_collectives_cpu_time() -> None:
+    import dataclasses
+
+    root = _unit("<root>", 2, 4, 1)
+    plain = [_unit("a", 10, 20, 3), _unit("b", 10, 20, 3)]
+    comm = dataclasses.replace(COMM, contended=True, cpu_share=0.5)
+    free = simulate_step(root, plain, COMM, optimizer_seconds=MS)
+    for prefetch in (None, "pre", "post"):
+        t = simulate_step(root, plain, comm, backward_prefetch=prefetch, optimizer_seconds=MS)
+        assert t.communication == pytest.approx(free.communication)  # the same collectives
+        assert t.seconds == pytest.approx(t.compute + 1.5 * t.communication + MS)
+        assert t.exposed_comm == pytest.approx(1.5 * t.communication)
+    assert free.seconds < t.seconds
+
+
+class _Counted(nn.Linear):
+    calls: dict[int, int] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _Counted.calls[self.in_features] = _Counted.calls.get(self.in_features, 0) + 1
+        return super().forward(x)
+
+
+def test_time_blocks_runs_a_kind_once_per_unit_of_it_and_times_per_unit() -> None:
+    from fullshard.jobs.plan.calibrate import time_blocks
+
+    def make() -> nn.Module:
+        return nn.Sequential(_Counted(4, 8), _Counted(8, 8), _Counted(8, 8), _Counted(8, 8))
+
+    def example() -> tuple[torch.Tensor]:
+        return (torch.zeros(2, 4),)
+
+    _Counted.calls.clear()
+    cpu = torch.device("cpu")
+    times = time_blocks(make, example, lambda m, b: m(b[0]).sum(), lambda m: isinstance(m, _Counted), cpu, repeats=1)
+    assert set(times) == {"0", "1", "2", "3", "<root>"}
+    assert times["1"] == times["2"] == times["3"] != times["0"]  # the 8 -> 8 kind is timed once
+    # the meta trace calls each unit once; then 3 repeats (2 warm-ups) x as many copies as units of the kind
+    assert _Counted.calls == {8: 3 + 3 * 3, 4: 1 + 3 * 1}
+    assert all(times[n].forward > 0 and times[n].backward > 0 for n in "0123")
+    _Counted.calls.clear()
+    time_blocks(
+        make, example, lambda m, b: m(b[0]).sum(), lambda m: isinstance(m, _Counted), cpu, repeats=1, held=False
+    )
+    assert _Counted.calls == {8: 3 + 3, 4: 1 + 3}  # checkpointed units: one copy's activations at a time
+
+
 def test_grouped_units_gather_once_and_carry_their_members_recomputation() -> None:
     from fullshard.jobs.plan.estimate import UnitEstimate, group_units
     from fullshard.jobs.plan.simulate import merge_costs
@@ -263,6 +310,8 @@ def slowest_rank_body(rank: int, world: int) -> tuple[dict, float]:
     ):
         cal = steptime.calibrate(make, example, loss, is_unit, torch.device("cpu"))
     assert (real_blocks, real_optim) == (steptime.time_blocks, steptime.time_optimizer)
+    assert 0.0 < cal.comm.cpu_share < 4.0  # gloo's threads spend CPU time on every collective
+    assert cal.checkpointed == cal.blocks  # the fake times both ways alike
     return {n: (t.forward, t.backward) for n, t in cal.blocks.items()}, cal.optimizer_seconds_per_param
 
 

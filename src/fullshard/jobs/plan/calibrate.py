@@ -3,11 +3,12 @@
 - :func:`calibrate_comm` times all-gather, reduce-scatter and all-reduce of a few sizes in the
   process group (every rank at once, the slowest rank's time counts) and fits
   ``seconds = latency + bytes x seconds_per_byte`` per collective, ``bytes`` being the full
-  (gathered, or pre-reduction) tensor's.
+  (gathered, or pre-reduction) tensor's; the process CPU time they take per second is kept too.
 - :func:`time_blocks` times the forward and the backward of each distinct FSDP unit (one module
   of each kind at the input shape a meta-device trace of the real batch gives it, on the real
-  device, one at a time) and of the root's own layers (the model with every unit replaced by a
-  stand-in that costs nothing), so no more than one block is ever materialized with the root.
+  device, one kind at a time, run once per unit of that kind, or once for a checkpointed unit)
+  and of the root's own layers (the model with every unit replaced by a stand-in that costs
+  nothing), so no more than one block is ever materialized with the root.
 - :func:`time_optimizer` times an optimizer step over a rank's shard.
 
 Each takes seconds, not minutes; the numbers feed :mod:`fullshard.jobs.plan.simulate`.
@@ -15,8 +16,10 @@ Each takes seconds, not minutes; the numbers feed :mod:`fullshard.jobs.plan.simu
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -46,13 +49,22 @@ FREE = Link(0.0, 0.0)
 
 @dataclasses.dataclass(frozen=True)
 class CommModel:
-    """Fitted costs of the three collectives FSDP issues, for one backend and world size."""
+    """Fitted costs of the three collectives FSDP issues, for one backend and world size.
+
+    ``cpu_share`` is the CPU seconds this process spends per second of a collective (gloo's
+    copies and socket work; about 0.7 measured on loopback). ``contended`` says that the ranks'
+    compute threads already fill this machine's cores (a CPU device, ranks x intra-op threads >=
+    cores): no collective then runs beside compute for free (see
+    :func:`~fullshard.jobs.plan.simulate.simulate_step`).
+    """
 
     world_size: int
     backend: str
     all_gather: Link = FREE
     reduce_scatter: Link = FREE
     all_reduce: Link = FREE
+    cpu_share: float = 0.0
+    contended: bool = False
 
 
 def _fit(points: list[tuple[int, float]]) -> Link:
@@ -65,18 +77,20 @@ def _fit(points: list[tuple[int, float]]) -> Link:
     return Link(max(0.0, mt - slope * mb), slope)
 
 
-def _time_op(run: Callable[[], None], repeats: int, group: Any) -> float:
-    """Median seconds of ``run`` over ``repeats``, the slowest rank's (a collective call)."""
+def _time_op(run: Callable[[], None], repeats: int, group: Any) -> tuple[float, float]:
+    """(median wall seconds, median process CPU seconds) of ``run`` over ``repeats``, each the
+    slowest rank's (a collective call)."""
     run()  # warm-up: first use of a size allocates gloo's buffers
-    times = []
+    times, cpu = [], []
     for _ in range(repeats):
         collectives.barrier(group)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         run()
         times.append(time.perf_counter() - start)
-    t = torch.tensor([statistics.median(times)], dtype=torch.float64)
+        cpu.append(time.process_time() - cpu_start)
+    t = torch.tensor([statistics.median(times), statistics.median(cpu)], dtype=torch.float64)
     collectives.all_reduce_max(t, group)
-    return float(t.item())
+    return float(t[0]), float(t[1])
 
 
 def calibrate_comm(
@@ -87,11 +101,13 @@ def calibrate_comm(
     rank communicates nothing (all costs 0)."""
     group = group if group is not None else collectives.default_group()
     world = collectives.group_size(group)
+    world_local = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # ranks on this machine
     device = collectives.reduction_device(group)
     model = CommModel(world, collectives.backend(group))
     if world == 1:
         return model
     fits: dict[str, list[tuple[int, float]]] = {"all_gather": [], "reduce_scatter": [], "all_reduce": []}
+    wall = cpu = 0.0
     for size in sizes:
         numel = max(world, size // 4 // world * world)
         full = torch.zeros(numel, device=device)
@@ -102,9 +118,15 @@ def calibrate_comm(
             "all_reduce": lambda: collectives.all_reduce(full, group),
         }
         for name, op in ops.items():
-            fits[name].append((numel * 4, _time_op(op, repeats, group)))
+            seconds, cpu_seconds = _time_op(op, repeats, group)
+            fits[name].append((numel * 4, seconds))
+            wall, cpu = wall + seconds, cpu + cpu_seconds
     ag, rs, ar = (_fit(fits[name]) for name in ("all_gather", "reduce_scatter", "all_reduce"))
-    return dataclasses.replace(model, all_gather=ag, reduce_scatter=rs, all_reduce=ar)
+    threads = world_local * torch.get_num_threads()
+    contended = device.type == "cpu" and threads >= (os.cpu_count() or 1)
+    return dataclasses.replace(
+        model, all_gather=ag, reduce_scatter=rs, all_reduce=ar, cpu_share=cpu / wall, contended=contended
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,24 +181,38 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_fb(forward: Callable[[], torch.Tensor], device: torch.device, repeats: int) -> BlockTime:
+def _time_fb(forward: Callable[[], torch.Tensor], device: torch.device, repeats: int, copies: int = 1) -> BlockTime:
+    """Median seconds of one forward and one backward of ``forward()``, run ``copies`` times per
+    repeat with every output's graph alive until one backward through all of them (the saved
+    activations of ``copies`` units at once, as in the model: on CPU their fresh pages cost time
+    that one block's, reused from the last repeat, would not); the times are per copy."""
     fwd, bwd = [], []
     grad: torch.Tensor | None = None  # the output's gradient, made once outside the timed region
     for i in range(repeats + 2):  # the first two are warm-ups (allocations, kernel selection)
         _sync(device)
         t0 = time.perf_counter()
-        out = forward()
+        outs = [forward() for _ in range(copies)]
         _sync(device)
-        if grad is None and out.dim() > 0:
-            grad = torch.randn_like(out)
+        if grad is None and outs[0].dim() > 0:
+            grad = torch.randn_like(outs[0])
             _sync(device)
         t1 = time.perf_counter()
-        out.backward(grad)
+        if outs[0].requires_grad:  # else nothing to differentiate (a root with no parameters)
+            torch.autograd.backward(outs, None if grad is None else [grad] * copies)
         _sync(device)
+        del outs
         if i >= 2:
-            fwd.append(t1 - t0)
-            bwd.append(time.perf_counter() - t1)
+            fwd.append((t1 - t0) / copies)
+            bwd.append((time.perf_counter() - t1) / copies)
     return BlockTime(statistics.median(fwd), statistics.median(bwd))
+
+
+def _kind(name: str, m: nn.Module, args: tuple, result: Any) -> tuple:
+    """What makes two units time alike: class, parameter shapes and dtypes, input shapes."""
+    if not isinstance(result, torch.Tensor):
+        raise TypeError(f"unit {name!r} returns {type(result).__name__}; time_blocks needs one tensor")
+    shapes = tuple((n, tuple(p.shape), p.dtype) for n, p in m.named_parameters())
+    return (type(m).__qualname__, shapes, tuple(getattr(a, "shape", a) for a in args))
 
 
 def time_blocks(
@@ -187,12 +223,15 @@ def time_blocks(
     device: torch.device,
     compute_dtype: torch.dtype | None = None,
     repeats: int = 5,
+    held: bool = True,
 ) -> dict[str, BlockTime]:
     """Forward and backward seconds per outermost unit (by name) and of ``"<root>"``'s own layers
     (with the loss), at the batch ``example()`` builds, timed on ``device``.
 
-    Units of one kind (same class, parameter shapes and input shapes) are timed once. Each
-    unit's first positional argument must be a tensor and its output one tensor.
+    Units of one kind (same class, parameter and input shapes) are timed once. With ``held``,
+    one module runs as many times per forward as the model has units of that kind, so the
+    activations held for backward take as much memory as the model's; without, once (as for a
+    checkpointed unit, whose activations live alone). A unit's output must be one tensor.
 
     Raises:
         TypeError: a unit's output is not a tensor.
@@ -214,12 +253,10 @@ def time_blocks(
         h.remove()
     out: dict[str, BlockTime] = {}
     kinds: dict[tuple, BlockTime] = {}
+    kind_of = {name: _kind(name, m, *seen[name]) for name, m in units.items()}
+    count = collections.Counter(kind_of.values())
     for name, m in units.items():
-        args, result = seen[name]
-        if not isinstance(result, torch.Tensor):
-            raise TypeError(f"unit {name!r} returns {type(result).__name__}; time_blocks needs one tensor")
-        shapes = tuple((n, tuple(p.shape), p.dtype) for n, p in m.named_parameters())
-        kind = (type(m).__qualname__, shapes, tuple(getattr(a, "shape", a) for a in args))
+        args, kind = seen[name][0], kind_of[name]
         if kind not in kinds:
             real = _materialize(copy.deepcopy(m), device)
             inputs = tree_map(lambda t: _like(t, device), args)
@@ -227,7 +264,7 @@ def time_blocks(
             def run(r: nn.Module = real, i: tuple = inputs) -> torch.Tensor:
                 return r(*i)
 
-            kinds[kind] = _time_fb(run, device, repeats)
+            kinds[kind] = _time_fb(run, device, repeats, copies=count[kind] if held else 1)
         out[name] = kinds[kind]
     for name, m in units.items():
         parent, _, leaf = name.rpartition(".")

@@ -14,6 +14,12 @@ process group's collectives, one at a time, in issue order). The schedule is the
 - the step ends when the last reduction is done, then the optimizer steps on the shards.
 
 NO_SHARD gathers nothing and all-reduces gradients instead of reduce-scattering them.
+
+Where the ranks' compute threads already fill the cores (``CommModel.contended``: gloo on a CPU
+with ranks x intra-op threads >= cores), a collective has no core of its own: measured on this
+project's 2-core machine, a step's collectives then cost about their wall time plus the CPU time
+they spend (gloo's copies and socket work), hidden or not. The replay then charges each
+collective ``seconds x (1 + cpu_share)`` on the compute clock and overlaps nothing.
 """
 
 from __future__ import annotations
@@ -148,4 +154,6 @@ def simulate_step(
     now = max(now, in_flight)
     now = max(now, net.issue(reduce, root.reduce_bytes, now))
     compute = sum(u.time.forward * (2 if u.checkpoint else 1) + u.time.backward for u in [root, *units])
+    if comm.contended:  # nothing overlaps: every collective's wall time plus its CPU time
+        now = compute + net.busy * (1 + comm.cpu_share)
     return StepTime(now + optimizer_seconds, compute, now - compute, optimizer_seconds, net.busy)

@@ -32,6 +32,8 @@ class Calibration:
     blocks: dict[str, BlockTime]
     optimizer_seconds_per_param: float
     optimizer: str
+    checkpointed: dict[str, BlockTime] = dataclasses.field(default_factory=dict)
+    """Block times with only one unit's activations live (a checkpointed unit's); ``blocks`` where absent."""
 
 
 def calibrate(
@@ -49,6 +51,7 @@ def calibrate(
     group = group if group is not None else collectives.default_group()
     comm = calibrate_comm(group)
     blocks = time_blocks(make_model, example, loss_fn, is_unit, device, compute_dtype)
+    alone = time_blocks(make_model, example, loss_fn, is_unit, device, compute_dtype, held=False)
     with torch.device("meta"):
         numel = sum(p.numel() for p in make_model().parameters())
     shard = max(1, numel // collectives.group_size(group))
@@ -56,12 +59,14 @@ def calibrate(
     # A step runs at the pace of the slowest rank (every collective waits for it): keep each
     # time's maximum over the ranks, which time the same blocks at the same moment.
     names = list(blocks)
-    times = [t for n in names for t in (blocks[n].forward, blocks[n].backward)] + [per_param]
+    times = [t for d in (blocks, alone) for n in names for t in (d[n].forward, d[n].backward)] + [per_param]
     slowest = torch.tensor(times, dtype=torch.float64, device=collectives.reduction_device(group))
     collectives.all_reduce_max(slowest, group)
     values = slowest.tolist()
-    blocks = {n: BlockTime(values[2 * i], values[2 * i + 1]) for i, n in enumerate(names)}
-    return Calibration(comm, blocks, values[-1], optimizer)
+    blocks, alone = (
+        {n: BlockTime(values[2 * i], values[2 * i + 1]) for i, n in enumerate(names, k)} for k in (0, len(names))
+    )
+    return Calibration(comm, blocks, values[-1], optimizer, alone)
 
 
 def predict_step(
@@ -103,7 +108,7 @@ def predict_step(
     costs = [
         UnitCost(
             u.name,
-            cal.blocks[u.name],
+            cal.checkpointed.get(u.name, cal.blocks[u.name]) if u.name in checkpoint else cal.blocks[u.name],
             gather_bytes=u.full_bytes if world > 1 else 0,
             reduce_bytes=u.numel * reduce_size if world > 1 else 0,
             reshard_after_forward=u.name not in keep_gathered,

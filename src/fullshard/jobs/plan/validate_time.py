@@ -4,8 +4,8 @@ For each configuration of :data:`fullshard.jobs.plan.validate.CONFIGS` (and SHAR
 NO_SHARD variants), ``world`` fresh processes calibrate this machine
 (:func:`~fullshard.jobs.plan.steptime.calibrate`), predict the step, then build the job's own
 model, wrapping and optimizer and time real steps (the median of ``steps`` after two warm-up
-steps; rank 0's clock). Calibration, prediction and measurement run in the same processes, so
-they see the same thread count and the same neighbours.
+steps; rank 0's clock), three rounds of both in turn. Calibration, prediction and measurement
+run in the same processes, so they see the same thread count and the same neighbours.
 """
 
 from __future__ import annotations
@@ -67,16 +67,25 @@ def measure_config(c: Config, device: torch.device, steps: int = 5) -> float:
     return statistics.median(times)
 
 
-def _worker(c: Config) -> tuple[StepTime, float]:
+def _worker(c: Config, rounds: int) -> tuple[StepTime, float]:
+    """``rounds`` of (calibrate and predict, measure) in turn; the round with the median
+    prediction and the median measured step. Alternating keeps a slow minute of the machine
+    from landing only on the calibration or only on the measurement."""
     device = launch.init_process_group()
     try:
-        return predict_config(c, device), measure_config(c, device)
+        preds, measured = [], []
+        for _ in range(rounds):
+            preds.append(predict_config(c, device))
+            measured.append(measure_config(c, device))
+        preds.sort(key=lambda p: p.seconds)
+        return preds[len(preds) // 2], statistics.median(measured)
     finally:
         launch.destroy_process_group()
 
 
-def report(configs: list[Config] | None = None) -> list[str]:
-    """Predict and measure every configuration; markdown lines of the table (ms, errors in %)."""
+def report(configs: list[Config] | None = None, rounds: int = 3) -> list[str]:
+    """Predict and measure every configuration (``rounds`` alternating rounds of each in the
+    same processes, see ``_worker``); markdown lines of the table (ms, errors in %)."""
     rows = [
         "| configuration | predicted step (ms) | measured step (ms) | error | predicted compute / exposed comm / "
         "optimizer (ms) | all comm (ms) | serial error |",
@@ -85,7 +94,7 @@ def report(configs: list[Config] | None = None) -> list[str]:
     worst = 0.0
     chosen = configs or TIME_CONFIGS
     for c in chosen:
-        pred, measured = launch.launch(_worker, (c,), c.world, env=BENCH_ENV)[0]
+        pred, measured = launch.launch(_worker, (c, rounds), c.world, env=BENCH_ENV)[0]
         err = (pred.seconds - measured) / measured
         worst = max(worst, abs(err))
         parts = " / ".join(f"{1e3 * x:.1f}" for x in (pred.compute, pred.exposed_comm, pred.optimizer))
