@@ -229,9 +229,9 @@ def time_blocks(
     (with the loss), at the batch ``example()`` builds, timed on ``device``.
 
     Units of one kind (same class, parameter and input shapes) are timed once. With ``held``,
-    one module runs as many times per forward as the model has units of that kind, so the
-    activations held for backward take as much memory as the model's; without, once (as for a
-    checkpointed unit, whose activations live alone). A unit's output must be one tensor.
+    one module runs as many times per forward as the model has units of that kind, its outputs
+    holding as much activation memory as the model's; without, once (a checkpointed unit's
+    case). A unit's first argument and its output must be tensors.
 
     Raises:
         TypeError: a unit's output is not a tensor.
