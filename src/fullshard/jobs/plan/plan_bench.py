@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from fullshard.comm import collectives
+from fullshard.comm import buffers, collectives
 from fullshard.jobs import launch
 from fullshard.jobs.bench.workloads import BENCH_ENV
 from fullshard.jobs.plan.planner import Candidate, plan
@@ -69,6 +69,9 @@ def _steps(c: Config, cand: Candidate, device: torch.device, n: int, live: LiveT
 def measure(c: Config, cand: Candidate, device: torch.device) -> tuple[float, int]:
     """(median step seconds, third-step peak live tensor bytes) of ``cand`` on this rank."""
     seconds = statistics.median(_steps(c, cand, device, 7, None)[2:])
+    # The pool's scratch buffers would otherwise outlive the timed build unseen by the tracker
+    # (it sees storages made while it is entered): the tracked build makes its own.
+    buffers.POOL.clear()
     with LiveTensorBytes() as live:
         _steps(c, cand, device, 3, live)
     return seconds, live.peak
