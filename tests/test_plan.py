@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -188,15 +189,19 @@ def test_planner_picks_the_fastest_that_fits_and_says_when_nothing_does() -> Non
     fits = [s for s in slow_net.scored if s.peak.total <= slow_net.best.peak.total]
     assert all(s.step.seconds >= slow_net.best.step.seconds for s in fits)
     # A budget below NO_SHARD's peak but above the smallest: the fastest candidate under it.
-    budget = (slow_net.best.peak.total + slow_net.smallest.peak.total) // 2
+    budget = math.ceil(1.05 * (slow_net.best.peak.total + slow_net.smallest.peak.total) / 2)
     tight = plan(_fake_calibration(1e-6), make, example, loss, is_unit, budget)
-    assert tight.best is not None and tight.best.peak.total <= budget
-    assert tight.best.step.seconds == min(s.step.seconds for s in tight.scored if s.peak.total <= budget)
+    assert tight.best is not None and tight.best.peak.total * 1.05 <= budget  # 5% kept for the estimate's error
+    assert tight.best.step.seconds == min(s.step.seconds for s in tight.scored if s.peak.total * 1.05 <= budget)
     assert tight.best.step.seconds >= slow_net.best.step.seconds
-    none = plan(_fake_calibration(1e-6), make, example, loss, is_unit, slow_net.smallest.peak.total - 1)
+    smallest = slow_net.smallest.peak.total
+    assert plan(_fake_calibration(1e-6), make, example, loss, is_unit, math.ceil(smallest * 1.05)).best is not None
+    none = plan(_fake_calibration(1e-6), make, example, loss, is_unit, math.ceil(smallest * 1.05) - 1)
     assert none.best is None
     text = "\n".join(none.describe())
-    assert f"needs {slow_net.smallest.peak.total / 2**20:,.1f} MiB" in text and "Nothing fits" in text
+    assert f"needs {smallest * 1.05 / 2**20:,.1f} MiB (its predicted peak {smallest / 2**20:,.1f} MiB" in text
+    assert "Nothing fits" in text
+    assert plan(_fake_calibration(1e-6), make, example, loss, is_unit, smallest, margin=0.0).best is not None
     with pytest.raises(ValueError, match="budget=0"):
         plan(_fake_calibration(1e-6), make, example, loss, is_unit, 0)
 
