@@ -234,7 +234,12 @@ def apply_body(rank: int, world: int) -> dict:
     _, grouped = train(Candidate(False, names[2:], names[1:2], True, names, group=2))
     blocks = model.get_submodule("blocks")
     # Built on the meta device, each rank materializes what it holds by the job's init function.
+    from fullshard import FSDP
     from fullshard.jobs.models.gpt import init_module
+    from fullshard.jobs.models.net import Net
+
+    def is_fsdp(m: nn.Module) -> bool:
+        return isinstance(m, FSDP)
 
     materialized = []
     for cand in (Candidate(True, (), names[:2], False, names), Candidate(False, names[3:], (), True, names)):
@@ -248,6 +253,10 @@ def apply_body(rank: int, world: int) -> dict:
         "grouped": grouped,
         "no_shard": type(Candidate(True, (), (), False, names).apply(make())).__name__,
         "materialized": materialized,
+        # NO_SHARD wraps the planned modules, not every module of their class (fc2 is a Linear too)
+        "net_units": [
+            n for n, m in Candidate(True, (), (), False, ("fc1",)).apply(Net()).named_modules() if is_fsdp(m)
+        ],
     }
 
 
@@ -259,6 +268,7 @@ def test_a_plan_applies_and_trains() -> None:
     assert a["grouped"] == pytest.approx(a["losses"], rel=1e-5) and a["grouped"] == b["grouped"]
     assert a["no_shard"] == "FullyShardedDataParallel"
     assert a["materialized"] == b["materialized"] == [True, True]
+    assert a["net_units"] == ["", "_fsdp_wrapped_module.fc1"]
 
 
 @pytest.mark.timeout(300)
@@ -327,3 +337,30 @@ def test_calibration_keeps_the_slowest_ranks_times() -> None:
     assert a == b
     assert a[0] == {"<root>": pytest.approx((0.03, 0.06)), "blocks.0": pytest.approx((0.3, 0.6))}
     assert a[1] == pytest.approx(3e-9)
+
+
+@pytest.mark.timeout(300)
+def test_mnist_job_plan_auto(tmp_path: Path) -> None:
+    """The MNIST job plans too (its Net, Adadelta and batch): one epoch on a quarter of the
+    training images as planned, and at one rank a budget nothing fits fails at start-up."""
+    from mnist_idx import train_subset
+
+    data = train_subset(tmp_path / "data", 0.25, 0.2)
+    base = [str(BIN / "fullshard"), "train", "mnist", "--epochs", "1", "--data-dir", str(data), "--no-progress"]
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
+    metrics = tmp_path / "m.jsonl"
+    run = [*base, "--nproc", "2", "--plan", "auto", "--memory-budget", "1GiB", "--metrics-file", str(metrics)]
+    r = subprocess.run(run, capture_output=True, text=True, timeout=280, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "--plan auto: Plan for 1,024.0 MiB per rank: **" in r.stdout, r.stdout[-3000:]
+    record = json.loads(metrics.read_text().splitlines()[-1])
+    assert record["epoch"] == 1 and record["test_accuracy"] >= 0.6, record  # chance: 0.1
+    r = subprocess.run([*base, "--nproc", "1", "--plan", "auto", "--memory-budget", "1MiB"], **_quiet(env))
+    assert r.returncode != 0
+    assert "--plan auto --memory-budget 1MiB: Nothing fits 1.0 MiB per rank" in r.stderr, r.stderr[-3000:]
+    r = subprocess.run([*base, "--memory-budget", "1GiB"], **_quiet(env))
+    assert r.returncode == 2 and "--memory-budget is the budget of --plan auto" in r.stderr, r.stderr[-3000:]
+
+
+def _quiet(env: dict[str, str]) -> dict:
+    return {"capture_output": True, "text": True, "timeout": 280, "env": env}

@@ -22,6 +22,7 @@ copies.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from collections.abc import Callable
@@ -103,7 +104,7 @@ class Candidate:
         from fullshard.frontend.activation_checkpointing import apply_activation_checkpointing
         from fullshard.frontend.fsdp1 import FSDP
         from fullshard.frontend.fully_shard import MixedPrecisionPolicy, fully_shard
-        from fullshard.frontend.wrap import ModuleWrapPolicy
+        from fullshard.frontend.wrap import lambda_auto_wrap_policy
 
         units = {n: model.get_submodule(n) for n in self.all_units}
         if self.checkpoint:
@@ -112,7 +113,8 @@ class Candidate:
         dtype = param_dtype
         if self.no_shard:
             mp = MixedPrecision(dtype, dtype, dtype) if dtype is not None else None
-            policy = ModuleWrapPolicy({type(m) for m in units.values()})
+            planned = {id(m) for m in units.values()}  # the planned modules, not all of their class
+            policy = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: id(m) in planned)
             init: dict[str, Any] = {}
             if param_init_fn is not None:
                 init["param_init_fn"] = param_init_fn

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fullshard.comm import collectives, flight_recorder
-from fullshard.engine.hooks import is_unit
+from fullshard.engine.hooks import fsdp_state
 from fullshard.frontend.activation_checkpointing import apply_activation_checkpointing
 from fullshard.frontend.wrap import transformer_auto_wrap_policy
 from fullshard.jobs import launch
@@ -253,7 +253,7 @@ def train_loop(
     corpus = ByteCorpus.load(cfg.data)
     val = corpus.val_batches(cfg.eval_batches, cfg.batch_size, cfg.seq_len, cfg.seed)
     if rank == 0:
-        units = sum(1 for m in model.modules() if is_unit(m))
+        units = len({id(state.unit) for m in model.modules() if (state := fsdp_state(m)) is not None})  # a list: one
         micro = f" ({split.accumulation} micro-batch(es) of {cfg.batch_size} per rank)" if split else ""
         shape = f"{rows} x {cfg.seq_len} bytes per step{micro}"
         print(f"{title}, {units} FSDP units ({cfg.api}), {world} ranks, {shape}", flush=True)

@@ -29,7 +29,7 @@ from fullshard.jobs.data import mnist as mnist_data
 from fullshard.jobs.memory import model_state_bytes
 from fullshard.jobs.memory_report import memory_report
 from fullshard.jobs.models.net import Net
-from fullshard.jobs.train import fsdp_options, launcher_options, observe, resume_options
+from fullshard.jobs.train import fsdp_options, launcher_options, observe, plan_options, resume_options
 from fullshard.jobs.train.report import MetricsFile, mib
 from fullshard.jobs.train.session import Session, open_session
 
@@ -69,6 +69,8 @@ class MnistConfig:
     profile_steps: str | None = None
     profile_dir: str = "fullshard_profile"
     peak_tflops: float | None = None
+    plan: str = "none"
+    memory_budget: str | None = None
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
@@ -77,6 +79,7 @@ class MnistConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         fsdp_options.validate(self)
+        plan_options.validate(self)
         resume_options.validate(self)
         launcher_options.validate(self)
         observe.validate(self)
@@ -105,6 +108,7 @@ def parse_args(argv: Sequence[str]) -> MnistConfig:
     p.add_argument("--save-model", default=None, metavar="PATH", help="write the full state dict here")
     p.add_argument("--metrics-file", default=None, metavar="PATH", help="JSON lines, one per epoch")
     fsdp_options.add_arguments(p)
+    plan_options.add_arguments(p)
     resume_options.add_arguments(p)
     launcher_options.add_arguments(p)
     observe.add_arguments(p)
@@ -192,6 +196,26 @@ def _test(model: nn.Module, loader: DataLoader, device: torch.device) -> torch.T
     return stats
 
 
+def build_model(cfg: MnistConfig, device: torch.device) -> nn.Module:
+    """The Net on ``device``, sharded by the size-based auto-wrap policy (``--min-num-params``),
+    or under ``--plan auto`` as planned for the per-rank ``--batch-size`` (images (B, 1, 28, 28)
+    float32, summed NLL loss, Adadelta; :func:`plan_options.planned_model`)."""
+    if cfg.plan == "auto":
+
+        def example() -> tuple[torch.Tensor, torch.Tensor]:
+            return torch.zeros(cfg.batch_size, 1, 28, 28), torch.zeros(cfg.batch_size, dtype=torch.long)
+
+        def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            return F.nll_loss(model(batch[0]).float(), batch[1], reduction="sum")
+
+        def is_unit(m: nn.Module) -> bool:  # what the size-based policy wraps: leaves this large
+            return not list(m.children()) and sum(p.numel() for p in m.parameters()) >= cfg.min_num_params
+
+        return plan_options.planned_model(cfg, device, Net, is_unit, parts=(example, loss_fn), optimizer="adadelta")
+    policy = functools.partial(size_based_auto_wrap_policy, min_num_params=cfg.min_num_params)
+    return fsdp_options.shard_model(Net().to(device), cfg, policy)
+
+
 def worker(cfg: MnistConfig) -> dict[str, Any] | None:
     """One rank of the job. Returns the last epoch's metrics on rank 0, None elsewhere."""
     device = launch.init_process_group()
@@ -206,8 +230,7 @@ def _run(cfg: MnistConfig, device: torch.device) -> dict[str, Any] | None:
     rank, world = collectives.group_rank(group), collectives.group_size(group)
     torch.manual_seed(cfg.seed)
     train_loader, test_loader, sampler = _loaders(cfg, rank, world)
-    policy = functools.partial(size_based_auto_wrap_policy, min_num_params=cfg.min_num_params)
-    model = fsdp_options.shard_model(Net().to(device), cfg, policy)
+    model = build_model(cfg, device)
     optimizer = torch.optim.Adadelta(model.parameters(), lr=cfg.lr)
     if rank == 0:
         print(f"{model}\n{memory_report(model, optimizer).summary()}", flush=True)

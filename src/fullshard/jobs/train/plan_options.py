@@ -1,10 +1,10 @@
-"""``--plan auto --memory-budget SIZE``: the GPT job lets fullshard choose the FSDP
+"""``--plan auto --memory-budget SIZE``: the GPT and MNIST jobs let fullshard choose the FSDP
 configuration (sharding per unit, activation checkpointing, forward prefetch, front end). The
 HF job parses the options but refuses ``auto``: transformers' mask code reads tensor values,
 which the meta-device trace cannot run.
 
 At start-up every rank calibrates this machine for a few seconds (collectives at the job's world
-size, each block at the job's micro-batch, AdamW), rank 0 runs :func:`fullshard.jobs.plan.planner.plan`
+size, each unit at the job's micro-batch, the job's optimizer), rank 0 runs :func:`fullshard.jobs.plan.planner.plan`
 under the budget, prints the plan and hands it to every rank, and each rank wraps the model as
 planned. When nothing fits, every rank fails with the smallest budget that would.
 """
@@ -22,7 +22,7 @@ from torch import nn
 PLANS = ("none", "auto")
 _CHOSEN_BY_THE_PLAN = (
     ("--sharding-strategy", lambda cfg: cfg.sharding_strategy != "full_shard"),
-    ("--activation-checkpointing", lambda cfg: cfg.activation_checkpointing),
+    ("--activation-checkpointing", lambda cfg: getattr(cfg, "activation_checkpointing", False)),
     ("--forward-prefetch", lambda cfg: cfg.forward_prefetch),
     ("--cpu-offload", lambda cfg: cfg.cpu_offload),
     ("--api fsdp2", lambda cfg: cfg.api != "fsdp1"),
@@ -86,27 +86,32 @@ def planned_model(
     make_model: Callable[[], nn.Module],
     is_unit: Callable[[nn.Module], bool],
     param_init_fn: Callable[[nn.Module], None] | None = None,
+    *,
+    parts: tuple[Callable[[], Any], Callable[[nn.Module, Any], torch.Tensor]] | None = None,
+    optimizer: str = "adamw",
 ) -> nn.Module:
     """Plan (collective: every rank calls it) and return the model wrapped as planned.
 
-    ``make_model`` builds the unwrapped model (tokens (batch, seq) int64 -> logits (batch, seq,
-    vocab)); with ``param_init_fn`` it is built on the meta device and each rank materializes
-    only what it holds (FSDP1's ``param_init_fn``, or ``to_empty`` plus ``param_init_fn`` per
-    module after ``fully_shard``), else on ``device``. Sets ``cfg.api`` to the front end the plan
-    uses (fsdp1 for NO_SHARD, fsdp2 otherwise).
+    ``make_model`` builds the unwrapped model; ``parts`` is (the example micro-batch, the loss
+    of ``(model, batch)``), by default a language model's (tokens (batch_size, seq_len) int64 ->
+    logits, cross-entropy); ``optimizer`` is the job's, for the calibration. With
+    ``param_init_fn`` the model is built on the meta device and each rank materializes only what
+    it holds (FSDP1's ``param_init_fn``, or ``to_empty`` plus ``param_init_fn`` per module after
+    ``fully_shard``), else on ``device``. Sets ``cfg.api`` to the front end the plan uses (fsdp1
+    for NO_SHARD, fsdp2 otherwise).
 
     Raises:
         ValueError: on every rank when no configuration fits ``cfg.memory_budget``; the message
-            gives the smallest configuration's predicted peak.
+            gives the budget the smallest configuration needs.
     """
     from fullshard.comm import collectives
     from fullshard.jobs.plan.planner import parse_size, plan
     from fullshard.jobs.plan.steptime import calibrate
     from fullshard.jobs.train.fsdp_options import PRECISIONS
 
-    example, loss_fn = _lm_parts(cfg)
+    example, loss_fn = parts if parts is not None else _lm_parts(cfg)
     dtype = PRECISIONS[cfg.mixed_precision]
-    cal = calibrate(make_model, example, loss_fn, is_unit, device, compute_dtype=dtype, optimizer="adamw")
+    cal = calibrate(make_model, example, loss_fn, is_unit, device, compute_dtype=dtype, optimizer=optimizer)
     group = collectives.default_group()
     answer = None
     if collectives.group_rank(group) == 0:
