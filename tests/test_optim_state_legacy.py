@@ -99,8 +99,8 @@ def _check_values(full: dict, ref, ref_opt) -> None:
             torch.testing.assert_close(
                 full["state"][names[id(p)]][key],
                 value,
-                rtol=1e-5,
-                atol=1e-6,
+                rtol=1e-4,
+                atol=1e-7,
                 msg=lambda m, n=names[id(p)], k=key: f"{n}.{k}: {m}",
             )
 
@@ -159,7 +159,7 @@ def _grid_stack(opt_name: str, rank: int, world: int, done: list[str]) -> None:
         assert got["state"].keys() == expected["state"].keys()
         for i, st in expected["state"].items():
             for key, value in st.items():
-                torch.testing.assert_close(got["state"][i][key], value, rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(got["state"][i][key], value, rtol=1e-4, atol=1e-7)
         assert (
             FSDP.rekey_optim_state_dict(by_id, OptimStateKeyType.PARAM_NAME, ref3)["state"].keys()
             == full["state"].keys()

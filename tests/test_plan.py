@@ -114,6 +114,31 @@ def test_time_blocks_runs_a_kind_once_per_unit_of_it_and_times_per_unit() -> Non
     assert _Counted.calls == {8: 3 + 3, 4: 1 + 3}  # checkpointed units: one copy's activations at a time
 
 
+def test_calibration_and_trace_cast_float_inputs_to_the_compute_dtype() -> None:
+    """Under mixed precision the root's floating inputs run in the compute dtype, as FSDP casts
+    them (MNIST's images into a bf16 conv raised a dtype error in `--plan auto`); ids stay int64."""
+    from fullshard.jobs.models.net import Net
+    from fullshard.jobs.plan.calibrate import time_blocks
+    from fullshard.jobs.plan.peak import cast_floats, trace_activations
+
+    def example() -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.zeros(2, 1, 28, 28), torch.zeros(2, dtype=torch.long)
+
+    def loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return torch.nn.functional.nll_loss(model(batch[0]).float(), batch[1])
+
+    cast = cast_floats(example(), torch.bfloat16)
+    assert (cast[0].dtype, cast[1].dtype) == (torch.bfloat16, torch.long)
+    assert cast_floats(example(), None)[0].dtype == torch.float32
+
+    def is_fc1(m: nn.Module) -> bool:
+        return isinstance(m, nn.Linear) and m.in_features == 9216
+
+    times = time_blocks(Net, example, loss, is_fc1, torch.device("cpu"), torch.bfloat16, repeats=1)
+    assert set(times) == {"fc1", "<root>"}
+    assert trace_activations(Net, example, loss, torch.bfloat16)[0] > 0
+
+
 def test_grouped_units_gather_once_and_carry_their_members_recomputation() -> None:
     from fullshard.jobs.plan.estimate import UnitEstimate, group_units
     from fullshard.jobs.plan.simulate import merge_costs
@@ -305,7 +330,7 @@ def test_plan_cli(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--memory-budget: 'lots' is not a size" in capsys.readouterr().err
 
 
-def slowest_rank_body(rank: int, world: int) -> tuple[dict, float]:
+def slowest_rank_body(rank: int, world: int) -> tuple[dict, float, dict]:
     """calibrate() with rank 1's blocks and optimizer made 3x slower than rank 0's."""
     from unittest import mock
 
@@ -316,8 +341,9 @@ def slowest_rank_body(rank: int, world: int) -> tuple[dict, float]:
     slow = 3.0 if rank == 1 else 1.0
     fake_blocks = {"<root>": BlockTime(0.01, 0.02), "blocks.0": BlockTime(0.1, 0.2)}
 
-    def blocks(*args: object, **kwargs: object) -> dict:
-        return {n: BlockTime(t.forward * slow, t.backward * slow) for n, t in fake_blocks.items()}
+    def blocks(*args: object, held: bool = True, **kwargs: object) -> dict:
+        alone = 1.0 if held else 0.5  # a checkpointed block's times, timed apart, halved here
+        return {n: BlockTime(t.forward * slow * alone, t.backward * slow * alone) for n, t in fake_blocks.items()}
 
     with (
         mock.patch.object(steptime, "time_blocks", blocks),
@@ -326,8 +352,8 @@ def slowest_rank_body(rank: int, world: int) -> tuple[dict, float]:
         cal = steptime.calibrate(make, example, loss, is_unit, torch.device("cpu"))
     assert (real_blocks, real_optim) == (steptime.time_blocks, steptime.time_optimizer)
     assert 0.0 < cal.comm.cpu_share < 4.0  # gloo's threads spend CPU time on every collective
-    assert cal.checkpointed == cal.blocks  # the fake times both ways alike
-    return {n: (t.forward, t.backward) for n, t in cal.blocks.items()}, cal.optimizer_seconds_per_param
+    checkpointed = {n: (t.forward, t.backward) for n, t in cal.checkpointed.items()}
+    return {n: (t.forward, t.backward) for n, t in cal.blocks.items()}, cal.optimizer_seconds_per_param, checkpointed
 
 
 @pytest.mark.timeout(200)
@@ -337,6 +363,7 @@ def test_calibration_keeps_the_slowest_ranks_times() -> None:
     assert a == b
     assert a[0] == {"<root>": pytest.approx((0.03, 0.06)), "blocks.0": pytest.approx((0.3, 0.6))}
     assert a[1] == pytest.approx(3e-9)
+    assert a[2] == {"<root>": pytest.approx((0.015, 0.03)), "blocks.0": pytest.approx((0.15, 0.3))}
 
 
 @pytest.mark.timeout(300)

@@ -30,6 +30,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from fullshard.comm import collectives
+from fullshard.jobs.plan.peak import cast_floats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,8 +54,8 @@ class CommModel:
 
     ``cpu_share`` is the CPU seconds this process spends per second of a collective (gloo's
     copies and socket work; about 0.7 measured on loopback). ``contended`` says that the ranks'
-    compute threads already fill this machine's cores (a CPU device, ranks x intra-op threads >=
-    cores): no collective then runs beside compute for free (see
+    compute threads leave fewer cores free than there are ranks on this machine (a CPU device,
+    cores - ranks x intra-op threads < ranks): no collective then runs beside compute for free (see
     :func:`~fullshard.jobs.plan.simulate.simulate_step`).
     """
 
@@ -122,8 +123,9 @@ def calibrate_comm(
             fits[name].append((numel * 4, seconds))
             wall, cpu = wall + seconds, cpu + cpu_seconds
     ag, rs, ar = (_fit(fits[name]) for name in ("all_gather", "reduce_scatter", "all_reduce"))
-    threads = world_local * torch.get_num_threads()
-    contended = device.type == "cpu" and threads >= (os.cpu_count() or 1)
+    # each rank's collectives need a core the ranks' compute threads leave free
+    spare = (os.cpu_count() or 1) - world_local * torch.get_num_threads()
+    contended = device.type == "cpu" and spare < world_local
     return dataclasses.replace(
         model, all_gather=ag, reduce_scatter=rs, all_reduce=ar, cpu_share=cpu / wall, contended=contended
     )
@@ -240,7 +242,7 @@ def time_blocks(
         model = make_model()
         if compute_dtype is not None:
             model.to(compute_dtype)
-        batch = example()
+        batch = cast_floats(example(), compute_dtype)
     units = _units(model, is_unit)
     seen: dict[str, tuple[tuple, Any]] = {}
 
@@ -256,25 +258,35 @@ def time_blocks(
     kind_of = {name: _kind(name, m, *seen[name]) for name, m in units.items()}
     count = collections.Counter(kind_of.values())
     for name, m in units.items():
-        args, kind = seen[name][0], kind_of[name]
-        if kind not in kinds:
-            real = _materialize(copy.deepcopy(m), device)
-            inputs = tree_map(lambda t: _like(t, device), args)
-
-            def run(r: nn.Module = real, i: tuple = inputs) -> torch.Tensor:
-                return r(*i)
-
-            kinds[kind] = _time_fb(run, device, repeats, copies=count[kind] if held else 1)
-        out[name] = kinds[kind]
+        if kind_of[name] not in kinds:
+            copies = count[kind_of[name]] if held else 1
+            kinds[kind_of[name]] = _time_unit(m, seen[name][0], device, repeats, copies)
+        out[name] = kinds[kind_of[name]]
     for name, m in units.items():
         parent, _, leaf = name.rpartition(".")
         result = seen[name][1]
         model.get_submodule(parent).register_module(leaf, _Stub(result.shape, result.dtype))
     root = _materialize(model, device)
     with torch.device(device):
-        real_batch = tree_map(lambda t: t.zero_() if isinstance(t, torch.Tensor) else t, example())
+        real_batch = cast_floats(
+            tree_map(lambda t: t.zero_() if isinstance(t, torch.Tensor) else t, example()), compute_dtype
+        )
     out["<root>"] = _time_fb(lambda: loss_fn(root, real_batch), device, repeats)
     return out
+
+
+def _time_unit(m: nn.Module, args: tuple, device: torch.device, repeats: int, copies: int) -> BlockTime:
+    """:func:`_time_fb` of a materialized copy of unit ``m`` on inputs shaped like ``args``; when
+    ``copies`` outputs at once do not fit the device (CUDA out of memory), one at a time."""
+    real = _materialize(copy.deepcopy(m), device)
+    inputs = tree_map(lambda t: _like(t, device), args)
+    try:
+        return _time_fb(lambda: real(*inputs), device, repeats, copies)
+    except torch.OutOfMemoryError:
+        if copies == 1:
+            raise
+        torch.cuda.empty_cache()
+        return _time_fb(lambda: real(*inputs), device, repeats, 1)
 
 
 def time_optimizer(numel: int, device: torch.device, optimizer: str = "adamw", repeats: int = 3) -> float:

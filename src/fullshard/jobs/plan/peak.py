@@ -36,6 +36,7 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from fullshard.jobs.plan.estimate import UnitEstimate, estimate_model_state
 from fullshard.jobs.plan.tracker import LiveTensorBytes
@@ -79,6 +80,14 @@ def _cpu_attention(*args: Any, **kwargs: Any) -> Any:
     return _SDPA(*args, **kwargs)
 
 
+def cast_floats(batch: Any, dtype: torch.dtype | None) -> Any:
+    """``batch`` with its floating-point tensors in ``dtype`` (None: as it is), as mixed precision
+    casts the root's forward inputs; integer tensors (token ids, labels) are left alone."""
+    if dtype is None:
+        return batch
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, batch)
+
+
 def trace_activations(
     make_model: Callable[[], nn.Module],
     example: Callable[[], Any],
@@ -114,7 +123,7 @@ def trace_activations(
                 model.to(compute_dtype)
             if checkpoint is not None:
                 apply_activation_checkpointing(model, check_fn=checkpoint)
-            batch = example()
+            batch = cast_floats(example(), compute_dtype)
         params.extend(model.parameters())
         param_bytes = sum(p.nbytes for p in params)
         live.reset_peak()

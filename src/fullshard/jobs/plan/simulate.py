@@ -15,8 +15,8 @@ process group's collectives, one at a time, in issue order). The schedule is the
 
 NO_SHARD gathers nothing and all-reduces gradients instead of reduce-scattering them.
 
-Where the ranks' compute threads already fill the cores (``CommModel.contended``: gloo on a CPU
-with ranks x intra-op threads >= cores), a collective has no core of its own: measured on this
+Where the ranks' compute threads leave no core per rank free (``CommModel.contended``: gloo on
+a CPU with cores - ranks x intra-op threads < ranks), a collective has no core of its own: measured on this
 project's 2-core machine, a step's collectives then cost about their wall time plus the CPU time
 they spend (gloo's copies and socket work), hidden or not. The replay then charges each
 collective ``seconds x (1 + cpu_share)`` on the compute clock and overlaps nothing.
