@@ -35,11 +35,32 @@ def test_estimate_a_user_factory(capsys: pytest.CaptureFixture[str]) -> None:
     assert "3 FSDP units; the largest (0)" in out
 
 
+def test_estimate_hf_models(capsys: pytest.CaptureFixture[str]) -> None:
+    """``hf:NAME``: the HF job's configs, sharded by decoder layer as the job shards them, and a
+    transformers class from its default config (GPT-2 small: 12 GPT2Blocks), traced on meta."""
+    pytest.importorskip("transformers")
+    from fullshard.jobs.plan import cli, validate
+
+    assert cli.main(["--model", "hf:llama-tiny", "--batch-size", "16", "--world-size", "2"]) == 0
+    out = capsys.readouterr().out
+    expected = validate.predict(validate.Config("llama-tiny", 2))
+    assert f"| **peak** (in backward) | **{expected.total / 2**20:,.2f}** |" in out, out
+    assert "5 FSDP units; the largest (model.model.layers.0)" in out, out
+    assert cli.main(["--model", "hf:GPT2LMHeadModel", "--batch-size", "1", "--seq-len", "64", "--world-size", "8"]) == 0
+    out = capsys.readouterr().out
+    # 124,439,808 parameters (the tied embedding once) over 8 ranks in float32, padding aside
+    shards = float(out.split("| parameter shards | ")[1].split(" |")[0].replace(",", ""))
+    assert 124_439_808 * 4 / 8 / 2**20 <= shards < 124_439_808 * 4 / 8 / 2**20 + 0.01, out
+    assert "13 FSDP units" in out, out
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["--model", "gpt:huge"], "presets are gpt:tiny"),
-        (["--model", "nothing"], "give gpt:PRESET, mnist, or module.path:factory"),
+        (["--model", "nothing"], "give gpt:PRESET, mnist, hf:NAME, or module.path:factory"),
+        (["--model", "hf:NoSuchModel"], "use one of llama-tiny, gpt2-tiny or a transformers causal-LM class"),
+        (["--model", "hf:gpt2-tiny", "--wrap-cls", "Foo"], "['Foo'] match no module of CausalLMLogits"),
         (["--model", "no_such_module:f", "--input-shape", "1", "--wrap-cls", "X"], "No module named 'no_such_module'"),
         (["--model", "mnist", "--world-size", "0"], "--world-size and --batch-size must be at least 1"),
     ],
@@ -47,6 +68,8 @@ def test_estimate_a_user_factory(capsys: pytest.CaptureFixture[str]) -> None:
 def test_estimate_rejects_bad_models(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     from fullshard.jobs.plan import cli
 
+    if args[1].startswith("hf:"):
+        pytest.importorskip("transformers")
     with pytest.raises(SystemExit) as e:
         cli.main(args)
     assert e.value.code == 2 and message in capsys.readouterr().err

@@ -195,6 +195,56 @@ def test_meta_trace_of_attention_equals_the_cpu_step(dtype: torch.dtype) -> None
     assert traced == measured, (traced, measured)
 
 
+@pytest.mark.parametrize(("config", "slack"), [("gpt2-tiny", 0), ("llama-tiny", 128)])
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_meta_trace_of_hf_models_equals_the_cpu_step(config: str, slack: int, checkpoint: bool) -> None:
+    """transformers' mask code asks whether the position ids pack several sequences (a value
+    read, impossible on meta); the trace answers as transformers does for the ids it makes, and
+    the traced activations are the real CPU step's: GPT-2's to the byte, Llama's within 128 bytes
+    of 5.9 MB (measured)."""
+    pytest.importorskip("transformers")
+    from fullshard.frontend.activation_checkpointing import apply_activation_checkpointing
+    from fullshard.jobs.plan.peak import trace_activations
+    from fullshard.jobs.plan.tracker import LiveTensorBytes
+    from fullshard.jobs.train.hf import hf_model
+    from fullshard.jobs.train.plan_options import lm_parts
+
+    make, layers = hf_model(config)
+    example, loss = lm_parts(2, 64)
+
+    def is_layer(m: nn.Module) -> bool:
+        return type(m).__name__ in layers
+
+    traced = trace_activations(make, example, loss, None, is_layer if checkpoint else None)[0]
+    model = make()
+    if checkpoint:
+        apply_activation_checkpointing(model, check_fn=is_layer)
+    params = list(model.parameters())
+    with LiveTensorBytes(label=lambda: sum(p.grad.nbytes for p in params if p.grad is not None)) as live:
+        live.adopt(params)
+        batch = example()
+        live.reset_peak()
+        loss(model, batch).backward()
+    measured = live.peak - sum(p.nbytes for p in params) - live.peak_label
+    assert abs(traced - measured) <= slack, (traced, measured)
+
+
+def test_a_value_read_in_the_meta_trace_names_the_problem() -> None:
+    from fullshard.jobs.plan.meta_trace import MetaValueRead
+    from fullshard.jobs.plan.peak import trace_activations
+
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x) if x.sum() > 0 else -self.fc(x)
+
+    with pytest.raises(MetaValueRead, match="the model reads a tensor's value in forward or backward"):
+        trace_activations(Branchy, lambda: torch.zeros(2, 4), lambda m, x: m(x).sum())
+
+
 def test_peak_counts_resident_gradient_shards_and_the_receive_buffer() -> None:
     """On gloo each unit keeps its gradient shard between steps, and a reduce-scatter in flight
     holds its receive buffer (one shard at 2 ranks, the whole input beyond) once there are two

@@ -139,6 +139,21 @@ def test_calibration_and_trace_cast_float_inputs_to_the_compute_dtype() -> None:
     assert trace_activations(Net, example, loss, torch.bfloat16)[0] > 0
 
 
+def test_time_blocks_replays_a_transformers_layers_keyword_inputs() -> None:
+    """A Llama decoder layer takes its rotary tables, mask and positions as keyword arguments:
+    calibration captures them in the meta forward and replays tensors of their shapes."""
+    pytest.importorskip("transformers")
+    from fullshard.jobs.plan.calibrate import time_blocks
+    from fullshard.jobs.train.hf import hf_model
+    from fullshard.jobs.train.plan_options import lm_parts
+
+    make, layers = hf_model("llama-tiny")
+    example, loss = lm_parts(2, 32)
+    times = time_blocks(make, example, loss, lambda m: type(m).__name__ in layers, torch.device("cpu"), repeats=1)
+    assert set(times) == {"<root>", *(f"model.model.layers.{i}" for i in range(4))}
+    assert all(t.forward > 0 and t.backward > 0 for t in times.values())
+
+
 def test_grouped_units_gather_once_and_carry_their_members_recomputation() -> None:
     from fullshard.jobs.plan.estimate import UnitEstimate, group_units
     from fullshard.jobs.plan.simulate import merge_costs

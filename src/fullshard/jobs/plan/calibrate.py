@@ -30,6 +30,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from fullshard.comm import collectives
+from fullshard.jobs.plan.meta_trace import traced
 from fullshard.jobs.plan.peak import cast_floats
 
 
@@ -162,11 +163,12 @@ def _units(model: nn.Module, is_unit: Callable[[nn.Module], bool]) -> dict[str, 
 
 
 def _like(t: Any, device: torch.device) -> Any:
-    """A real tensor for a meta one: random floats that need a gradient, zeros otherwise."""
+    """A real tensor for a meta one: random floats (needing a gradient where the traced one did:
+    a block's hidden states, not its rotary tables), zeros otherwise."""
     if not isinstance(t, torch.Tensor):
         return t
     if t.is_floating_point():
-        return torch.randn(t.shape, dtype=t.dtype, device=device).requires_grad_(True)
+        return torch.randn(t.shape, dtype=t.dtype, device=device).requires_grad_(t.requires_grad)
     return torch.zeros(t.shape, dtype=t.dtype, device=device)
 
 
@@ -209,12 +211,13 @@ def _time_fb(forward: Callable[[], torch.Tensor], device: torch.device, repeats:
     return BlockTime(statistics.median(fwd), statistics.median(bwd))
 
 
-def _kind(name: str, m: nn.Module, args: tuple, result: Any) -> tuple:
+def _kind(name: str, m: nn.Module, args: tuple, kwargs: dict[str, Any], result: Any) -> tuple:
     """What makes two units time alike: class, parameter shapes and dtypes, input shapes."""
     if not isinstance(result, torch.Tensor):
         raise TypeError(f"unit {name!r} returns {type(result).__name__}; time_blocks needs one tensor")
     shapes = tuple((n, tuple(p.shape), p.dtype) for n, p in m.named_parameters())
-    return (type(m).__qualname__, shapes, tuple(getattr(a, "shape", a) for a in args))
+    inputs = tree_map(lambda a: tuple(a.shape) if isinstance(a, torch.Tensor) else a, (args, kwargs))
+    return (type(m).__qualname__, shapes, repr(inputs))
 
 
 def time_blocks(
@@ -233,10 +236,14 @@ def time_blocks(
     Units of one kind (same class, parameter and input shapes) are timed once. With ``held``,
     one module runs as many times per forward as the model has units of that kind, its outputs
     holding as much activation memory as the model's; without, once (a checkpointed unit's
-    case). A unit's first argument and its output must be tensors.
+    case). A unit's first argument and its output must be tensors; its other arguments,
+    positional or keyword (a transformers decoder layer's rotary tables and mask), are replayed
+    as the trace saw them: tensors of their shapes, anything else as it was.
 
     Raises:
         TypeError: a unit's output is not a tensor.
+        MetaValueRead: the model reads a tensor value in forward (see
+            :func:`~fullshard.jobs.plan.meta_trace.traced`).
     """
     with torch.device("meta"):
         model = make_model()
@@ -244,15 +251,7 @@ def time_blocks(
             model.to(compute_dtype)
         batch = cast_floats(example(), compute_dtype)
     units = _units(model, is_unit)
-    seen: dict[str, tuple[tuple, Any]] = {}
-
-    def keep(name: str, args: tuple, output: Any) -> None:  # a hook returning None leaves the output be
-        seen.setdefault(name, (args, output))
-
-    hooks = [m.register_forward_hook(lambda m, a, o, n=name: keep(n, a, o)) for name, m in units.items()]
-    loss_fn(model, batch)
-    for h in hooks:
-        h.remove()
+    seen = _unit_calls(model, batch, loss_fn, units, device)
     out: dict[str, BlockTime] = {}
     kinds: dict[tuple, BlockTime] = {}
     kind_of = {name: _kind(name, m, *seen[name]) for name, m in units.items()}
@@ -260,11 +259,11 @@ def time_blocks(
     for name, m in units.items():
         if kind_of[name] not in kinds:
             copies = count[kind_of[name]] if held else 1
-            kinds[kind_of[name]] = _time_unit(m, seen[name][0], device, repeats, copies)
+            kinds[kind_of[name]] = _time_unit(m, seen[name][:2], device, repeats, copies)
         out[name] = kinds[kind_of[name]]
     for name, m in units.items():
         parent, _, leaf = name.rpartition(".")
-        result = seen[name][1]
+        result = seen[name][2]
         model.get_submodule(parent).register_module(leaf, _Stub(result.shape, result.dtype))
     root = _materialize(model, device)
     with torch.device(device):
@@ -275,18 +274,47 @@ def time_blocks(
     return out
 
 
-def _time_unit(m: nn.Module, args: tuple, device: torch.device, repeats: int, copies: int) -> BlockTime:
-    """:func:`_time_fb` of a materialized copy of unit ``m`` on inputs shaped like ``args``; when
-    ``copies`` outputs at once do not fit the device (CUDA out of memory), one at a time."""
-    real = _materialize(copy.deepcopy(m), device)
-    inputs = tree_map(lambda t: _like(t, device), args)
+def _unit_calls(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    units: dict[str, nn.Module],
+    device: torch.device,
+) -> dict[str, tuple[tuple, dict[str, Any], Any]]:
+    """Unit name -> (args, kwargs, output) of its first call in a meta-device forward of the loss."""
+    seen: dict[str, tuple[tuple, dict[str, Any], Any]] = {}
+
+    def keep(name: str, args: tuple, kwargs: dict[str, Any], output: Any) -> None:  # None: output as it is
+        seen.setdefault(name, (args, kwargs, output))
+
+    hooks = [
+        m.register_forward_hook(lambda m, a, k, o, n=name: keep(n, a, k, o), with_kwargs=True)
+        for name, m in units.items()
+    ]
     try:
-        return _time_fb(lambda: real(*inputs), device, repeats, copies)
+        with traced(device.type):
+            loss_fn(model, batch)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+def _time_unit(
+    m: nn.Module, inputs: tuple[tuple, dict[str, Any]], device: torch.device, repeats: int, copies: int
+) -> BlockTime:
+    """:func:`_time_fb` of a materialized copy of unit ``m`` on (args, kwargs) shaped like
+    ``inputs``; when ``copies`` outputs at once do not fit the device (CUDA out of memory), one
+    at a time."""
+    real = _materialize(copy.deepcopy(m), device)
+    args, kwargs = tree_map(lambda t: _like(t, device), inputs)
+    try:
+        return _time_fb(lambda: real(*args, **kwargs), device, repeats, copies)
     except torch.OutOfMemoryError:
         if copies == 1:
             raise
         torch.cuda.empty_cache()
-        return _time_fb(lambda: real(*inputs), device, repeats, 1)
+        return _time_fb(lambda: real(*args, **kwargs), device, repeats, 1)
 
 
 def time_optimizer(numel: int, device: torch.device, optimizer: str = "adamw", repeats: int = 3) -> float:

@@ -3,12 +3,16 @@
     fullshard estimate --model gpt:124m --batch-size 8 --seq-len 1024 --world-size 8 \\
         --activation-checkpointing --mixed-precision bf16
     fullshard estimate --model mnist --batch-size 64 --world-size 2
+    fullshard estimate --model hf:LlamaForCausalLM --batch-size 1 --seq-len 2048 --world-size 8
     fullshard estimate --model mypkg.models:make_model --input-shape 16,3,224,224 \\
         --wrap-cls Bottleneck --world-size 4
 
 Nothing is allocated: the model is built and traced on the meta device (see
 :mod:`fullshard.jobs.plan.peak`). A ``module:factory`` model is called with no arguments; its
-input is a float tensor of ``--input-shape`` and its loss the sum of its output.
+input is a float tensor of ``--input-shape`` and its loss the sum of its output. An ``hf:NAME``
+model is one of the HF job's configs or a transformers causal-LM class from its default config
+(:func:`fullshard.jobs.train.hf.hf_model`), fed tokens (batch, seq-len), its loss the
+cross-entropy of its logits; its units are its decoder layers unless ``--wrap-cls`` says.
 """
 
 from __future__ import annotations
@@ -19,21 +23,25 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from fullshard.jobs.plan.estimate import OPTIMIZER_BUFFERS
 from fullshard.jobs.plan.peak import PeakEstimate, estimate_peak
+from fullshard.jobs.train.plan_options import lm_parts
 
 PRECISIONS = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fullshard estimate", description=__doc__)
-    p.add_argument("--model", required=True, help="gpt:PRESET, mnist, or module.path:factory")
+    p.add_argument("--model", required=True, help="gpt:PRESET, mnist, hf:NAME, or module.path:factory")
     p.add_argument("--batch-size", type=int, default=16, help="samples per rank")
     p.add_argument("--seq-len", type=int, default=128, help="gpt: tokens per sequence")
     p.add_argument("--input-shape", default=None, help="module:factory: the input's shape, e.g. 16,3,224,224")
-    p.add_argument("--wrap-cls", default=None, help="module:factory: class names that become units, comma-separated")
+    p.add_argument(
+        "--wrap-cls",
+        default=None,
+        help="class names that become units, comma-separated (module:factory; hf: default its decoder layers)",
+    )
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--sharding-strategy", default="full_shard", choices=["full_shard", "shard_grad_op", "no_shard"])
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute each unit in backward")
@@ -56,13 +64,17 @@ def _model_parts(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
         preset = args.model[4:]
         if preset not in PRESETS:
             raise ValueError(f"--model {args.model}: presets are {', '.join('gpt:' + p for p in PRESETS)}")
-        shape = (args.batch_size, args.seq_len)
-        return (
-            lambda: GPT(PRESETS[preset]),
-            lambda: (torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.long)),
-            lambda m, b: F.cross_entropy(m(b[0]).float().flatten(0, 1), b[1].flatten()),
-            lambda m: isinstance(m, Block),
-        )
+        example, loss_fn = lm_parts(args.batch_size, args.seq_len)
+        return (lambda: GPT(PRESETS[preset])), example, loss_fn, (lambda m: isinstance(m, Block))
+    if args.model.startswith("hf:"):
+        from fullshard.jobs.train.hf import hf_model, layer_classes
+
+        make, layers = hf_model(args.model[3:])
+        names = args.wrap_cls.split(",") if args.wrap_cls else layers
+        with torch.device("meta"):
+            layer_classes(make(), names)  # ValueError naming the model's classes
+        example, loss_fn = lm_parts(args.batch_size, args.seq_len)
+        return make, example, loss_fn, (lambda m: type(m).__name__ in names)
     if args.model == "mnist":
         from fullshard.jobs.plan.validate import Config, mnist_parts
 
@@ -70,7 +82,8 @@ def _model_parts(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     module_name, _, factory = args.model.partition(":")
     if not factory or args.input_shape is None or args.wrap_cls is None:
         raise ValueError(
-            f"--model {args.model!r}: give gpt:PRESET, mnist, or module.path:factory with --input-shape and --wrap-cls"
+            f"--model {args.model!r}: give gpt:PRESET, mnist, hf:NAME, or module.path:factory with "
+            "--input-shape and --wrap-cls"
         )
     make = getattr(importlib.import_module(module_name), factory)
     dims = [int(d) for d in args.input_shape.split(",")]

@@ -27,18 +27,16 @@ moment of the peak is reported as forward or backward.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Callable, Collection
 from typing import Any
-from unittest import mock
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_map
 
 from fullshard.jobs.plan.estimate import UnitEstimate, estimate_model_state
+from fullshard.jobs.plan.meta_trace import traced
 from fullshard.jobs.plan.tracker import LiveTensorBytes
 
 
@@ -58,26 +56,6 @@ class PeakEstimate:
     @property
     def total(self) -> int:
         return self.shards + self.gradients + self.optimizer + self.gathered + self.gradient_buffer + self.activations
-
-
-_SDPA = F.scaled_dot_product_attention
-
-
-def _cpu_attention(*args: Any, **kwargs: Any) -> Any:
-    """``F.scaled_dot_product_attention`` as CPU runs it, for the meta trace.
-
-    Meta tensors take SDPA's math path, which saves the attention weights in float32 (B x H x T
-    x T); on CPU torch runs its flash kernel, which saves only the output and the log-sum-exp
-    (measured on the tiny GPT in bf16: 82.6 MiB of activations traced the math way, 66.8 MiB
-    real). Calls with a mask, dropout or grouped heads, or on real tensors, are SDPA's own.
-    """
-    names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-    opts = {**dict(zip(names, args[3:])), **kwargs}
-    plain = opts.get("attn_mask") is None and not opts.get("dropout_p") and not opts.get("enable_gqa")
-    if plain and args[0].is_meta:
-        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        return flash(*args[:3], 0.0, bool(opts.get("is_causal", False)), scale=opts.get("scale"))[0]
-    return _SDPA(*args, **kwargs)
 
 
 def cast_floats(batch: Any, dtype: torch.dtype | None) -> Any:
@@ -104,7 +82,10 @@ def trace_activations(
     unwrapped model holds full gradients (``grad_scale`` 1), a rank of a sharded one its
     shards (``1 / world``), so its peak comes earlier in backward, where more activations live.
     ``device_type``: where the step will run; on "cpu" attention is traced as CPU's flash
-    kernel (:func:`_cpu_attention`), elsewhere as SDPA's math path.
+    kernel, elsewhere as SDPA's math path (:func:`~fullshard.jobs.plan.meta_trace.traced`).
+
+    Raises:
+        MetaValueRead: the model reads a tensor value, which the trace cannot give.
     """
     from fullshard.frontend.activation_checkpointing import apply_activation_checkpointing
 
@@ -127,12 +108,7 @@ def trace_activations(
         params.extend(model.parameters())
         param_bytes = sum(p.nbytes for p in params)
         live.reset_peak()
-        # patched, not a TorchFunctionMode: checkpointed blocks recompute in autograd's thread
-        with (
-            mock.patch.object(F, "scaled_dot_product_attention", _cpu_attention)
-            if device_type == "cpu"
-            else (contextlib.nullcontext())
-        ):
+        with traced(device_type):
             loss_fn(model, batch).backward()
     produced, task = live.peak_label
     total_grads = sum(p.nbytes for p in params if p.requires_grad) or 1

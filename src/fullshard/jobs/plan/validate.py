@@ -37,7 +37,7 @@ def _wide() -> Any:
 class Config:
     """One validated configuration."""
 
-    model: str  # "gpt-tiny", "gpt-wide" (memory-bound: d_model 512, 4 layers) or "mnist"
+    model: str  # "gpt-tiny", "gpt-wide" (memory-bound: d_model 512, 4 layers), "mnist" or an HF config
     world: int
     strategy: str = "full_shard"
     ac: bool = False
@@ -58,7 +58,10 @@ CONFIGS = [
     Config("gpt-wide", 2, batch=2),
     Config("gpt-wide", 2, strategy="shard_grad_op", batch=2),
     Config("gpt-wide", 4, batch=2),
+    *(Config(hf, 2, ac=ac) for hf in ("llama-tiny", "gpt2-tiny") for ac in (False, True)),
+    Config("llama-tiny", 4),
 ]
+HF_MODELS = ("llama-tiny", "gpt2-tiny")  # the HF job's configs (transformers)
 
 
 def gpt_parts(c: Config) -> tuple[Any, Any, Any, Any]:
@@ -90,7 +93,18 @@ def mnist_parts(c: Config) -> tuple[Any, Any, Any, Any]:
     return Net, example, loss, (lambda m: sum(p.numel() for p in m.parameters()) >= 20000 and isinstance(m, nn.Linear))
 
 
+def hf_parts(c: Config) -> tuple[Any, Any, Any, Any]:
+    """(make_model, example, loss_fn, is_unit) of the HF job at ``c``'s batch (128 tokens)."""
+    from fullshard.jobs.train.hf import hf_model
+    from fullshard.jobs.train.plan_options import lm_parts
+
+    make, layers = hf_model(c.model)
+    return (make, *lm_parts(c.batch, 128), lambda m: type(m).__name__ in layers)
+
+
 def _parts(c: Config) -> tuple[Any, Any, Any, Any]:
+    if c.model in HF_MODELS:
+        return hf_parts(c)
     return gpt_parts(c) if c.model.startswith("gpt") else mnist_parts(c)
 
 
@@ -106,7 +120,7 @@ def predict(c: Config) -> Any:
         c.world,
         param_dtype=dtype,
         checkpoint=is_unit if c.ac else None,
-        optimizer="adamw" if c.model.startswith("gpt") else "adadelta",
+        optimizer="adadelta" if c.model == "mnist" else "adamw",
         sharding_strategy=c.strategy,
         backend="nccl" if torch.cuda.is_available() else "gloo",
     )
@@ -122,6 +136,15 @@ def _build(c: Config, device: torch.device) -> tuple[nn.Module, torch.optim.Opti
             activation_checkpointing=c.ac, sharding_strategy=c.strategy, mixed_precision=c.precision, nproc=c.world
         )
         model = build_model(cfg, device)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    if c.model in HF_MODELS:
+        from fullshard.jobs.train.hf import HFJobConfig, hf_model, shard_hf
+
+        hcfg = HFJobConfig(
+            config=c.model, activation_checkpointing=c.ac, sharding_strategy=c.strategy, mixed_precision=c.precision
+        )
+        make, layers = hf_model(c.model)
+        model = shard_hf(make().to(device), layers, hcfg)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     if c.model == "gpt-wide":  # no preset: built whole on the device, wrapped as the job wraps
         from fullshard.frontend.wrap import transformer_auto_wrap_policy

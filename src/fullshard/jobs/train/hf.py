@@ -16,10 +16,11 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from fullshard.frontend.activation_checkpointing import apply_activation_checkpointing
 from fullshard.frontend.fsdp1 import FullyShardedDataParallel as FSDP
 from fullshard.frontend.wrap import transformer_auto_wrap_policy
 from fullshard.jobs import launch
-from fullshard.jobs.train import fsdp_options
+from fullshard.jobs.train import fsdp_options, plan_options
 from fullshard.jobs.train.gpt import GPTJobConfig, config_from, make_parser, train_loop
 
 
@@ -78,6 +79,33 @@ class CausalLMLogits(nn.Module):
         return self.model(input_ids=tokens, use_cache=False).logits
 
 
+def hf_model(name: str) -> tuple[Callable[[], nn.Module], list[str]]:
+    """(builds the model as tokens (batch, seq) int64 -> logits (batch, seq, vocab), the layer
+    class names that become FSDP units) for ``name``: one of :data:`HF_CONFIGS`, or a
+    transformers causal-LM class (``LlamaForCausalLM``, ``GPT2LMHeadModel``, ...) built from its
+    default config, sharded by its ``_no_split_modules`` (the layers Accelerate wraps).
+
+    Raises:
+        ImportError: transformers is not installed (the ``hf`` extra).
+        ValueError: ``name`` is neither; the message lists the configs.
+    """
+    if name in HF_CONFIGS:
+        build, layer = HF_CONFIGS[name]
+        return (lambda: CausalLMLogits(build())), [layer]
+    import transformers
+
+    cls = getattr(transformers, name, None)
+    config_class = getattr(cls, "config_class", None)
+    layers = list(getattr(cls, "_no_split_modules", None) or [])
+    if not isinstance(cls, type) or not issubclass(cls, nn.Module) or config_class is None or not layers:
+        raise ValueError(
+            f"hf:{name}: use one of {', '.join(HF_CONFIGS)} or a transformers causal-LM class with "
+            "_no_split_modules (e.g. hf:LlamaForCausalLM, built from its default config)"
+        )
+    model_cls: Any = cls
+    return (lambda: CausalLMLogits(model_cls(config_class()))), layers
+
+
 def layer_classes(model: nn.Module, names: Sequence[str]) -> set[type[nn.Module]]:
     """The module classes in ``model`` whose class name is one of ``names``.
 
@@ -93,6 +121,20 @@ def layer_classes(model: nn.Module, names: Sequence[str]) -> set[type[nn.Module]
             f"its module classes are: {', '.join(sorted(present))}"
         )
     return {present[n] for n in names}
+
+
+def shard_hf(model: nn.Module, layer_cls_names: Sequence[str], cfg: Any) -> nn.Module:
+    """``model`` sharded as the HF job's options ``cfg`` say: one unit per instance of the named
+    layer classes, each recomputed in backward under ``cfg.activation_checkpointing``.
+
+    Raises:
+        ValueError: a name matches no module class of the model (see :func:`layer_classes`).
+    """
+    classes = tuple(layer_classes(model, layer_cls_names))
+    if cfg.activation_checkpointing:
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, classes))
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=set(classes))
+    return fsdp_options.shard_model(model, cfg, policy)
 
 
 def wrap_hf(model: nn.Module, layer_cls_names: Sequence[str], **fsdp_kwargs: Any) -> FSDP:
@@ -115,14 +157,6 @@ class HFJobConfig(GPTJobConfig):
         super().__post_init__()
         if self.config not in HF_CONFIGS:
             raise ValueError(f"--config {self.config!r}: use one of {', '.join(HF_CONFIGS)}")
-        if self.plan == "auto":
-            # planning traces the model on the meta device, where transformers' causal-mask code
-            # (it reads tensor values) fails: refuse here rather than on every rank at start-up
-            raise ValueError(
-                "--plan auto does not work with the transformers models yet (their mask code reads "
-                "tensor values, which the meta-device trace cannot give): choose the FSDP options by "
-                "hand, or plan the GPT job (fullshard train gpt --plan auto)"
-            )
 
 
 def parse_args(argv: Sequence[str]) -> HFJobConfig:
@@ -148,14 +182,17 @@ def worker(cfg: HFJobConfig) -> dict[str, Any] | None:
 
 def _run(cfg: HFJobConfig, device: torch.device) -> dict[str, Any] | None:
     torch.manual_seed(cfg.seed)
-    build, default_cls = HF_CONFIGS[cfg.config]
-    model = CausalLMLogits(build()).to(device)
-    names = (cfg.wrap_cls or default_cls).split(",")
-    classes = layer_classes(model, names)
-    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=classes)
-    wrapped = fsdp_options.shard_model(model, cfg, policy)
+    make, default_layers = hf_model(cfg.config)
+    names = cfg.wrap_cls.split(",") if cfg.wrap_cls else default_layers
+    if cfg.plan == "auto":
+        with torch.device("meta"):
+            layer_classes(make(), names)  # a wrong --wrap-cls fails here, naming the classes there are
+        is_unit = lambda m: type(m).__name__ in names  # noqa: E731
+        wrapped = plan_options.planned_model(cfg, device, make, is_unit)
+    else:
+        wrapped = shard_hf(make().to(device), names, cfg)
     title = f"transformers {cfg.config} ({', '.join(names)} per unit)"
-    return train_loop(cfg, device, wrapped, title, lambda: CausalLMLogits(build()))
+    return train_loop(cfg, device, wrapped, title, make)
 
 
 def main(argv: Sequence[str]) -> int:

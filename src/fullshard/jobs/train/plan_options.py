@@ -1,7 +1,5 @@
-"""``--plan auto --memory-budget SIZE``: the GPT and MNIST jobs let fullshard choose the FSDP
-configuration (sharding per unit, activation checkpointing, forward prefetch, front end). The
-HF job parses the options but refuses ``auto``: transformers' mask code reads tensor values,
-which the meta-device trace cannot run.
+"""``--plan auto --memory-budget SIZE``: the GPT, MNIST and HF jobs let fullshard choose the
+FSDP configuration (sharding per unit, activation checkpointing, forward prefetch, front end).
 
 At start-up every rank calibrates this machine for a few seconds (collectives at the job's world
 size, each unit at the job's micro-batch, the job's optimizer), rank 0 runs :func:`fullshard.jobs.plan.planner.plan`
@@ -67,9 +65,10 @@ def validate(cfg: Any) -> None:
         raise ValueError(f"--plan auto chooses the FSDP configuration itself: drop {', '.join(given)}")
 
 
-def _lm_parts(cfg: Any) -> tuple[Callable[[], Any], Callable[[nn.Module, Any], torch.Tensor]]:
-    """The example micro-batch (tokens and targets, (batch_size, seq_len) int64) and the loss."""
-    shape = (cfg.batch_size, cfg.seq_len)
+def lm_parts(batch_size: int, seq_len: int) -> tuple[Callable[[], Any], Callable[[nn.Module, Any], torch.Tensor]]:
+    """(example, loss_fn) of a language model: tokens and targets (batch_size, seq_len) int64,
+    the cross-entropy of the logits (batch, seq, vocab) in float32."""
+    shape = (batch_size, seq_len)
 
     def example() -> tuple[torch.Tensor, torch.Tensor]:
         return torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.long)
@@ -109,7 +108,7 @@ def planned_model(
     from fullshard.jobs.plan.steptime import calibrate
     from fullshard.jobs.train.fsdp_options import PRECISIONS
 
-    example, loss_fn = parts if parts is not None else _lm_parts(cfg)
+    example, loss_fn = parts if parts is not None else lm_parts(cfg.batch_size, cfg.seq_len)
     dtype = PRECISIONS[cfg.mixed_precision]
     cal = calibrate(make_model, example, loss_fn, is_unit, device, compute_dtype=dtype, optimizer=optimizer)
     group = collectives.default_group()
