@@ -229,6 +229,41 @@ def test_meta_trace_of_hf_models_equals_the_cpu_step(config: str, slack: int, ch
     assert abs(traced - measured) <= slack, (traced, measured)
 
 
+class _Block(nn.Sequential):
+    """A unit for the moment-of-the-peak test."""
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_the_peak_names_its_phase_and_unit(checkpoint: bool) -> None:
+    """Three units, the middle one 256x wider inside: the step's peak comes when that unit's
+    backward starts (its activations all alive, its input gradient being made), also when it is
+    recomputed first; before any unit, the root's own layer."""
+    from fullshard.jobs.plan.peak import trace_activations
+
+    def make() -> nn.Module:
+        wide = _Block(nn.Linear(16, 4096), nn.ReLU(), nn.Linear(4096, 16))
+        return nn.Sequential(nn.Linear(16, 16), _Block(nn.Linear(16, 16)), wide, _Block(nn.Linear(16, 16)))
+
+    def is_block(m: nn.Module) -> bool:
+        return isinstance(m, _Block)
+
+    trace = trace_activations(
+        make,
+        lambda: torch.zeros(64, 16),
+        lambda m, x: m(x).sum(),
+        None,
+        is_block if checkpoint else None,
+        is_unit=is_block,
+    )
+    assert (trace.phase, trace.unit) == ("backward", "2"), trace
+
+    def huge_root() -> nn.Module:  # the root's own first layer dwarfs every unit
+        return nn.Sequential(nn.Linear(16, 8192), nn.ReLU(), nn.Linear(8192, 16), _Block(nn.Linear(16, 16)))
+
+    trace = trace_activations(huge_root, lambda: torch.zeros(64, 16), lambda m, x: m(x).sum(), is_unit=is_block)
+    assert (trace.phase, trace.unit) == ("backward", "<root>"), trace
+
+
 def test_a_value_read_in_the_meta_trace_names_the_problem() -> None:
     from fullshard.jobs.plan.meta_trace import MetaValueRead
     from fullshard.jobs.plan.peak import trace_activations
@@ -250,7 +285,7 @@ def test_peak_counts_resident_gradient_shards_and_the_receive_buffer() -> None:
     holds its receive buffer (one shard at 2 ranks, the whole input beyond) once there are two
     units; on NCCL neither: gradients count as far as the trace had produced them."""
     from fullshard.jobs.plan.estimate import UnitEstimate
-    from fullshard.jobs.plan.peak import combine, grad_scale
+    from fullshard.jobs.plan.peak import Trace, combine, grad_scale
 
     def units(n: int, world: int) -> list[UnitEstimate]:
         full = 4000
@@ -258,7 +293,7 @@ def test_peak_counts_resident_gradient_shards_and_the_receive_buffer() -> None:
             UnitEstimate(f"b{i}", 1000, full // world, full // world, 0, full) for i in range(n)
         ]
 
-    traced = (500, 0.25, "backward")
+    traced = Trace(500, 0.25, "backward")
     two = combine(units(2, 2), traced, 2, backend="gloo")
     assert two.gradients == 20 + 2 * 2000 and two.gradient_buffer == 4000 + 2000
     assert combine(units(2, 4), traced, 4, backend="gloo").gradient_buffer == 4000 + 4000

@@ -103,7 +103,7 @@ def table(e: PeakEstimate, world: int) -> list[str]:
     ]
     lines = [f"| per rank ({world} ranks) | MiB |", "|---|---|"]
     lines += [f"| {name} | {b / 2**20:,.2f} |" for name, b in rows]
-    lines.append(f"| **peak** (in {e.phase}) | **{e.total / 2**20:,.2f}** |")
+    lines.append(f"| **peak** (in {e.moment}) | **{e.total / 2**20:,.2f}** |")
     units = sorted(e.units, key=lambda u: u.full_bytes, reverse=True)
     largest = f"the largest ({units[0].name}) gathers {units[0].full_bytes / 2**20:,.2f} MiB"
     lines.append(f"\n{len(e.units)} FSDP units; {largest}")

@@ -22,14 +22,15 @@ traced in the compute dtype). The FSDP step's peak adds, per rank:
 Since a rank holds gradient shards rather than full gradients, its peak is not the unwrapped
 model's: the trace takes the peak of activations plus the gradients as this rank holds them
 (none extra when they are resident, ``1 / world`` of them otherwise, all under NO_SHARD). The
-moment of the peak is reported as forward or backward.
+moment of the peak is reported as the phase (forward or backward) and the unit running then
+(``<root>`` for the root's own layers: embeddings, head, loss).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Collection
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -42,7 +43,8 @@ from fullshard.jobs.plan.tracker import LiveTensorBytes
 
 @dataclasses.dataclass(frozen=True)
 class PeakEstimate:
-    """Predicted bytes per rank (ints) by category, their sum and when the peak occurs."""
+    """Predicted bytes per rank (ints) by category, their sum and when the peak occurs: in
+    ``phase`` ("forward" or "backward") while unit ``unit`` runs ("<root>": the root's own layers)."""
 
     shards: int
     gradients: int
@@ -52,10 +54,70 @@ class PeakEstimate:
     activations: int
     phase: str
     units: list[UnitEstimate]
+    unit: str = "<root>"
+
+    @property
+    def moment(self) -> str:
+        """When the peak occurs, e.g. "backward of blocks.3"."""
+        return f"{self.phase} of {self.unit}"
 
     @property
     def total(self) -> int:
         return self.shards + self.gradients + self.optimizer + self.gathered + self.gradient_buffer + self.activations
+
+
+class Trace(NamedTuple):
+    """What :func:`trace_activations` finds at the step's peak: activation and temporary bytes,
+    the fraction of gradient bytes produced by then, "forward" or "backward", and the unit running."""
+
+    activations: int
+    grad_fraction: float
+    phase: str
+    unit: str = "<root>"
+
+
+class _RunningUnit:
+    """Which unit runs, by module hooks: forward pre/post hooks in forward; in backward, a
+    gradient hook on a unit's output (its backward starts) and on its first input (it ends).
+    A checkpointed unit's recomputation runs inside its own backward and changes nothing."""
+
+    def __init__(self, model: nn.Module, is_unit: Callable[[nn.Module], bool]) -> None:
+        self.forward: list[str] = []
+        self.backward = "<root>"
+        for name, m in model.named_modules():
+            if name and is_unit(m):
+                m.register_forward_pre_hook(lambda m, args, n=name: self._enter(n, args))
+                m.register_forward_hook(lambda m, args, out, n=name: self._leave(n, out))
+
+    @property
+    def name(self) -> str:
+        if torch._C._current_graph_task_id() >= 0:
+            return self.backward
+        return self.forward[-1] if self.forward else "<root>"
+
+    def _set_backward(self, name: str) -> None:
+        self.backward = name
+
+    def _end_backward(self, name: str, outer: str) -> None:
+        # a unit's input is often the previous unit's output, whose hook starts that unit's
+        # backward: end only a unit that is still the one running
+        if self.backward == name:
+            self.backward = outer
+
+    def _enter(self, name: str, args: tuple) -> None:
+        if torch._C._current_graph_task_id() >= 0:
+            return  # recomputation
+        outer = self.name
+        if args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
+            args[0].register_hook(lambda g: self._end_backward(name, outer))
+        self.forward.append(name)
+
+    def _leave(self, name: str, out: Any) -> None:
+        if torch._C._current_graph_task_id() >= 0:
+            return
+        self.forward.pop()
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda g: self._set_backward(name))
 
 
 def cast_floats(batch: Any, dtype: torch.dtype | None) -> Any:
@@ -74,9 +136,10 @@ def trace_activations(
     checkpoint: Callable[[nn.Module], bool] | None = None,
     grad_scale: float = 1.0,
     device_type: str = "cpu",
-) -> tuple[int, float, str]:
-    """(activation and temporary bytes at the step's peak, the fraction of gradient bytes
-    produced by then, "forward" or "backward"), traced on the meta device.
+    is_unit: Callable[[nn.Module], bool] | None = None,
+) -> Trace:
+    """What the step's peak holds besides parameters and gradients, traced on the meta device
+    (see :class:`Trace`; the unit is one of ``is_unit``'s modules, or "<root>").
 
     The peak is taken of activations plus ``grad_scale`` x the gradients produced so far: the
     unwrapped model holds full gradients (``grad_scale`` 1), a rank of a sharded one its
@@ -94,14 +157,18 @@ def trace_activations(
     def grads() -> int:
         return sum(p.grad.nbytes for p in params if p.grad is not None)
 
-    def label() -> tuple[int, int]:
-        return grads(), torch._C._current_graph_task_id()
+    running: list[_RunningUnit] = []
+
+    def label() -> tuple[int, int, str]:
+        return grads(), torch._C._current_graph_task_id(), running[0].name if running else "<root>"
 
     with LiveTensorBytes("meta", label=label, discount=lambda: round((1 - grad_scale) * grads())) as live:
         with torch.device("meta"):
             model = make_model()
             if compute_dtype is not None:
                 model.to(compute_dtype)
+            if is_unit is not None:
+                running.append(_RunningUnit(model, is_unit))
             if checkpoint is not None:
                 apply_activation_checkpointing(model, check_fn=checkpoint)
             batch = cast_floats(example(), compute_dtype)
@@ -110,10 +177,10 @@ def trace_activations(
         live.reset_peak()
         with traced(device_type):
             loss_fn(model, batch).backward()
-    produced, task = live.peak_label
+    produced, task, unit = live.peak_label
     total_grads = sum(p.nbytes for p in params if p.requires_grad) or 1
     phase = "backward" if task >= 0 else "forward"
-    return live.peak - param_bytes - round(grad_scale * produced), produced / total_grads, phase
+    return Trace(live.peak - param_bytes - round(grad_scale * produced), produced / total_grads, phase, unit)
 
 
 def estimate_peak(
@@ -149,7 +216,9 @@ def estimate_peak(
     )
     no_shard = sharding_strategy == "no_shard"
     scale = grad_scale(world_size, no_shard, backend)
-    traced = trace_activations(make_model, example, loss_fn, param_dtype, checkpoint, scale, device_type(backend))
+    traced = trace_activations(
+        make_model, example, loss_fn, param_dtype, checkpoint, scale, device_type(backend), is_unit=is_unit
+    )
     keep = [u.name for u in units] if sharding_strategy == "shard_grad_op" else []
     return combine(units, traced, world_size, keep_gathered=keep, no_shard=no_shard, backend=backend)
 
@@ -175,7 +244,7 @@ def grad_scale(world_size: int, no_shard: bool, backend: str) -> float:
 
 def combine(
     units: list[UnitEstimate],
-    traced: tuple[int, float, str],
+    traced: Trace,
     world_size: int,
     *,
     keep_gathered: Collection[str] = (),
@@ -186,7 +255,7 @@ def combine(
     :func:`trace_activations` (with :func:`grad_scale` of the same settings); units named in
     ``keep_gathered`` do not reshard after forward (SHARD_GRAD_OP for them), ``no_shard``
     replicates everything (nothing gathered, gradients all-reduced in place)."""
-    activations, grad_fraction, phase = traced
+    activations, grad_fraction, phase, unit = traced
     by_size = sorted(
         (u for u in units if u.name != "<root>" and u.name not in keep_gathered),
         key=lambda u: u.full_bytes,
@@ -213,4 +282,5 @@ def combine(
         activations=activations,
         phase=phase,
         units=units,
+        unit=unit,
     )

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from fullshard.jobs.plan.estimate import estimate_model_state, group_units
-from fullshard.jobs.plan.peak import PeakEstimate, combine, device_type, grad_scale, trace_activations
+from fullshard.jobs.plan.peak import PeakEstimate, Trace, combine, device_type, grad_scale, trace_activations
 from fullshard.jobs.plan.simulate import StepTime
 from fullshard.jobs.plan.steptime import Calibration, predict_step
 
@@ -180,7 +180,7 @@ class Plan:
         p = b.peak
         lines = [
             f"Plan for {self.budget / mib:,.1f} MiB per rank: **{b.candidate.describe()}**",
-            f"predicted peak {p.total / mib:,.1f} MiB (in {p.phase}): shards {p.shards / mib:,.1f}, "
+            f"predicted peak {p.total / mib:,.1f} MiB (in {p.moment}): shards {p.shards / mib:,.1f}, "
             f"gradients {p.gradients / mib:,.1f}, optimizer {p.optimizer / mib:,.1f}, gathered "
             f"{p.gathered / mib:,.1f}, gradient buffer {p.gradient_buffer / mib:,.1f}, activations "
             f"{p.activations / mib:,.1f}",
@@ -300,7 +300,7 @@ def _score_all(
         )
         for ns in (False, True)
     }
-    traces: dict[tuple[int, bool], tuple[int, float, str]] = {}
+    traces: dict[tuple[int, bool], Trace] = {}
     scored = []
     for c in candidates(names):
         key = (len(c.checkpoint), c.no_shard)
@@ -308,7 +308,9 @@ def _score_all(
             scale = grad_scale(world, c.no_shard, cal.comm.backend)
             make = _tagged(make_model, c.checkpoint)
             device = device_type(cal.comm.backend)
-            traces[key] = trace_activations(make, example, loss_fn, param_dtype, _is_tagged, scale, device)
+            traces[key] = trace_activations(
+                make, example, loss_fn, param_dtype, _is_tagged, scale, device, is_unit=is_unit
+            )
         peak = combine(
             group_units(state[c.no_shard], c.groups),
             traces[key],

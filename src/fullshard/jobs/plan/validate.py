@@ -205,7 +205,7 @@ def report(configs: list[Config] | None = None) -> list[str]:
         worst = max(worst, abs(err))
         parts = (e.shards, e.gradients, e.optimizer, e.gathered, e.gradient_buffer, e.activations)
         rows.append(
-            f"| {c.describe()} | {e.total / 2**20:.2f} | {peak / 2**20:.2f} | {100 * err:+.1f}% | {e.phase} | "
+            f"| {c.describe()} | {e.total / 2**20:.2f} | {peak / 2**20:.2f} | {100 * err:+.1f}% | {e.moment} | "
             f"{rss / 2**20:.0f} | {' / '.join(f'{p / 2**20:.2f}' for p in parts)} |"
         )
     rows.append(f"\nWorst error {100 * worst:.1f}% over {len(configs or CONFIGS)} configurations (goal: 5%).")
