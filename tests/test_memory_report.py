@@ -229,6 +229,28 @@ def test_meta_trace_of_hf_models_equals_the_cpu_step(config: str, slack: int, ch
     assert abs(traced - measured) <= slack, (traced, measured)
 
 
+def test_meta_trace_of_cuda_attention_saves_no_attention_weights() -> None:
+    """On nccl the trace runs CUDA's flash kernel (bf16) or memory-efficient kernel (float32),
+    as SDPA does there: no batch x heads x T x T weights saved, unlike SDPA's math path that
+    plain meta tensors take; in bf16 it saves what CPU's flash kernel saves (and the 96 bytes of
+    the dropout generator's seed and offset)."""
+    from fullshard.jobs.models.gpt import GPT, PRESETS
+    from fullshard.jobs.plan.peak import trace_activations
+    from fullshard.jobs.train.plan_options import lm_parts
+
+    cfg = PRESETS["tiny"]
+    example, loss = lm_parts(2, 512)
+    for dtype in (torch.bfloat16, torch.float32):
+        traced = {
+            device: trace_activations(lambda: GPT(cfg), example, loss, dtype, device_type=device).activations
+            for device in ("cpu", "cuda", "meta")  # "meta": nothing patched, SDPA's math path
+        }
+        weights = cfg.n_layers * 2 * cfg.n_heads * 512 * 512 * dtype.itemsize
+        assert traced["meta"] - traced["cuda"] >= weights, (dtype, traced)
+        if dtype == torch.bfloat16:
+            assert 0 <= traced["cuda"] - traced["cpu"] <= 96, traced
+
+
 class _Block(nn.Sequential):
     """A unit for the moment-of-the-peak test."""
 

@@ -5,8 +5,9 @@ pass in :mod:`fullshard.jobs.plan.calibrate`) allocates nothing, but two things 
 real step, and :func:`traced` mends both for the length of a trace:
 
 - kernels picked by device: meta tensors take SDPA's math path, which saves the attention
-  weights; CPU runs its flash kernel, which saves only the output and the log-sum-exp
-  (:func:`cpu_attention`);
+  weights (batch x heads x T x T); CPU runs its flash kernel and CUDA its flash (half
+  precision) or memory-efficient kernel, which save only the output and the log-sum-exp
+  (:func:`device_attention`);
 - values: a meta tensor has none, so code that branches on one (``.item()``, ``bool(t)``,
   ``.all()``) cannot run. transformers' masking code does it once on the training path: it asks
   whether the position ids hold several packed sequences. The position ids it makes itself when
@@ -33,21 +34,36 @@ class MetaValueRead(RuntimeError):
     """The traced model read a tensor's value, which the meta-device trace cannot give."""
 
 
-def cpu_attention(*args: Any, **kwargs: Any) -> Any:
-    """``F.scaled_dot_product_attention`` as CPU runs it, for the meta trace.
+def device_attention(device_type: str) -> Any:
+    """``F.scaled_dot_product_attention`` as ``device_type`` ("cpu" or "cuda") runs it, for the
+    meta trace.
 
-    Meta tensors take SDPA's math path, which saves the attention weights in float32 (B x H x T
-    x T); on CPU torch runs its flash kernel, which saves only the output and the log-sum-exp
-    (measured on the tiny GPT in bf16: 82.6 MiB of activations traced the math way, 66.8 MiB
-    real). Calls with a mask, dropout or grouped heads, or on real tensors, are SDPA's own.
+    Meta tensors take SDPA's math path, which saves the attention weights (B x H x T x T); on
+    CPU torch runs its flash kernel, which saves only the output and the log-sum-exp (measured on
+    the tiny GPT in bf16: 82.6 MiB of activations traced the math way, 66.8 MiB real). On CUDA
+    SDPA prefers flash attention (fp16/bf16, head size a multiple of 8 up to 256), else the
+    memory-efficient kernel; both save the output and the log-sum-exp too (their meta kernels
+    are torch's own; not yet checked against a GPU's allocator). Calls with a mask, dropout or
+    grouped heads, or on real tensors, are SDPA's own.
     """
-    names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-    opts = {**dict(zip(names, args[3:])), **kwargs}
-    plain = opts.get("attn_mask") is None and not opts.get("dropout_p") and not opts.get("enable_gqa")
-    if plain and args[0].is_meta:
-        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        return flash(*args[:3], 0.0, bool(opts.get("is_causal", False)), scale=opts.get("scale"))[0]
-    return _SDPA(*args, **kwargs)
+
+    def attention(*args: Any, **kwargs: Any) -> Any:
+        names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+        opts = {**dict(zip(names, args[3:])), **kwargs}
+        plain = opts.get("attn_mask") is None and not opts.get("dropout_p") and not opts.get("enable_gqa")
+        if not (plain and args[0].is_meta):
+            return _SDPA(*args, **kwargs)
+        q, k, v = args[:3]
+        causal, scale = bool(opts.get("is_causal", False)), opts.get("scale")
+        if device_type == "cpu":
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)[0]
+        half = q.dtype in (torch.float16, torch.bfloat16)
+        if half and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256:
+            return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[0]
+        grad = q.requires_grad or k.requires_grad or v.requires_grad
+        return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, grad, 0.0, causal, scale=scale)[0]
+
+    return attention
 
 
 def _unpacked(position_ids: torch.Tensor) -> None:
@@ -66,8 +82,8 @@ def traced(device_type: str) -> Iterator[None]:
         MetaValueRead: the model read a tensor value inside (its message names the fix).
     """
     with contextlib.ExitStack() as stack:
-        if device_type == "cpu":
-            stack.enter_context(mock.patch.object(F, "scaled_dot_product_attention", cpu_attention))
+        if device_type in ("cpu", "cuda"):
+            stack.enter_context(mock.patch.object(F, "scaled_dot_product_attention", device_attention(device_type)))
         masking = sys.modules.get("transformers.masking_utils")
         if masking is not None and hasattr(masking, "find_packed_sequence_indices"):
             stack.enter_context(mock.patch.object(masking, "find_packed_sequence_indices", _unpacked))

@@ -144,8 +144,8 @@ def trace_activations(
     The peak is taken of activations plus ``grad_scale`` x the gradients produced so far: the
     unwrapped model holds full gradients (``grad_scale`` 1), a rank of a sharded one its
     shards (``1 / world``), so its peak comes earlier in backward, where more activations live.
-    ``device_type``: where the step will run; on "cpu" attention is traced as CPU's flash
-    kernel, elsewhere as SDPA's math path (:func:`~fullshard.jobs.plan.meta_trace.traced`).
+    ``device_type``: where the step will run ("cpu" or "cuda"); attention is traced as that
+    device's kernel runs it (:func:`~fullshard.jobs.plan.meta_trace.traced`).
 
     Raises:
         MetaValueRead: the model reads a tensor value, which the trace cannot give.
