@@ -1,6 +1,6 @@
 """``fullshard bench plan``: the planner's choice against hand configurations, measured.
 
-For each workload (compute-bound GPT, memory-bound GPT, MNIST; 2 ranks) and budget (ample:
+For each workload (compute-bound GPT, memory-bound GPT, MNIST, transformers' Llama; 2 ranks) and budget (ample:
 twice the largest hand configuration's predicted peak; tight: 1.15 x the smallest predicted
 peak of all candidates), ``world`` fresh processes calibrate and plan; then the planned
 configuration and the six hand configurations (FULL_SHARD per block, SHARD_GRAD_OP per block,
@@ -26,12 +26,13 @@ from fullshard.jobs.bench.workloads import BENCH_ENV
 from fullshard.jobs.plan.planner import Candidate, plan
 from fullshard.jobs.plan.steptime import calibrate
 from fullshard.jobs.plan.tracker import LiveTensorBytes
-from fullshard.jobs.plan.validate import Config, _parts
+from fullshard.jobs.plan.validate import Config, _parts, optimizer_of
 
 WORKLOADS = {
     "compute-bound GPT (tiny, 16 x 128 tokens)": Config("gpt-tiny", 2, batch=16),
     "memory-bound GPT (d 512 x 4 layers, 2 x 128 tokens)": Config("gpt-wide", 2, batch=2),
     "MNIST Net (64 images)": Config("mnist", 2, batch=64),
+    "transformers Llama (llama-tiny, 8 x 128 tokens)": Config("llama-tiny", 2, batch=8),
 }
 
 
@@ -51,7 +52,7 @@ def _steps(c: Config, cand: Candidate, device: torch.device, n: int, live: LiveT
     torch.manual_seed(0)
     with torch.device(device):
         model = cand.apply(make(), torch.bfloat16 if c.precision == "bf16" else None)
-    opt_cls: Any = torch.optim.AdamW if c.model.startswith("gpt") else torch.optim.Adadelta
+    opt_cls: Any = torch.optim.AdamW if optimizer_of(c) == "adamw" else torch.optim.Adadelta
     opt = opt_cls(model.parameters(), lr=1e-3)
     times = []
     for _ in range(n):
@@ -95,9 +96,7 @@ def _worker(c: Config) -> list[dict[str, Any]] | None:
     device = launch.init_process_group()
     try:
         make, example, loss_fn, is_unit = _parts(c)
-        cal = calibrate(
-            make, example, loss_fn, is_unit, device, optimizer="adamw" if c.model != "mnist" else "adadelta"
-        )
+        cal = calibrate(make, example, loss_fn, is_unit, device, optimizer=optimizer_of(c))
         names = tuple(n for n in cal.blocks if n != "<root>")
         hands = hand_configurations(names)
         every = {s.candidate: s for s in plan(cal, make, example, loss_fn, is_unit, 2**60).scored}

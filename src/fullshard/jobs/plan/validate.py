@@ -93,6 +93,11 @@ def mnist_parts(c: Config) -> tuple[Any, Any, Any, Any]:
     return Net, example, loss, (lambda m: sum(p.numel() for p in m.parameters()) >= 20000 and isinstance(m, nn.Linear))
 
 
+def optimizer_of(c: Config) -> str:
+    """The job's optimizer for ``c``: Adadelta for MNIST, AdamW (fused) for the language models."""
+    return "adadelta" if c.model == "mnist" else "adamw"
+
+
 def hf_parts(c: Config) -> tuple[Any, Any, Any, Any]:
     """(make_model, example, loss_fn, is_unit) of the HF job at ``c``'s batch (128 tokens)."""
     from fullshard.jobs.train.hf import hf_model
@@ -120,7 +125,7 @@ def predict(c: Config) -> Any:
         c.world,
         param_dtype=dtype,
         checkpoint=is_unit if c.ac else None,
-        optimizer="adadelta" if c.model == "mnist" else "adamw",
+        optimizer=optimizer_of(c),
         sharding_strategy=c.strategy,
         backend="nccl" if torch.cuda.is_available() else "gloo",
     )

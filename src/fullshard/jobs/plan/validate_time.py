@@ -21,7 +21,7 @@ from fullshard.jobs import launch
 from fullshard.jobs.bench.workloads import BENCH_ENV
 from fullshard.jobs.plan.simulate import StepTime
 from fullshard.jobs.plan.steptime import calibrate, predict_step
-from fullshard.jobs.plan.validate import CONFIGS, Config, _build, _parts
+from fullshard.jobs.plan.validate import CONFIGS, Config, _build, _parts, optimizer_of
 
 TIME_CONFIGS = [
     *CONFIGS,
@@ -36,8 +36,7 @@ def predict_config(c: Config, device: torch.device) -> StepTime:
     """Calibrate (collective) and predict ``c``'s step on this machine."""
     make, example, loss, is_unit = _parts(c)
     dtype = torch.bfloat16 if c.precision == "bf16" else None
-    optimizer = "adamw" if c.model.startswith("gpt") else "adadelta"
-    cal = calibrate(make, example, loss, is_unit, device, compute_dtype=dtype, optimizer=optimizer)
+    cal = calibrate(make, example, loss, is_unit, device, compute_dtype=dtype, optimizer=optimizer_of(c))
     names = [n for n in cal.blocks if n != "<root>"]
     return predict_step(
         cal,
