@@ -54,6 +54,31 @@ def test_estimate_hf_models(capsys: pytest.CaptureFixture[str]) -> None:
     assert "13 FSDP units" in out, out
 
 
+def test_estimate_cpu_offload(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--cpu-offload`` on nccl: model state as host memory, none of it on the device; on
+    gloo it changes nothing and says so."""
+    from fullshard.jobs.plan import cli
+
+    base = ["--model", "gpt:tiny", "--batch-size", "4", "--world-size", "2"]
+    assert cli.main([*base, "--backend", "nccl"]) == 0
+    plain = capsys.readouterr().out
+    assert cli.main([*base, "--backend", "nccl", "--cpu-offload"]) == 0
+    off = capsys.readouterr().out
+
+    def row(out: str, name: str) -> float:
+        return float(out.split(f"| {name}")[1].split("|")[1].replace(",", ""))
+
+    assert row(off, "parameter shards") == row(off, "optimizer state") == 0.0
+    host = row(plain, "parameter shards") * 2 + row(plain, "optimizer state")  # gradient shards = parameter shards
+    assert row(off, "host memory (CPU offload") == pytest.approx(host, abs=0.02), off
+    assert cli.main([*base, "--cpu-offload"]) == 0  # gloo
+    out = capsys.readouterr().out
+    assert "--cpu-offload has no effect on gloo" in out and "host memory" not in out
+    with pytest.raises(SystemExit):
+        cli.main([*base, "--cpu-offload", "--sharding-strategy", "no_shard"])
+    assert "--cpu-offload needs a sharded strategy" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -325,3 +325,24 @@ def test_peak_counts_resident_gradient_shards_and_the_receive_buffer() -> None:
     assert combine(units(2, 2), traced, 2, no_shard=True).gradient_buffer == 0
     assert grad_scale(2, False, "gloo") == 0.0 and grad_scale(4, False, "nccl") == 0.25
     assert grad_scale(2, True, "gloo") == 1.0 and grad_scale(1, False, "gloo") == 1.0
+
+
+def test_cpu_offload_moves_model_state_to_the_host_on_cuda_only() -> None:
+    """Under CPU offload on NCCL the device holds no shards, gradients or optimizer state (they
+    are host bytes, outside the device's peak) but one shard staged each way: the upload before
+    a gather and the gradient shard before its download. On gloo offload changes nothing."""
+    from fullshard.jobs.plan.estimate import UnitEstimate
+    from fullshard.jobs.plan.peak import Trace, combine, grad_scale
+
+    units = [UnitEstimate("<root>", 10, 20, 20, 40, 40)] + [
+        UnitEstimate(f"b{i}", 1000, 2000, 2000, 4008, 4000) for i in range(2)
+    ]
+    traced = Trace(500, 0.0, "backward")
+    plain = combine(units, traced, 2, backend="nccl")
+    off = combine(units, traced, 2, backend="nccl", offload=True)
+    assert (off.shards, off.gradients, off.optimizer) == (0, 0, 0)
+    assert off.host == (20 + 2 * 2000) + (20 + 2 * 2000) + (40 + 2 * 4008)
+    assert off.gathered == plain.gathered + 2000 and off.gradient_buffer == plain.gradient_buffer + 2000
+    assert off.total == plain.total - plain.shards - plain.gradients - plain.optimizer + 2 * 2000
+    assert combine(units, traced, 2, backend="gloo", offload=True) == combine(units, traced, 2, backend="gloo")
+    assert grad_scale(4, False, "nccl", offload=True) == 0.0 and grad_scale(4, False, "gloo", offload=True) == 0.0

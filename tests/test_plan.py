@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -15,7 +16,7 @@ from dist import run_ranks
 from torch import nn
 
 from fullshard.jobs.plan.calibrate import BlockTime, CommModel, Link, _fit
-from fullshard.jobs.plan.simulate import UnitCost, simulate_step
+from fullshard.jobs.plan.simulate import UnitCost, merge_costs, simulate_step
 
 MS = 1e-3
 BIN = Path(sys.executable).parent
@@ -65,6 +66,25 @@ def test_prefetch_and_kept_units_hide_gathers_and_checkpointing_adds_a_forward()
     assert ckpt.compute == pytest.approx(simulate_step(root, plain, COMM).compute + 10 * MS)
     no_shard = simulate_step(root, plain, COMM, no_shard=True)
     assert no_shard.compute == base.compute and no_shard.exposed_comm < base.exposed_comm
+
+
+def test_offloaded_units_copy_before_each_gather_and_after_each_reduction() -> None:
+    """CPU offload: the shard's upload precedes each of the unit's gathers (forward and backward)
+    and the gradient shard's download follows its reduce-scatter, in the same stream; with
+    nothing to overlap (no prefetch) each copy adds its own time to the step."""
+    import dataclasses
+
+    comm = dataclasses.replace(COMM, h2d=Link(0.0, 0.5 * MS), d2h=Link(0.0, 0.25 * MS))
+    root = _unit("<root>", 2, 4, 1)
+    plain = [_unit("a", 10, 20, 4), _unit("b", 10, 20, 4)]
+    off = [dataclasses.replace(u, h2d_bytes=2, d2h_bytes=2) for u in plain]
+    base = simulate_step(root, plain, comm, backward_prefetch=None)
+    t = simulate_step(root, off, comm, backward_prefetch=None)
+    # 2 units x (2 uploads of 2 bytes x 0.5 ms + 1 download of 2 bytes x 0.25 ms)
+    assert t.seconds == pytest.approx(base.seconds + 2 * (2 * 1.0 + 0.5) * MS)
+    assert t.communication == pytest.approx(base.communication + 2 * (2 * 1.0 + 0.5) * MS)
+    merged = merge_costs(off, 2)[0]
+    assert (merged.h2d_bytes, merged.d2h_bytes) == (4, 4)
 
 
 def test_contended_cores_overlap_nothing_and_pay_each_collectives_cpu_time() -> None:
@@ -191,12 +211,14 @@ def test_parse_size() -> None:
             parse_size(bad)
 
 
-def _fake_calibration(comm_per_byte: float) -> object:
+def _fake_calibration(comm_per_byte: float, backend: str = "gloo") -> object:
     from fullshard.jobs.plan.steptime import Calibration
 
     blocks = {"<root>": BlockTime(0.004, 0.008)} | {f"blocks.{i}": BlockTime(0.01, 0.02) for i in range(4)}
-    comm = CommModel(2, "gloo", *(Link(1e-4, comm_per_byte) for _ in range(3)))
-    return Calibration(comm, blocks, 1e-9, "adamw")
+    comm = CommModel(2, backend, *(Link(1e-4, comm_per_byte) for _ in range(3)))
+    if backend == "nccl":  # copies at 1 ns per byte, the optimizer 10x slower on the host
+        comm = dataclasses.replace(comm, h2d=Link(1e-5, 1e-9), d2h=Link(1e-5, 1e-9))
+    return Calibration(comm, blocks, 1e-9, "adamw", host_optimizer_seconds_per_param=1e-8)
 
 
 def _gpt_parts() -> tuple:
@@ -244,6 +266,42 @@ def test_planner_picks_the_fastest_that_fits_and_says_when_nothing_does() -> Non
     assert plan(_fake_calibration(1e-6), make, example, loss, is_unit, smallest, margin=0.0).best is not None
     with pytest.raises(ValueError, match="budget=0"):
         plan(_fake_calibration(1e-6), make, example, loss, is_unit, 0)
+
+
+def test_planner_offloads_on_cuda_when_nothing_else_fits() -> None:
+    """On NCCL every sharded candidate also comes with CPU offload: slower (copies, the
+    optimizer on the host), so an ample budget gets none, but a budget below every
+    non-offloaded peak gets the fastest offloaded candidate. On gloo offload is no candidate."""
+    from fullshard.jobs.plan.planner import candidates, plan
+
+    names = [f"blocks.{i}" for i in range(4)]
+    assert len(candidates(names, offload=True)) == 5 * (1 + 2 * 2 * (5 + 3 + 2))
+    make, example, loss, is_unit = _gpt_parts()
+    ample = plan(_fake_calibration(1e-9, "nccl"), make, example, loss, is_unit, 2**40)
+    assert ample.best is not None and not ample.best.candidate.offload
+    offloaded = [s for s in ample.scored if s.candidate.offload]
+    assert offloaded and all(s.peak.host > 0 and s.peak.shards == s.peak.optimizer == 0 for s in offloaded)
+    on_device = min(s.peak.total for s in ample.scored if not s.candidate.offload)
+    tight = plan(_fake_calibration(1e-9, "nccl"), make, example, loss, is_unit, on_device)
+    assert tight.best is not None and tight.best.candidate.offload, tight.describe()
+    assert tight.best.candidate.describe().endswith(", CPU offload")
+    on_gloo = plan(_fake_calibration(1e-9), make, example, loss, is_unit, 2**40)
+    assert not any(s.candidate.offload for s in on_gloo.scored)
+
+
+def test_an_offloaded_plan_passes_the_offload_policy_to_each_unit(monkeypatch: pytest.MonkeyPatch) -> None:
+    import fullshard.frontend.fully_shard as front
+    from fullshard.jobs.plan.planner import Candidate
+
+    calls: list[dict] = []
+    monkeypatch.setattr(front, "fully_shard", lambda module, **kw: calls.append(kw) or module)
+    make, _, _, _ = _gpt_parts()
+    names = tuple(f"blocks.{i}" for i in range(4))
+    Candidate(False, (), (), False, names, group=2, offload=True).apply(make())
+    assert len(calls) == 3 and all(isinstance(kw["offload_policy"], front.CPUOffloadPolicy) for kw in calls)
+    calls.clear()
+    Candidate(False, (), (), False, names).apply(make())
+    assert len(calls) == 5 and not any("offload_policy" in kw for kw in calls)
 
 
 def apply_body(rank: int, world: int) -> dict:

@@ -9,6 +9,8 @@
   device, one kind at a time, run once per unit of that kind, or once for a checkpointed unit)
   and of the root's own layers (the model with every unit replaced by a stand-in that costs
   nothing), so no more than one block is ever materialized with the root.
+- :func:`calibrate_copies` fits host-to-device and device-to-host copies of pinned memory
+  (CPU offload's uploads of shards and downloads of gradient shards), on CUDA only.
 - :func:`time_optimizer` times an optimizer step over a rank's shard.
 
 Each takes seconds, not minutes; the numbers feed :mod:`fullshard.jobs.plan.simulate`.
@@ -67,6 +69,9 @@ class CommModel:
     all_reduce: Link = FREE
     cpu_share: float = 0.0
     contended: bool = False
+    h2d: Link = FREE
+    d2h: Link = FREE
+    """Copies of pinned host memory to and from the device (CPU offload); FREE on a CPU device."""
 
 
 def _fit(points: list[tuple[int, float]]) -> Link:
@@ -130,6 +135,32 @@ def calibrate_comm(
     return dataclasses.replace(
         model, all_gather=ag, reduce_scatter=rs, all_reduce=ar, cpu_share=cpu / wall, contended=contended
     )
+
+
+def calibrate_copies(
+    device: torch.device, sizes: tuple[int, ...] = (1 << 20, 1 << 23, 1 << 26), repeats: int = 5
+) -> tuple[Link, Link]:
+    """(host-to-device, device-to-host) copy costs of pinned memory, each fitted over ``sizes``
+    bytes on this rank: what CPU offload adds to every gather and reduce-scatter. On a CPU
+    device, where offload moves nothing, both are free."""
+    if device.type != "cuda":
+        return FREE, FREE
+    fits: dict[str, list[tuple[int, float]]] = {"h2d": [], "d2h": []}
+    for size in sizes:
+        host = torch.empty(size // 4, pin_memory=True)
+        dev = torch.empty(size // 4, device=device)
+        runs = {"h2d": lambda: dev.copy_(host, non_blocking=True), "d2h": lambda: host.copy_(dev, non_blocking=True)}
+        for name, run in runs.items():
+            times = []
+            for i in range(repeats + 1):  # the first is a warm-up
+                _sync(device)
+                start = time.perf_counter()
+                run()
+                _sync(device)
+                if i:
+                    times.append(time.perf_counter() - start)
+            fits[name].append((size, statistics.median(times)))
+    return _fit(fits["h2d"]), _fit(fits["d2h"])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -104,6 +104,8 @@ def table(e: PeakEstimate, world: int) -> list[str]:
     lines = [f"| per rank ({world} ranks) | MiB |", "|---|---|"]
     lines += [f"| {name} | {b / 2**20:,.2f} |" for name, b in rows]
     lines.append(f"| **peak** (in {e.moment}) | **{e.total / 2**20:,.2f}** |")
+    if e.host:
+        lines.append(f"| host memory (CPU offload: shards, gradients, optimizer state) | {e.host / 2**20:,.2f} |")
     units = sorted(e.units, key=lambda u: u.full_bytes, reverse=True)
     largest = f"the largest ({units[0].name}) gathers {units[0].full_bytes / 2**20:,.2f} MiB"
     lines.append(f"\n{len(e.units)} FSDP units; {largest}")
@@ -113,9 +115,18 @@ def table(e: PeakEstimate, world: int) -> list[str]:
 def main(argv: Sequence[str]) -> int:
     """Entry point of ``fullshard estimate``; returns the exit code (2 on bad options)."""
     p = _parser()
+    p.add_argument(
+        "--cpu-offload",
+        action="store_true",
+        help="shards, gradients and optimizer state in host memory (nccl; no effect on gloo)",
+    )
     args = p.parse_args(list(argv))
     if args.world_size < 1 or args.batch_size < 1:
         p.error("--world-size and --batch-size must be at least 1")
+    if args.cpu_offload and args.sharding_strategy == "no_shard":
+        p.error("--cpu-offload needs a sharded strategy: drop --sharding-strategy no_shard")
+    if args.cpu_offload and args.backend == "gloo":
+        print("fullshard estimate: --cpu-offload has no effect on gloo (the shards already live in CPU memory)")
     try:
         make, example, loss_fn, is_unit = _model_parts(args)
     except (ValueError, ImportError, AttributeError) as err:
@@ -131,6 +142,7 @@ def main(argv: Sequence[str]) -> int:
         optimizer=args.optimizer,
         sharding_strategy=args.sharding_strategy,
         backend=args.backend,
+        cpu_offload=args.cpu_offload,
     )
     print("\n".join(table(estimate, args.world_size)))
     return 0

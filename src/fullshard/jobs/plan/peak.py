@@ -24,6 +24,11 @@ model's: the trace takes the peak of activations plus the gradients as this rank
 (none extra when they are resident, ``1 / world`` of them otherwise, all under NO_SHARD). The
 moment of the peak is reported as the phase (forward or backward) and the unit running then
 (``<root>`` for the root's own layers: embeddings, head, loss).
+
+Under CPU offload on CUDA (nccl) the shards, their gradients and the optimizer state live in
+pinned host memory (:attr:`PeakEstimate.host`, not in the device's peak); the device holds
+each unit's shard uploaded for its gather and its gradient shard before it is downloaded (one
+shard each of the largest unit). On a CPU device offload changes nothing, as in the engine.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ class PeakEstimate:
     phase: str
     units: list[UnitEstimate]
     unit: str = "<root>"
+    host: int = 0  # CPU offload: shards, gradients and optimizer state in host memory (not in ``total``)
 
     @property
     def moment(self) -> str:
@@ -195,6 +201,7 @@ def estimate_peak(
     optimizer: str = "adamw",
     sharding_strategy: str = "full_shard",
     backend: str = "gloo",
+    cpu_offload: bool = False,
 ) -> PeakEstimate:
     """Predict rank 0's peak live tensor bytes in a steady training step (see module docstring).
 
@@ -205,22 +212,28 @@ def estimate_peak(
         is_unit: the auto-wrap policy's choice of units.
         checkpoint: the modules whose activations are recomputed in backward, if any.
         backend: the process group's, "gloo" (CPU) or "nccl" (CUDA).
+        cpu_offload: shards, gradients and optimizer state in host memory (CUDA only).
 
     Raises:
-        ValueError: as :func:`~fullshard.jobs.plan.estimate.estimate_model_state`.
+        ValueError: as :func:`~fullshard.jobs.plan.estimate.estimate_model_state`, or
+            ``cpu_offload`` with ``no_shard``.
     """
+    if cpu_offload and sharding_strategy == "no_shard":
+        raise ValueError("cpu_offload=True needs a sharded strategy: use full_shard or shard_grad_op")
     with torch.device("meta"):
         plain = make_model()
     units = estimate_model_state(
         plain, is_unit, world_size, sharding_strategy=sharding_strategy, param_dtype=param_dtype, optimizer=optimizer
     )
     no_shard = sharding_strategy == "no_shard"
-    scale = grad_scale(world_size, no_shard, backend)
+    scale = grad_scale(world_size, no_shard, backend, cpu_offload)
     traced = trace_activations(
         make_model, example, loss_fn, param_dtype, checkpoint, scale, device_type(backend), is_unit=is_unit
     )
     keep = [u.name for u in units] if sharding_strategy == "shard_grad_op" else []
-    return combine(units, traced, world_size, keep_gathered=keep, no_shard=no_shard, backend=backend)
+    return combine(
+        units, traced, world_size, keep_gathered=keep, no_shard=no_shard, backend=backend, offload=cpu_offload
+    )
 
 
 def device_type(backend: str) -> str:
@@ -233,11 +246,16 @@ def _resident_grads(world_size: int, no_shard: bool, backend: str) -> bool:
     return backend == "gloo" and world_size > 1 and not no_shard
 
 
-def grad_scale(world_size: int, no_shard: bool, backend: str) -> float:
+def offloads(offload: bool, backend: str) -> bool:
+    """Whether CPU offload moves anything off the device: only on CUDA (nccl)."""
+    return offload and backend == "nccl"
+
+
+def grad_scale(world_size: int, no_shard: bool, backend: str, offload: bool = False) -> float:
     """The share of the unwrapped model's gradient bytes that grows with backward on one rank:
-    0 when gradient shards are resident (counted as model state instead), else ``1 / world``
-    (1 under NO_SHARD)."""
-    if _resident_grads(world_size, no_shard, backend):
+    0 when gradient shards are resident (counted as model state instead) or offloaded to the
+    host, else ``1 / world`` (1 under NO_SHARD)."""
+    if _resident_grads(world_size, no_shard, backend) or offloads(offload, backend):
         return 0.0
     return 1.0 if no_shard else 1 / world_size
 
@@ -250,11 +268,13 @@ def combine(
     keep_gathered: Collection[str] = (),
     no_shard: bool = False,
     backend: str = "gloo",
+    offload: bool = False,
 ) -> PeakEstimate:
     """The peak from its parts: ``units`` from :func:`estimate_model_state`, ``traced`` from
     :func:`trace_activations` (with :func:`grad_scale` of the same settings); units named in
     ``keep_gathered`` do not reshard after forward (SHARD_GRAD_OP for them), ``no_shard``
-    replicates everything (nothing gathered, gradients all-reduced in place)."""
+    replicates everything (nothing gathered, gradients all-reduced in place), ``offload`` keeps
+    model state in host memory (CUDA only; see the module docstring)."""
     activations, grad_fraction, phase, unit = traced
     by_size = sorted(
         (u for u in units if u.name != "<root>" and u.name not in keep_gathered),
@@ -273,14 +293,24 @@ def combine(
             # backward runs; with one unit it only overlaps the root's, after the peak
             grad_buffer += largest // world_size if world_size == 2 else largest
     resident = _resident_grads(world_size, no_shard, backend)
+    shards, optimizer = sum(u.shard_bytes for u in units), sum(u.optim_bytes for u in units)
+    gradients = round((1.0 if resident else grad_fraction) * sum(u.grad_bytes for u in units))
+    host = 0
+    if offloads(offload, backend):  # model state on the host; one shard staged each way
+        host, shards, optimizer = shards + sum(u.grad_bytes for u in units) + optimizer, 0, 0
+        gradients = 0
+        stage = max(u.full_bytes for u in units) // world_size  # the largest shard, root included
+        gathered += stage
+        grad_buffer += stage if phase == "backward" else 0
     return PeakEstimate(
-        shards=sum(u.shard_bytes for u in units),
-        gradients=round((1.0 if resident else grad_fraction) * sum(u.grad_bytes for u in units)),
-        optimizer=sum(u.optim_bytes for u in units),
+        shards=shards,
+        gradients=gradients,
+        optimizer=optimizer,
         gathered=0 if no_shard else gathered,
         gradient_buffer=grad_buffer,
         activations=activations,
         phase=phase,
         units=units,
         unit=unit,
+        host=host,
     )

@@ -10,13 +10,15 @@ The candidates, per outermost unit in forward order (``n`` of them besides the r
 - forward prefetch on or off (time only: the prefetched unit is in the memory estimate anyway);
 - for FULL_SHARD, which modules are units: each block its own, or ``g`` consecutive blocks
   sharded together (``fully_shard`` of a list: one all-gather and one reduce-scatter for them,
-  fewer and larger collectives, more gathered at once), ``g`` in 1, 2, 4 and all of them.
+  fewer and larger collectives, more gathered at once), ``g`` in 1, 2, 4 and all of them;
+- on CUDA (nccl), each FULL_SHARD candidate also with CPU offload: shards, gradients and the
+  optimizer step on the host, uploads and downloads around every gather and reduce-scatter.
 
 Memory comes from :mod:`fullshard.jobs.plan.peak` (one meta-device trace per ``k``, the rest
 arithmetic; a candidate fits when its predicted peak plus :data:`MARGIN` does), time from
-:mod:`fullshard.jobs.plan.steptime` on one calibration. CPU offload is not a candidate: on a CPU
-machine shards already live in host memory, and no GPU has been available to calibrate its
-copies.
+:mod:`fullshard.jobs.plan.steptime` on one calibration. On a CPU device offload is no candidate:
+the shards already live in host memory. The offload candidates' copies and host optimizer step
+are calibrated on the GPU; no GPU has been lent to check their predictions against a run yet.
 """
 
 from __future__ import annotations
@@ -32,7 +34,15 @@ import torch
 from torch import nn
 
 from fullshard.jobs.plan.estimate import estimate_model_state, group_units
-from fullshard.jobs.plan.peak import PeakEstimate, Trace, combine, device_type, grad_scale, trace_activations
+from fullshard.jobs.plan.peak import (
+    PeakEstimate,
+    Trace,
+    combine,
+    device_type,
+    grad_scale,
+    offloads,
+    trace_activations,
+)
 from fullshard.jobs.plan.simulate import StepTime
 from fullshard.jobs.plan.steptime import Calibration, predict_step
 
@@ -46,7 +56,8 @@ class Candidate:
     """One configuration: NO_SHARD or FULL_SHARD with ``keep_gathered`` blocks kept gathered
     after forward, ``checkpoint`` blocks recomputed in backward, forward prefetch or not;
     ``all_units`` are the blocks (the auto-wrap policy's units, forward order) and ``group``
-    how many consecutive ones make one unit (the last may have fewer)."""
+    how many consecutive ones make one unit (the last may have fewer); ``offload``: CPU offload
+    of shards, gradients and the optimizer step (CUDA)."""
 
     no_shard: bool
     keep_gathered: tuple[str, ...]
@@ -54,6 +65,7 @@ class Candidate:
     forward_prefetch: bool
     all_units: tuple[str, ...]
     group: int = 1
+    offload: bool = False
 
     @property
     def groups(self) -> list[tuple[str, ...]]:
@@ -79,7 +91,12 @@ class Candidate:
             shard = f"FULL_SHARD{grouped}, last {kept}/{n} units SHARD_GRAD_OP"
         noun = "blocks" if grouped else "units"
         ac = f", AC on {len(self.checkpoint)}/{len(self.all_units)} {noun}" if self.checkpoint else ""
-        return shard + ac + (", forward prefetch" if self.forward_prefetch else "")
+        return (
+            shard
+            + ac
+            + (", forward prefetch" if self.forward_prefetch else "")
+            + (", CPU offload" if self.offload else "")
+        )
 
     def apply(
         self,
@@ -103,7 +120,6 @@ class Candidate:
         from fullshard.engine.config import MixedPrecision, ShardingStrategy
         from fullshard.frontend.activation_checkpointing import apply_activation_checkpointing
         from fullshard.frontend.fsdp1 import FSDP
-        from fullshard.frontend.fully_shard import MixedPrecisionPolicy, fully_shard
         from fullshard.frontend.wrap import lambda_auto_wrap_policy
 
         units = {n: model.get_submodule(n) for n in self.all_units}
@@ -122,7 +138,20 @@ class Candidate:
             return FSDP(
                 model, sharding_strategy=ShardingStrategy.NO_SHARD, auto_wrap_policy=policy, mixed_precision=mp, **init
             )
+        self._fully_shard(model, units, dtype)
+        if param_init_fn is not None:
+            model.to_empty(device=device or torch.device("cpu"))
+            for module in model.modules():
+                param_init_fn(module)
+        return model
+
+    def _fully_shard(self, model: nn.Module, units: dict[str, nn.Module], dtype: torch.dtype | None) -> None:
+        """``fully_shard`` on each planned unit (a list of blocks for a group) and on the root."""
+        from fullshard.frontend.fully_shard import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
         kw: dict[str, Any] = {"mp_policy": MixedPrecisionPolicy(dtype, dtype)} if dtype is not None else {}
+        if self.offload:
+            kw["offload_policy"] = CPUOffloadPolicy()
         for group in self.groups:
             members = [units[n] for n in group]
             fully_shard(
@@ -135,11 +164,6 @@ class Candidate:
             order: list[Any] = [units[g[0]] for g in self.groups]
             for unit, following in zip(order, order[1:]):
                 unit.set_modules_to_forward_prefetch([following])
-        if param_init_fn is not None:
-            model.to_empty(device=device or torch.device("cpu"))
-            for module in model.modules():
-                param_init_fn(module)
-        return model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,11 +244,14 @@ def group_sizes(n: int) -> list[int]:
     return sorted({g for g in (1, 2, 4, n) if 1 <= g <= n})
 
 
-def candidates(names: list[str], prefetch: bool = True, grouping: bool = True) -> list[Candidate]:
+def candidates(
+    names: list[str], prefetch: bool = True, grouping: bool = True, offload: bool = False
+) -> list[Candidate]:
     """Every candidate for blocks ``names`` (the outermost units, forward order; the root
     excluded), each with AC on the first 0..n blocks: NO_SHARD, and FULL_SHARD per
     :func:`group_sizes` (``grouping``; else one block per unit) with the last 0..all units kept
-    gathered, forward prefetch off / on (``prefetch``)."""
+    gathered, forward prefetch off / on (``prefetch``), each of these also with CPU offload
+    (``offload``)."""
     n, out, every = len(names), [], tuple(names)
     for k in range(n + 1):
         ac = every[:k]
@@ -235,6 +262,8 @@ def candidates(names: list[str], prefetch: bool = True, grouping: bool = True) -
                 for m in range(len(units) + 1):
                     kept = tuple(b for u in units[len(units) - m :] for b in u)
                     out.append(Candidate(False, kept, ac, fp, every, g))
+                    if offload:
+                        out.append(Candidate(False, kept, ac, fp, every, g, offload=True))
     return out
 
 
@@ -300,12 +329,12 @@ def _score_all(
         )
         for ns in (False, True)
     }
-    traces: dict[tuple[int, bool], Trace] = {}
+    traces: dict[tuple[int, bool, bool], Trace] = {}
     scored = []
-    for c in candidates(names):
-        key = (len(c.checkpoint), c.no_shard)
+    for c in candidates(names, offload=offloads(True, cal.comm.backend)):
+        key = (len(c.checkpoint), c.no_shard, c.offload)
         if key not in traces:
-            scale = grad_scale(world, c.no_shard, cal.comm.backend)
+            scale = grad_scale(world, c.no_shard, cal.comm.backend, c.offload)
             make = _tagged(make_model, c.checkpoint)
             device = device_type(cal.comm.backend)
             traces[key] = trace_activations(
@@ -318,6 +347,7 @@ def _score_all(
             keep_gathered=c.keep_gathered,
             no_shard=c.no_shard,
             backend=cal.comm.backend,
+            offload=c.offload,
         )
         step = predict_step(
             cal,
@@ -330,6 +360,7 @@ def _score_all(
             forward_prefetch=c.forward_prefetch,
             group=1 if c.no_shard else c.group,
             state=state[c.no_shard],
+            offload=c.offload,
         )
         scored.append(Scored(c, peak, step))
     return scored

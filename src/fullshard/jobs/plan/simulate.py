@@ -13,7 +13,10 @@ process group's collectives, one at a time, in issue order). The schedule is the
   backward, then waits for the previous unit's reduce-scatter (one in flight) and issues its own;
 - the step ends when the last reduction is done, then the optimizer steps on the shards.
 
-NO_SHARD gathers nothing and all-reduces gradients instead of reduce-scattering them.
+NO_SHARD gathers nothing and all-reduces gradients instead of reduce-scattering them. Under CPU
+offload a unit's shard is uploaded before each of its gathers and its gradient shard downloaded
+after its reduce-scatter, in the same stream (``CommModel.h2d`` / ``d2h``), and the optimizer
+steps on the CPU.
 
 Where the ranks' compute threads leave no core per rank free (``CommModel.contended``: gloo on
 a CPU with cores - ranks x intra-op threads < ranks), a collective has no core of its own: measured on this
@@ -39,6 +42,8 @@ class UnitCost:
     reduce_bytes: int  # full flat gradient in the reduce dtype
     reshard_after_forward: bool = True
     checkpoint: bool = False
+    h2d_bytes: int = 0  # CPU offload: the shard uploaded before each gather
+    d2h_bytes: int = 0  # CPU offload: the gradient shard downloaded after the reduce-scatter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,15 +60,26 @@ class StepTime:
 class _Clock:
     """The communication stream: a collective starts when issued and the previous one is done."""
 
-    def __init__(self) -> None:
+    def __init__(self, comm: CommModel, no_shard: bool) -> None:
         self.free = 0.0
         self.busy = 0.0
+        self.comm = comm
+        self.ag = comm.all_gather if not no_shard else Link(0.0, 0.0)
+        self.reduce = comm.all_reduce if no_shard else comm.reduce_scatter
 
-    def issue(self, link: Link, nbytes: int, at: float) -> float:
+    def _issue(self, seconds: float, at: float) -> float:
         start = max(self.free, at)
-        self.free = start + link.seconds(nbytes)
-        self.busy += link.seconds(nbytes)
+        self.free = start + seconds
+        self.busy += seconds
         return self.free
+
+    def gather(self, u: UnitCost, at: float) -> float:
+        """Issue ``u``'s gather (its offload upload first) at ``at``; returns when it is done."""
+        return self._issue(self.ag.seconds(u.gather_bytes) + self.comm.h2d.seconds(u.h2d_bytes), at)
+
+    def reduction(self, u: UnitCost, at: float) -> float:
+        """Issue ``u``'s gradient reduction (its offload download after) at ``at``; returns when done."""
+        return self._issue(self.reduce.seconds(u.reduce_bytes) + self.comm.d2h.seconds(u.d2h_bytes), at)
 
 
 def merge_costs(units: list[UnitCost], size: int) -> list[UnitCost]:
@@ -92,6 +108,8 @@ def merge_costs(units: list[UnitCost], size: int) -> list[UnitCost]:
                 sum(u.gather_bytes for u in chunk),
                 sum(u.reduce_bytes for u in chunk),
                 chunk[0].reshard_after_forward,
+                h2d_bytes=sum(u.h2d_bytes for u in chunk),
+                d2h_bytes=sum(u.d2h_bytes for u in chunk),
             )
         )
     return out
@@ -124,35 +142,34 @@ def simulate_step(
     """
     if backward_prefetch not in ("pre", "post", None):
         raise ValueError(f"backward_prefetch={backward_prefetch!r}: use 'pre', 'post' or None")
-    ag = comm.all_gather if not no_shard else Link(0.0, 0.0)
-    reduce = comm.all_reduce if no_shard else comm.reduce_scatter
-    net = _Clock()
-    now = net.issue(ag, root.gather_bytes, 0.0) + root.time.forward * root_split
+    net = _Clock(comm, no_shard)
+    gather, reduction = net.gather, net.reduction
+    now = gather(root, 0.0) + root.time.forward * root_split
     ahead: dict[int, float] = {}
     for i, u in enumerate(units):
-        ready = ahead.pop(i) if i in ahead else net.issue(ag, u.gather_bytes, now)
+        ready = ahead.pop(i) if i in ahead else gather(u, now)
         now = max(now, ready)
         if forward_prefetch and i + 1 < len(units):
-            ahead[i + 1] = net.issue(ag, units[i + 1].gather_bytes, now)
+            ahead[i + 1] = gather(units[i + 1], now)
         now += u.time.forward
     now += root.time.forward * (1 - root_split) + root.time.backward * (1 - root_split)
     ahead, in_flight = {}, 0.0
     for i in reversed(range(len(units))):
         u = units[i]
         if u.reshard_after_forward:
-            ready = ahead.pop(i) if i in ahead else net.issue(ag, u.gather_bytes, now)
+            ready = ahead.pop(i) if i in ahead else gather(u, now)
             now = max(now, ready)
         prev = units[i - 1] if i else None
         if backward_prefetch == "pre" and prev is not None and prev.reshard_after_forward:
-            ahead[i - 1] = net.issue(ag, prev.gather_bytes, now)
+            ahead[i - 1] = gather(prev, now)
         now += u.time.backward + (u.time.forward if u.checkpoint else 0.0)
         if backward_prefetch == "post" and prev is not None and prev.reshard_after_forward:
-            ahead[i - 1] = net.issue(ag, prev.gather_bytes, now)
+            ahead[i - 1] = gather(prev, now)
         now = max(now, in_flight)
-        in_flight = net.issue(reduce, u.reduce_bytes, now)
+        in_flight = reduction(u, now)
     now += root.time.backward * root_split
     now = max(now, in_flight)
-    now = max(now, net.issue(reduce, root.reduce_bytes, now))
+    now = max(now, reduction(root, now))
     compute = sum(u.time.forward * (2 if u.checkpoint else 1) + u.time.backward for u in [root, *units])
     if comm.contended:  # nothing overlaps: every collective's wall time plus its CPU time
         now = compute + net.busy * (1 + comm.cpu_share)

@@ -18,7 +18,14 @@ import torch
 from torch import nn
 
 from fullshard.comm import collectives
-from fullshard.jobs.plan.calibrate import BlockTime, CommModel, calibrate_comm, time_blocks, time_optimizer
+from fullshard.jobs.plan.calibrate import (
+    BlockTime,
+    CommModel,
+    calibrate_comm,
+    calibrate_copies,
+    time_blocks,
+    time_optimizer,
+)
 from fullshard.jobs.plan.estimate import UnitEstimate, estimate_model_state
 from fullshard.jobs.plan.simulate import StepTime, UnitCost, merge_costs, simulate_step
 
@@ -34,6 +41,8 @@ class Calibration:
     optimizer: str
     checkpointed: dict[str, BlockTime] = dataclasses.field(default_factory=dict)
     """Block times with only one unit's activations live (a checkpointed unit's); ``blocks`` where absent."""
+    host_optimizer_seconds_per_param: float = 0.0
+    """The optimizer step on the CPU (CPU offload), measured on CUDA; 0 where not (a CPU device)."""
 
 
 def calibrate(
@@ -47,26 +56,33 @@ def calibrate(
     optimizer: str = "adamw",
     group: Any = None,
 ) -> Calibration:
-    """Measure this machine for the model (collective: every rank of ``group`` calls it)."""
+    """Measure this machine for the model (collective: every rank of ``group`` calls it). On
+    CUDA it also measures what CPU offload costs: pinned copies each way and the optimizer
+    step on the CPU."""
     group = group if group is not None else collectives.default_group()
     comm = calibrate_comm(group)
+    h2d, d2h = calibrate_copies(device)
+    comm = dataclasses.replace(comm, h2d=h2d, d2h=d2h)
     blocks = time_blocks(make_model, example, loss_fn, is_unit, device, compute_dtype)
     alone = time_blocks(make_model, example, loss_fn, is_unit, device, compute_dtype, held=False)
     with torch.device("meta"):
         numel = sum(p.numel() for p in make_model().parameters())
     shard = max(1, numel // collectives.group_size(group))
     per_param = time_optimizer(shard, device, optimizer) / shard
+    cpu = torch.device("cpu")
+    host_per_param = time_optimizer(shard, cpu, optimizer) / shard if device.type == "cuda" else 0.0
     # A step runs at the pace of the slowest rank (every collective waits for it): keep each
     # time's maximum over the ranks, which time the same blocks at the same moment.
     names = list(blocks)
-    times = [t for d in (blocks, alone) for n in names for t in (d[n].forward, d[n].backward)] + [per_param]
+    times = [t for d in (blocks, alone) for n in names for t in (d[n].forward, d[n].backward)]
+    times += [per_param, host_per_param]
     slowest = torch.tensor(times, dtype=torch.float64, device=collectives.reduction_device(group))
     collectives.all_reduce_max(slowest, group)
     values = slowest.tolist()
     blocks, alone = (
         {n: BlockTime(values[2 * i], values[2 * i + 1]) for i, n in enumerate(names, k)} for k in (0, len(names))
     )
-    return Calibration(comm, blocks, values[-1], optimizer, alone)
+    return Calibration(comm, blocks, values[-2], optimizer, alone, values[-1])
 
 
 def predict_step(
@@ -82,6 +98,7 @@ def predict_step(
     backward_prefetch: str | None = "pre",
     group: int = 1,
     state: list[UnitEstimate] | None = None,
+    offload: bool = False,
 ) -> StepTime:
     """Predicted step time of one configuration on the calibrated machine.
 
@@ -92,6 +109,8 @@ def predict_step(
         group: consecutive units sharded together as one (``fully_shard`` of a list).
         state: :func:`~fullshard.jobs.plan.estimate.estimate_model_state` of the model at these
             settings, when the caller has it (saves building the model on the meta device).
+        offload: CPU offload of shards, gradients and the optimizer step (uploads before each
+            gather, downloads after each reduce-scatter, the step at the CPU's calibrated rate).
 
     Raises:
         KeyError: a unit has no calibrated block time (calibrated on another model).
@@ -104,21 +123,10 @@ def predict_step(
             model = make_model()
         strategy = "no_shard" if no_shard else "full_shard"
         units = estimate_model_state(model, is_unit, world, sharding_strategy=strategy, param_dtype=param_dtype)
-    reduce_size = param_dtype.itemsize if param_dtype is not None else 4
-    costs = [
-        UnitCost(
-            u.name,
-            cal.checkpointed.get(u.name, cal.blocks[u.name]) if u.name in checkpoint else cal.blocks[u.name],
-            gather_bytes=u.full_bytes if world > 1 else 0,
-            reduce_bytes=u.numel * reduce_size if world > 1 else 0,
-            reshard_after_forward=u.name not in keep_gathered,
-            checkpoint=u.name in checkpoint,
-        )
-        for u in units
-        if u.name in cal.blocks  # else a unit nested in another: timed with its parent
-    ]
+    costs = _unit_costs(cal, units, world, keep_gathered, checkpoint, param_dtype, offload)
     root, rest = costs[0], merge_costs(costs[1:], group)
     local = sum(u.numel for u in units) if no_shard else sum(u.numel for u in units) // world
+    per_param = cal.host_optimizer_seconds_per_param if offload else cal.optimizer_seconds_per_param
     return simulate_step(
         root,
         rest,
@@ -126,5 +134,32 @@ def predict_step(
         no_shard=no_shard,
         forward_prefetch=forward_prefetch,
         backward_prefetch=backward_prefetch,
-        optimizer_seconds=local * cal.optimizer_seconds_per_param,
+        optimizer_seconds=local * per_param,
     )
+
+
+def _unit_costs(
+    cal: Calibration,
+    units: list[UnitEstimate],
+    world: int,
+    keep_gathered: Collection[str],
+    checkpoint: Collection[str],
+    param_dtype: torch.dtype | None,
+    offload: bool,
+) -> list[UnitCost]:
+    """Each timed unit's compute, bytes moved and settings (forward order, the root first)."""
+    reduce_size = param_dtype.itemsize if param_dtype is not None else 4
+    return [
+        UnitCost(
+            u.name,
+            cal.checkpointed.get(u.name, cal.blocks[u.name]) if u.name in checkpoint else cal.blocks[u.name],
+            gather_bytes=u.full_bytes if world > 1 else 0,
+            reduce_bytes=u.numel * reduce_size if world > 1 else 0,
+            reshard_after_forward=u.name not in keep_gathered,
+            checkpoint=u.name in checkpoint,
+            h2d_bytes=u.shard_bytes if offload else 0,
+            d2h_bytes=u.grad_bytes if offload else 0,
+        )
+        for u in units
+        if u.name in cal.blocks  # else a unit nested in another: timed with its parent
+    ]
