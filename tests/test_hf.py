@@ -11,6 +11,7 @@ import pytest
 import torch
 from dist import run_ranks
 from models import local
+from plan_jobs import check_plan_auto
 
 pytest.importorskip("transformers")
 
@@ -98,23 +99,7 @@ def test_train_hf_job(tmp_path: Path) -> None:
 def test_hf_job_plan_auto(tmp_path: Path) -> None:
     """``--plan auto`` plans the transformers model too (its meta trace answers the mask code's
     packed-sequence check), prints the plan and trains as planned; a budget nothing fits fails."""
-    import json
-    import os
-
-    base = [str(Path(sys.executable).parent / "fullshard"), "train", "hf", "--config", "llama-tiny", "--nproc", "2"]
-    base += ["--steps", "2", "--seq-len", "32", "--batch-size", "4", "--eval-batches", "1", "--log-interval", "1"]
-    base += ["--no-progress", "--plan", "auto"]
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
-    metrics = tmp_path / "m.jsonl"
-    run = [*base, "--memory-budget", "1GiB", "--metrics-file", str(metrics)]
-    r = subprocess.run(run, capture_output=True, text=True, timeout=280, env=env, cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "--plan auto: Plan for 1,024.0 MiB per rank: **" in r.stdout, r.stdout[-3000:]
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [rec["step"] for rec in records] == [1, 2] and records[-1]["val_loss"] > 0
-    r = subprocess.run([*base, "--memory-budget", "1MiB"], capture_output=True, text=True, timeout=280, env=env)
-    assert r.returncode != 0
-    assert "--plan auto --memory-budget 1MiB: Nothing fits 1.0 MiB per rank" in r.stderr, r.stderr[-3000:]
+    check_plan_auto(["hf", "--config", "llama-tiny"], tmp_path)
 
 
 def hf_checkpointing_body(rank: int, world: int) -> list[float]:

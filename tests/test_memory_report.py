@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -175,7 +176,6 @@ def test_meta_trace_of_attention_equals_the_cpu_step(dtype: torch.dtype) -> None
     CPU's flash kernel instead, so its activation bytes are the real CPU step's, to the byte."""
     from fullshard.jobs.models.gpt import GPT, PRESETS
     from fullshard.jobs.plan.peak import trace_activations
-    from fullshard.jobs.plan.tracker import LiveTensorBytes
 
     def example() -> tuple[torch.Tensor, torch.Tensor]:
         return torch.zeros(2, 64, dtype=torch.long), torch.zeros(2, 64, dtype=torch.long)
@@ -184,15 +184,21 @@ def test_meta_trace_of_attention_equals_the_cpu_step(dtype: torch.dtype) -> None
         return torch.nn.functional.cross_entropy(model(batch[0]).float().flatten(0, 1), batch[1].flatten())
 
     traced = trace_activations(lambda: GPT(PRESETS["tiny"]), example, loss, dtype)[0]
-    model = GPT(PRESETS["tiny"]).to(dtype)
+    measured = _real_step_activations(GPT(PRESETS["tiny"]).to(dtype), example, loss)
+    assert traced == measured, (traced, measured)
+
+
+def _real_step_activations(model: nn.Module, example: Any, loss: Any) -> int:
+    """Bytes of a real CPU step's peak beyond the parameters and the gradients made by then."""
+    from fullshard.jobs.plan.tracker import LiveTensorBytes
+
     params = list(model.parameters())
     with LiveTensorBytes(label=lambda: sum(p.grad.nbytes for p in params if p.grad is not None)) as live:
         live.adopt(params)
         batch = example()
         live.reset_peak()
         loss(model, batch).backward()
-    measured = live.peak - sum(p.nbytes for p in params) - live.peak_label
-    assert traced == measured, (traced, measured)
+    return live.peak - sum(p.nbytes for p in params) - live.peak_label
 
 
 @pytest.mark.parametrize(("config", "slack"), [("gpt2-tiny", 0), ("llama-tiny", 128)])
@@ -205,7 +211,6 @@ def test_meta_trace_of_hf_models_equals_the_cpu_step(config: str, slack: int, ch
     pytest.importorskip("transformers")
     from fullshard.frontend.activation_checkpointing import apply_activation_checkpointing
     from fullshard.jobs.plan.peak import trace_activations
-    from fullshard.jobs.plan.tracker import LiveTensorBytes
     from fullshard.jobs.train.hf import hf_model
     from fullshard.jobs.train.plan_options import lm_parts
 
@@ -219,13 +224,7 @@ def test_meta_trace_of_hf_models_equals_the_cpu_step(config: str, slack: int, ch
     model = make()
     if checkpoint:
         apply_activation_checkpointing(model, check_fn=is_layer)
-    params = list(model.parameters())
-    with LiveTensorBytes(label=lambda: sum(p.grad.nbytes for p in params if p.grad is not None)) as live:
-        live.adopt(params)
-        batch = example()
-        live.reset_peak()
-        loss(model, batch).backward()
-    measured = live.peak - sum(p.nbytes for p in params) - live.peak_label
+    measured = _real_step_activations(model, example, loss)
     assert abs(traced - measured) <= slack, (traced, measured)
 
 

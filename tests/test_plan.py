@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist import run_ranks
+from plan_jobs import check_plan_auto
 from torch import nn
 
 from fullshard.jobs.plan.calibrate import BlockTime, CommModel, Link, _fit
@@ -373,19 +374,7 @@ def test_a_plan_applies_and_trains() -> None:
 def test_gpt_job_plan_auto(tmp_path: Path) -> None:
     """``--plan auto``: the job plans at start-up, prints the plan, trains as planned; when
     nothing fits, it fails on every rank with the smallest budget that would."""
-    base = [str(BIN / "fullshard"), "train", "gpt", "--nproc", "2", "--steps", "2", "--seq-len", "32"]
-    base += ["--batch-size", "4", "--eval-batches", "1", "--log-interval", "1", "--no-progress", "--plan", "auto"]
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
-    metrics = tmp_path / "m.jsonl"
-    run = [*base, "--memory-budget", "1GiB", "--metrics-file", str(metrics)]
-    r = subprocess.run(run, capture_output=True, text=True, timeout=280, env=env, cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "--plan auto: Plan for 1,024.0 MiB per rank: **" in r.stdout, r.stdout[-3000:]
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [rec["step"] for rec in records] == [1, 2] and records[-1]["val_loss"] > 0
-    r = subprocess.run([*base, "--memory-budget", "1MiB"], capture_output=True, text=True, timeout=280, env=env)
-    assert r.returncode != 0
-    assert "--plan auto --memory-budget 1MiB: Nothing fits 1.0 MiB per rank" in r.stderr, r.stderr[-3000:]
+    check_plan_auto(["gpt"], tmp_path)
 
 
 @pytest.mark.timeout(200)
