@@ -85,6 +85,7 @@ def test_estimate_cpu_offload(capsys: pytest.CaptureFixture[str]) -> None:
         (["--model", "gpt:huge"], "presets are gpt:tiny"),
         (["--model", "nothing"], "give gpt:PRESET, mnist, hf:NAME, or module.path:factory"),
         (["--model", "hf:NoSuchModel"], "use one of llama-tiny, gpt2-tiny or a transformers causal-LM class"),
+        (["--model", "hf:LlamaModel"], "use one of llama-tiny, gpt2-tiny or a transformers causal-LM class"),
         (["--model", "hf:gpt2-tiny", "--wrap-cls", "Foo"], "['Foo'] match no module of CausalLMLogits"),
         (["--model", "no_such_module:f", "--input-shape", "1", "--wrap-cls", "X"], "No module named 'no_such_module'"),
         (["--model", "mnist", "--world-size", "0"], "--world-size and --batch-size must be at least 1"),

@@ -254,6 +254,25 @@ class _Block(nn.Sequential):
     """A unit for the moment-of-the-peak test."""
 
 
+class _PairBlock(nn.Module):
+    """A unit returning a tuple (its output and a detached copy), as many transformers layers do."""
+
+    def __init__(self, *layers: nn.Module) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.inner(x)
+        return y, y.detach()
+
+
+class _Pairs(nn.Sequential):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for m in self:
+            x = m(x)[0] if isinstance(m, _PairBlock) else m(x)
+        return x
+
+
 @pytest.mark.parametrize("checkpoint", [False, True])
 def test_the_peak_names_its_phase_and_unit(checkpoint: bool) -> None:
     """Three units, the middle one 256x wider inside: the step's peak comes when that unit's
@@ -283,6 +302,32 @@ def test_the_peak_names_its_phase_and_unit(checkpoint: bool) -> None:
 
     trace = trace_activations(huge_root, lambda: torch.zeros(64, 16), lambda m, x: m(x).sum(), is_unit=is_block)
     assert (trace.phase, trace.unit) == ("backward", "<root>"), trace
+
+    def pairs() -> nn.Module:  # the same with units that return tuples
+        wide = _PairBlock(nn.Linear(16, 4096), nn.ReLU(), nn.Linear(4096, 16))
+        return _Pairs(nn.Linear(16, 16), _PairBlock(nn.Linear(16, 16)), wide, _PairBlock(nn.Linear(16, 16)))
+
+    def is_pair(m: nn.Module) -> bool:
+        return isinstance(m, _PairBlock)
+
+    trace = trace_activations(pairs, lambda: torch.zeros(64, 16), lambda m, x: m(x).sum(), is_unit=is_pair)
+    assert (trace.phase, trace.unit) == ("backward", "2"), trace
+
+
+def test_the_trace_patches_keyword_attention_and_answers_only_meta_position_ids() -> None:
+    """SDPA called by keyword still gets the device's kernel; transformers' packed-sequence
+    check is answered for meta ids only, real ids get transformers' own answer."""
+    from fullshard.jobs.plan.meta_trace import traced
+
+    q = torch.zeros(2, 4, 16, 8, device="meta")
+    with traced("cpu"):
+        out = torch.nn.functional.scaled_dot_product_attention(query=q, key=q, value=q, is_causal=True)
+    assert out.shape == q.shape and out.is_meta
+    masking = pytest.importorskip("transformers.masking_utils")
+    packed = torch.tensor([[0, 1, 2, 0, 1, 2]])
+    with traced("cpu"):
+        assert masking.find_packed_sequence_indices(packed.to("meta")) is None
+        assert masking.find_packed_sequence_indices(packed).tolist() == [[0, 0, 0, 1, 1, 1]]
 
 
 def test_a_value_read_in_the_meta_trace_names_the_problem() -> None:
@@ -333,15 +378,34 @@ def test_cpu_offload_moves_model_state_to_the_host_on_cuda_only() -> None:
     from fullshard.jobs.plan.estimate import UnitEstimate
     from fullshard.jobs.plan.peak import Trace, combine, grad_scale
 
-    units = [UnitEstimate("<root>", 10, 20, 20, 40, 40)] + [
-        UnitEstimate(f"b{i}", 1000, 2000, 2000, 4008, 4000) for i in range(2)
+    # 1000 float32 parameters per block, gathered in bf16 (2000 bytes in full, 2000 per shard)
+    units = [UnitEstimate("<root>", 10, 20, 20, 40, 20)] + [
+        UnitEstimate(f"b{i}", 1000, 2000, 2000, 4008, 2000) for i in range(2)
     ]
     traced = Trace(500, 0.0, "backward")
     plain = combine(units, traced, 2, backend="nccl")
     off = combine(units, traced, 2, backend="nccl", offload=True)
     assert (off.shards, off.gradients, off.optimizer) == (0, 0, 0)
     assert off.host == (20 + 2 * 2000) + (20 + 2 * 2000) + (40 + 2 * 4008)
+    # the float32 shard is uploaded before its cast, the gradient cast back before its download
     assert off.gathered == plain.gathered + 2000 and off.gradient_buffer == plain.gradient_buffer + 2000
     assert off.total == plain.total - plain.shards - plain.gradients - plain.optimizer + 2 * 2000
     assert combine(units, traced, 2, backend="gloo", offload=True) == combine(units, traced, 2, backend="gloo")
     assert grad_scale(4, False, "nccl", offload=True) == 0.0 and grad_scale(4, False, "gloo", offload=True) == 0.0
+
+
+def test_cpu_offload_at_one_rank_still_gathers_a_full_copy() -> None:
+    """One rank normally computes on its shard itself (nothing gathered); under offload the shard
+    is on the host, so the device holds an uploaded full copy and the packed gradient."""
+    from fullshard.jobs.plan.estimate import estimate_model_state
+    from fullshard.jobs.plan.peak import Trace, combine
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    linear = lambda m: isinstance(m, nn.Linear)  # noqa: E731
+    assert [u.full_bytes for u in estimate_model_state(model, linear, 1)] == [0, 0, 0]
+    units = estimate_model_state(model, linear, 1, offload=True)
+    assert [u.full_bytes for u in units] == [0, 80, 80]  # the root owns no parameters
+    off = combine(units, Trace(500, 0.0, "backward"), 1, backend="nccl", offload=True)
+    assert off.gathered == 80 + 80 + 80 and off.gradient_buffer == 80 + 80
+    # per unit: shard 80, gradient 80, AdamW's two moments 2 x 80 and a 4-byte step per tensor
+    assert off.host == 2 * (80 + 80 + 2 * 80 + 2 * 4)

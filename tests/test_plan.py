@@ -133,6 +133,19 @@ def test_time_blocks_runs_a_kind_once_per_unit_of_it_and_times_per_unit() -> Non
         make, example, lambda m, b: m(b[0]).sum(), lambda m: isinstance(m, _Counted), cpu, repeats=1, held=False
     )
     assert _Counted.calls == {8: 3 + 3, 4: 1 + 3}  # checkpointed units: one copy's activations at a time
+    # The first unit fed the raw input (no gradient to compute for it) is another kind than the
+    # same layer fed activations: 8 -> 8 units throughout, timed as two kinds.
+    _Counted.calls.clear()
+    same = time_blocks(
+        lambda: nn.Sequential(*(_Counted(8, 8) for _ in range(4))),
+        lambda: (torch.zeros(2, 8),),
+        lambda m, b: m(b[0]).sum(),
+        lambda m: isinstance(m, _Counted),
+        cpu,
+        repeats=1,
+    )
+    assert same["1"] == same["2"] == same["3"] != same["0"]
+    assert _Counted.calls == {8: 4 + 3 * 3 + 3 * 1}
 
 
 def test_calibration_and_trace_cast_float_inputs_to_the_compute_dtype() -> None:
@@ -286,8 +299,13 @@ def test_planner_offloads_on_cuda_when_nothing_else_fits() -> None:
     tight = plan(_fake_calibration(1e-9, "nccl"), make, example, loss, is_unit, on_device)
     assert tight.best is not None and tight.best.candidate.offload, tight.describe()
     assert tight.best.candidate.describe().endswith(", CPU offload")
+    assert f"; on the host {tight.best.peak.host / 2**20:,.1f}" in tight.describe()[1]
     on_gloo = plan(_fake_calibration(1e-9), make, example, loss, is_unit, 2**40)
     assert not any(s.candidate.offload for s in on_gloo.scored)
+    from fullshard.jobs.plan.steptime import predict_step  # on a CPU device offload moves nothing
+
+    gloo = _fake_calibration(1e-9)
+    assert predict_step(gloo, make, is_unit, offload=True) == predict_step(gloo, make, is_unit)
 
 
 def test_an_offloaded_plan_passes_the_offload_policy_to_each_unit(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -247,7 +247,8 @@ def _kind(name: str, m: nn.Module, args: tuple, kwargs: dict[str, Any], result: 
     if not isinstance(result, torch.Tensor):
         raise TypeError(f"unit {name!r} returns {type(result).__name__}; time_blocks needs one tensor")
     shapes = tuple((n, tuple(p.shape), p.dtype) for n, p in m.named_parameters())
-    inputs = tree_map(lambda a: tuple(a.shape) if isinstance(a, torch.Tensor) else a, (args, kwargs))
+    # a block fed the raw input (no gradient) computes less backward than one fed activations
+    inputs = tree_map(lambda a: (tuple(a.shape), a.requires_grad) if isinstance(a, torch.Tensor) else a, (args, kwargs))
     return (type(m).__qualname__, shapes, repr(inputs))
 
 

@@ -68,6 +68,7 @@ def estimate_model_state(
     param_dtype: torch.dtype | None = None,
     optimizer: str = "adamw",
     momentum: float = 0.0,
+    offload: bool = False,
 ) -> list[UnitEstimate]:
     """Predict each unit's parameter-shard, gradient, optimizer and gathered bytes on ``rank``.
 
@@ -79,6 +80,7 @@ def estimate_model_state(
         sharding_strategy: ``full_shard``, ``shard_grad_op`` or ``no_shard``.
         param_dtype: the mixed-precision compute dtype, if any.
         optimizer: ``adamw``, ``adam``, ``adadelta`` or ``sgd`` (with ``momentum``).
+        offload: CPU offload (on CUDA): shards on the host, so even one rank gathers a full copy.
 
     Raises:
         ValueError: an unknown ``sharding_strategy`` or ``optimizer``, or ``rank`` outside
@@ -107,7 +109,7 @@ def estimate_model_state(
         same = compute is None or all(p.element_size() == compute for p in params)
         full = (
             0
-            if world == 1 and same
+            if world == 1 and same and not offload  # one rank computes on its shard, unless it is on the host
             else sum(world * s.padded_shard_numel * (compute or p.element_size()) for s, p in specs)
         )
         out.append(UnitEstimate(name or "<root>", sum(p.numel() for p in params), shard, grads, optim, full))

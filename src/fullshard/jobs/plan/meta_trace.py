@@ -48,12 +48,12 @@ def device_attention(device_type: str) -> Any:
     """
 
     def attention(*args: Any, **kwargs: Any) -> Any:
-        names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-        opts = {**dict(zip(names, args[3:])), **kwargs}
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+        opts = {**dict(zip(names, args)), **kwargs}
         plain = opts.get("attn_mask") is None and not opts.get("dropout_p") and not opts.get("enable_gqa")
-        if not (plain and args[0].is_meta):
+        q, k, v = (opts.get(n) for n in names[:3])
+        if not (plain and isinstance(q, torch.Tensor) and q.is_meta and k is not None and v is not None):
             return _SDPA(*args, **kwargs)
-        q, k, v = args[:3]
         causal, scale = bool(opts.get("is_causal", False)), opts.get("scale")
         if device_type == "cpu":
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)[0]
@@ -66,10 +66,14 @@ def device_attention(device_type: str) -> Any:
     return attention
 
 
-def _unpacked(position_ids: torch.Tensor) -> None:
-    """transformers' ``find_packed_sequence_indices`` for position ids ``0..T-1`` per row: no
-    packed sequences (None), as it returns on real tensors of that content."""
-    return None
+def _unpacked(original: Any) -> Any:
+    """transformers' ``find_packed_sequence_indices``, answering for meta position ids as it
+    answers for ids ``0..T-1`` per row: no packed sequences (None). Real ids go to ``original``."""
+
+    def find(position_ids: torch.Tensor) -> Any:
+        return None if position_ids.is_meta else original(position_ids)
+
+    return find
 
 
 @contextlib.contextmanager
@@ -86,7 +90,8 @@ def traced(device_type: str) -> Iterator[None]:
             stack.enter_context(mock.patch.object(F, "scaled_dot_product_attention", device_attention(device_type)))
         masking = sys.modules.get("transformers.masking_utils")
         if masking is not None and hasattr(masking, "find_packed_sequence_indices"):
-            stack.enter_context(mock.patch.object(masking, "find_packed_sequence_indices", _unpacked))
+            unpacked = _unpacked(masking.find_packed_sequence_indices)
+            stack.enter_context(mock.patch.object(masking, "find_packed_sequence_indices", unpacked))
         try:
             yield
         except (RuntimeError, NotImplementedError) as err:

@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from fullshard.jobs.plan.estimate import UnitEstimate, estimate_model_state
 from fullshard.jobs.plan.meta_trace import traced
@@ -82,10 +82,16 @@ class Trace(NamedTuple):
     unit: str = "<root>"
 
 
+def _first_grad_tensor(tree: Any) -> torch.Tensor | None:
+    """The first tensor in ``tree`` (args, an output tuple) that autograd will differentiate."""
+    return next((t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and t.requires_grad), None)
+
+
 class _RunningUnit:
     """Which unit runs, by module hooks: forward pre/post hooks in forward; in backward, a
-    gradient hook on a unit's output (its backward starts) and on its first input (it ends).
-    A checkpointed unit's recomputation runs inside its own backward and changes nothing."""
+    gradient hook on a unit's output (its backward starts) and on its input (it ends), each the
+    first tensor that needs a gradient. A checkpointed unit's recomputation runs inside its own
+    backward and changes nothing."""
 
     def __init__(self, model: nn.Module, is_unit: Callable[[nn.Module], bool]) -> None:
         self.forward: list[str] = []
@@ -106,24 +112,25 @@ class _RunningUnit:
 
     def _end_backward(self, name: str, outer: str) -> None:
         # a unit's input is often the previous unit's output, whose hook starts that unit's
-        # backward: end only a unit that is still the one running
-        if self.backward == name:
+        # backward: end only a unit that is still running (itself, or a unit nested in it that
+        # shares its input)
+        if self.backward == name or self.backward.startswith(name + "."):
             self.backward = outer
 
     def _enter(self, name: str, args: tuple) -> None:
         if torch._C._current_graph_task_id() >= 0:
             return  # recomputation
         outer = self.name
-        if args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
-            args[0].register_hook(lambda g: self._end_backward(name, outer))
+        if (first := _first_grad_tensor(args)) is not None:
+            first.register_hook(lambda g: self._end_backward(name, outer))
         self.forward.append(name)
 
     def _leave(self, name: str, out: Any) -> None:
         if torch._C._current_graph_task_id() >= 0:
             return
         self.forward.pop()
-        if isinstance(out, torch.Tensor) and out.requires_grad:
-            out.register_hook(lambda g: self._set_backward(name))
+        if (first := _first_grad_tensor(out)) is not None:
+            first.register_hook(lambda g: self._set_backward(name))
 
 
 def cast_floats(batch: Any, dtype: torch.dtype | None) -> Any:
@@ -223,7 +230,13 @@ def estimate_peak(
     with torch.device("meta"):
         plain = make_model()
     units = estimate_model_state(
-        plain, is_unit, world_size, sharding_strategy=sharding_strategy, param_dtype=param_dtype, optimizer=optimizer
+        plain,
+        is_unit,
+        world_size,
+        sharding_strategy=sharding_strategy,
+        param_dtype=param_dtype,
+        optimizer=optimizer,
+        offload=offloads(cpu_offload, backend),
     )
     no_shard = sharding_strategy == "no_shard"
     scale = grad_scale(world_size, no_shard, backend, cpu_offload)
@@ -286,7 +299,8 @@ def combine(
     gathered = root.full_bytes + kept + sum(u.full_bytes for u in by_size[:2])
     grad_buffer = 0
     largest = max((u.full_bytes for u in units if u.name != "<root>"), default=0)
-    if phase == "backward" and world_size > 1 and not no_shard:
+    offloaded = offloads(offload, backend)
+    if phase == "backward" and (world_size > 1 or offloaded) and not no_shard:
         grad_buffer = largest
         if backend == "gloo" and sum(u.name != "<root>" for u in units) >= 2:
             # a reduce-scatter in flight (its all-to-all's receive buffer) while the next unit's
@@ -296,12 +310,12 @@ def combine(
     shards, optimizer = sum(u.shard_bytes for u in units), sum(u.optim_bytes for u in units)
     gradients = round((1.0 if resident else grad_fraction) * sum(u.grad_bytes for u in units))
     host = 0
-    if offloads(offload, backend):  # model state on the host; one shard staged each way
+    if offloaded:  # model state on the host; the largest shard (root included) staged each way,
+        # in the parameter dtype: uploaded before its cast, its gradient cast back before download
         host, shards, optimizer = shards + sum(u.grad_bytes for u in units) + optimizer, 0, 0
         gradients = 0
-        stage = max(u.full_bytes for u in units) // world_size  # the largest shard, root included
-        gathered += stage
-        grad_buffer += stage if phase == "backward" else 0
+        gathered += max(u.shard_bytes for u in units)
+        grad_buffer += max(u.grad_bytes for u in units) if phase == "backward" else 0
     return PeakEstimate(
         shards=shards,
         gradients=gradients,

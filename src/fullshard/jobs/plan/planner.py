@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fullshard.jobs.plan.estimate import estimate_model_state, group_units
+from fullshard.jobs.plan.estimate import UnitEstimate, estimate_model_state, group_units
 from fullshard.jobs.plan.peak import (
     PeakEstimate,
     Trace,
@@ -207,7 +207,7 @@ class Plan:
             f"predicted peak {p.total / mib:,.1f} MiB (in {p.moment}): shards {p.shards / mib:,.1f}, "
             f"gradients {p.gradients / mib:,.1f}, optimizer {p.optimizer / mib:,.1f}, gathered "
             f"{p.gathered / mib:,.1f}, gradient buffer {p.gradient_buffer / mib:,.1f}, activations "
-            f"{p.activations / mib:,.1f}",
+            f"{p.activations / mib:,.1f}" + (f"; on the host {p.host / mib:,.1f}" if p.host else ""),
             f"predicted step {1e3 * b.step.seconds:,.1f} ms (compute {1e3 * b.step.compute:,.1f}, exposed "
             f"communication {1e3 * b.step.exposed_comm:,.1f}, optimizer {1e3 * b.step.optimizer:,.1f})",
             "",
@@ -316,22 +316,11 @@ def _score_all(
     """Every candidate with its predicted peak (one meta trace per AC count and sharding) and step."""
     world = cal.comm.world_size
     names = [n for n in cal.blocks if n != "<root>"]
-    with torch.device("meta"):
-        plain = make_model()
-    state = {
-        ns: estimate_model_state(
-            plain,
-            is_unit,
-            world,
-            sharding_strategy="no_shard" if ns else "full_shard",
-            param_dtype=param_dtype,
-            optimizer=cal.optimizer,
-        )
-        for ns in (False, True)
-    }
+    offload = offloads(True, cal.comm.backend)
+    state = _model_states(cal, make_model, is_unit, param_dtype, offload)
     traces: dict[tuple[int, bool, bool], Trace] = {}
     scored = []
-    for c in candidates(names, offload=offloads(True, cal.comm.backend)):
+    for c in candidates(names, offload=offload):
         key = (len(c.checkpoint), c.no_shard, c.offload)
         if key not in traces:
             scale = grad_scale(world, c.no_shard, cal.comm.backend, c.offload)
@@ -341,7 +330,7 @@ def _score_all(
                 make, example, loss_fn, param_dtype, _is_tagged, scale, device, is_unit=is_unit
             )
         peak = combine(
-            group_units(state[c.no_shard], c.groups),
+            group_units(state[c.no_shard, c.offload], c.groups),
             traces[key],
             world,
             keep_gathered=c.keep_gathered,
@@ -359,11 +348,35 @@ def _score_all(
             param_dtype=param_dtype,
             forward_prefetch=c.forward_prefetch,
             group=1 if c.no_shard else c.group,
-            state=state[c.no_shard],
+            state=state[c.no_shard, c.offload],
             offload=c.offload,
         )
         scored.append(Scored(c, peak, step))
     return scored
+
+
+def _model_states(
+    cal: Calibration,
+    make_model: Callable[[], nn.Module],
+    is_unit: Callable[[nn.Module], bool],
+    param_dtype: torch.dtype | None,
+    offload: bool,
+) -> dict[tuple[bool, bool], list[UnitEstimate]]:
+    """(NO_SHARD, offload) -> each unit's model-state bytes, for the candidates' settings."""
+    with torch.device("meta"):
+        plain = make_model()
+    return {
+        (ns, off): estimate_model_state(
+            plain,
+            is_unit,
+            cal.comm.world_size,
+            sharding_strategy="no_shard" if ns else "full_shard",
+            param_dtype=param_dtype,
+            optimizer=cal.optimizer,
+            offload=off,
+        )
+        for ns, off in ((False, False), (True, False), *([(False, True)] if offload else []))
+    }
 
 
 def _tagged(make_model: Callable[[], nn.Module], names: tuple[str, ...]) -> Callable[[], nn.Module]:

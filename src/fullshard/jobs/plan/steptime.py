@@ -27,7 +27,10 @@ from fullshard.jobs.plan.calibrate import (
     time_optimizer,
 )
 from fullshard.jobs.plan.estimate import UnitEstimate, estimate_model_state
+from fullshard.jobs.plan.peak import offloads
 from fullshard.jobs.plan.simulate import StepTime, UnitCost, merge_costs, simulate_step
+
+OPTIMIZER_TIMING_NUMEL = 1 << 24  # the most parameters an optimizer step is timed over (64 MiB in float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +70,9 @@ def calibrate(
     alone = time_blocks(make_model, example, loss_fn, is_unit, device, compute_dtype, held=False)
     with torch.device("meta"):
         numel = sum(p.numel() for p in make_model().parameters())
-    shard = max(1, numel // collectives.group_size(group))
+    # an optimizer step's time is linear in its elements: time at most 2**24 (a whole shard of a
+    # large model would take its parameters, gradients and state once more, on each rank at once)
+    shard = max(1, min(numel // collectives.group_size(group), OPTIMIZER_TIMING_NUMEL))
     per_param = time_optimizer(shard, device, optimizer) / shard
     cpu = torch.device("cpu")
     host_per_param = time_optimizer(shard, cpu, optimizer) / shard if device.type == "cuda" else 0.0
@@ -110,19 +115,23 @@ def predict_step(
         state: :func:`~fullshard.jobs.plan.estimate.estimate_model_state` of the model at these
             settings, when the caller has it (saves building the model on the meta device).
         offload: CPU offload of shards, gradients and the optimizer step (uploads before each
-            gather, downloads after each reduce-scatter, the step at the CPU's calibrated rate).
+            gather, downloads after each reduce-scatter, the step at the CPU's calibrated rate);
+            on gloo it changes nothing, as the engine ignores it on a CPU.
 
     Raises:
         KeyError: a unit has no calibrated block time (calibrated on another model).
         ValueError: ``group`` is below 1.
     """
     world = cal.comm.world_size
+    offload = offloads(offload, cal.comm.backend)  # on a CPU device offload moves nothing
     units = state
     if units is None:
         with torch.device("meta"):
             model = make_model()
         strategy = "no_shard" if no_shard else "full_shard"
-        units = estimate_model_state(model, is_unit, world, sharding_strategy=strategy, param_dtype=param_dtype)
+        units = estimate_model_state(
+            model, is_unit, world, sharding_strategy=strategy, param_dtype=param_dtype, offload=offload
+        )
     costs = _unit_costs(cal, units, world, keep_gathered, checkpoint, param_dtype, offload)
     root, rest = costs[0], merge_costs(costs[1:], group)
     local = sum(u.numel for u in units) if no_shard else sum(u.numel for u in units) // world

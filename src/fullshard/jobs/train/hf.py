@@ -92,9 +92,12 @@ def hf_model(name: str) -> tuple[Callable[[], nn.Module], list[str]]:
     if name in HF_CONFIGS:
         build, layer = HF_CONFIGS[name]
         return (lambda: CausalLMLogits(build())), [layer]
-    import transformers
-
-    cls = getattr(transformers, name, None)
+    try:
+        import transformers
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError as err:
+        raise ImportError(f"hf:{name} needs transformers: pip install 'fullshard[hf]' ({err})") from err
+    cls = getattr(transformers, name, None) if name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() else None
     config_class = getattr(cls, "config_class", None)
     layers = list(getattr(cls, "_no_split_modules", None) or [])
     if not isinstance(cls, type) or not issubclass(cls, nn.Module) or config_class is None or not layers:
