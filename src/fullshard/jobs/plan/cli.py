@@ -67,14 +67,11 @@ def _model_parts(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
         example, loss_fn = lm_parts(args.batch_size, args.seq_len)
         return (lambda: GPT(PRESETS[preset])), example, loss_fn, (lambda m: isinstance(m, Block))
     if args.model.startswith("hf:"):
-        from fullshard.jobs.train.hf import hf_model, layer_classes
+        from fullshard.jobs.train.hf import hf_model
 
-        make, layers = hf_model(args.model[3:])
-        names = args.wrap_cls.split(",") if args.wrap_cls else layers
-        with torch.device("meta"):
-            layer_classes(make(), names)  # ValueError naming the model's classes
+        make, layers = hf_model(args.model[3:], args.wrap_cls)  # ValueError naming the model's classes
         example, loss_fn = lm_parts(args.batch_size, args.seq_len)
-        return make, example, loss_fn, (lambda m: type(m).__name__ in names)
+        return make, example, loss_fn, (lambda m: type(m).__name__ in layers)
     if args.model == "mnist":
         from fullshard.jobs.plan.validate import Config, mnist_parts
 

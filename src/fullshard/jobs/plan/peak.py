@@ -27,8 +27,9 @@ moment of the peak is reported as the phase (forward or backward) and the unit r
 
 Under CPU offload on CUDA (nccl) the shards, their gradients and the optimizer state live in
 pinned host memory (:attr:`PeakEstimate.host`, not in the device's peak); the device holds
-each unit's shard uploaded for its gather and its gradient shard before it is downloaded (one
-shard each of the largest unit). On a CPU device offload changes nothing, as in the engine.
+a unit's shard uploaded for its gather and its gradient shard before it is downloaded (the
+largest shard, root included, each way, in the parameter dtype), and even one rank gathers a
+full copy. On a CPU device offload changes nothing, as in the engine.
 """
 
 from __future__ import annotations

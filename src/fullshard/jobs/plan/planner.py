@@ -47,7 +47,7 @@ from fullshard.jobs.plan.simulate import StepTime
 from fullshard.jobs.plan.steptime import Calibration, predict_step
 
 # The share of a candidate's predicted peak kept free under the budget: the estimator's goal and
-# its validated error on CPU (``fullshard bench estimate``: 15 configurations within 5%).
+# its validated error on CPU (``fullshard bench estimate``: 20 configurations within 5%).
 MARGIN = 0.05
 
 

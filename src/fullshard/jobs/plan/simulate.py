@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from fullshard.jobs.plan.calibrate import BlockTime, CommModel, Link
+from fullshard.jobs.plan.calibrate import FREE, BlockTime, CommModel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +64,7 @@ class _Clock:
         self.free = 0.0
         self.busy = 0.0
         self.comm = comm
-        self.ag = comm.all_gather if not no_shard else Link(0.0, 0.0)
+        self.ag = comm.all_gather if not no_shard else FREE
         self.reduce = comm.all_reduce if no_shard else comm.reduce_scatter
 
     def _issue(self, seconds: float, at: float) -> float:

@@ -79,16 +79,27 @@ class CausalLMLogits(nn.Module):
         return self.model(input_ids=tokens, use_cache=False).logits
 
 
-def hf_model(name: str) -> tuple[Callable[[], nn.Module], list[str]]:
+def hf_model(name: str, wrap_cls: str | None = None) -> tuple[Callable[[], nn.Module], list[str]]:
     """(builds the model as tokens (batch, seq) int64 -> logits (batch, seq, vocab), the layer
     class names that become FSDP units) for ``name``: one of :data:`HF_CONFIGS`, or a
     transformers causal-LM class (``LlamaForCausalLM``, ``GPT2LMHeadModel``, ...) built from its
-    default config, sharded by its ``_no_split_modules`` (the layers Accelerate wraps).
+    default config, sharded by its ``_no_split_modules`` (the layers Accelerate wraps), or by
+    ``wrap_cls`` (class names, comma-separated) when given.
 
     Raises:
         ImportError: transformers is not installed (the ``hf`` extra).
-        ValueError: ``name`` is neither; the message lists the configs.
+        ValueError: ``name`` is neither, the message listing the configs; or a ``wrap_cls``
+            name matches no module of the model (see :func:`layer_classes`).
     """
+    make, layers = _hf_builder(name)
+    if wrap_cls:
+        layers = wrap_cls.split(",")
+        with torch.device("meta"):
+            layer_classes(make(), layers)
+    return make, layers
+
+
+def _hf_builder(name: str) -> tuple[Callable[[], nn.Module], list[str]]:
     if name in HF_CONFIGS:
         build, layer = HF_CONFIGS[name]
         return (lambda: CausalLMLogits(build())), [layer]
@@ -185,11 +196,8 @@ def worker(cfg: HFJobConfig) -> dict[str, Any] | None:
 
 def _run(cfg: HFJobConfig, device: torch.device) -> dict[str, Any] | None:
     torch.manual_seed(cfg.seed)
-    make, default_layers = hf_model(cfg.config)
-    names = cfg.wrap_cls.split(",") if cfg.wrap_cls else default_layers
+    make, names = hf_model(cfg.config, cfg.wrap_cls)  # a wrong --wrap-cls fails here
     if cfg.plan == "auto":
-        with torch.device("meta"):
-            layer_classes(make(), names)  # a wrong --wrap-cls fails here, naming the classes there are
         is_unit = lambda m: type(m).__name__ in names  # noqa: E731
         wrapped = plan_options.planned_model(cfg, device, make, is_unit)
     else:
