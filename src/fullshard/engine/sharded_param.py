@@ -16,7 +16,9 @@ The registered ``nn.Parameter`` is the local shard of shape (rows, *rest) in the
 original dtype, a view into the unit's local flat buffer: a plain tensor under the FSDP1 wrapper,
 and under ``fully_shard`` a ``DTensor`` of the full shape (placement ``Shard(0)``, or
 ``(Replicate(), Shard(0))`` on a 2-D mesh) whose local tensor is that view, as torch's FSDP2
-registers. The engine reads and writes only the local tensors (:func:`local_tensor`).
+registers. The engine reads and writes only the local tensors (:func:`local_tensor`). A
+tensor-parallel parameter (``tp_spec`` set) is sharded through its TP-local tensor: ``orig_shape``
+is that tensor's shape, and forward sees the gathered value as a DTensor on the tp mesh.
 """
 
 from __future__ import annotations

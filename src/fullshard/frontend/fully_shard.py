@@ -91,6 +91,9 @@ def fully_shard(
             the first of their forwards, freed after the last); changed in place and returned.
         mesh: a 1-D DeviceMesh to shard over, a 2-D one (replicate, shard) for hybrid
             sharding, or None for the whole world (on the accelerator if there is one).
+            Parameters that are already DTensors on a 1-D tensor-parallel mesh (after
+            ``parallelize_module(..., mesh["tp"], ...)``; pass ``mesh["dp"]`` here) are sharded
+            over dp through their local tensors, as torch's: see :mod:`.tensor_parallel`.
         reshard_after_forward: free the full parameters after forward (the root keeps them);
             an int M keeps 1/M of them so backward gathers within M ranks; see
             :func:`~fullshard.frontend.meshes.as_reshard_after_forward`.

@@ -40,11 +40,12 @@ def take_tp_params(holder: nn.Module, dp_mesh: Any) -> bool:
     Raises:
         NotImplementedError: a DTensor on a mesh of more than one dimension, with placements other
             than Shard / Replicate, or together with a 2-D (hybrid) dp mesh.
-        ValueError: a DTensor on another device type than ``dp_mesh``.
+        ValueError: a DTensor on another device type than ``dp_mesh``, or on a mesh that does not
+            make one 2-D mesh with ``dp_mesh`` (e.g. fully_shard's default mesh of the whole world).
     """
     from torch.distributed.tensor import DTensor
 
-    slots = [
+    slots: list[tuple[nn.Module, str, str, Any]] = [
         (m, name, prefix + name, p)
         for prefix, m in build.walk_region(holder, frozenset())
         for name, p in m._parameters.items()
@@ -56,7 +57,7 @@ def take_tp_params(holder: nn.Module, dp_mesh: Any) -> bool:
     for m, name, _, p in slots:
         if id(p) not in plain:
             local = nn.Parameter(p._local_tensor.detach(), requires_grad=p.requires_grad)
-            local._fullshard_tp_spec = p._spec  # type: ignore[attr-defined]
+            local._fullshard_tp_spec = p._spec  # type: ignore[attr-defined]  # read by the engine's layout
             plain[id(p)] = local
         m._parameters[name] = plain[id(p)]
     return bool(plain)
