@@ -240,16 +240,23 @@ def _check_params(module: nn.Module, shard_placement_fn: Optional[Callable[[nn.P
 def _register_forward_hooks(
     modules: list[nn.Module], state: hooks.UnitHooks, output_dtype: Optional[torch.dtype]
 ) -> None:
-    """Gather before the first of ``modules`` runs forward and free after the last one has."""
-    pending: set[int] = set()
-    running: set[int] = set()  # modules whose forward has started and not yet returned
+    """Gather before the first of ``modules`` runs forward and free after the last one has.
+
+    A pass over the unit starts when a member runs while none is pending and ends when every
+    member has run once (``state.modules_to_run``); the root's forward finishes a pass that some
+    member never joined. A member run again within a pass (a chunked loss calling the head once
+    per chunk, after an explicit ``unshard()``), or after a backward inside the pass, runs on the
+    full parameters again, and each of its outputs is hooked so backward gathers the unit before
+    reading them.
+    """
     ids = {id(m) for m in modules}
+    to_run = state.modules_to_run
 
     def recomputing() -> bool:
         # Activation checkpointing recomputes one member's forward inside the unit's backward.
         # torch's non-reentrant checkpoint stops a recomputation as soon as it has the tensors
         # backward needs, skipping the forward hook, so a recomputation must not count towards
-        # the next forward's first-member / last-member bookkeeping.
+        # the pass's bookkeeping.
         return state.unit.training_state is TrainingState.PRE_BACKWARD
 
     def pre(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -258,23 +265,22 @@ def _register_forward_hooks(
         if recomputing():
             hooks.pre_forward(state)
             return args, kwargs
-        if id(module) in running:  # its last forward never returned (an exception, or as above)
-            running.clear()
-            pending.clear()
-        running.add(id(module))
-        if not pending:
-            pending.update(ids)
+        if not to_run:
+            to_run.update(ids)
+        if state.unit.training_state is not TrainingState.FORWARD:
             hooks.pre_forward(state)
         return args, kwargs
 
     def post(module: nn.Module, args: tuple, output: Any) -> Any:
         if recomputing():
             output = hooks.post_forward(state, output)
+        elif id(module) in to_run and len(to_run) == 1:
+            to_run.clear()
+            output = hooks.post_forward(state, output)
         else:
-            running.discard(id(module))
-            pending.discard(id(module))
-            if not pending:
-                output = hooks.post_forward(state, output)
+            to_run.discard(id(module))
+            if torch.is_grad_enabled():
+                output = hooks.register_pre_backward(state, output)
         if output_dtype is not None:
             output = tree_map(
                 lambda t: t.to(output_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, output
