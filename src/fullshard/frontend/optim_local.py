@@ -131,11 +131,14 @@ def _class_verdict(cls: type) -> bool:
         if declared is None and base in _TORCH_ELEMENTWISE:
             declared = True
         if declared is not None:
-            return declared and all(
-                inspect.unwrap(getattr(cls, name, None)) is inspect.unwrap(getattr(base, name, None))
-                for name in ("step", "_init_group")
-            )
+            return declared and all(_method(cls, name) is _method(base, name) for name in ("step", "_init_group"))
     return False
+
+
+def _method(cls: type, name: str) -> Any:
+    """``cls``'s function ``name`` under any wrappers (``functools.wraps``), or None."""
+    found = getattr(cls, name, None)
+    return None if found is None else inspect.unwrap(found)
 
 
 def install() -> None:
