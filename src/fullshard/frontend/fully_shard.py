@@ -32,6 +32,7 @@ from fullshard.engine import build, hooks
 from fullshard.engine.config import BackwardPrefetch, FrontEnd, MixedPrecision, ShardingStrategy
 from fullshard.engine.groups import resolve_groups
 from fullshard.engine.shard_sync import register_dtensors
+from fullshard.engine.sharded_param import unshifted
 from fullshard.engine.unit import TrainingState, Unit
 from fullshard.frontend import meshes, optim_local
 from fullshard.frontend.fsdp_module import FSDPModule
@@ -337,7 +338,9 @@ def _run_post_hooks(module: nn.Module, args: tuple, output: Any) -> Any:
 def _register_state_dict_hooks(module: nn.Module, unit: Unit) -> None:
     """``load_state_dict`` also takes full tensors (and DTensors of any placement): each becomes
     this rank's rows as a DTensor like the parameter, so ``param.copy_`` (or ``assign=True``,
-    taken into the unit at the next forward) works."""
+    taken into the unit at the next forward) works. ``state_dict`` gives DTensors whose wrapper
+    sits at storage offset 0 (:func:`unshifted`: ``detach`` of a shard viewing the flat buffer
+    at an offset does not, and ``async_save`` fails on it)."""
     from torch.distributed.tensor import DTensor
 
     names = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
@@ -359,3 +362,11 @@ def _register_state_dict_hooks(module: nn.Module, unit: Unit) -> None:
                 state_dict[prefix + rel] = sp.as_registered(value.to(sp.local.device))
 
     module._register_load_state_dict_pre_hook(from_full, with_module=True)
+
+    def unshift(m: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+        for _, rel in keys:
+            value = state_dict.get(prefix + rel)
+            if isinstance(value, DTensor):
+                state_dict[prefix + rel] = unshifted(value)
+
+    module.register_state_dict_post_hook(unshift)
