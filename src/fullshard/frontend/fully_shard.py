@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from fullshard.comm import collectives
-from fullshard.engine import build, hooks
+from fullshard.engine import all_gather_extension, build, hooks
 from fullshard.engine.config import BackwardPrefetch, FrontEnd, MixedPrecision, ShardingStrategy
 from fullshard.engine.groups import resolve_groups
 from fullshard.engine.shard_sync import register_dtensors
@@ -123,6 +123,7 @@ def fully_shard(
     mp = _engine_mp(mp_policy)
     holder = modules[0] if len(modules) == 1 else _ModuleGroup(modules)
     unit = _build(holder, mesh, mp, offload_policy, reshard_after_forward, shard_placement_fn)
+    all_gather_extension.attach(unit, mesh, mp_policy)  # tensor subclasses with fsdp_pre_all_gather
     optim_local.install()  # optimizer steps run on the local tensors (same bits, no DTensor dispatch)
     _make_units(modules, unit, mp, mp_policy.output_dtype if mp_policy else None)
     return module
