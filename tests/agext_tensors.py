@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map, tree_map_only
+from torch.utils._pytree import tree_map_only
 
 aten = torch.ops.aten
 CALLS: list[tuple] = []
@@ -173,6 +173,21 @@ class Bf16CommWeight(_Wrapper):
         return Bf16Stored(data), (data,)
 
 
+class MeshOnlyWeight(Bf16CommWeight):
+    """The older pre hook signature, ``fsdp_pre_all_gather(self, mesh)`` (evenly sharded only)."""
+
+    def fsdp_pre_all_gather(self, mesh: Any) -> tuple[tuple[torch.Tensor, ...], Any]:  # type: ignore[override]
+        CALLS.append(("pre-mesh-only", type(mesh).__name__, mesh.size(), tuple(self.shape)))
+        return (self._t.to(torch.bfloat16).contiguous(),), ("bf16", None)
+
+
+class ThreeArgWeight(Bf16CommWeight):
+    """A pre hook of a signature torch does not call."""
+
+    def fsdp_pre_all_gather(self, mesh: Any, module: Any) -> Any:  # type: ignore[override]
+        raise AssertionError("never called")
+
+
 def wrap_weights(model: torch.nn.Module, cls: type = Bf16CommWeight) -> torch.nn.Module:
     """Make every 2-D parameter of ``model`` a ``cls`` parameter over its values."""
     for m in model.modules():
@@ -186,4 +201,13 @@ def clear() -> None:
     CALLS.clear()
 
 
-__all__ = ["CALLS", "Bf16CommWeight", "Bf16Stored", "PlainWrapper", "clear", "tree_map", "wrap_weights"]
+__all__ = [
+    "CALLS",
+    "Bf16CommWeight",
+    "Bf16Stored",
+    "MeshOnlyWeight",
+    "PlainWrapper",
+    "ThreeArgWeight",
+    "clear",
+    "wrap_weights",
+]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from agext_tensors import CALLS, Bf16CommWeight, Bf16Stored, PlainWrapper, wrap_weights
+from agext_tensors import CALLS, Bf16CommWeight, Bf16Stored, MeshOnlyWeight, PlainWrapper, ThreeArgWeight, wrap_weights
 from dist import run_ranks
 from torch import nn
 
@@ -178,3 +178,96 @@ def test_refusals_name_the_parameter_and_the_fix() -> None:
     assert "0.weight is a PlainWrapper" in no_hooks and "Define both hooks" in no_hooks
     assert "defines fsdp_pre_all_gather but not fsdp_post_all_gather" in pre_only
     assert "0.weight" in wrapper and "fully_shard" in wrapper
+
+
+class _BiasOnly(nn.Module):
+    """A unit whose extension weight its forward never reads (only its plain bias)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n, n))
+        self.bias = nn.Parameter(torch.randn(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.bias
+
+
+def accumulate_body(rank: int, world: int) -> int:
+    """Gradient accumulation (sync off for the first of two micro-batches) and a unit whose
+    extension weight gets no gradient, so its extension part never reports in backward."""
+    import torch.distributed.fsdp as tf
+
+    import fullshard as fs
+
+    models = []
+    for mod in (tf, fs):
+        torch.manual_seed(0)
+        m = wrap_weights(nn.Sequential(nn.Linear(8, 6), nn.ReLU(), _BiasOnly(6), nn.Linear(6, 3)))
+        for i in (0, 2):
+            mod.fully_shard(m[i])
+        models.append(mod.fully_shard(m))
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    calls = []
+    for step in range(2):
+        for micro in range(2):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + micro + 100 * rank))
+            losses = []
+            for m in models:
+                CALLS.clear()
+                m.set_requires_gradient_sync(micro == 1)
+                loss = m(x).square().mean()
+                loss.backward()
+                losses.append(loss.detach())
+                calls.append(sorted(CALLS, key=repr))
+            assert _equal(losses[1], losses[0]), (step, micro)
+            assert calls[-1] == calls[-2], (step, micro, calls[-1], calls[-2])
+        (ref, g_ref), (ours, g) = [(m, _locals(m, grads=False)) for m in models]
+        for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
+            if p.grad is None:
+                assert q.grad is None, name
+            else:
+                assert _equal(_inner(q.grad._local_tensor), _inner(p.grad._local_tensor)), (step, name)
+        assert ref[2].weight.grad is None and ours[2].weight.grad is None  # never used
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        for (name, _, v_ref), (_, _, v) in zip(_locals(ref), _locals(ours)):
+            assert _equal(v, v_ref), (step, name)
+    return sum(len(c) for c in calls[1::2])
+
+
+@pytest.mark.timeout(200)
+def test_gradient_accumulation_and_an_unused_extension_weight() -> None:
+    assert run_ranks(accumulate_body, 2)[0] > 0
+
+
+def signatures_body(rank: int, world: int) -> str:
+    """The older one-argument pre hook runs as torch runs it; another arity is refused."""
+    import torch.distributed.fsdp as tf
+
+    import fullshard as fs
+
+    models = []
+    for mod in (tf, fs):
+        torch.manual_seed(0)
+        m = wrap_weights(nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 4)), MeshOnlyWeight)
+        mod.fully_shard(m[0])
+        models.append(mod.fully_shard(m))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    for step in range(2):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step + 10 * rank))
+        (loss_ref, _, calls_ref), (loss, _, calls) = [_step(m, o, x) for m, o in zip(models, opts)]
+        assert _equal(loss, loss_ref) and sorted(calls, key=repr) == sorted(calls_ref, key=repr), (step, calls)
+        assert any(c[0] == "pre-mesh-only" for c in calls)
+    for (name, _, v_ref), (_, _, v) in zip(_locals(models[0]), _locals(models[1])):
+        assert _equal(v, v_ref), name
+    m = fs.fully_shard(wrap_weights(nn.Sequential(nn.Linear(4, 4)), ThreeArgWeight))
+    with pytest.raises(TypeError) as info:
+        m(torch.randn(2, 4))
+    return str(info.value)
+
+
+@pytest.mark.timeout(200)
+def test_pre_hook_signatures() -> None:
+    message = run_ranks(signatures_body, 2)[0]
+    assert "ThreeArgWeight.fsdp_pre_all_gather takes 2 arguments" in message

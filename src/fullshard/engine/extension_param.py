@@ -131,6 +131,12 @@ class ExtensionParam:
             RuntimeError: an unevenly sharded parameter whose inputs lack the padded shard's rows.
         """
         spec = self.sp.spec
+        slot = self.sp.slots[0]
+        if slot.module._parameters.get(slot.attr) is not self.sp.shard and not self.sp.swapped:
+            raise NotImplementedError(
+                f"{self.sp.fqn}: the registered all-gather extension parameter was replaced (e.g. "
+                "load_state_dict(assign=True)); copy values into it instead (load_state_dict without assign)"
+            )
         local = self.sp.local
         if local.device != device:  # offloaded shards: the hook sees them on the compute device
             local = local.to(device, non_blocking=True)

@@ -108,8 +108,10 @@ def fully_shard(
         TypeError: a policy of a type neither fullshard's nor torch's.
         ValueError: ``module`` already heads a unit; it or a submodule was sharded by torch's
             FSDP or is a fullshard FullyShardedDataParallel; a mesh of more than 2 dimensions; a 0-dim
-            parameter (as torch's fully_shard: make it shape (1,) or ignore it).
-        NotImplementedError: a placement other than Shard(0).
+            parameter (as torch's fully_shard: make it shape (1,) or ignore it); a parameter
+            defining only one of fsdp_pre_all_gather / fsdp_post_all_gather.
+        NotImplementedError: a placement other than Shard(0); a tensor-subclass parameter
+            without the all-gather extension (with it, its hooks decide what is gathered).
         RuntimeError: no process group is initialized.
     """
     modules = _modules(module)
