@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from fullshard.comm import collectives
+from fullshard.engine.all_gather_extension import check_plain, unit_class
 from fullshard.engine.config import FrontEnd, MixedPrecision
 from fullshard.engine.groups import Groups
 from fullshard.engine.hooks import fsdp_state, is_unit
@@ -163,7 +164,9 @@ def build_unit(
     if sync_module_states:
         for g in groups.broadcast_order:
             _broadcast_module(region, g)
-    unit = Unit(type(module).__name__, params, groups.shard, groups.replicate, config)
+    if config.keep_param_objects:  # the FSDP1 wrapper registers plain tensors
+        check_plain(params, "FullyShardedDataParallel")
+    unit = unit_class(params)(type(module).__name__, params, groups.shard, groups.replicate, config)
     if buffer_dtype is not None:
         _cast_buffers(module, buffer_dtype, ignored)
     return unit

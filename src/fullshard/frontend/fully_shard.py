@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from fullshard.comm import collectives
-from fullshard.engine import build, hooks
+from fullshard.engine import all_gather_extension, build, hooks
 from fullshard.engine.config import BackwardPrefetch, FrontEnd, MixedPrecision, ShardingStrategy
 from fullshard.engine.groups import resolve_groups
 from fullshard.engine.shard_sync import register_dtensors
@@ -109,8 +109,10 @@ def fully_shard(
         TypeError: a policy of a type neither fullshard's nor torch's.
         ValueError: ``module`` already heads a unit; it or a submodule was sharded by torch's
             FSDP or is a fullshard FullyShardedDataParallel; a mesh of more than 2 dimensions; a 0-dim
-            parameter (as torch's fully_shard: make it shape (1,) or ignore it).
-        NotImplementedError: a placement other than Shard(0).
+            parameter (as torch's fully_shard: make it shape (1,) or ignore it); a parameter
+            defining only one of fsdp_pre_all_gather / fsdp_post_all_gather.
+        NotImplementedError: a placement other than Shard(0); a tensor-subclass parameter
+            without the all-gather extension (with it, its hooks decide what is gathered).
         RuntimeError: no process group is initialized.
     """
     modules = _modules(module)
@@ -124,6 +126,7 @@ def fully_shard(
     mp = _engine_mp(mp_policy)
     holder = modules[0] if len(modules) == 1 else _ModuleGroup(modules)
     unit = _build(holder, mesh, mp, offload_policy, reshard_after_forward, shard_placement_fn)
+    all_gather_extension.attach(unit, mesh, mp_policy)  # tensor subclasses with fsdp_pre_all_gather
     optim_local.install()  # optimizer steps run on the local tensors (same bits, no DTensor dispatch)
     _make_units(modules, unit, mp, mp_policy.output_dtype if mp_policy else None)
     return module

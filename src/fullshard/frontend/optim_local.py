@@ -179,8 +179,8 @@ def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         params = group["params"]
         for i, param in enumerate(params):
             sp = getattr(param, "_fullshard_param", None)
-            if sp is None or not isinstance(param, DTensor):
-                continue
+            if sp is None or not isinstance(param, DTensor) or type(param._local_tensor) is not torch.Tensor:
+                continue  # a tensor-subclass shard (all-gather extension) steps as a DTensor, as in torch
             plain = _stand_in(param, sp)
             params[i] = plain
             wrappers: dict[int, DTensor] = {}
