@@ -291,6 +291,7 @@ def _register_forward_hooks(
             )
         return output
 
+    pre, post = hooks.outside_dynamo(pre), hooks.outside_dynamo(post)  # compiled code never traces them
     for m in modules:
         m.register_forward_pre_hook(pre, prepend=True, with_kwargs=True)
         m.register_forward_hook(post)
