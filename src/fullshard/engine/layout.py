@@ -163,6 +163,7 @@ class UnitLayout:
         for fqn, p, slots in params:
             spec = ShardSpec(p.shape, self.world, self.rank)
             sp = ShardedParam(spec, slots, fqn, p.requires_grad)
+            sp.tp_spec = getattr(p, "_fullshard_tp_spec", None)  # set by fully_shard for a TP DTensor
             sp.local_offset, sp.full_offset = local_off, full_off
             sp.shard_group = self.shard_group
             local_off += spec.padded_shard_numel

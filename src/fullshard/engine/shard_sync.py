@@ -12,7 +12,7 @@ DTensor parameters. The vocabulary is :mod:`.layout`'s and :mod:`.sharded_param`
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -22,16 +22,22 @@ from fullshard.engine.layout import UnitLayout
 from fullshard.engine.sharded_param import ShardedParam, local_tensor
 
 
-def register_dtensors(unit: UnitLayout, mesh: Any, placements: Sequence[Any]) -> None:
+def register_dtensors(
+    unit: UnitLayout, mesh: Any, placements: Sequence[Any], specs: Mapping[str, Any] | None = None
+) -> None:
     """Register every shard as a DTensor of the full shape on ``mesh`` with ``placements``
     (torch FSDP2's parameters); its local tensor is the same view of the local flat buffer.
+    ``specs`` (fqn -> DTensorSpec) overrides that for some parameters (tensor-parallel ones,
+    placed on the 2-D (dp, tp) mesh).
     """
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
     for sp in unit.params:
         shape = sp.spec.orig_shape
         stride = torch.empty(shape, device="meta").stride()
-        sp.dtensor_spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, stride, unit.dtype))
+        sp.dtensor_spec = (specs or {}).get(sp.fqn) or DTensorSpec(
+            mesh, tuple(placements), tensor_meta=TensorMeta(shape, stride, unit.dtype)
+        )
         local = unit.local_view(sp)
         sp.register_shard(nn.Parameter(sp.as_registered(local), requires_grad=sp.requires_grad))
 
@@ -82,7 +88,7 @@ def _check_replacement(unit: UnitLayout, sp: ShardedParam, new: torch.Tensor) ->
             "distribute_tensor(full, param.device_mesh, param.placements) from the model's own parameter"
         )
     shape = tuple(new.shape) if spec is not None else tuple(local_tensor(new).shape)
-    want = tuple(sp.spec.orig_shape) if spec is not None else tuple(sp.spec.local_shape)
+    want = tuple(spec.shape) if spec is not None else tuple(sp.spec.local_shape)
     if shape != want:
         raise ValueError(
             f"FSDP unit {unit.name!r}: parameter {sp.fqn} was replaced by one of shape {shape}, expected {want}"

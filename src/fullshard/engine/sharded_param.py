@@ -134,6 +134,9 @@ class ShardedParam:
         self.dtensor_spec: Any = None  # a DTensorSpec when the shard is registered as a DTensor
         self.swapped = False  # another tensor is registered in the shard's place for now
         self.stand_in: nn.Parameter | None = None  # plain alias of a DTensor shard for optimizer steps
+        # A tensor-parallel parameter's DTensorSpec on its tp mesh: ``spec`` then describes its
+        # local tensor, and forward sees the full (TP-local) value as a DTensor of this spec.
+        self.tp_spec: Any = None
 
     @property
     def local(self) -> torch.Tensor:
@@ -181,13 +184,28 @@ class ShardedParam:
         for slot in self.slots:
             slot.module._parameters[slot.attr] = param
 
+    def unsharded(self, full: torch.Tensor) -> torch.Tensor:
+        """``full`` (shape ``orig_shape``) as forward sees it: itself, or for a tensor-parallel
+        parameter a DTensor of :attr:`tp_spec` whose local tensor it is (differentiable: the
+        DTensor's gradient comes back to ``full`` as a plain tensor of its shape)."""
+        spec = self.tp_spec
+        if spec is None:
+            return full
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(
+            full, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride
+        )
+
     def install_full(self, full: torch.Tensor) -> None:
-        """Make ``module.attr`` resolve to ``full`` (shape ``orig_shape``) at every slot.
+        """Make ``module.attr`` resolve to ``full`` (shape ``orig_shape``; a DTensor for a
+        tensor-parallel parameter, see :meth:`unsharded`) at every slot.
 
         The full tensor goes into the instance ``__dict__``, which attribute lookup consults
         before ``nn.Module.__getattr__``; ``_parameters`` keeps the shard, so
         ``module.parameters()`` still yields shards.
         """
+        full = self.unsharded(full)
         for slot in self.slots:
             slot.module.__dict__[slot.attr] = full
 

@@ -137,7 +137,7 @@ def _register_unsharded(unit: Unit) -> None:
     if unit.shard_state is not ShardState.UNSHARDED:
         return
     for sp, full in zip(unit.params, unit.full_params()):
-        sp.swap_registered(nn.Parameter(full.detach(), requires_grad=sp.requires_grad))
+        sp.swap_registered(nn.Parameter(sp.unsharded(full.detach()), requires_grad=sp.requires_grad))
     unit.on_reshard = _restore_shards
 
 

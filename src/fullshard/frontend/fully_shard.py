@@ -34,7 +34,7 @@ from fullshard.engine.groups import resolve_groups
 from fullshard.engine.shard_sync import register_dtensors
 from fullshard.engine.sharded_param import unshifted
 from fullshard.engine.unit import TrainingState, Unit
-from fullshard.frontend import meshes, optim_local
+from fullshard.frontend import meshes, optim_local, tensor_parallel
 from fullshard.frontend.fsdp_module import FSDPModule
 from fullshard.frontend.options import as_mp_policy, as_offload_policy
 
@@ -194,6 +194,7 @@ def _build(
     hybrid = mesh.ndim == 2
     groups = resolve_groups(None, mesh, ShardingStrategy.HYBRID_SHARD if hybrid else ShardingStrategy.FULL_SHARD)
     offload = isinstance(offload_policy, CPUOffloadPolicy)
+    tensor_parallel.take_tp_params(holder, mesh)  # TP DTensors: shard their local tensors over dp
     prepared = build.prepare(holder, meshes.mesh_device(mesh), offload, frozenset())
     if isinstance(offload_policy, CPUOffloadPolicy) and not offload_policy.pin_memory and prepared.device.type != "cpu":
         warnings.warn(
@@ -209,7 +210,8 @@ def _build(
     unit = build.build_unit(holder, prepared, groups, config, materialize_meta=False)
     if post_forward_size is not None:
         unit.set_post_forward_group(meshes.post_forward_group(mesh, post_forward_size))
-    register_dtensors(unit, mesh, [Replicate(), Shard(0)] if hybrid else [Shard(0)])
+    placements = [Replicate(), Shard(0)] if hybrid else [Shard(0)]
+    register_dtensors(unit, mesh, placements, tensor_parallel.spmd_specs(unit, mesh))
     return unit
 
 
@@ -360,6 +362,8 @@ def _register_state_dict_hooks(module: nn.Module, unit: Unit) -> None:
             value = state_dict.get(prefix + rel)
             if isinstance(value, DTensor) or not isinstance(value, torch.Tensor):
                 continue
+            if sp.tp_spec is not None and value.shape == sp.tp_spec.shape:
+                value = tensor_parallel.tp_local(sp, value)
             if value.shape == sp.spec.orig_shape:
                 value = sp.spec.local_slice(value).reshape(sp.spec.local_shape)
             if value.shape == sp.spec.local_shape:
