@@ -136,9 +136,9 @@ def _unit_checks(rank: int, world: int) -> list[str]:
     return done
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_units_are_torch_fsdp_modules_and_the_guard_still_refuses_torchs() -> None:
-    assert run_ranks(_unit_checks, 2, timeout=110)[0] == ["isinstance", "slice", "copy", "_apply", "guard", "methods"]
+    assert run_ranks(_unit_checks, 2, timeout=220)[0] == ["isinstance", "slice", "copy", "_apply", "guard", "methods"]
 
 
 # ---------------------------------------------------------------------- use_in_torch
@@ -206,9 +206,145 @@ def _titan_no_division(rank: int, world: int) -> list[list[float]]:
     return losses
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_torchtitan_disable_fsdp_gradient_division_sums_like_torch() -> None:
     """torchtitan's helper finds fullshard's units (isinstance) and their gradients are sums, as torch's."""
     pytest.importorskip("torchtitan")
-    ref, ours = run_ranks(_titan_no_division, 2, timeout=110)[0]
+    ref, ours = run_ranks(_titan_no_division, 2, timeout=220)[0]
     assert ref == ours
+
+
+# ---------------------------------------------------------------------- HF Accelerate
+def force_accelerate_fsdp(plugin: Any) -> None:
+    """On CPU, Accelerate picks DDP (MULTI_CPU) whatever the plugin says: make both of its shared
+    states FSDP (the README's lines)."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    PartialState().distributed_type = DistributedType.FSDP
+    AcceleratorState().distributed_type = DistributedType.FSDP
+    AcceleratorState().fsdp_plugin = plugin
+
+
+def _accelerate_losses(rank: int, world: int, on_fullshard: bool) -> list[float]:
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["TinyBlock"]
+    )
+    binding = fullshard.use_in_torch() if on_fullshard else None
+    try:
+        accelerator = Accelerator(fsdp_plugin=plugin, cpu=True)
+        force_accelerate_fsdp(plugin)
+        torch.manual_seed(0)
+        model = TinyLM(layers=2)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, opt = accelerator.prepare(model, opt)
+        assert isinstance(model.layers[0], torch.distributed.fsdp.FSDPModule)
+        assert (fsdp_state(model.layers[0]) is not None) == on_fullshard  # whose units they are
+        losses = []
+        for step in range(3):
+            loss = model(_my_tokens(step, rank, world)).logsumexp(-1).mean()
+            accelerator.backward(loss)
+            accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        # A model sharded already (by either) is recognised and left as it is.
+        assert accelerator.prepare_model(model) is model
+        return losses
+    finally:
+        if binding is not None:
+            binding.undo()
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _accelerate_both(rank: int, world: int) -> list[list[float]]:
+    return [_accelerate_losses(rank, world, on_fullshard) for on_fullshard in (False, True)]
+
+
+@pytest.mark.timeout(240)
+def test_accelerate_fsdp2_on_fullshard_matches_torch() -> None:
+    pytest.importorskip("accelerate")
+    ref, ours = run_ranks(_accelerate_both, 2, timeout=220)[0]
+    assert ref == ours and len(ref) == 3
+
+
+# ---------------------------------------------------------------------- HF Trainer
+class _LMWithLoss(nn.Module):
+    """TinyLM with the Trainer's calling convention: forward(input_ids) -> {"loss": scalar}."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm = TinyLM(layers=2)
+
+    def forward(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": self.lm(input_ids).logsumexp(-1).mean()}
+
+
+def _trainer_losses(rank: int, world: int, on_fullshard: bool, out_dir: str) -> list[float]:
+    from accelerate.state import AcceleratorState
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    class FSDPOnCPUTrainer(Trainer):  # the README's lines
+        def create_accelerator_and_postprocess(self) -> None:
+            from accelerate.utils import FullyShardedDataParallelPlugin
+
+            super().create_accelerator_and_postprocess()
+            force_accelerate_fsdp(FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args))
+            self.is_fsdp_enabled = True
+
+    class Losses(TrainerCallback):
+        def __init__(self) -> None:
+            self.seen: list[float] = []
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
+            if logs and "loss" in logs:
+                self.seen.append(float(logs["loss"]))
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    binding = fullshard.use_in_torch() if on_fullshard else None
+    try:
+        args = TrainingArguments(
+            output_dir=out_dir,
+            use_cpu=True,
+            fsdp="full_shard",
+            fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["TinyBlock"]},
+            per_device_train_batch_size=2,
+            max_steps=3,
+            logging_steps=1,
+            learning_rate=1e-2,
+            save_strategy="no",
+            report_to=[],
+            dataloader_drop_last=True,
+            seed=0,
+        )
+        torch.manual_seed(0)
+        data = [{"input_ids": tokens(0, 12)[i]} for i in range(12)]
+        losses = Losses()
+        trainer = FSDPOnCPUTrainer(model=_LMWithLoss(), args=args, train_dataset=data, callbacks=[losses])
+        trainer.train()
+        block = trainer.model_wrapped.lm.layers[0]
+        assert isinstance(block, torch.distributed.fsdp.FSDPModule)
+        assert (fsdp_state(block) is not None) == on_fullshard
+        return losses.seen
+    finally:
+        if binding is not None:
+            binding.undo()
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _trainer_both(rank: int, world: int, out_dir: str) -> list[list[float]]:
+    return [_trainer_losses(rank, world, on_fullshard, out_dir) for on_fullshard in (False, True)]
+
+
+@pytest.mark.timeout(240)
+def test_hf_trainer_fsdp2_on_fullshard_matches_torch(tmp_path: Any) -> None:
+    pytest.importorskip("transformers")
+    ref, ours = run_ranks(_trainer_both, 2, str(tmp_path), timeout=220)[0]
+    assert ref == ours and len(ref) == 3
