@@ -37,6 +37,7 @@ from fullshard.frontend.fully_shard import (
     register_fsdp_forward_method,
 )
 from fullshard.frontend.optim_local import register_elementwise_optimizer
+from fullshard.frontend.torch_names import use_in_torch
 from fullshard.jobs.memory import model_state_bytes, peak_rss_bytes
 from fullshard.jobs.memory_report import MemoryReport, UnitMemory, memory_report
 
@@ -73,6 +74,7 @@ __all__ = [
     "fully_shard",
     "register_fsdp_forward_method",
     "register_elementwise_optimizer",
+    "use_in_torch",
     "UnshardHandle",
     "model_state_bytes",
     "peak_rss_bytes",

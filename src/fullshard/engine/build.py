@@ -63,13 +63,14 @@ def check_not_sharded_elsewhere(module: nn.Module, front_end: FrontEnd) -> None:
                 f"fullshard's {front_end.value} cannot shard it: build the model without torch's wrapper and "
                 "import FullyShardedDataParallel from fullshard instead of torch.distributed.fsdp"
             )
-        if torch_fsdp is not None and isinstance(m, torch_fsdp.FSDPModule):
+        state = fsdp_state(m)
+        # fullshard's units are torch FSDPModules too (for frameworks); torch's carry no fullshard state
+        if torch_fsdp is not None and isinstance(m, torch_fsdp.FSDPModule) and state is None:
             raise ValueError(
                 f"{where} was already sharded by torch.distributed.fsdp.fully_shard, so fullshard's "
                 f"{front_end.value} cannot shard it: build the model afresh and import fully_shard from "
                 "fullshard instead of torch.distributed.fsdp for every call"
             )
-        state = fsdp_state(m)
         if state is not None and state.front_end is not front_end:
             other = (
                 "a fullshard FullyShardedDataParallel"
