@@ -36,6 +36,8 @@ from fullshard.frontend.fully_shard import (
     fully_shard,
     register_fsdp_forward_method,
 )
+from fullshard.frontend.optim_local import register_elementwise_optimizer
+from fullshard.frontend.torch_names import use_in_torch
 from fullshard.jobs.memory import model_state_bytes, peak_rss_bytes
 from fullshard.jobs.memory_report import MemoryReport, UnitMemory, memory_report
 
@@ -71,6 +73,8 @@ __all__ = [
     "clip_grad_norm_",
     "fully_shard",
     "register_fsdp_forward_method",
+    "register_elementwise_optimizer",
+    "use_in_torch",
     "UnshardHandle",
     "model_state_bytes",
     "peak_rss_bytes",

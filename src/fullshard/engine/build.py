@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from fullshard.comm import collectives
+from fullshard.engine.all_gather_extension import check_plain, unit_class
 from fullshard.engine.config import FrontEnd, MixedPrecision
 from fullshard.engine.groups import Groups
 from fullshard.engine.hooks import fsdp_state, is_unit
@@ -62,13 +63,14 @@ def check_not_sharded_elsewhere(module: nn.Module, front_end: FrontEnd) -> None:
                 f"fullshard's {front_end.value} cannot shard it: build the model without torch's wrapper and "
                 "import FullyShardedDataParallel from fullshard instead of torch.distributed.fsdp"
             )
-        if torch_fsdp is not None and isinstance(m, torch_fsdp.FSDPModule):
+        state = fsdp_state(m)
+        # fullshard's units are torch FSDPModules too (for frameworks); torch's carry no fullshard state
+        if torch_fsdp is not None and isinstance(m, torch_fsdp.FSDPModule) and state is None:
             raise ValueError(
                 f"{where} was already sharded by torch.distributed.fsdp.fully_shard, so fullshard's "
                 f"{front_end.value} cannot shard it: build the model afresh and import fully_shard from "
                 "fullshard instead of torch.distributed.fsdp for every call"
             )
-        state = fsdp_state(m)
         if state is not None and state.front_end is not front_end:
             other = (
                 "a fullshard FullyShardedDataParallel"
@@ -163,7 +165,9 @@ def build_unit(
     if sync_module_states:
         for g in groups.broadcast_order:
             _broadcast_module(region, g)
-    unit = Unit(type(module).__name__, params, groups.shard, groups.replicate, config)
+    if config.keep_param_objects:  # the FSDP1 wrapper registers plain tensors
+        check_plain(params, "FullyShardedDataParallel")
+    unit = unit_class(params)(type(module).__name__, params, groups.shard, groups.replicate, config)
     if buffer_dtype is not None:
         _cast_buffers(module, buffer_dtype, ignored)
     return unit

@@ -17,7 +17,9 @@ Hooks call units only; they never touch torch.distributed.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -30,12 +32,27 @@ from fullshard.engine.config import BackwardPrefetch, FrontEnd, MixedPrecision
 from fullshard.engine.module_wrapper import clean_name
 from fullshard.engine.unit import ShardState, TrainingState, Unit
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def outside_dynamo(fn: F) -> F:
+    """``fn``, never traced by ``torch.compile``: it and everything it calls run eagerly.
+
+    fullshard's hooks gather and free memory, issue collectives (some of Python objects), read
+    clocks, take locks and compare data pointers: none of that belongs in a graph, and dynamo
+    cannot trace most of it. Registered as a module hook, ``fn`` is skipped by a compiled
+    block's ``_call_impl`` and by a compiled model (which breaks its graph at the call, once
+    per unit boundary), as torch's FSDP2 hooks are. Costs about 2 us per eager call.
+    """
+    return torch.compiler.disable(fn, recursive=True, reason="fullshard's FSDP hooks run eagerly")  # type: ignore[return-value]
+
 
 @dataclasses.dataclass
 class RootState:
     """What the units of one FSDP tree share; owned by the root unit."""
 
     units: list[Unit]
+    states: list[UnitHooks]  # the hook state of each unit, in ``units``' order
     backward_prefetch: BackwardPrefetch | None
     forward_prefetch: bool
     forward_order: list[Unit] = dataclasses.field(default_factory=list)
@@ -66,6 +83,10 @@ class UnitHooks:
     prefetch_in_forward: list[Unit] | None = None
     prefetch_in_backward: list[Unit] | None = None
     profile_range: Any = None  # the open torch.profiler range of this unit's forward
+    # fully_shard of several modules: the ids of those still to run forward in this pass over
+    # the unit (torch's ``modules_to_run``); the unit's post-forward runs when it empties, or
+    # at the end of the root's forward for a pass that some member never joined.
+    modules_to_run: set[int] = dataclasses.field(default_factory=set)
 
 
 _STATE_ATTR = "_fsdp_state"
@@ -105,7 +126,9 @@ def lazy_init(module: nn.Module) -> UnitHooks:
         if (h := fsdp_state(m)) is not None:
             members.setdefault(id(h), (clean_name(n) or "<root>", h))
     members_list = list(members.values())
-    root = RootState([h.unit for _, h in members_list], state.backward_prefetch, state.forward_prefetch)
+    root = RootState(
+        [h.unit for _, h in members_list], [h for _, h in members_list], state.backward_prefetch, state.forward_prefetch
+    )
     for name, h in members_list:
         h.unit.name = name
         h.is_root = h is state
@@ -185,6 +208,8 @@ def root_pre_forward(hooks: UnitHooks) -> None:
     if root.post_optim_event is not None:
         torch.cuda.current_stream().wait_event(root.post_optim_event)
         root.post_optim_event = None
+    for h in root.states:
+        h.modules_to_run.clear()  # a pass left open by the last iteration (a chunked loss's head)
     if not root.units_checked:
         check_same_units(root)
     if torch.is_grad_enabled():
@@ -232,6 +257,7 @@ def pre_forward(hooks: UnitHooks) -> None:
     unit._check_state((TrainingState.IDLE, TrainingState.PRE_BACKWARD), "run forward")
     if unit.training_state is TrainingState.IDLE:
         unit.training_state = TrainingState.FORWARD
+    exposure.close_range(hooks.profile_range)  # a member of a several-module unit run again
     hooks.profile_range = exposure.open_range(f"fullshard::unit forward {unit.name}")
     unit.unshard()
     unit.install_full_params()
@@ -264,23 +290,42 @@ def post_forward(hooks: UnitHooks, output: Any) -> Any:
         elif not grad or (unit.reshard_after_forward and not hooks.is_root):
             unit.reshard()
     if grad and not in_recompute:
-        _register_pre_backward(hooks, output)
+        register_pre_backward(hooks, output)
+        if hooks.is_root:
+            output = _complete_unfinished_passes(root, hooks, output)
     return output
 
 
-def _register_pre_backward(hooks: UnitHooks, output: Any) -> None:
+def _complete_unfinished_passes(root: RootState, hooks: UnitHooks, output: Any) -> Any:
+    """At the end of the root's forward, finish each several-module unit whose members did not
+    all run (torchtitan's chunked loss: the model's forward stops at the norm of a
+    ``[norm, output]`` unit and the loss runs the head later): reshard it as its own post-forward
+    would, and hook the root's outputs so backward gathers it again before it reads its
+    parameters."""
+    for other in root.states:
+        if other is not hooks and other.modules_to_run:
+            other.modules_to_run.clear()
+            output = post_forward(other, output)
+    return output
+
+
+def register_pre_backward(hooks: UnitHooks, output: Any) -> Any:
+    """Hook every tensor of ``output`` that requires grad, so that the unit is gathered (and
+    its prefetches start) when backward reaches it. Returns ``output``."""
     tensors, _ = tree_flatten(output)
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.requires_grad:
-            t.register_hook(lambda grad, h=hooks: _pre_backward(h, grad))
+            t.register_hook(functools.partial(_pre_backward, hooks))
+    return output
 
 
+@outside_dynamo
 def _pre_backward(hooks: UnitHooks, grad: torch.Tensor) -> torch.Tensor:
     unit, root = hooks.unit, hooks.root
     assert root is not None
     if not root.callback_queued:
         root.callback_queued = True
-        Variable._execution_engine.queue_callback(lambda: finish_backward(root))
+        Variable._execution_engine.queue_callback(functools.partial(finish_backward, root))
     if id(unit) in root.pre_backward_done:
         return grad
     root.pre_backward_done.add(id(unit))
@@ -298,6 +343,7 @@ def _pre_backward(hooks: UnitHooks, grad: torch.Tensor) -> torch.Tensor:
     return grad
 
 
+@outside_dynamo
 def post_backward(unit: Unit, root: RootState) -> None:
     """Called when ``unit``'s full flat gradient has been accumulated."""
     unit.training_state = TrainingState.POST_BACKWARD
@@ -314,6 +360,7 @@ def post_backward(unit: Unit, root: RootState) -> None:
         _prefetch(_neighbour(root.forward_order, unit, -1))
 
 
+@outside_dynamo
 def finish_backward(root: RootState) -> None:
     """End of backward: wait for every reduction, free every unit, all back to IDLE."""
     for unit in root.units:

@@ -222,6 +222,25 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if dtensor is not None and isinstance(t, dtensor.DTensor) else t
 
 
+def unshifted(dtensor: Any) -> Any:
+    """``dtensor`` (a DTensor not requiring grad) with a wrapper at storage offset 0, sharing its
+    local tensor and spec; itself when already so.
+
+    torch's DTensor constructor copies the local tensor's storage offset onto the wrapper, which
+    owns no memory: a shard viewed at an offset of a unit's flat buffer then gives a DTensor
+    whose ``data_ptr()`` is nonzero, and ``torch.distributed.checkpoint.async_save``'s staging
+    takes that for memory of the wrapper's own ("Attempted to call copy_() on an invalid python
+    storage"). torch's FSDP2 shards each start a storage of their own, so theirs never do.
+    """
+    if dtensor.storage_offset() == 0 or dtensor.requires_grad:
+        return dtensor
+    local = dtensor._local_tensor
+    at_zero = local.detach().as_strided(local.size(), local.stride(), 0)  # same storage, nothing allocated
+    out = type(dtensor)(at_zero, dtensor._spec, requires_grad=False)
+    out._local_tensor = local
+    return out
+
+
 def is_sharded(param: torch.Tensor) -> bool:
     """Whether ``param`` is a shard registered by a fullshard unit."""
     return hasattr(param, "_fullshard_param")

@@ -55,6 +55,10 @@ class Unit(UnitLayout):
         self.grads = GradReducer(self)
         self._pending_gather: collectives.Handle | None = None
         self._lent: torch.Tensor | None = None  # while gathered from the pool: holds the empty storage
+        # While the full flat buffer's memory is freed: its aliases' version counters before the
+        # bump that makes autograd refuse saved views of it (see _mark_full_freed).
+        self._clean_versions: tuple[int, int] | None = None
+        self._split_fn: type[_SplitFull] | None = None  # _SplitFull named after this unit
         # The contexts of this unit's _SplitFull nodes that autograd may still run backward on.
         self._open_splits: weakref.WeakSet[Any] = weakref.WeakSet()
         self.sync_grads = True  # False: gradients accumulate unsharded, no reduction (no_sync)
@@ -110,6 +114,7 @@ class Unit(UnitLayout):
             return
         if self.world == 1:
             self.full_data.copy_(self.local_flat, non_blocking=True)  # cast and/or upload
+            self._mark_full_valid()
             self.shard_state = ShardState.UNSHARDED
             return
         self._pending_gather = self._gather_into(self.full_data, self._gather_input())
@@ -125,6 +130,24 @@ class Unit(UnitLayout):
         """Take the full flat buffer's memory away again (0 bytes; a no-op when already freed)."""
         buffers.take_back(self.full_data.untyped_storage(), self._lent)
         self._lent = None
+
+    def _mark_full_freed(self) -> None:
+        """Make autograd refuse the full parameters while their memory is away.
+
+        Tensors that autograd saved in forward are views of the full flat buffer; they hold its
+        storage, which :meth:`_free_full` empties. Bumping the version counter of the buffer's
+        autograd aliases (which their views share) makes any backward that would read them now
+        fail with autograd's "modified by an inplace operation" error naming this unit's
+        full-parameter node, instead of reading freed memory; :meth:`_mark_full_valid` puts the
+        versions back once the all-gather has filled the buffer again.
+        """
+        self._clean_versions = (self.full_flat._version, self.frozen_full._version)
+        _set_versions((self.full_flat, self.frozen_full), tuple(v + 1 for v in self._clean_versions))
+
+    def _mark_full_valid(self) -> None:
+        if self._clean_versions is not None:
+            _set_versions((self.full_flat, self.frozen_full), self._clean_versions)
+            self._clean_versions = None
 
     def _gather_into(self, full: torch.Tensor, local: torch.Tensor) -> collectives.Handle:
         """Start all-gathering ``local`` (S,) of every rank into the param-major ``full`` (N*S,).
@@ -193,6 +216,8 @@ class Unit(UnitLayout):
         if self._pending_gather is not None:
             self._pending_gather.wait()
             self._pending_gather = None
+        if self.shard_state is ShardState.SHARDED and not (self.aliased or self.shard_numel == 0):
+            self._mark_full_valid()
         self.shard_state = ShardState.UNSHARDED
 
     def full_params(self) -> list[torch.Tensor]:
@@ -210,11 +235,20 @@ class Unit(UnitLayout):
             if not group:
                 continue
             if flat.requires_grad and torch.is_grad_enabled():
-                views += _SplitFull.apply(flat, self)
+                views += self._named_split().apply(flat, self)
             else:
                 pieces = flat.split(sizes)
                 views += [pieces[2 * i].view(sp.spec.orig_shape) for i, sp in enumerate(group)]
         return views
+
+    def _named_split(self) -> type[_SplitFull]:
+        """:class:`_SplitFull` under a name that says which unit's full parameters its outputs
+        are, so autograd's errors about them (a use after reshard) name the unit."""
+        fn = self._split_fn
+        if fn is None or fn._unit_name != self.name:
+            label = f"FullParametersOfFSDPUnit[{self.name}]"
+            fn = self._split_fn = type(label, (_SplitFull,), {"_unit_name": self.name})
+        return fn
 
     def reshard_for_packing(self) -> None:
         """Reshard now that autograd has no more use for the full parameters (the last of the
@@ -248,6 +282,7 @@ class Unit(UnitLayout):
             self.on_reshard(self)
         if not (self.aliased or self.shard_numel == 0):
             self._free_full()
+            self._mark_full_freed()
         if probes.ACTIVE is not None:
             probes.ACTIVE.gathered.remove(0 if self.aliased or self.shard_numel == 0 else self.full_nbytes)
         self.shard_state = ShardState.SHARDED
@@ -287,6 +322,19 @@ class Unit(UnitLayout):
 
 _PHASES = {TrainingState.FORWARD: "forward", TrainingState.PRE_BACKWARD: "backward"}
 
+_set_version_counters = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
+if _set_version_counters is None:  # pragma: no cover - present in torch 2.4 and later
+    raise ImportError(
+        "fullshard needs torch._C._autograd._unsafe_set_version_counter (torch >= 2.4) to keep autograd from "
+        "reading freed full parameters; upgrade torch"
+    )
+
+
+def _set_versions(tensors: tuple[torch.Tensor, ...], versions: tuple[int, ...]) -> None:
+    """Set the autograd version counters of ``tensors`` (shared with their views)."""
+    assert _set_version_counters is not None
+    _set_version_counters(tensors, versions)
+
 
 class _SplitFull(torch.autograd.Function):
     """Split a unit's full flat buffer into its trainable parameters; gradients come back packed.
@@ -295,7 +343,10 @@ class _SplitFull(torch.autograd.Function):
     ``orig_shape`` (no copy). Backward: one copy of the parameters' gradients into a rank-major
     buffer (:meth:`Unit.pack_grads`), which becomes the flat buffer's ``.grad``; autograd's own
     split would concatenate param-major and need a second copy before the reduce-scatter.
+    Each unit applies a subclass named after it (:meth:`Unit._named_split`).
     """
+
+    _unit_name = ""
 
     @staticmethod
     def forward(ctx: Any, flat: torch.Tensor, unit: Unit) -> tuple[torch.Tensor, ...]:  # type: ignore[override]

@@ -9,6 +9,7 @@ gathered them again, so the recomputed forward sees the full parameters.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -32,15 +33,20 @@ class CheckpointWrapper(ModuleWrapper):
     Args:
         module: the module to wrap.
         offload_to_cpu: keep the saved inputs in CPU memory (useful on GPUs only).
+        checkpoint_kwargs: passed on to ``torch.utils.checkpoint.checkpoint`` (``context_fn``
+            for selective checkpointing, ``preserve_rng_state``, ``determinism_check``, ``debug``).
     """
 
     wrapped_key = WRAPPED
 
-    def __init__(self, module: nn.Module, offload_to_cpu: bool = False) -> None:
+    def __init__(
+        self, module: nn.Module, offload_to_cpu: bool = False, checkpoint_kwargs: dict[str, Any] | None = None
+    ) -> None:
         super().__init__()
         if isinstance(module, CheckpointWrapper):
             raise ValueError("module is already a CheckpointWrapper; wrap each module once")
         self.offload_to_cpu = offload_to_cpu
+        self.checkpoint_kwargs = dict(checkpoint_kwargs or {})
         self.add_module(WRAPPED, module)
         self._register_state_dict_hook(_strip_prefix)
         self._register_load_state_dict_pre_hook(_add_prefix, with_module=True)
@@ -50,6 +56,9 @@ class CheckpointWrapper(ModuleWrapper):
         if self.offload_to_cpu:
             saving = torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
         with saving:
+            if self.checkpoint_kwargs:
+                fn = functools.partial(self.module, **kwargs) if kwargs else self.module
+                return checkpoint(fn, *args, use_reentrant=False, **self.checkpoint_kwargs)
             return checkpoint(self.module, *args, use_reentrant=False, **kwargs)
 
 
@@ -68,15 +77,27 @@ def _add_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str, *arg
 def checkpoint_wrapper(module: nn.Module, offload_to_cpu: bool = False, **kwargs: Any) -> CheckpointWrapper:
     """Wrap ``module`` so its activations are recomputed in backward (see CheckpointWrapper).
 
+    Takes torch's ``checkpoint_wrapper`` keywords: ``checkpoint_impl`` (non-reentrant only) and
+    the keywords of ``torch.utils.checkpoint.checkpoint`` (``context_fn=`` with
+    ``create_selective_checkpoint_contexts`` for selective checkpointing, ``preserve_rng_state``,
+    ``determinism_check``, ``debug``).
+
     Raises:
-        TypeError: unknown keyword arguments (``checkpoint_impl`` other than non-reentrant).
+        TypeError: ``checkpoint_impl=REENTRANT``, or a keyword neither of these accepts.
     """
     impl = kwargs.pop("checkpoint_impl", None)
     if impl is not None and "REENTRANT" == getattr(impl, "name", impl):
         raise TypeError("checkpoint_impl=REENTRANT is not supported: fullshard checkpoints non-reentrantly")
-    if kwargs:
-        raise TypeError(f"checkpoint_wrapper got unexpected keyword argument(s) {sorted(kwargs)}")
-    return CheckpointWrapper(module, offload_to_cpu=offload_to_cpu)
+    unknown = sorted(set(kwargs) - _CHECKPOINT_KWARGS)
+    if unknown:
+        raise TypeError(
+            f"checkpoint_wrapper got unexpected keyword argument(s) {unknown}; it takes offload_to_cpu, "
+            f"checkpoint_impl and torch.utils.checkpoint.checkpoint's {sorted(_CHECKPOINT_KWARGS)}"
+        )
+    return CheckpointWrapper(module, offload_to_cpu=offload_to_cpu, checkpoint_kwargs=kwargs)
+
+
+_CHECKPOINT_KWARGS = frozenset({"context_fn", "preserve_rng_state", "determinism_check", "debug"})
 
 
 def apply_activation_checkpointing(

@@ -1,23 +1,34 @@
 """``FSDPModule``: the methods a module gains from ``fully_shard``, torch FSDP2's API on units.
 
-``fully_shard`` makes a module's class a subclass of both :class:`FSDPModule` and its own class;
-these methods reach the module's unit through its hook state
+``fully_shard`` makes a module's class ``FSDP<Cls>``, a subclass of :class:`FSDPModule` and of
+its own class ``Cls``; these methods reach the module's unit through its hook state
 (:func:`~fullshard.engine.hooks.fsdp_state`): gradient sync and resharding toggles, explicit
 prefetching, and ``unshard`` / ``reshard`` by hand (:class:`UnshardHandle` for an async one).
+
+fullshard's :class:`FSDPModule` is a subclass of torch's ``torch.distributed.fsdp.FSDPModule``,
+so frameworks that look for torch's class (``isinstance(m, FSDPModule)``: Accelerate, the HF
+Trainer, Lightning, torchtitan) find fullshard's units. The MRO is
+``FSDP<Cls>, fullshard FSDPModule, torch FSDPModule, Cls``: every method of torch's class is
+defined here again, so none of torch's code (which reads torch's own per-module state) runs on
+a fullshard unit; one torch adds later raises NotImplementedError naming it.
 """
 
 from __future__ import annotations
 
+import copyreg
+import sys
 import warnings
-from typing import Any, Optional
+from typing import Any, Callable, NoReturn, Optional
 
 from torch import nn
+from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
+from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 
 from fullshard.engine import hooks
 from fullshard.engine.unit import ShardState, Unit
 
 
-class UnshardHandle:
+class UnshardHandle(_TorchUnshardHandle):
     """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes the all-gather."""
 
     def __init__(self, unit: Unit) -> None:
@@ -34,8 +45,67 @@ def _state(module: nn.Module) -> hooks.UnitHooks:
     return state
 
 
-class FSDPModule:
-    """Methods a module gains from ``fully_shard`` (it stays an instance of its own class too)."""
+def _ignored(method: str, why: str) -> None:
+    warnings.warn(f"FSDPModule.{method} is ignored by fullshard: {why}", UserWarning, stacklevel=3)
+
+
+def _unsupported(method: str, why: str = "") -> NoReturn:
+    raise NotImplementedError(
+        f"FSDPModule.{method} (torch's FSDP2 API) is not supported by fullshard's fully_shard{why}; "
+        "use torch.distributed.fsdp.fully_shard for a model that needs it"
+    )
+
+
+def _new_unit_object(cls: type, *args: Any) -> Any:
+    """``copy`` / ``pickle``'s constructor for an ``FSDP<Cls>`` object: an empty one of that class."""
+    return object.__new__(cls)
+
+
+class FSDPModule(_TorchFSDPModule):
+    """Methods a module gains from ``fully_shard`` (it stays an instance of its own class too).
+
+    A subclass of torch's ``FSDPModule`` (see the module's note); ``isinstance(m,
+    torch.distributed.fsdp.FSDPModule)`` is True for fullshard's units, and fullshard tells its
+    own units from torch's by their hook state.
+    """
+
+    # In FSDP<Cls>'s MRO (FSDP<Cls>, this class, torch's FSDPModule, Cls, ...), Cls is at 3.
+    _orig_cls_mro_index: int = 3
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        """``FSDP<Cls>(...)`` builds a plain ``Cls`` (as torch's does): a container indexed by a
+        slice (``nn.Sequential``, ``nn.ModuleList``) makes a new, unsharded container of its class."""
+        orig = cls.__mro__[cls._orig_cls_mro_index]
+        self = orig.__new__(orig, *args, **kwargs)
+        # torch's switch for code that rebuilds modules without running __init__ (dynamo's packages)
+        if getattr(sys.modules[_TorchFSDPModule.__module__], "_enable_fsdp_module_new_init", True):
+            self.__init__(*args, **kwargs)
+        return self
+
+    def __deepcopy__(self, memo: dict) -> NoReturn:
+        # A copy would share the unit's process groups and flat buffers (neither can be copied).
+        raise RuntimeError(
+            f"copy.deepcopy of {type(self).__name__}, a module sharded by fully_shard, is not supported (nor is "
+            "it by torch's): deep-copy the model before sharding it, or build a new one and load a state dict"
+        )
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # copy.copy / pickle rebuild an FSDP<Cls> object with cls.__new__(cls), which
+        # would be the constructor call above: rebuild it empty instead, then restore its state.
+        reduced = super().__reduce_ex__(protocol)
+        if isinstance(reduced, tuple) and reduced and reduced[0] is getattr(copyreg, "__newobj__"):
+            return (_new_unit_object, *reduced[1:])
+        return reduced
+
+    def _get_fsdp_state(self) -> NoReturn:
+        # Only torch's methods read torch's state; each is defined here again. One that torch
+        # adds after this was written would reach this: name it.
+        caller = sys._getframe(1).f_code.co_name
+        _unsupported(caller, " (a torch method fullshard does not define)")
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        # Module.to() / .float(): torch's FSDPModule._apply works on torch's state; skip it.
+        return super(_TorchFSDPModule, self)._apply(*args, **kwargs)  # type: ignore[misc]
 
     def _units(self, recurse: bool) -> list[Unit]:
         assert isinstance(self, nn.Module)
@@ -55,17 +125,17 @@ class FSDPModule:
         for unit in self._units(recurse):
             unit.all_reduce_grads = requires_all_reduce
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
-        """Whether to free the full parameters after forward (True) or keep them for backward."""
-        for unit in self._units(recurse):
-            unit.reshard_after_forward = reshard_after_forward
-
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """With False, the full parameters stay gathered after backward (for gradient
         accumulation without a new all-gather); set True again before the optimizer step's
         last backward, or the next forward would use parameters from before the step."""
         for unit in self._units(recurse):
             unit.reshard_after_backward = reshard_after_backward
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Whether to free the full parameters after forward (True) or keep them for backward."""
+        for unit in self._units(recurse):
+            unit.reshard_after_forward = reshard_after_forward
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for torch's API: fullshard always waits for every reduction at the end of
@@ -91,12 +161,12 @@ class FSDPModule:
         for unit in self._units(recurse=False):
             unit.divide_factor = float(factor)
 
-    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+    def set_modules_to_forward_prefetch(self, modules: list[_TorchFSDPModule]) -> None:
         """When this module's forward starts, start the all-gathers of ``modules`` (in order)
         instead of the default (none, or the next unit with ``forward_prefetch``)."""
         _state(self).prefetch_in_forward = [_unit_of(m, "set_modules_to_forward_prefetch") for m in modules]  # type: ignore[arg-type]
 
-    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+    def set_modules_to_backward_prefetch(self, modules: list[_TorchFSDPModule]) -> None:
         """When this module's backward starts, start the all-gathers of ``modules`` (in order)
         instead of the default (the unit that ran before it in forward)."""
         _state(self).prefetch_in_backward = [_unit_of(m, "set_modules_to_backward_prefetch") for m in modules]  # type: ignore[arg-type]
@@ -123,6 +193,75 @@ class FSDPModule:
     def reshard(self) -> None:
         """Free this module's full parameters; the shards are registered again."""
         self._units(recurse=False)[0].reshard()
+
+    # torch's other FSDPModule methods. Settings that change only speed or memory on torch's
+    # side are accepted with a warning; ones that change results raise NotImplementedError.
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """torch's deprecated name for :meth:`set_gradient_divide_factor`."""
+        warnings.warn("Use set_gradient_divide_factor instead", FutureWarning, stacklevel=2)
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Accepted: fullshard's reductions always sum (``ReduceOp.SUM``) and divide separately,
+        what torch does with True; False, with which torch may use AVG or PREMUL_SUM, warns
+        (UserWarning) that it changes nothing."""
+        if not enable:
+            _ignored("set_force_sum_reduction_for_comms(False)", "its reductions always sum and divide separately")
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Accepted: with False fullshard still gathers this unit for backward (torch skips the
+        all-gather for units whose parameters backward does not need); the results are the same,
+        and a UserWarning says so."""
+        if not unshard_in_backward:
+            _ignored("set_unshard_in_backward(False)", "it gathers every unit for backward (same results)")
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """False (torch's default) is fullshard's behaviour.
+
+        Raises:
+            NotImplementedError: True (zero gradients for parameters unused on some ranks).
+        """
+        if reduce_scatter_unused_params:
+            _unsupported("set_reduce_scatter_unused_params(True)")
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """Accepted with a UserWarning: fullshard keeps its own reduce-scatter buffers."""
+        _ignored("set_reduce_scatter_max_input_buffers", "it keeps its own reduce-scatter buffers")
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """Accepted with a UserWarning: fullshard reduces on the unit's own group."""
+        if enable:
+            _ignored("set_separate_reduce_scatter_group", "it reduce-scatters on the unit's own group")
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Accepted with a UserWarning: fullshard allocates its own communication buffers."""
+        if enable:
+            _ignored("set_allocate_memory_from_process_group_for_comm", "it allocates its own buffers")
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """Accepted with a UserWarning: fullshard does not use symmetric memory."""
+        _ignored("set_symm_mem_for_comm", "it does not use symmetric memory")
+
+    def reset_iter_state(self) -> NoReturn:
+        """Raises NotImplementedError: not supported by fullshard."""
+        _unsupported("reset_iter_state")
+
+    def set_custom_all_gather(self, comm: Any) -> NoReturn:
+        """Raises NotImplementedError: fullshard's all-gathers are its own."""
+        _unsupported("set_custom_all_gather")
+
+    def set_custom_reduce_scatter(self, comm: Any) -> NoReturn:
+        """Raises NotImplementedError: fullshard's reduce-scatters are its own."""
+        _unsupported("set_custom_reduce_scatter")
+
+    def set_all_reduce_hook(self, hook: Callable[..., None], *, stream: Any = None) -> NoReturn:
+        """Raises NotImplementedError: fullshard runs no user hook on its reductions."""
+        _unsupported("set_all_reduce_hook")
+
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        if async_op:
+            _ignored("_set_unshard_async_op(True)", "it chooses how to wait for its all-gathers")
 
 
 def _unit_of(module: Any, caller: str) -> Unit:

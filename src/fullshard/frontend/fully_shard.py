@@ -13,6 +13,11 @@ into the unit's local flat buffer. So are the gradients after backward and the v
 ``torch.nn.utils.clip_grad_norm_`` returns the global norm, ``full_tensor()`` the full value,
 the ``torch.distributed.checkpoint.state_dict`` functions save and load full and sharded
 state, and optimizers keep DTensor state.
+
+Parameters that are already DTensors on a 1-D tensor-parallel mesh (after
+``parallelize_module(..., mesh["tp"], ...)``, then ``fully_shard(..., mesh=mesh["dp"])``) are
+sharded over dp through their local tensors and registered on the 2-D (dp, tp) mesh, as torch's:
+see :mod:`.tensor_parallel`.
 """
 
 from __future__ import annotations
@@ -28,10 +33,11 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from fullshard.comm import collectives
-from fullshard.engine import build, hooks
+from fullshard.engine import all_gather_extension, build, hooks
 from fullshard.engine.config import BackwardPrefetch, FrontEnd, MixedPrecision, ShardingStrategy
 from fullshard.engine.groups import resolve_groups
 from fullshard.engine.shard_sync import register_dtensors
+from fullshard.engine.sharded_param import unshifted
 from fullshard.engine.unit import TrainingState, Unit
 from fullshard.frontend import meshes, optim_local, tensor_parallel
 from fullshard.frontend.fsdp_module import FSDPModule
@@ -91,9 +97,6 @@ def fully_shard(
             the first of their forwards, freed after the last); changed in place and returned.
         mesh: a 1-D DeviceMesh to shard over, a 2-D one (replicate, shard) for hybrid
             sharding, or None for the whole world (on the accelerator if there is one).
-            Parameters that are already DTensors on a 1-D tensor-parallel mesh (after
-            ``parallelize_module(..., mesh["tp"], ...)``; pass ``mesh["dp"]`` here) are sharded
-            over dp through their local tensors, as torch's: see :mod:`.tensor_parallel`.
         reshard_after_forward: free the full parameters after forward (the root keeps them);
             an int M keeps 1/M of them so backward gathers within M ranks; see
             :func:`~fullshard.frontend.meshes.as_reshard_after_forward`.
@@ -111,8 +114,10 @@ def fully_shard(
         TypeError: a policy of a type neither fullshard's nor torch's.
         ValueError: ``module`` already heads a unit; it or a submodule was sharded by torch's
             FSDP or is a fullshard FullyShardedDataParallel; a mesh of more than 2 dimensions; a 0-dim
-            parameter (as torch's fully_shard: make it shape (1,) or ignore it).
-        NotImplementedError: a placement other than Shard(0).
+            parameter (as torch's fully_shard: make it shape (1,) or ignore it); a parameter
+            defining only one of fsdp_pre_all_gather / fsdp_post_all_gather.
+        NotImplementedError: a placement other than Shard(0); a tensor-subclass parameter
+            without the all-gather extension (with it, its hooks decide what is gathered).
         RuntimeError: no process group is initialized.
     """
     modules = _modules(module)
@@ -126,6 +131,7 @@ def fully_shard(
     mp = _engine_mp(mp_policy)
     holder = modules[0] if len(modules) == 1 else _ModuleGroup(modules)
     unit = _build(holder, mesh, mp, offload_policy, reshard_after_forward, shard_placement_fn)
+    all_gather_extension.attach(unit, mesh, mp_policy)  # tensor subclasses with fsdp_pre_all_gather
     optim_local.install()  # optimizer steps run on the local tensors (same bits, no DTensor dispatch)
     _make_units(modules, unit, mp, mp_policy.output_dtype if mp_policy else None)
     return module
@@ -245,16 +251,23 @@ def _check_params(module: nn.Module, shard_placement_fn: Optional[Callable[[nn.P
 def _register_forward_hooks(
     modules: list[nn.Module], state: hooks.UnitHooks, output_dtype: Optional[torch.dtype]
 ) -> None:
-    """Gather before the first of ``modules`` runs forward and free after the last one has."""
-    pending: set[int] = set()
-    running: set[int] = set()  # modules whose forward has started and not yet returned
+    """Gather before the first of ``modules`` runs forward and free after the last one has.
+
+    A pass over the unit starts when a member runs while none is pending and ends when every
+    member has run once (``state.modules_to_run``); the root's forward finishes a pass that some
+    member never joined. A member run again within a pass (a chunked loss calling the head once
+    per chunk, after an explicit ``unshard()``), or after a backward inside the pass, runs on the
+    full parameters again, and each of its outputs is hooked so backward gathers the unit before
+    reading them.
+    """
     ids = {id(m) for m in modules}
+    to_run = state.modules_to_run
 
     def recomputing() -> bool:
         # Activation checkpointing recomputes one member's forward inside the unit's backward.
         # torch's non-reentrant checkpoint stops a recomputation as soon as it has the tensors
         # backward needs, skipping the forward hook, so a recomputation must not count towards
-        # the next forward's first-member / last-member bookkeeping.
+        # the pass's bookkeeping.
         return state.unit.training_state is TrainingState.PRE_BACKWARD
 
     def pre(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -263,29 +276,29 @@ def _register_forward_hooks(
         if recomputing():
             hooks.pre_forward(state)
             return args, kwargs
-        if id(module) in running:  # its last forward never returned (an exception, or as above)
-            running.clear()
-            pending.clear()
-        running.add(id(module))
-        if not pending:
-            pending.update(ids)
+        if not to_run:
+            to_run.update(ids)
+        if state.unit.training_state is not TrainingState.FORWARD:
             hooks.pre_forward(state)
         return args, kwargs
 
     def post(module: nn.Module, args: tuple, output: Any) -> Any:
         if recomputing():
             output = hooks.post_forward(state, output)
+        elif id(module) in to_run and len(to_run) == 1:
+            to_run.clear()
+            output = hooks.post_forward(state, output)
         else:
-            running.discard(id(module))
-            pending.discard(id(module))
-            if not pending:
-                output = hooks.post_forward(state, output)
+            to_run.discard(id(module))
+            if torch.is_grad_enabled():
+                output = hooks.register_pre_backward(state, output)
         if output_dtype is not None:
             output = tree_map(
                 lambda t: t.to(output_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, output
             )
         return output
 
+    pre, post = hooks.outside_dynamo(pre), hooks.outside_dynamo(post)  # compiled code never traces them
     for m in modules:
         m.register_forward_pre_hook(pre, prepend=True, with_kwargs=True)
         m.register_forward_hook(post)
@@ -336,7 +349,9 @@ def _run_post_hooks(module: nn.Module, args: tuple, output: Any) -> Any:
 def _register_state_dict_hooks(module: nn.Module, unit: Unit) -> None:
     """``load_state_dict`` also takes full tensors (and DTensors of any placement): each becomes
     this rank's rows as a DTensor like the parameter, so ``param.copy_`` (or ``assign=True``,
-    taken into the unit at the next forward) works."""
+    taken into the unit at the next forward) works. ``state_dict`` gives DTensors whose wrapper
+    sits at storage offset 0 (:func:`unshifted`: ``detach`` of a shard viewing the flat buffer
+    at an offset does not, and ``async_save`` fails on it)."""
     from torch.distributed.tensor import DTensor
 
     names = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
@@ -360,3 +375,11 @@ def _register_state_dict_hooks(module: nn.Module, unit: Unit) -> None:
                 state_dict[prefix + rel] = sp.as_registered(value.to(sp.local.device))
 
     module._register_load_state_dict_pre_hook(from_full, with_module=True)
+
+    def unshift(m: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+        for _, rel in keys:
+            value = state_dict.get(prefix + rel)
+            if isinstance(value, DTensor):
+                state_dict[prefix + rel] = unshifted(value)
+
+    module.register_state_dict_post_hook(unshift)

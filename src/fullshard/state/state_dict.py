@@ -24,7 +24,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from fullshard.comm import collectives
 from fullshard.engine.hooks import fsdp_state
 from fullshard.engine.module_wrapper import ModuleWrapper
-from fullshard.engine.sharded_param import ShardedParam
+from fullshard.engine.sharded_param import ShardedParam, unshifted
 from fullshard.engine.unit import Unit
 
 Modules = AbstractSet[nn.Module]
@@ -204,7 +204,7 @@ def as_dtensor(sp: ShardedParam, local: torch.Tensor, unit: Unit, mesh: Any, pla
         return DTensor.from_local(value.to(local.device), mesh, [Replicate()] * mesh.ndim, run_check=False)
     stride = torch.empty(shape, device="meta").stride()
     rows = local.detach().reshape(sp.spec.local_shape)
-    return DTensor.from_local(rows, mesh, placements, run_check=False, shape=shape, stride=stride)
+    return unshifted(DTensor.from_local(rows, mesh, placements, run_check=False, shape=shape, stride=stride))
 
 
 def _sharded_value(t: torch.Tensor, units: dict[int, Unit]) -> Any:

@@ -1,0 +1,206 @@
+"""Units whose members run unevenly, activation checkpointing in either order, and what happens
+when full parameters are used after a reshard: fullshard's ``fully_shard`` against torch's in the
+same process group.
+
+The chunked-loss pattern is torchtitan's default loss (``ChunkedLossWrapper``): ``[norm, output]``
+is one unit, the model's forward stops at the norm, and the loss runs the head once per chunk of
+the sequence with a backward per chunk (gradient sync off until the last chunk, the head kept
+gathered by an explicit ``unshard()``), then back-propagates the hidden state through the model.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from dist import run_ranks
+from models import TinyLM, tokens
+from torch import nn
+
+STEPS = 3
+
+
+class HeadlessLM(TinyLM):
+    """TinyLM whose forward can stop at the final norm (the chunked loss runs the head itself)."""
+
+    def forward(self, ids: torch.Tensor, skip_head: bool = False) -> torch.Tensor:  # type: ignore[override]
+        h = self.tok_embeddings(ids) + self.pos_embeddings(torch.arange(ids.shape[1]))
+        for layer in self.layers:
+            h = layer(h)
+        h = self.norm(h)
+        return h if skip_head else self.output(h)
+
+
+class _HiddenGrad(torch.autograd.Function):
+    """Returns the loss; its backward sends the gradient the chunks gathered into the hidden state."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, grad: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(grad)
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
+        (grad,) = ctx.saved_tensors
+        return grad * grad_out, None, None
+
+
+def _chunked_loss(model: HeadlessLM, hidden: torch.Tensor, labels: torch.Tensor, chunks: int, explicit: bool):
+    """Cross-entropy over ``chunks`` slices of the sequence, one head forward and backward each."""
+    head = model.output
+    pieces = [c.detach().requires_grad_(True) for c in hidden.split(hidden.shape[1] // chunks, dim=1)]
+    label_pieces = labels.split(labels.shape[1] // chunks, dim=1)
+    if explicit:
+        head.set_reshard_after_forward(False)
+        head.set_reshard_after_backward(False)
+        head.set_requires_gradient_sync(False, recurse=False)
+        head.unshard()
+    total = hidden.new_zeros(())
+    grads = []
+    for i, (piece, label) in enumerate(zip(pieces, label_pieces)):
+        if explicit and i == chunks - 1:
+            head.set_requires_gradient_sync(True, recurse=False)
+        logits = head(piece)
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), label.flatten(), reduction="sum") / labels.numel()
+        loss.backward()
+        grads.append(piece.grad)
+        total = total + loss.detach()
+    if explicit:
+        head.set_reshard_after_forward(True)
+        head.set_reshard_after_backward(True)
+        head.set_requires_gradient_sync(True, recurse=False)
+        head.reshard()
+    return _HiddenGrad.apply(hidden, torch.cat(grads, dim=1), total)
+
+
+def _fully_shard(lib: str):
+    if lib == "torch":
+        from torch.distributed.fsdp import fully_shard
+
+        return fully_shard
+    from fullshard import fully_shard
+
+    return fully_shard
+
+
+def _train_chunked(rank: int, world: int, lib: str, explicit: bool) -> tuple[list[float], list[torch.Tensor]]:
+    fully_shard = _fully_shard(lib)
+    torch.manual_seed(0)
+    model = HeadlessLM(layers=2)
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard([model.norm, model.output])
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for step in range(STEPS):
+        ids = tokens(step, 2 * world)[2 * rank : 2 * rank + 2]
+        hidden = model(ids, skip_head=True)
+        loss = _chunked_loss(model, hidden, ids.roll(-1, 1), 4, explicit)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    if lib == "fullshard":
+        from fullshard.engine.hooks import fsdp_state
+        from fullshard.engine.unit import ShardState, TrainingState
+
+        units = {id(s.unit): s.unit for m in model.modules() if (s := fsdp_state(m)) is not None}
+        for unit in units.values():
+            assert unit.training_state is TrainingState.IDLE, (unit.name, unit.training_state)
+            assert unit.shard_state is ShardState.SHARDED or unit.name == "<root>", unit.name
+    return losses, [p.full_tensor() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_chunked_loss_over_a_norm_and_head_unit_matches_torch(world: int) -> None:
+    for explicit in (True, False):
+        ref = run_ranks(_train_chunked, world, "torch", explicit)
+        got = run_ranks(_train_chunked, world, "fullshard", explicit)
+        for r in range(world):
+            assert got[r][0] == ref[r][0], (explicit, r)
+            for a, b in zip(got[r][1], ref[r][1]):
+                assert torch.equal(a, b), explicit
+
+
+class _Leaky(nn.Module):
+    """Keeps an intermediate computed from its parameters outside its outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.inner = self.lin(x)
+        return x * 2
+
+
+def _use_after_reshard(rank: int, world: int) -> str:
+    from fullshard import fully_shard
+
+    model = nn.Sequential(_Leaky(), nn.Linear(4, 2))
+    fully_shard(model[0])
+    fully_shard(model)
+    model(torch.randn(3, 4, requires_grad=True))
+    try:  # backward reaches the unit's saved weight without passing its outputs: the unit is freed
+        model[0].inner.sum().backward()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_backward_through_a_resharded_unit_raises_instead_of_reading_freed_memory() -> None:
+    for message in run_ranks(_use_after_reshard, 2):
+        assert "modified inplace" in message or "modified by an inplace operation" in message, message
+    # One rank: the full parameters are the shards themselves, never freed; backward just works.
+    assert run_ranks(_use_after_reshard, 1) == ["no error"]
+
+
+def _selective_policy():
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return functools.partial(create_selective_checkpoint_contexts, policy)
+
+
+def _wrap(block: nn.Module, wrapper: str, mode: str) -> nn.Module:
+    if wrapper == "torch":
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    else:
+        from fullshard import checkpoint_wrapper
+    if mode == "selective":
+        return checkpoint_wrapper(block, context_fn=_selective_policy())
+    return checkpoint_wrapper(block)
+
+
+def _train_ac(rank: int, world: int, lib: str, order: str, wrapper: str, mode: str) -> list[torch.Tensor]:
+    fully_shard = _fully_shard(lib)
+    torch.manual_seed(0)
+    model = TinyLM(layers=2)
+    for i, block in enumerate(model.layers):
+        if order == "before":  # torchtitan's order: checkpoint_wrapper(block), then fully_shard of it
+            model.layers[i] = fully_shard(_wrap(block, wrapper, mode))
+        else:
+            model.layers[i] = _wrap(fully_shard(block), wrapper, mode)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for step in range(STEPS):
+        ids = tokens(step, 2 * world)[2 * rank : 2 * rank + 2]
+        loss = nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.roll(-1, 1).flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.full_tensor() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_activation_checkpointing_in_either_order_matches_torch(order: str) -> None:
+    for mode in ("full", "selective"):
+        ref = run_ranks(_train_ac, 2, "torch", order, "torch", mode)
+        for wrapper in ("torch", "fullshard"):
+            got = run_ranks(_train_ac, 2, "fullshard", order, wrapper, mode)
+            for a, b in zip(got[0], ref[0]):
+                assert torch.equal(a, b), (order, wrapper, mode)
