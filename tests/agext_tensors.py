@@ -181,6 +181,34 @@ class MeshOnlyWeight(Bf16CommWeight):
         return (self._t.to(torch.bfloat16).contiguous(),), ("bf16", None)
 
 
+class RowInt8Weight(Bf16CommWeight):
+    """An fp32 weight that all-gathers as two tensors of two dtypes: int8 rows and an fp32 scale
+    per row (evenly sharded only: the scale has no padded-shard shape)."""
+
+    def fsdp_pre_all_gather(
+        self, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...], module: Any, mp_policy: Any
+    ) -> tuple[tuple[torch.Tensor, ...], Any]:
+        CALLS.append(("pre-int8", mesh.size(), tuple(outer_size), type(module).__name__, tuple(self.shape)))
+        scale = self._t.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
+        return ((self._t / scale).round().to(torch.int8), scale), None
+
+    def fsdp_post_all_gather(
+        self,
+        all_gather_outputs: tuple[torch.Tensor, ...],
+        metadata: Any,
+        param_dtype: torch.dtype,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
+        q, scale = all_gather_outputs
+        CALLS.append(("post-int8", q.dtype, tuple(q.shape), scale.dtype, tuple(scale.shape), out is None))
+        value = (q.to(torch.float32) * scale).to(param_dtype)
+        if out is not None:
+            out.data.copy_(value)  # refreshed in place, unseen by autograd's version counter
+            return None
+        return value, (value,)
+
+
 class ThreeArgWeight(Bf16CommWeight):
     """A pre hook of a signature torch does not call."""
 
@@ -207,6 +235,7 @@ __all__ = [
     "Bf16Stored",
     "MeshOnlyWeight",
     "PlainWrapper",
+    "RowInt8Weight",
     "ThreeArgWeight",
     "clear",
     "wrap_weights",

@@ -14,7 +14,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from agext_tensors import CALLS, Bf16CommWeight, Bf16Stored, MeshOnlyWeight, PlainWrapper, ThreeArgWeight, wrap_weights
+from agext_tensors import (
+    CALLS,
+    Bf16CommWeight,
+    Bf16Stored,
+    MeshOnlyWeight,
+    PlainWrapper,
+    RowInt8Weight,
+    ThreeArgWeight,
+    wrap_weights,
+)
 from dist import run_ranks
 from torch import nn
 
@@ -271,3 +280,68 @@ def signatures_body(rank: int, world: int) -> str:
 def test_pre_hook_signatures() -> None:
     message = run_ranks(signatures_body, 2)[0]
     assert "ThreeArgWeight.fsdp_pre_all_gather takes 2 arguments" in message
+
+
+def _int8_models(impls: tuple) -> list[nn.Module]:
+    models = []
+    for mod in impls:
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 4), nn.ReLU(), nn.Linear(4, 2))
+        if mod is not None:
+            wrap_weights(m, RowInt8Weight)
+            for i in (0, 2):
+                mod.fully_shard(m[i])
+            mod.fully_shard(m)
+        models.append(m)
+    return models
+
+
+def _dequantized_step(m: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> tuple:
+    """One step of an unsharded model whose forward sees each weight quantized to int8 rows and
+    back, its gradient going straight to the weight: what the extension computes at one rank."""
+
+    def seen(w: torch.Tensor) -> torch.Tensor:
+        scale = w.detach().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
+        value = (w.detach() / scale).round().to(torch.int8).to(torch.float32) * scale
+        return value + (w - w.detach())  # the value exactly, the gradient to w
+
+    weights = {n: seen(p) for n, p in m.named_parameters() if p.dim() == 2}
+    loss = torch.func.functional_call(m, weights, (x,)).float().square().mean()
+    loss.backward()
+    grads = [(n, torch.Tensor, p.grad.clone()) for n, p in m.named_parameters()]
+    opt.step()
+    opt.zero_grad()
+    return loss.detach(), grads, None
+
+
+def int8_body(rank: int, world: int) -> int:
+    """Two all-gather inputs of two dtypes per parameter (int8 rows and fp32 scales), gathered
+    together, and a post hook that writes its ``out=`` in place. At 2 ranks against torch's
+    ``fully_shard``; at 1 rank against an unsharded model that quantizes in its forward, since
+    torch's ``fully_shard`` at one rank hands the post hook only the first all-gather input."""
+    import torch.distributed.fsdp as tf
+
+    import fullshard as fs
+
+    models = _int8_models((tf if world > 1 else None, fs))
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    count = 0
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step + 10 * rank))
+        loss_ref, grads_ref, calls_ref = (_step if world > 1 else _dequantized_step)(models[0], opts[0], x)
+        loss, grads, calls = _step(models[1], opts[1], x)
+        assert _equal(loss, loss_ref), (step, loss, loss_ref)
+        assert calls_ref is None or sorted(calls, key=repr) == sorted(calls_ref, key=repr), (step, calls, calls_ref)
+        for (name, _, g_ref), (_, _, g) in zip(grads_ref, grads):
+            assert _equal(g, g_ref), (step, name)
+        count += len(calls)
+    ref_values = _locals(models[0]) if world > 1 else [(n, None, p.detach()) for n, p in models[0].named_parameters()]
+    for (name, _, v_ref), (_, _, v) in zip(ref_values, _locals(models[1])):
+        assert _equal(v, v_ref), name
+    return count
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("world", [1, 2])
+def test_inputs_of_several_dtypes(world: int) -> None:
+    assert run_ranks(int8_body, world)[0] == 3 * 5 * 2

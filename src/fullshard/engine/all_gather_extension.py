@@ -275,7 +275,8 @@ class ExtensionUnit(Unit):
         offset = 0
         for ep in items:
             spec = ep.sp.spec
-            g = out[offset : offset + spec.local_numel].view(spec.local_shape).to(ep.dtype)
+            g = out[offset : offset + spec.local_numel].view(spec.local_shape)
+            g = g.to(device=ep.sp.local.device, dtype=ep.dtype)  # to the shard (in CPU memory under offload)
             offset += spec.padded_shard_numel
             current = ep.sp.local_grad()
             if current is None:
