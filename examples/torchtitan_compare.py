@@ -35,9 +35,15 @@ CPU shims, applied in both runs alike (torch's FSDP2 needs each of them on CPU t
      ``tokenizers`` package) and a JSON-lines corpus are generated into a temporary directory.
 
 Prints the loss curves side by side and their largest absolute difference per variant; exits
-1 when any difference exceeds ``--tolerance`` (default 1e-4: both runs do the same fp32 math,
-but torch's reduce-scatter on gloo and fullshard's sum in different orders, so they agree to
-rounding, about 1e-6 relative, amplified over 10 AdamW steps), 2 when a run fails.
+1 when any difference exceeds ``--tolerance``, 2 when a run fails. The config trains in
+torchtitan's default mixed precision (FSDP ``param_dtype`` bf16, fp32 reductions and fp32
+master weights), where a rounding difference in one step grows through AdamW and clipping:
+torch's own eager and compiled runs end up to 1e-3 apart by step 10. Within one variant both
+engines run the same model code in the same order and a 2-rank sum is exact either way, so
+the default tolerance, 1e-4, is met only when fullshard reproduces torch's numbers (casts,
+gradient accumulation dtype, reductions) step for step: the chunked loss's 8 lm_head
+gradients accumulated in bf16 rather than in fp32 (torch's FSDP2 upcasts an unsynced
+gradient to the reduce dtype) already end 3.8e-4 apart.
 
 Usage: ``python examples/torchtitan_compare.py [--variants eager,compiled] [--nproc 2]``.
 """
