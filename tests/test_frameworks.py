@@ -174,7 +174,17 @@ def test_use_in_torch_rebinds_torchs_names_and_undoes() -> None:
     assert torch_names.torch_fully_shard() is torchs and not torch_names.active()
     with fullshard.use_in_torch():
         assert composable.fully_shard is fullshard.fully_shard
+        assert tf.FullyShardedDataParallel is not fullshard.FullyShardedDataParallel  # FSDP1 only when asked
     assert composable.fully_shard is torchs
+    torch_fsdp1 = tf.FullyShardedDataParallel
+    fsdp1_module = sys.modules["torch.distributed.fsdp.fully_sharded_data_parallel"]
+    with fullshard.use_in_torch(fsdp1=True):
+        assert (
+            tf.FullyShardedDataParallel is fsdp1_module.FullyShardedDataParallel is fullshard.FullyShardedDataParallel
+        )
+        assert tf.fully_shard is fullshard.fully_shard and torch_names.active("fsdp1")
+    assert tf.FullyShardedDataParallel is fsdp1_module.FullyShardedDataParallel is torch_fsdp1
+    assert tf.fully_shard is torchs and not torch_names.active("fsdp1")
 
 
 # ---------------------------------------------------------------------- torchtitan
