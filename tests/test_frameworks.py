@@ -63,6 +63,18 @@ def test_fullshard_defines_every_method_of_torchs_fsdp_module() -> None:
         assert set(inspect.signature(getattr(ours, name)).parameters) == theirs, name
     assert issubclass(fullshard.UnshardHandle, sys.modules["torch.distributed.fsdp"].UnshardHandle)
 
+    # FSDP<Cls>(...) builds a plain Cls, initialized unless torch's switch says not to.
+    from torch.distributed.fsdp._fully_shard._fully_shard import disable_fsdp_module_new_init
+
+    from fullshard.frontend.fully_shard import _fsdp_class
+
+    fsdp_sequential = _fsdp_class(nn.Sequential)
+    built = fsdp_sequential(nn.Linear(2, 2))
+    assert type(built) is nn.Sequential and len(built) == 1
+    with disable_fsdp_module_new_init():
+        bare = fsdp_sequential(nn.Linear(2, 2))
+    assert type(bare) is nn.Sequential and "_modules" not in bare.__dict__
+
 
 def _unit_checks(rank: int, world: int) -> list[str]:
     import torch.distributed._composable.fsdp as composable
@@ -174,7 +186,17 @@ def test_use_in_torch_rebinds_torchs_names_and_undoes() -> None:
     assert torch_names.torch_fully_shard() is torchs and not torch_names.active()
     with fullshard.use_in_torch():
         assert composable.fully_shard is fullshard.fully_shard
+        assert tf.FullyShardedDataParallel is not fullshard.FullyShardedDataParallel  # FSDP1 only when asked
     assert composable.fully_shard is torchs
+    torch_fsdp1 = tf.FullyShardedDataParallel
+    fsdp1_module = sys.modules["torch.distributed.fsdp.fully_sharded_data_parallel"]
+    with fullshard.use_in_torch(fsdp1=True):
+        assert (
+            tf.FullyShardedDataParallel is fsdp1_module.FullyShardedDataParallel is fullshard.FullyShardedDataParallel
+        )
+        assert tf.fully_shard is fullshard.fully_shard and torch_names.active("fsdp1")
+    assert tf.FullyShardedDataParallel is fsdp1_module.FullyShardedDataParallel is torch_fsdp1
+    assert tf.fully_shard is torchs and not torch_names.active("fsdp1")
 
 
 # ---------------------------------------------------------------------- torchtitan

@@ -57,14 +57,15 @@ def check_not_sharded_elsewhere(module: nn.Module, front_end: FrontEnd) -> None:
     torch_fsdp = sys.modules.get("torch.distributed.fsdp")  # torch's FSDP objects exist only once it is loaded
     for name, m in module.named_modules():
         where = f"submodule {clean_name(name)!r} ({type(m).__name__})" if name else f"module ({type(m).__name__})"
-        if torch_fsdp is not None and isinstance(m, torch_fsdp.FullyShardedDataParallel):
+        state = fsdp_state(m)
+        # fullshard's units pass torch's isinstance checks (FSDPModule always, FullyShardedDataParallel
+        # under use_in_torch(fsdp1=True)); torch's carry no fullshard hook state
+        if torch_fsdp is not None and isinstance(m, torch_fsdp.FullyShardedDataParallel) and state is None:
             raise ValueError(
                 f"{where} is already wrapped by torch.distributed.fsdp.FullyShardedDataParallel, so "
                 f"fullshard's {front_end.value} cannot shard it: build the model without torch's wrapper and "
                 "import FullyShardedDataParallel from fullshard instead of torch.distributed.fsdp"
             )
-        state = fsdp_state(m)
-        # fullshard's units are torch FSDPModules too (for frameworks); torch's carry no fullshard state
         if torch_fsdp is not None and isinstance(m, torch_fsdp.FSDPModule) and state is None:
             raise ValueError(
                 f"{where} was already sharded by torch.distributed.fsdp.fully_shard, so fullshard's "

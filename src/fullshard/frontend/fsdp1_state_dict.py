@@ -31,6 +31,7 @@ from fullshard.engine.module_wrapper import ModuleWrapper
 from fullshard.frontend import fsdp1_optim
 from fullshard.frontend.options import (
     as_optim_state_dict_config,
+    as_optim_state_key_type,
     as_state_dict_config,
     as_state_dict_type,
     warn_unused,
@@ -254,7 +255,15 @@ class StateDictMethods(ModuleWrapper):
     shard_full_optim_state_dict = staticmethod(optim_legacy.shard_full_optim_state_dict)
     scatter_full_optim_state_dict = staticmethod(optim_legacy.scatter_full_optim_state_dict)
     flatten_sharded_optim_state_dict = staticmethod(optim_legacy.flatten_sharded_optim_state_dict)
-    rekey_optim_state_dict = staticmethod(optim_legacy.rekey_optim_state_dict)
+
+    @staticmethod
+    def rekey_optim_state_dict(
+        optim_state_dict: dict[str, Any], optim_state_key_type: Any, model: nn.Module, *args: Any, **kwargs: Any
+    ) -> dict[str, Any]:
+        """torch FSDP1's ``rekey_optim_state_dict`` (see ``fullshard.state.optim_keys``); takes
+        fullshard's or torch's ``OptimStateKeyType``."""
+        key_type = as_optim_state_key_type(optim_state_key_type)
+        return optim_legacy.rekey_optim_state_dict(optim_state_dict, key_type, model, *args, **kwargs)
 
 
 def wrappers(module: nn.Module) -> list[StateDictMethods]:

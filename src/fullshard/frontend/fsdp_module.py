@@ -78,7 +78,8 @@ class FSDPModule(_TorchFSDPModule):
         orig = cls.__mro__[cls._orig_cls_mro_index]
         self = orig.__new__(orig, *args, **kwargs)
         # torch's switch for code that rebuilds modules without running __init__ (dynamo's packages)
-        if getattr(sys.modules[_TorchFSDPModule.__module__], "_enable_fsdp_module_new_init", True):
+        # (read where torch's __new__ reads it; torch versions without the switch always initialize)
+        if getattr(sys.modules[_TorchFSDPModule.__new__.__module__], "_enable_fsdp_module_new_init", True):
             self.__init__(*args, **kwargs)
         return self
 

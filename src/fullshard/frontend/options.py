@@ -27,6 +27,7 @@ from fullshard.engine.config import (
     LocalStateDictConfig,
     MixedPrecision,
     OptimStateDictConfig,
+    OptimStateKeyType,
     ShardedOptimStateDictConfig,
     ShardedStateDictConfig,
     ShardingStrategy,
@@ -211,6 +212,14 @@ def as_state_dict_type(value: Any) -> StateDictType:
     if _is_torch(value, "StateDictType"):
         return _from_torch_enum(value, StateDictType, "state_dict_type")
     raise TypeError(f"state_dict_type must be a StateDictType (fullshard's or torch.distributed.fsdp's), got {value!r}")
+
+
+def as_optim_state_key_type(value: Any) -> Any:
+    """torch's ``OptimStateKeyType`` as fullshard's (what Lightning passes to
+    ``rekey_optim_state_dict``); anything else unchanged, for the callee to check."""
+    if _is_torch(value, "OptimStateKeyType"):
+        return _from_torch_enum(value, OptimStateKeyType, "optim_state_key_type")
+    return value
 
 
 def as_state_dict_config(value: Any) -> StateDictConfig | None:

@@ -16,7 +16,6 @@ binding is on or off.
 from __future__ import annotations
 
 import sys
-import types
 from typing import Any
 
 from torch import nn
@@ -38,10 +37,16 @@ FRAMEWORK_MODULES = (
     "torchtitan.models.flux.parallelize",
     "torchtitan.experiments.transformers_modeling_backend.parallelize",
 )
-_NAMES = ("fully_shard", "register_fsdp_forward_method")
+# FSDP1's wrapper class, bound only with use_in_torch(fsdp1=True) (Lightning's FSDPStrategy
+# imports it from these modules inside its methods).
+FSDP1_MODULES = ("torch.distributed.fsdp", "torch.distributed.fsdp.fully_sharded_data_parallel")
+_GROUPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # group -> (modules, names)
+    "fsdp2": (TORCH_MODULES + FRAMEWORK_MODULES, ("fully_shard", "register_fsdp_forward_method")),
+    "fsdp1": (FSDP1_MODULES, ("FullyShardedDataParallel",)),
+}
 
-_originals: dict[str, Any] = {}  # name -> torch's function (kept from the first use_in_torch on)
-_depth = 0  # use_in_torch() calls not yet undone
+_originals: dict[str, Any] = {}  # name -> torch's object (kept from the first binding on)
+_depth = {group: 0 for group in _GROUPS}  # use_in_torch() calls not yet undone, per group
 
 
 def torch_fully_shard() -> Any:
@@ -66,40 +71,43 @@ def _register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
 
 def _ours() -> dict[str, Any]:
+    from fullshard.frontend.fsdp1 import FullyShardedDataParallel
     from fullshard.frontend.fully_shard import fully_shard
 
-    return {"fully_shard": fully_shard, "register_fsdp_forward_method": _register_fsdp_forward_method}
+    return {
+        "fully_shard": fully_shard,
+        "register_fsdp_forward_method": _register_fsdp_forward_method,
+        "FullyShardedDataParallel": FullyShardedDataParallel,
+    }
 
 
-def _rebind(module: types.ModuleType, old: dict[str, Any], new: dict[str, Any]) -> None:
-    """Set ``module.<name>`` to ``new[name]`` where it is ``old[name]`` (leave others' bindings)."""
-    for name in _NAMES:
-        if getattr(module, name, None) is old[name]:
-            setattr(module, name, new[name])
-
-
-def _loaded(names: tuple[str, ...]) -> list[types.ModuleType]:
-    return [sys.modules[n] for n in names if n in sys.modules]
+def _rebind(group: str, old: dict[str, Any], new: dict[str, Any]) -> None:
+    """In the group's loaded modules, set ``<name>`` to ``new[name]`` where it is ``old[name]``
+    (bindings others made are left alone)."""
+    modules, names = _GROUPS[group]
+    for module in (sys.modules[n] for n in modules if n in sys.modules):
+        for name in names:
+            if getattr(module, name, None) is old[name]:
+                setattr(module, name, new[name])
 
 
 class TorchBinding:
     """What :func:`use_in_torch` returns: ``undo()`` (or leaving a ``with`` block) gives torch
     its own functions back once every call has been undone."""
 
-    def __init__(self) -> None:
+    def __init__(self, groups: tuple[str, ...]) -> None:
+        self._groups = groups
         self._done = False
 
     def undo(self) -> None:
         """Undo this call (a second undo does nothing)."""
-        global _depth
         if self._done:
             return
         self._done = True
-        _depth -= 1
-        if _depth == 0:
-            ours = _ours()
-            for module in _loaded(TORCH_MODULES + FRAMEWORK_MODULES):
-                _rebind(module, ours, _originals)
+        for group in self._groups:
+            _depth[group] -= 1
+            if _depth[group] == 0:
+                _rebind(group, _ours(), _originals)
 
     def __enter__(self) -> TorchBinding:
         return self
@@ -108,7 +116,7 @@ class TorchBinding:
         self.undo()
 
 
-def use_in_torch() -> TorchBinding:
+def use_in_torch(*, fsdp1: bool = False) -> TorchBinding:
     """Make code that calls torch's FSDP2 functions run on fullshard (opt-in, reversible).
 
     Rebinds ``fully_shard`` and ``register_fsdp_forward_method`` in
@@ -120,6 +128,13 @@ def use_in_torch() -> TorchBinding:
     fullshard's units and torch's. Calling it again while on changes nothing (each call is
     undone separately; torch gets its functions back after the last undo).
 
+    Args:
+        fsdp1: also bind fullshard's ``FullyShardedDataParallel`` as
+            ``torch.distributed.fsdp.FullyShardedDataParallel`` (and in
+            ``torch.distributed.fsdp.fully_sharded_data_parallel``), for frameworks that wrap
+            with torch's FSDP1 class (Lightning's ``FSDPStrategy``). While it is on, torch's own
+            FSDP1 cannot be used through those names.
+
     Returns:
         a :class:`TorchBinding`: call ``undo()`` or use it in a ``with`` block to give torch
         its functions back (framework modules imported meanwhile included).
@@ -127,20 +142,20 @@ def use_in_torch() -> TorchBinding:
     Raises:
         ImportError: torch has no ``torch.distributed.fsdp.fully_shard`` (torch < 2.6).
     """
-    global _depth
     import torch.distributed._composable.fsdp  # noqa: F401  (loads every module in TORCH_MODULES)
     import torch.distributed.fsdp
+    import torch.distributed.fsdp.fully_sharded_data_parallel  # noqa: F401
 
-    if _depth == 0:
-        if not _originals:
-            _originals.update({name: getattr(torch.distributed.fsdp, name) for name in _NAMES})
-        ours = _ours()
-        for module in _loaded(TORCH_MODULES + FRAMEWORK_MODULES):
-            _rebind(module, _originals, ours)
-    _depth += 1
-    return TorchBinding()
+    groups = ("fsdp2", "fsdp1") if fsdp1 else ("fsdp2",)
+    for group in groups:
+        if _depth[group] == 0:
+            for name in _GROUPS[group][1]:
+                _originals.setdefault(name, getattr(torch.distributed.fsdp, name))
+            _rebind(group, _originals, _ours())
+        _depth[group] += 1
+    return TorchBinding(groups)
 
 
-def active() -> bool:
-    """Whether :func:`use_in_torch` is on."""
-    return _depth > 0
+def active(group: str = "fsdp2") -> bool:
+    """Whether :func:`use_in_torch` is on (``"fsdp1"``: with ``fsdp1=True``)."""
+    return _depth[group] > 0

@@ -11,6 +11,7 @@ Format: ``{"state": {name: {key: value}}, "param_groups": [{hyper-parameters, "p
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Union
 
 import torch
@@ -174,11 +175,42 @@ def _local(value: Any, sp: Any, current: torch.Tensor) -> torch.Tensor:
         if any(pl.is_shard() for pl in value.placements):
             return value.to_local()
         value = value.to_local()  # replicated: the whole value
+    if _is_sharded_tensor(value):
+        return _sharded_tensor_local(value, sp, current)
     value = torch.as_tensor(value)
     full_shaped = sp is not None and tuple(value.shape) == tuple(sp.spec.orig_shape)
     if full_shaped and tuple(current.shape) == tuple(sp.spec.local_shape):
         return sp.spec.local_slice(value)
     return value
+
+
+def _is_sharded_tensor(value: Any) -> bool:
+    # torch FSDP1's sharded optimizer state (what torch.distributed.checkpoint.optimizer's
+    # load_sharded_optimizer_state_dict returns); its module is loaded only when one exists
+    module = sys.modules.get("torch.distributed._shard.sharded_tensor")
+    return module is not None and isinstance(value, module.ShardedTensor)
+
+
+def _sharded_tensor_local(value: Any, sp: Any, current: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of a ShardedTensor laid out as fullshard shards (torch.chunk along dim 0).
+
+    Raises:
+        ValueError: its local shard is not this rank's rows of the parameter.
+    """
+    shards = value.local_shards()
+    start = sp.spec.local_row_start if sp is not None else 0
+    if len(shards) == 1 and tuple(shards[0].tensor.shape) == tuple(current.shape):
+        offsets = shards[0].metadata.shard_offsets
+        if offsets[0] == start and not any(offsets[1:]):
+            return shards[0].tensor
+    if not shards and current.numel() == 0:
+        return current.new_empty(current.shape)
+    raise ValueError(
+        f"optimizer state ShardedTensor of size {tuple(value.size())}: its local shards "
+        f"{[tuple(s.metadata.shard_offsets) for s in shards]} are not this rank's rows {start}.."
+        f"{start + current.shape[0] if current.dim() else start} (shape {tuple(current.shape)}); load it "
+        "at the world size it was saved with"
+    )
 
 
 def full_optim_state_dict(

@@ -134,8 +134,12 @@ def load_full_state_dict(
         sp = _sharded(target)
         is_full = name not in shards
         shape = sp.spec.orig_shape if sp is not None and is_full else target.shape
+        if not isinstance(value, torch.Tensor) and torch.overrides.is_tensor_like(value):
+            # as torch's load_state_dict, any tensor-like (e.g. Lightning's lazily loaded tensors):
+            # the first torch function on it (here a clone) gives the real tensor
+            value = torch.clone(value)
         if not isinstance(value, torch.Tensor):
-            errors.append(f"value for {name} is a {type(value).__name__}, expected a tensor")
+            errors.append(f"value for {name} is a {type(value).__name__}, expected a tensor or tensor-like")
         elif value.shape != shape:
             errors.append(
                 f"size mismatch for {name}: copying a param with shape {tuple(value.shape)} from "
