@@ -108,6 +108,7 @@ class FSDPModule:
         assert state.root is not None
         state.root.post_optim_event = event
 
+    @hooks.outside_dynamo  # called from compiled code (a chunked loss), it runs eagerly
     def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
         """All-gather this module's parameters now; while gathered, ``parameters(recurse=False)``
         yields the full parameters (in ``param_dtype``), as torch's does. The next forward then
@@ -120,6 +121,7 @@ class FSDPModule:
         _register_unsharded(unit)
         return None
 
+    @hooks.outside_dynamo
     def reshard(self) -> None:
         """Free this module's full parameters; the shards are registered again."""
         self._units(recurse=False)[0].reshard()
