@@ -176,3 +176,10 @@ def test_model_compile_breaks_only_at_units() -> None:
     bitwise, and graph breaks only where units' hooks run, exactly as many as torch's FSDP2."""
     counts = run_ranks(model_compile_body, 2, timeout=600)
     assert counts[0] == EXPECTED_MODEL_BREAKS
+
+
+def test_bench_compile_refuses_a_warmup_that_would_time_compilation() -> None:
+    from fullshard.jobs.bench import compiled
+
+    with pytest.raises(ValueError, match="--warmup 1 would time compilation"):
+        compiled.run("tiny", "eager", steps=1, warmup=1, rounds=1, nproc=2)

@@ -179,6 +179,7 @@ class FSDPModule(_TorchFSDPModule):
         assert state.root is not None
         state.root.post_optim_event = event
 
+    @hooks.outside_dynamo  # called from compiled code (a chunked loss), it runs eagerly
     def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
         """All-gather this module's parameters now; while gathered, ``parameters(recurse=False)``
         yields the full parameters (in ``param_dtype``), as torch's does. The next forward then
@@ -191,6 +192,7 @@ class FSDPModule(_TorchFSDPModule):
         _register_unsharded(unit)
         return None
 
+    @hooks.outside_dynamo
     def reshard(self) -> None:
         """Free this module's full parameters; the shards are registered again."""
         self._units(recurse=False)[0].reshard()

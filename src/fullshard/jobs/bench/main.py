@@ -11,6 +11,9 @@ measures it on three real steps (see :mod:`fullshard.jobs.plan.validate`).
 ``fullshard bench recorder [--calls 2000] [--rounds 2] [--nproc 2]`` times one-element all-reduces
 with the flight recorder on and off, taking turns: what recording adds to each collective.
 
+``fullshard bench compile [--compare compute] [--backend inductor]`` times fullshard's and torch's
+fully_shard with and without per-block torch.compile (see :mod:`fullshard.jobs.bench.compiled`).
+
 ``fullshard bench prefetch [--nproc 2] [--steps 12]`` trains a stack of large Linear layers
 (communication-heavy: many parameters, small batch) with FULL_SHARD under each prefetch setting
 and prints the median step time of each, with its ratio to the no-prefetch run. Timings belong
@@ -25,7 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fullshard.jobs.bench import compare, gpu, micro, report
+from fullshard.jobs.bench import compare, compiled, gpu, micro, report
 from fullshard.jobs.bench.workloads import COMPARE_WORKLOADS, FLOOR, IMPLEMENTATIONS
 
 
@@ -38,6 +41,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.workload == "compare":
         return _compare_main(args, argv)
+    if args.workload == "compile":
+        section = compiled.run(args.compare, args.backend, args.steps, args.warmup, args.rounds, args.nproc)
+        print(f"`fullshard bench {' '.join(argv)}`\n\n{section}")
+        return 0
     if args.workload == "optimizer":
         print("\n".join(micro.optimizer_report(args.numel)))
         return 0
@@ -66,9 +73,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fullshard bench", description=__doc__)
     p.add_argument(
-        "workload", choices=["prefetch", "optimizer", "compare", "gpu", "recorder", "estimate", "steptime", "plan"]
+        "workload",
+        choices=["prefetch", "optimizer", "compare", "compile", "gpu", "recorder", "estimate", "steptime", "plan"],
     )
-    p.add_argument("--compare", default="compute", choices=sorted(COMPARE_WORKLOADS), help="compare: one workload")
+    p.add_argument("--backend", default="inductor", help="compile: torch.compile's backend for each block")
+    p.add_argument(
+        "--compare", default="compute", choices=sorted(COMPARE_WORKLOADS), help="compare, compile: one workload"
+    )
     p.add_argument(
         "--workloads",
         nargs="+",
