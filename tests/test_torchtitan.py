@@ -29,12 +29,6 @@ def _script():
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 29: needs fullshard's units to be torch FSDPModules, uneven [norm, lm_head] units, "
-    "full parameters that require grad for checkpoint recomputation in backward, and gradients "
-    "accumulated without sync in the reduce dtype (fp32), as torch's FSDP2 does",
-)
 def test_torchtitan_debugmodel_losses_match_torch_fsdp2(tmp_path: Path) -> None:
     tc = _script()
     args = tc.parse(["--variants", "eager", "--nproc", "2"])

@@ -84,20 +84,27 @@ def _fully_shard(lib: str):
     return fully_shard
 
 
-def _train_chunked(rank: int, world: int, lib: str, explicit: bool) -> tuple[list[float], list[torch.Tensor]]:
+def _train_chunked(
+    rank: int, world: int, lib: str, explicit: bool, bf16: bool = False
+) -> tuple[list[float], list[torch.Tensor]]:
     fully_shard = _fully_shard(lib)
     torch.manual_seed(0)
     model = HeadlessLM(layers=2)
+    mp = {}
+    if bf16:  # torchtitan's default: gather and compute in bf16, reduce in fp32
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        mp = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
     for layer in model.layers:
-        fully_shard(layer)
-    fully_shard([model.norm, model.output])
-    fully_shard(model)
+        fully_shard(layer, **mp)
+    fully_shard([model.norm, model.output], **mp)
+    fully_shard(model, **mp)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     losses = []
     for step in range(STEPS):
         ids = tokens(step, 2 * world)[2 * rank : 2 * rank + 2]
         hidden = model(ids, skip_head=True)
-        loss = _chunked_loss(model, hidden, ids.roll(-1, 1), 4, explicit)
+        loss = _chunked_loss(model, hidden.float() if bf16 else hidden, ids.roll(-1, 1), 4, explicit)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -122,6 +129,17 @@ def test_chunked_loss_over_a_norm_and_head_unit_matches_torch(world: int) -> Non
             assert got[r][0] == ref[r][0], (explicit, r)
             for a, b in zip(got[r][1], ref[r][1]):
                 assert torch.equal(a, b), explicit
+
+
+def test_chunked_loss_in_bf16_sums_unsynced_head_gradients_in_fp32_as_torch() -> None:
+    """With sync off for all chunks but the last, torch's FSDP2 keeps the head's gradient sum in
+    the reduce dtype (fp32); summed in bf16, the result differs from the first step."""
+    ref = run_ranks(_train_chunked, 2, "torch", True, True)
+    got = run_ranks(_train_chunked, 2, "fullshard", True, True)
+    for r in range(2):
+        assert got[r][0] == ref[r][0], r
+        for a, b in zip(got[r][1], ref[r][1]):
+            assert torch.equal(a, b)
 
 
 class _Leaky(nn.Module):
@@ -171,15 +189,26 @@ def _wrap(block: nn.Module, wrapper: str, mode: str) -> nn.Module:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     else:
         from fullshard import checkpoint_wrapper
+    # early_stop=False as torchtitan: the recomputation runs whole and must save as many tensors
     if mode == "selective":
-        return checkpoint_wrapper(block, context_fn=_selective_policy())
-    return checkpoint_wrapper(block)
+        return checkpoint_wrapper(block, context_fn=_selective_policy(), early_stop=False)
+    return checkpoint_wrapper(block, early_stop=False)
+
+
+def _torchtitan_like_lm() -> TinyLM:
+    """TinyLM with RMSNorm and bias-free MLP layers, as torchtitan's llama blocks: a weight that
+    did not require grad in a recomputation changes what it saves (LayerNorm with biases hid it)."""
+    torch.manual_seed(0)
+    model = TinyLM(layers=2)
+    for block in model.layers:
+        block.attention_norm, block.ffn_norm = nn.RMSNorm(12), nn.RMSNorm(12)
+        block.w1, block.w2 = nn.Linear(12, 48, bias=False), nn.Linear(48, 12, bias=False)
+    return model
 
 
 def _train_ac(rank: int, world: int, lib: str, order: str, wrapper: str, mode: str) -> list[torch.Tensor]:
     fully_shard = _fully_shard(lib)
-    torch.manual_seed(0)
-    model = TinyLM(layers=2)
+    model = _torchtitan_like_lm()
     for i, block in enumerate(model.layers):
         if order == "before":  # torchtitan's order: checkpoint_wrapper(block), then fully_shard of it
             model.layers[i] = fully_shard(_wrap(block, wrapper, mode))

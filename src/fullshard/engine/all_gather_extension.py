@@ -164,11 +164,11 @@ class ExtensionUnit(Unit):
         for ep in self.ext:
             ep.post_all_gather()
 
-    def install_full_params(self) -> None:
-        super().install_full_params()
+    def install_full_params(self, for_recompute: bool = False) -> None:
+        super().install_full_params(for_recompute)
         if not self.ext:
             return
-        grad = torch.is_grad_enabled()
+        grad = torch.is_grad_enabled() and not for_recompute
         if grad and self.trainable and self.full_flat.requires_grad:
             self._waiting.add("plain")
         views: list[Any] = [ep.unsharded for ep in self.ext]

@@ -334,7 +334,7 @@ def _pre_backward(hooks: UnitHooks, grad: torch.Tensor) -> torch.Tensor:
     unit.training_state = TrainingState.PRE_BACKWARD
     unit.profile_range = exposure.open_range(f"fullshard::unit backward {unit.name}")
     unit.unshard()
-    unit.install_full_params()  # for forward recomputation under activation checkpointing
+    unit.install_full_params(for_recompute=True)  # activation checkpointing may recompute forward on them
     if hooks.prefetch_in_backward is not None:
         for other in hooks.prefetch_in_backward:
             _prefetch(other)
@@ -352,6 +352,8 @@ def post_backward(unit: Unit, root: RootState) -> None:
             root.last_reduced.finish_reduce()  # keep one reduction in flight, not all
         unit.reduce_grads()
         root.last_reduced = unit
+    else:
+        unit.grads.hold_unsynced()
     if unit.reshard_after_backward:
         unit.reshard()
     exposure.close_range(unit.profile_range)

@@ -78,6 +78,10 @@ class GradReducer:
         self._last_out: torch.Tensor | None = None  # on CPU: reused while nothing else holds it
         self._host_grad: torch.Tensor | None = None  # under offload: where gradients land on the host
         self._partial_sum: torch.Tensor | None = None  # reduce-scattered, not yet all-reduced
+        # fully_shard (torch FSDP2's rule): gradients accumulated with sync off are kept in the
+        # reduce dtype, not summed by autograd in the compute dtype (bf16 chunks add up in fp32).
+        self.upcast_unsynced = False
+        self._unsynced: torch.Tensor | None = None  # (N*S_t,) in the reduce dtype
 
     @property
     def has_pending(self) -> bool:
@@ -94,13 +98,31 @@ class GradReducer:
         """Sums reduce-scattered while the replica all-reduce was off (shape (S_t,)), or None."""
         return self._partial_sum
 
+    def hold_unsynced(self) -> None:
+        """Backward with gradient sync off: with ``upcast_unsynced``, move the full flat
+        gradient into the reduce-dtype sum that the next reduction takes (a no-op when the
+        compute dtype is the reduce dtype: autograd's own sum is the same)."""
+        grad = self.unit.full_flat.grad
+        if not self.upcast_unsynced or grad is None or grad.dtype == self.unit.reduce_dtype:
+            return
+        self.unit.full_flat.grad = None
+        if self._unsynced is None:
+            self._unsynced = grad.to(self.unit.reduce_dtype)
+        else:
+            self._unsynced.add_(grad)
+
     def launch(self) -> None:
         """Launch the reduce-scatter (and replica all-reduce) of the accumulated full gradient."""
         unit = self.unit
         grad = unit.full_flat.grad
+        unit.full_flat.grad = None
+        if self._unsynced is not None:  # sums kept in the reduce dtype while sync was off
+            held, self._unsynced = self._unsynced, None
+            if grad is not None:
+                held.add_(grad)
+            grad = held
         if grad is None:
             return
-        unit.full_flat.grad = None
         if probes.ACTIVE is not None:
             probes.record_event("reduce", unit.name)
         ranks = unit.world * unit.replicas

@@ -220,12 +220,14 @@ class Unit(UnitLayout):
             self._mark_full_valid()
         self.shard_state = ShardState.UNSHARDED
 
-    def full_params(self) -> list[torch.Tensor]:
+    def full_params(self, tracked: bool = True) -> list[torch.Tensor]:
         """Per-parameter full tensors (shape ``orig_shape``), views of the full flat buffer.
 
         Under grad mode the trainable ones come from :class:`_SplitFull`, so their gradients
         accumulate into the full flat buffer's ``.grad``, laid out rank-major (the
-        reduce-scatter's input as it stands). Call only while UNSHARDED.
+        reduce-scatter's input as it stands). ``tracked=False``: views whose backward is not
+        expected to run (a recomputation's), so they do not hold off
+        :meth:`reshard_for_packing`. Call only while UNSHARDED.
         """
         if self.shard_state is not ShardState.UNSHARDED:
             raise RuntimeError(f"FSDP unit {self.name!r}: full parameters requested while SHARDED")
@@ -235,7 +237,7 @@ class Unit(UnitLayout):
             if not group:
                 continue
             if flat.requires_grad and torch.is_grad_enabled():
-                views += self._named_split().apply(flat, self)
+                views += self._named_split().apply(flat, self, tracked)
             else:
                 pieces = flat.split(sizes)
                 views += [pieces[2 * i].view(sp.spec.orig_shape) for i, sp in enumerate(group)]
@@ -260,8 +262,21 @@ class Unit(UnitLayout):
         if not self.aliased and len(self.trainable) == len(self.params) and self.reshard_after_backward:
             self.reshard()
 
-    def install_full_params(self) -> None:
-        for sp, full in zip(self.params, self.full_params()):
+    def install_full_params(self, for_recompute: bool = False) -> None:
+        """Make the modules' attributes resolve to the full parameters.
+
+        ``for_recompute`` (the pre-backward hook, where autograd has grad mode off): the trainable
+        ones require grad as in forward, from an untracked :class:`_SplitFull`. Activation
+        checkpointing applied before ``fully_shard`` recomputes the forward on them and must save
+        the same tensors as the original forward did; a weight that does not require grad saves
+        fewer. Backward runs on the original graph, so nothing flows back through these.
+        """
+        if for_recompute:
+            with torch.enable_grad():
+                fulls = self.full_params(tracked=False)
+        else:
+            fulls = self.full_params()
+        for sp, full in zip(self.params, fulls):
             sp.install_full(full)
 
     def uninstall_full_params(self) -> None:
@@ -349,19 +364,20 @@ class _SplitFull(torch.autograd.Function):
     _unit_name = ""
 
     @staticmethod
-    def forward(ctx: Any, flat: torch.Tensor, unit: Unit) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+    def forward(ctx: Any, flat: torch.Tensor, unit: Unit, tracked: bool) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         ctx.unit = unit
         ctx.set_materialize_grads(False)
-        unit._open_splits.add(ctx)
+        if tracked:
+            unit._open_splits.add(ctx)
         pieces = flat.split(unit._full_splits[0])
         return tuple(pieces[2 * i].view(sp.spec.orig_shape) for i, sp in enumerate(unit.trainable))
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, None]:  # type: ignore[override]
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, None, None]:  # type: ignore[override]
         unit: Unit = ctx.unit
         unit._open_splits.discard(ctx)
         if all(g is None for g in grads):
-            return None, None
+            return None, None, None
         if not unit._open_splits:  # no later backward reads the full parameters
             unit.reshard_for_packing()
-        return unit.pack_grads(grads), None
+        return unit.pack_grads(grads), None, None

@@ -34,7 +34,8 @@ class CheckpointWrapper(ModuleWrapper):
         module: the module to wrap.
         offload_to_cpu: keep the saved inputs in CPU memory (useful on GPUs only).
         checkpoint_kwargs: passed on to ``torch.utils.checkpoint.checkpoint`` (``context_fn``
-            for selective checkpointing, ``preserve_rng_state``, ``determinism_check``, ``debug``).
+            for selective checkpointing, ``preserve_rng_state``, ``determinism_check``, ``debug``,
+            ``early_stop``).
     """
 
     wrapped_key = WRAPPED
@@ -80,7 +81,7 @@ def checkpoint_wrapper(module: nn.Module, offload_to_cpu: bool = False, **kwargs
     Takes torch's ``checkpoint_wrapper`` keywords: ``checkpoint_impl`` (non-reentrant only) and
     the keywords of ``torch.utils.checkpoint.checkpoint`` (``context_fn=`` with
     ``create_selective_checkpoint_contexts`` for selective checkpointing, ``preserve_rng_state``,
-    ``determinism_check``, ``debug``).
+    ``determinism_check``, ``debug``, ``early_stop``).
 
     Raises:
         TypeError: ``checkpoint_impl=REENTRANT``, or a keyword neither of these accepts.
@@ -97,7 +98,7 @@ def checkpoint_wrapper(module: nn.Module, offload_to_cpu: bool = False, **kwargs
     return CheckpointWrapper(module, offload_to_cpu=offload_to_cpu, checkpoint_kwargs=kwargs)
 
 
-_CHECKPOINT_KWARGS = frozenset({"context_fn", "preserve_rng_state", "determinism_check", "debug"})
+_CHECKPOINT_KWARGS = frozenset({"context_fn", "preserve_rng_state", "determinism_check", "debug", "early_stop"})
 
 
 def apply_activation_checkpointing(

@@ -213,6 +213,7 @@ def _build(
     reshard, post_forward_size = meshes.as_reshard_after_forward(reshard_after_forward, shard_size)
     config = build.unit_config(prepared.device, reshard, mp, offload)
     unit = build.build_unit(holder, prepared, groups, config, materialize_meta=False)
+    unit.grads.upcast_unsynced = True  # torch FSDP2 sums unsynced gradients in the reduce dtype
     if post_forward_size is not None:
         unit.set_post_forward_group(meshes.post_forward_group(mesh, post_forward_size))
     placements = [Replicate(), Shard(0)] if hybrid else [Shard(0)]
