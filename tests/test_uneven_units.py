@@ -233,3 +233,32 @@ def test_activation_checkpointing_in_either_order_matches_torch(order: str) -> N
             got = run_ranks(_train_ac, 2, "fullshard", order, wrapper, mode)
             for a, b in zip(got[0], ref[0]):
                 assert torch.equal(a, b), (order, wrapper, mode)
+
+
+def _train_with_eval(rank: int, world: int, lib: str) -> list[torch.Tensor]:
+    fully_shard = _fully_shard(lib)
+    torch.manual_seed(0)
+    model = TinyLM(layers=2)
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    out = []
+    for step in range(STEPS):
+        ids = tokens(step, 2 * world)[2 * rank : 2 * rank + 2]
+        nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.roll(-1, 1).flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():  # an evaluation between steps, as the training jobs run one
+            out.append(model(ids))
+    model.reshard()  # torch's root stays gathered after a no-grad forward
+    return out + [p.full_tensor() for p in model.parameters()]
+
+
+def test_evaluation_between_steps_leaves_the_root_ready_for_training() -> None:
+    """A no-grad forward of the root must end its pass: the next training forward gathers
+    parameters that require grad again (found by the GPT job's resume test)."""
+    ref = run_ranks(_train_with_eval, 2, "torch")
+    got = run_ranks(_train_with_eval, 2, "fullshard")
+    for a, b in zip(got[0], ref[0]):
+        assert torch.equal(a, b)

@@ -208,8 +208,9 @@ def root_pre_forward(hooks: UnitHooks) -> None:
     if root.post_optim_event is not None:
         torch.cuda.current_stream().wait_event(root.post_optim_event)
         root.post_optim_event = None
-    for h in root.states:
-        h.modules_to_run.clear()  # a pass left open by the last iteration (a chunked loss's head)
+    for h in root.states:  # a pass left open by the last iteration (a chunked loss's head)
+        if h is not hooks:  # the root's own pass has just begun
+            h.modules_to_run.clear()
     if not root.units_checked:
         check_same_units(root)
     if torch.is_grad_enabled():
