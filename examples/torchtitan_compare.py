@@ -304,10 +304,17 @@ def launch(engine: str, variant: str, a: argparse.Namespace, root: Path) -> list
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
-    if proc.returncode != 0 or not out.exists():
+    curve = json.loads(out.read_text()) if out.exists() else []
+    if proc.returncode != 0 and len(curve) < a.steps:
         tail = (proc.stdout + proc.stderr)[-6000:]
         raise RuntimeError(f"{engine} {variant} run failed (exit {proc.returncode}):\n{tail}")
-    return json.loads(out.read_text())
+    if proc.returncode != 0:
+        # Seen on fullshard's runs, about one in three: every step trained and rank 0 wrote its
+        # curve, then a rank aborted while the process group was torn down ("terminate called
+        # without an active exception"). An open bug at shutdown, reported rather than hidden.
+        print(f"warning: {engine} {variant}: all {a.steps} steps logged, then exit {proc.returncode} at shutdown",
+              file=sys.stderr)  # fmt: skip
+    return curve
 
 
 def max_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
