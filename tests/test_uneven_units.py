@@ -143,36 +143,70 @@ def test_chunked_loss_in_bf16_sums_unsynced_head_gradients_in_fp32_as_torch() ->
 
 
 class _Leaky(nn.Module):
-    """Keeps an intermediate computed from its parameters outside its outputs."""
+    """Keeps an intermediate computed from its parameters outside its outputs.
 
-    def __init__(self) -> None:
+    ``mode``: "linear" saves a transposed view of the weight (autograd names its ``t()``),
+    "mm" saves the full weight itself, "frozen" saves a weight that does not require grad.
+    """
+
+    def __init__(self, mode: str) -> None:
         super().__init__()
+        self.mode = mode
         self.lin = nn.Linear(4, 4)
+        self.lin.weight.requires_grad_(mode != "frozen")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.inner = self.lin(x)
+        self.inner = x @ self.lin.weight if self.mode == "mm" else self.lin(x)
         return x * 2
 
 
-def _use_after_reshard(rank: int, world: int) -> str:
+def _use_after_reshard(rank: int, world: int, mode: str) -> str:
     from fullshard import fully_shard
 
-    model = nn.Sequential(_Leaky(), nn.Linear(4, 2))
+    model = nn.Sequential(_Leaky(mode), _Leaky(mode), nn.Linear(4, 2))
     fully_shard(model[0])
+    fully_shard(model[1])
     fully_shard(model)
     model(torch.randn(3, 4, requires_grad=True))
     try:  # backward reaches the unit's saved weight without passing its outputs: the unit is freed
-        model[0].inner.sum().backward()
+        model[1].inner.sum().backward()
     except RuntimeError as e:
         return str(e)
     return "no error"
 
 
-def test_backward_through_a_resharded_unit_raises_instead_of_reading_freed_memory() -> None:
-    for message in run_ranks(_use_after_reshard, 2):
-        assert "modified inplace" in message or "modified by an inplace operation" in message, message
+@pytest.mark.parametrize(
+    ("mode", "named"),
+    [("linear", "FSDP unit '0' or '1': "), ("mm", "FSDP unit '1': "), ("frozen", "FSDP unit '1': ")],
+)
+def test_backward_through_a_resharded_unit_raises_naming_the_unit(mode: str, named: str) -> None:
+    # Autograd names the exact unit when the saved tensor is a full parameter itself, or a frozen
+    # one (version error); for a view of it (the transposed weight of a Linear), every freed unit
+    # that autograd may still need, here both.
+    for message in run_ranks(functools.partial(_use_after_reshard, mode=mode), 2):
+        assert message.startswith(named + "backward needs a tensor saved from the unit's full"), message
+        assert "Autograd's error: " in message, message
     # One rank: the full parameters are the shards themselves, never freed; backward just works.
-    assert run_ranks(_use_after_reshard, 1) == ["no error"]
+    assert run_ranks(functools.partial(_use_after_reshard, mode=mode), 1) == ["no error"]
+
+
+def _plain_inplace_error(rank: int, world: int) -> str:
+    from fullshard import fully_shard
+
+    fully_shard(nn.Linear(2, 2))  # installs the engine handle that explains uses of freed units
+    x = torch.ones(3, requires_grad=True)
+    z = (x * 1).exp()  # exp saves its result
+    z.add_(1)
+    try:
+        z.sum().backward()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_other_inplace_errors_pass_through_unchanged_once_units_exist() -> None:
+    for message in run_ranks(_plain_inplace_error, 2):
+        assert message.startswith("one of the variables needed for gradient computation has been modified"), message
 
 
 def _selective_policy():

@@ -17,7 +17,7 @@ import torch
 
 from fullshard import probes
 from fullshard.comm import buffers, collectives, flight_recorder
-from fullshard.engine import shard_sync
+from fullshard.engine import reshard_guard, shard_sync
 from fullshard.engine.layout import (
     ParamEntry,
     ShardState,
@@ -67,6 +67,7 @@ class Unit(UnitLayout):
         self.partial: PartialShard | None = None
         self.on_reshard: Any = None  # called with the unit after each reshard (e.g. register shards again)
         self.profile_range: Any = None  # the open torch.profiler range of this unit's backward
+        reshard_guard.install()
 
     def set_post_forward_group(self, group: collectives.ProcessGroup) -> None:
         """Reshard to ``group`` (M consecutive ranks of the shard group) after forward."""
@@ -132,22 +133,13 @@ class Unit(UnitLayout):
         self._lent = None
 
     def _mark_full_freed(self) -> None:
-        """Make autograd refuse the full parameters while their memory is away.
-
-        Tensors that autograd saved in forward are views of the full flat buffer; they hold its
-        storage, which :meth:`_free_full` empties. Bumping the version counter of the buffer's
-        autograd aliases (which their views share) makes any backward that would read them now
-        fail with autograd's "modified by an inplace operation" error naming this unit's
-        full-parameter node, instead of reading freed memory; :meth:`_mark_full_valid` puts the
-        versions back once the all-gather has filled the buffer again.
-        """
-        self._clean_versions = (self.full_flat._version, self.frozen_full._version)
-        _set_versions((self.full_flat, self.frozen_full), tuple(v + 1 for v in self._clean_versions))
+        """Make autograd refuse the full parameters while their memory is away: a backward that
+        would read a tensor saved from them raises an error naming this unit (see
+        :mod:`~fullshard.engine.reshard_guard`), instead of reading freed memory."""
+        reshard_guard.mark_freed(self)
 
     def _mark_full_valid(self) -> None:
-        if self._clean_versions is not None:
-            _set_versions((self.full_flat, self.frozen_full), self._clean_versions)
-            self._clean_versions = None
+        reshard_guard.mark_valid(self)
 
     def _gather_into(self, full: torch.Tensor, local: torch.Tensor) -> collectives.Handle:
         """Start all-gathering ``local`` (S,) of every rank into the param-major ``full`` (N*S,).
@@ -336,19 +328,6 @@ class Unit(UnitLayout):
 
 
 _PHASES = {TrainingState.FORWARD: "forward", TrainingState.PRE_BACKWARD: "backward"}
-
-_set_version_counters = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
-if _set_version_counters is None:  # pragma: no cover - present in torch 2.4 and later
-    raise ImportError(
-        "fullshard needs torch._C._autograd._unsafe_set_version_counter (torch >= 2.4) to keep autograd from "
-        "reading freed full parameters; upgrade torch"
-    )
-
-
-def _set_versions(tensors: tuple[torch.Tensor, ...], versions: tuple[int, ...]) -> None:
-    """Set the autograd version counters of ``tensors`` (shared with their views)."""
-    assert _set_version_counters is not None
-    _set_version_counters(tensors, versions)
 
 
 class _SplitFull(torch.autograd.Function):

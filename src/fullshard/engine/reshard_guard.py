@@ -1,0 +1,147 @@
+"""Use-after-reshard guard: autograd refuses tensors saved from freed full parameters, and the
+error names the FSDP unit.
+
+While a unit's full flat buffer has no memory (resharded), the version counters of its autograd
+aliases are raised by :data:`STRIDE` plus a number of the unit's own; views saved for backward
+share those counters, so a backward that would read them fails in autograd's saved-tensor check ("modified by an inplace
+operation ... is at version X; expected version Y") instead of reading freed memory. Once an
+all-gather refills the buffer the counters go back and saved views are valid again.
+
+Autograd names only the node that made the saved tensor (often a ``t()`` of the weight), so
+:func:`install` puts a subclass of autograd's engine handle in place whose ``run_backward``
+(behind ``Tensor.backward``, ``torch.autograd.backward`` and ``torch.autograd.grad``) turns that
+error into one that names the freed unit, when the versions in the message are a freed unit's
+(``X - Y`` is the unit's raise). Any other error passes through unchanged.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import weakref
+from typing import Any, Protocol
+
+import torch
+from torch.autograd.variable import Variable
+
+__all__ = ["STRIDE", "install", "mark_freed", "mark_valid"]
+
+# How far a freed buffer's version counter is raised: far beyond any count of in-place updates a
+# saved tensor could have seen, so the pair of versions in autograd's message identifies it.
+STRIDE = 1 << 24
+
+_set_version_counters = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
+if _set_version_counters is None:  # pragma: no cover - present in torch 2.4 and later
+    raise ImportError(
+        "fullshard needs torch._C._autograd._unsafe_set_version_counter (torch >= 2.4) to keep autograd from "
+        "reading freed full parameters; upgrade torch"
+    )
+
+
+class _Guarded(Protocol):
+    name: str
+    full_flat: torch.Tensor
+    frozen_full: torch.Tensor
+    _clean_versions: tuple[int, int] | None
+
+
+_FREED: weakref.WeakSet[Any] = weakref.WeakSet()  # units whose full parameters are freed now
+_SERIALS = itertools.count()
+
+
+def _set_versions(tensors: tuple[torch.Tensor, ...], versions: tuple[int, ...]) -> None:
+    """Set the autograd version counters of ``tensors`` (shared with their views)."""
+    assert _set_version_counters is not None
+    _set_version_counters(tensors, versions)
+
+
+def _raise_of(unit: Any) -> int:
+    """How far ``unit``'s counters go up while freed: :data:`STRIDE` plus a number of its own, so
+    the difference autograd reports says which unit it was."""
+    serial = unit.__dict__.get("_guard_serial")
+    if serial is None:
+        serial = unit._guard_serial = next(_SERIALS) % STRIDE
+    return STRIDE + serial
+
+
+def mark_freed(unit: _Guarded) -> None:
+    """After ``unit``'s full buffer lost its memory: make autograd refuse tensors saved from it."""
+    unit._clean_versions = (unit.full_flat._version, unit.frozen_full._version)
+    up = _raise_of(unit)
+    _set_versions((unit.full_flat, unit.frozen_full), tuple(v + up for v in unit._clean_versions))
+    _FREED.add(unit)
+
+
+def mark_valid(unit: _Guarded) -> None:
+    """After an all-gather refilled ``unit``'s full buffer: saved views of it are valid again."""
+    if unit._clean_versions is not None:
+        _set_versions((unit.full_flat, unit.frozen_full), unit._clean_versions)
+        unit._clean_versions = None
+    _FREED.discard(unit)
+
+
+_VERSIONS = re.compile(r"is at version (\d+); expected version (\d+)")
+_VIEW = re.compile(r"^Output \d+ of (\S+) is a view and its base or another view of its base has been modified inplace")
+_SPLIT_NAME = re.compile(r"^FullParametersOfFSDPUnit\[(.*)\]$")
+_MAX_LISTED = 4
+
+
+def freed_units_in(message: str) -> list[str]:
+    """Names of the freed units that autograd's error ``message`` may be about, most likely first.
+
+    The saved-tensor version error gives the versions: exact. The error about a modified view of a
+    multi-output function (what a saved view of the full parameters raises) names the node that made
+    the view: exact when it is the unit's split, else every freed unit that autograd may still need
+    (its full parameters were used under grad and their backward has not run).
+    """
+    found = _VERSIONS.search(message)
+    if found is not None:
+        now, expected = int(found.group(1)), int(found.group(2))
+        return sorted(u.name for u in list(_FREED) if now - expected == _raise_of(u))
+    view = _VIEW.match(message)
+    if view is None or not _FREED:
+        return []
+    own = _SPLIT_NAME.match(view.group(1))
+    if own is not None:
+        return [own.group(1)]
+    return sorted(u.name for u in list(_FREED) if getattr(u, "_open_splits", None))
+
+
+def explain(error: RuntimeError) -> RuntimeError | None:
+    """A clearer error for ``error`` when it is a use of freed full parameters, else None."""
+    names = freed_units_in(str(error))
+    if not names:
+        return None
+    which = " or ".join(repr(n) for n in names[:_MAX_LISTED])
+    if len(names) > _MAX_LISTED:
+        which += f" (or one of {len(names) - _MAX_LISTED} more)"
+    return RuntimeError(
+        f"FSDP unit {which}: backward needs a tensor saved from the unit's full parameters, but the unit has "
+        "resharded (its full parameters are freed). This happens when a tensor computed inside the unit reaches "
+        "the loss without passing through the unit's outputs (e.g. kept as a module attribute), or when backward "
+        "runs after reshard() on members called after unshard(). Fix: return such tensors from the unit's "
+        "forward, or keep the unit gathered until backward (reshard_after_forward=False, or unshard() before "
+        f"and reshard() after backward). Autograd's error: {error}"
+    )
+
+
+class _ExplainingEngine(type(Variable._execution_engine)):  # type: ignore[misc]
+    """Autograd's engine handle; a use of freed full parameters raises an error naming the unit."""
+
+    def run_backward(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().run_backward(*args, **kwargs)
+        except RuntimeError as e:
+            clearer = explain(e)
+            if clearer is None:
+                raise
+            raise clearer from e
+
+
+def install() -> None:
+    """Route autograd's backward calls through :class:`_ExplainingEngine` (idempotent).
+
+    Called when the first unit is built, so importing fullshard alone changes nothing in torch.
+    """
+    if not isinstance(Variable._execution_engine, _ExplainingEngine):
+        Variable._execution_engine = _ExplainingEngine()
