@@ -31,6 +31,12 @@ from typing import Any
 import torch
 
 _SEED = 1234  # every call starts from this default-generator seed (torch seeds new processes at random)
+_VOLATILE = ("PYTEST_CURRENT_TEST",)  # pytest rewrites it for every test phase: never a reason for fresh ranks
+
+
+def _environment() -> dict[str, str]:
+    """This process's environment as kept ranks compare it (pytest's per-test marker left out)."""
+    return {k: v for k, v in os.environ.items() if k not in _VOLATILE}
 
 
 def _setup(rank: int, world: int, store_path: str, backend: str) -> None:
@@ -106,7 +112,7 @@ class _Ranks:
         self.world, self.q = world, ctx.Queue()
         self.tmp = tempfile.TemporaryDirectory()
         store = os.path.join(self.tmp.name, "store")
-        self.env = dict(os.environ)
+        self.env = _environment()
         self.inboxes = [ctx.Queue() for _ in range(world)] if fn is None else []
         if fn is None:
             targets = [(_kept, (r, world, store, self.inboxes[r], self.q)) for r in range(world)]
@@ -169,7 +175,7 @@ def run_ranks(
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; results in rank order."""
     kept = _KEPT.get(world_size)
-    if kept is not None and kept.env != dict(os.environ):
+    if kept is not None and kept.env != _environment():
         fresh = True
     if fresh or backend != "gloo":
         ranks = _Ranks(world_size, fn, args, backend)
