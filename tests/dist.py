@@ -9,10 +9,11 @@ Functions must be importable (module level).
 Ranks are kept between calls, one set per world size (each spawned rank costs seconds of
 imports on this machine, and the suite runs a few hundred calls): a kept rank restores the
 environment variables, default dtype, grad mode, thread count and RNG seed before each call,
-and a set that failed or timed out is killed, never reused. ``fresh=True`` (and every call made
-while this process's environment differs from the one the kept ranks started with, e.g. under
-``monkeypatch.setenv``) runs in new processes instead: for measurements of a whole process such
-as peak RSS, and for variables read at process start.
+and a set that failed or timed out is killed, never reused. A call made while this process's
+environment differs from the one the kept ranks started with (under ``monkeypatch.setenv``, or
+after torch's elastic launcher added its variables) closes them and starts a new set in this
+environment, so variables read at process start hold. ``fresh=True`` runs in new processes
+that leave after the call: for measurements of a whole process such as peak RSS.
 """
 
 from __future__ import annotations
@@ -175,8 +176,10 @@ def run_ranks(
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; results in rank order."""
     kept = _KEPT.get(world_size)
-    if kept is not None and kept.env != _environment():
-        fresh = True
+    if kept is not None and kept.env != _environment() and not fresh and backend == "gloo":
+        del _KEPT[world_size]  # started under another environment: a new set starts under this one
+        kept.close(kill=False)
+        kept = None
     if fresh or backend != "gloo":
         ranks = _Ranks(world_size, fn, args, backend)
         try:
