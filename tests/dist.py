@@ -9,10 +9,11 @@ Functions must be importable (module level).
 Ranks are kept between calls, one set per world size (each spawned rank costs seconds of
 imports on this machine, and the suite runs a few hundred calls): a kept rank restores the
 environment variables, default dtype, grad mode, thread count and RNG seed before each call,
-and a set that failed or timed out is killed, never reused. ``fresh=True`` (and every call made
-while this process's environment differs from the one the kept ranks started with, e.g. under
-``monkeypatch.setenv``) runs in new processes instead: for measurements of a whole process such
-as peak RSS, and for variables read at process start.
+and a set that failed or timed out is killed, never reused. A call made while this process's
+environment differs from the one the kept ranks started with (under ``monkeypatch.setenv``, or
+after torch's elastic launcher added its variables) closes them and starts a new set in this
+environment, so variables read at process start hold. ``fresh=True`` runs in new processes
+that leave after the call: for measurements of a whole process such as peak RSS.
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ from typing import Any
 import torch
 
 _SEED = 1234  # every call starts from this default-generator seed (torch seeds new processes at random)
+_VOLATILE = ("PYTEST_CURRENT_TEST",)  # pytest rewrites it for every test phase: never a reason for fresh ranks
+
+
+def _environment() -> dict[str, str]:
+    """This process's environment as kept ranks compare it (pytest's per-test marker left out)."""
+    return {k: v for k, v in os.environ.items() if k not in _VOLATILE}
 
 
 def _setup(rank: int, world: int, store_path: str, backend: str) -> None:
@@ -106,7 +113,7 @@ class _Ranks:
         self.world, self.q = world, ctx.Queue()
         self.tmp = tempfile.TemporaryDirectory()
         store = os.path.join(self.tmp.name, "store")
-        self.env = dict(os.environ)
+        self.env = _environment()
         self.inboxes = [ctx.Queue() for _ in range(world)] if fn is None else []
         if fn is None:
             targets = [(_kept, (r, world, store, self.inboxes[r], self.q)) for r in range(world)]
@@ -169,8 +176,10 @@ def run_ranks(
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; results in rank order."""
     kept = _KEPT.get(world_size)
-    if kept is not None and kept.env != dict(os.environ):
-        fresh = True
+    if kept is not None and kept.env != _environment() and not fresh and backend == "gloo":
+        del _KEPT[world_size]  # started under another environment: a new set starts under this one
+        kept.close(kill=False)
+        kept = None
     if fresh or backend != "gloo":
         ranks = _Ranks(world_size, fn, args, backend)
         try:

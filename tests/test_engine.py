@@ -103,31 +103,34 @@ def test_prefetch_keeps_at_most_one_more_unit_gathered() -> None:
     assert bwd <= 3  # root + current + BACKWARD_PRE's prefetch
 
 
-def count_body(rank: int, world: int, strategy: str) -> dict:
+def count_body(rank: int, world: int) -> dict[str, dict]:
     from fullshard import probes
 
-    _, model = _wrap(strategy)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    _step(model, opt, rank, world, 0)
-    with probes.enabled() as p:
-        _step(model, opt, rank, world, 1)
-    return dict(p.collectives.calls)
+    counts = {}
+    for strategy in _EXPECTED_COLLECTIVES:
+        _, model = _wrap(strategy)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        _step(model, opt, rank, world, 0)
+        with probes.enabled() as p:
+            _step(model, opt, rank, world, 1)
+        counts[strategy] = dict(p.collectives.calls)
+    return counts
+
+
+_EXPECTED_COLLECTIVES = {
+    # 5 units (root + 4 blocks). FULL_SHARD gathers each nested unit again for backward;
+    # the root stays gathered from forward into backward.
+    "FULL_SHARD": {"all_gather": 9, "reduce_scatter": 5},
+    "SHARD_GRAD_OP": {"all_gather": 5, "reduce_scatter": 5},
+    "NO_SHARD": {"all_reduce": 5},
+}
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize(
-    "strategy,expected",
-    [
-        # 5 units (root + 4 blocks). FULL_SHARD gathers each nested unit again for backward;
-        # the root stays gathered from forward into backward.
-        ("FULL_SHARD", {"all_gather": 9, "reduce_scatter": 5}),
-        ("SHARD_GRAD_OP", {"all_gather": 5, "reduce_scatter": 5}),
-        ("NO_SHARD", {"all_reduce": 5}),
-    ],
-)
-def test_collectives_per_step(strategy: str, expected: dict) -> None:
-    counts = run_ranks(count_body, 2, strategy, timeout=180)
-    assert counts[0] == expected and counts[1] == expected
+def test_collectives_per_step() -> None:
+    """Every strategy's collectives in its second step, counted on both ranks (one process group)."""
+    counts = run_ranks(count_body, 2, timeout=180)
+    assert counts[0] == counts[1] == _EXPECTED_COLLECTIVES, counts
 
 
 class _LateWork:
@@ -186,7 +189,7 @@ def late_body(rank: int, world: int) -> list[str]:
             ref, model = _wrap(strategy, **kw)
             opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
             ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
-            for step in range(3):
+            for step in range(2):  # the second step runs on momentum and the recorded prefetch order
                 _step(model, opt, rank, world, step)
                 _step(ref, ref_opt, 0, 1, step)
             full = model.state_dict()
@@ -330,31 +333,10 @@ def _worker_settings() -> tuple[str | None, str | None, int]:
     return os.environ.get("THP_MEM_ALLOC_ENABLE"), os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()
 
 
-@pytest.mark.timeout(120)
-def test_launch_sets_threads_and_asked_variables_for_workers_only(monkeypatch: pytest.MonkeyPatch) -> None:
+def _worker_variables() -> tuple[str | None, str | None, str | None]:
     import os
 
-    from fullshard.jobs import launch
-
-    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(os, "cpu_count", lambda: 4)  # read in this process, where launch decides
-    settings = launch.launch(_worker_settings, (), 2)
-    assert {rank: s[2] for rank, s in settings.items()} == {0: 2, 1: 2}  # 4 cores, 2 workers: 2 threads each
-    assert settings[0][:2] == (None, "2")  # huge pages: the caller's choice
-    assert launch.launch(_worker_settings, (), 1, env={"THP_MEM_ALLOC_ENABLE": "1"})[0][:2] == (
-        "1",
-        "4",
-    )  # as the bench asks
-    assert (
-        "THP_MEM_ALLOC_ENABLE" not in os.environ and "OMP_NUM_THREADS" not in os.environ
-    )  # the caller's left as it was
-    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
-    monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert launch.launch(_worker_settings, (), 2, env={"THP_MEM_ALLOC_ENABLE": "1"})[0][:2] == (
-        "0",
-        "3",
-    )  # an explicit choice is kept
+    return tuple(os.environ.get(k) for k in ("THP_MEM_ALLOC_ENABLE", "OMP_NUM_THREADS", "FULLSHARD_TEST_ASKED"))  # type: ignore[return-value]
 
 
 def _threads() -> int:
@@ -385,25 +367,71 @@ def _train_once() -> object:
     return weakref.ref(fsdp_state(model).unit)
 
 
-def _threads_around_a_job() -> tuple[int, int, int, bool]:
+def _settings_and_threads_around_a_job() -> tuple[tuple[str | None, str | None, int], tuple[int, int, int, bool]]:
+    """The worker's launch settings, then its gloo threads before, during and after a job."""
     from fullshard.jobs import launch
 
+    settings = _worker_settings()
     before = _threads()  # 0
     launch.init_process_group()
     unit = _train_once()
     during = _threads()
     launch.destroy_process_group()
-    return before, during, _threads(), unit() is None  # type: ignore[operator]
+    return settings, (before, during, _threads(), unit() is None)  # type: ignore[operator]
+
+
+@pytest.fixture(scope="module")
+def two_worker_job() -> tuple[dict, bool]:
+    """One 2-worker launch (a 4-core machine, no thread or huge-page variables set by the caller)
+    that both launch tests read; and whether the launch left any variable in the caller's
+    environment. The caller's environment is the suite's again afterwards (kept ranks stay valid)."""
+    import os
+
+    from fullshard.jobs import launch
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+        mp.delenv("OMP_NUM_THREADS", raising=False)
+        mp.setattr(os, "cpu_count", lambda: 4)  # read in this process, where launch decides
+        results = launch.launch(_settings_and_threads_around_a_job, (), 2)
+        leaked = "THP_MEM_ALLOC_ENABLE" in os.environ or "OMP_NUM_THREADS" in os.environ
+    return results, leaked
+
+
+@pytest.mark.timeout(240)  # the shared launch runs in this test's setup
+def test_launch_sets_threads_and_asked_variables_for_workers_only(
+    two_worker_job: tuple[dict, bool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    from fullshard.jobs import launch
+
+    results, leaked = two_worker_job
+    settings = {rank: r[0] for rank, r in results.items()}
+    assert {rank: s[2] for rank, s in settings.items()} == {0: 2, 1: 2}  # 4 cores, 2 workers: 2 threads each
+    assert settings[0][:2] == (None, "2")  # huge pages: the caller's choice
+    assert not leaked  # the caller's left as it was
+    # The caller chose huge pages off; the bench asks them on plus one more variable of its own.
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    asked = {"THP_MEM_ALLOC_ENABLE": "1", "FULLSHARD_TEST_ASKED": "yes"}
+    assert launch.launch(_worker_variables, (), 1, env=asked)[0] == (
+        "0",  # an explicit choice is kept
+        "4",  # 4 cores, 1 worker
+        "yes",  # as the bench asks, where the caller has not chosen
+    )
+    assert "FULLSHARD_TEST_ASKED" not in os.environ and "OMP_NUM_THREADS" not in os.environ  # for workers only
 
 
 @pytest.mark.timeout(120)
-def test_destroy_process_group_frees_units_and_ends_gloo_threads() -> None:
+def test_destroy_process_group_frees_units_and_ends_gloo_threads(two_worker_job: tuple[dict, bool]) -> None:
     """A unit is collectable once its model is dropped, and destroying the groups joins gloo's
     threads then, not at interpreter exit (where one releasing a finished collective's tensors
     aborted the process: "terminate called without an active exception")."""
-    from fullshard.jobs import launch
-
-    for before, during, after, unit_freed in launch.launch(_threads_around_a_job, (), 2).values():
+    results, _ = two_worker_job
+    assert sorted(results) == [0, 1]
+    for _, (before, during, after, unit_freed) in results.values():
         assert unit_freed
         assert during > before
         assert after == before, (before, during, after)

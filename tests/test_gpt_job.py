@@ -55,7 +55,7 @@ def test_gpt_options_checkpointing_bf16_own_data(tmp_path: Path) -> None:
     """Activation checkpointing, bf16, forward prefetch and SHARD_GRAD_OP on the user's own text.
 
     Short sequences and small batches (bf16 matrix multiplies are ~19x slower than fp32 on this
-    CPU): 24 s idle against the 280 s limit; 20 steps take validation loss from ~3.6 to ~1.7.
+    CPU); 10 steps, logged at 5 and 10 (20 took validation loss from ~3.6 to ~1.7).
     """
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -67,9 +67,9 @@ def test_gpt_options_checkpointing_bf16_own_data(tmp_path: Path) -> None:
             "--nproc",
             "2",
             "--steps",
-            "20",
-            "--log-interval",
             "10",
+            "--log-interval",
+            "5",
             "--activation-checkpointing",
             "--mixed-precision",
             "bf16",
@@ -89,7 +89,7 @@ def test_gpt_options_checkpointing_bf16_own_data(tmp_path: Path) -> None:
             "--tensorboard",
             str(tmp_path / "tb"),
             "--profile-steps",
-            "12:13",
+            "7:8",
             "--profile-dir",
             str(tmp_path / "prof"),
         ],
@@ -148,6 +148,7 @@ def test_gpt_rejects_bad_options(tmp_path: Path, capsys: pytest.CaptureFixture[s
         (["--global-batch-size", "6", "--batch-size", "4"], "--global-batch-size 6 is not a multiple of --batch-size"),
         (["--profile-steps", "7:5"], "--profile-steps '7:5': need 1 <= A <= B"),
         (["--peak-tflops", "0"], "--peak-tflops 0.0: give a positive number"),
+        (["--api", "fsdp2", "--sharding-strategy", "no_shard"], "--api fsdp2 --sharding-strategy no_shard"),
     ):
         with pytest.raises(SystemExit) as e:
             parse_args(args)  # what `fullshard train gpt ARGS` runs first
@@ -157,66 +158,64 @@ def test_gpt_rejects_bad_options(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert r.returncode == 2 and "--preset 'huge': use one of tiny" in r.stderr, r.stderr[-2000:]
 
 
-@pytest.mark.timeout(300)
-def test_gpt_job_on_fully_shard_checkpoints_and_resumes(tmp_path: Path) -> None:
-    metrics, saved, ckpt = tmp_path / "m.jsonl", tmp_path / "gpt.pt", tmp_path / "ckpt"
-    common = ["--nproc", "2", "--api", "fsdp2", "--steps", "10", "--log-interval", "5", "--checkpoint-dir", str(ckpt)]
+# One 2-rank FSDP2 run serves both tests below: ``--global-batch-size 8 --batch-size 2`` (2
+# micro-batches per rank, set_requires_gradient_sync), forward prefetch, checkpoints at steps 3 and 6.
+_FSDP2_JOB = ["--api", "fsdp2", "--steps", "6", "--seq-len", "32", "--batch-size", "2", "--global-batch-size", "8"]
+_FSDP2_JOB += ["--log-interval", "1", "--eval-batches", "1", "--checkpoint-every", "3", "--keep-checkpoints", "2"]
+_FSDP2_JOB += ["--forward-prefetch"]
+
+
+@pytest.fixture(scope="module")
+def fsdp2_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
+    tmp = tmp_path_factory.mktemp("fsdp2")
     r = _run(
-        [
-            *common,
-            "--metrics-file",
-            str(metrics),
-            "--checkpoint-every",
-            "5",
-            "--save-model",
-            str(saved),
-            "--forward-prefetch",
-        ],
-        tmp_path,
-        timeout=280,
+        [*_FSDP2_JOB, "--nproc", "2", "--checkpoint-dir", str(tmp / "ckpt"), "--metrics-file", str(tmp / "two.jsonl")]
+        + ["--save-model", str(tmp / "gpt.pt")],
+        tmp,
+        280,
     )
+    return tmp, r
+
+
+@pytest.mark.timeout(300)
+def test_gpt_job_on_fully_shard_checkpoints_and_resumes(
+    fsdp2_run: tuple[Path, subprocess.CompletedProcess], tmp_path: Path
+) -> None:
+    run_dir, r = fsdp2_run
     assert "5 FSDP units (fsdp2)" in r.stdout, r.stdout[-2000:]
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    records = [json.loads(line) for line in (run_dir / "two.jsonl").read_text().splitlines()]
     assert records[-1]["val_loss"] < records[0]["val_loss"], records
     from fullshard.jobs.models.gpt import GPT, PRESETS
 
-    GPT(PRESETS["tiny"]).load_state_dict(torch.load(saved), strict=True)
-    # A second start resumes from the newest checkpoint (step 10) and has nothing left to do.
-    r = _run(common, tmp_path, timeout=280)
-    assert "resumed from" in r.stdout and "step_00000010" in r.stdout, r.stdout[-2000:]
-    bad = subprocess.run(
-        [str(BIN / "fullshard"), "train", "gpt", "--api", "fsdp2", "--sharding-strategy", "no_shard"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert bad.returncode != 0 and "--api fsdp2 --sharding-strategy no_shard" in bad.stderr, bad.stderr[-2000:]
+    GPT(PRESETS["tiny"]).load_state_dict(torch.load(run_dir / "gpt.pt"), strict=True)
+    # A second start resumes from the newest checkpoint (step 6) and has nothing left to do.
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(run_dir / "ckpt", ckpt)
+    r = _run([*_FSDP2_JOB, "--nproc", "2", "--checkpoint-dir", str(ckpt)], tmp_path, timeout=280)
+    assert "resumed from" in r.stdout and "step_00000006" in r.stdout, r.stdout[-2000:]
 
 
 @pytest.mark.timeout(300)
-def test_global_batch_resumes_at_another_world_size_on_fully_shard(tmp_path: Path) -> None:
-    """``--global-batch-size 8 --batch-size 2`` under FSDP2: a 2-rank run (2 micro-batches per
-    rank, set_requires_gradient_sync) checkpoints at step 3; a 1-rank run (4 micro-batches)
-    resumes from that checkpoint, resharded, and steps 4-6 follow the 2-rank run's curve. (From
-    scratch the two would differ: the FSDP2 path initializes each rank's DTensor shard with its
-    own draws, so its initial weights depend on the world size; restarts load checkpoints.)"""
-    job = ["--api", "fsdp2", "--steps", "6", "--seq-len", "32", "--batch-size", "2", "--global-batch-size", "8"]
-    job += ["--log-interval", "1", "--eval-batches", "1", "--checkpoint-every", "3", "--keep-checkpoints", "2"]
-    ckpt = tmp_path / "ckpt"
-    r = _run(
-        [*job, "--nproc", "2", "--checkpoint-dir", str(ckpt), "--metrics-file", str(tmp_path / "two.jsonl")],
-        tmp_path,
-        280,
-    )
+def test_global_batch_resumes_at_another_world_size_on_fully_shard(
+    fsdp2_run: tuple[Path, subprocess.CompletedProcess], tmp_path: Path
+) -> None:
+    """The 2-rank run (2 micro-batches per rank) checkpointed at step 3; a 1-rank run (4
+    micro-batches) resumes from that checkpoint, resharded, and steps 4-6 follow the 2-rank run's
+    curve. (From scratch the two would differ: the FSDP2 path initializes each rank's DTensor
+    shard with its own draws, so its initial weights depend on the world size; restarts load
+    checkpoints.)"""
+    run_dir, r = fsdp2_run
     assert "(2 micro-batch(es) of 2 per rank)" in r.stdout, r.stdout[-2000:]
-    shutil.rmtree(ckpt / "step_00000006")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    shutil.copytree(run_dir / "ckpt" / "step_00000003", ckpt / "step_00000003")
     r = _run(
-        [*job, "--nproc", "1", "--checkpoint-dir", str(ckpt), "--metrics-file", str(tmp_path / "one.jsonl")],
+        [*_FSDP2_JOB, "--nproc", "1", "--checkpoint-dir", str(ckpt), "--metrics-file", str(tmp_path / "one.jsonl")],
         tmp_path,
         280,
     )
     assert "(4 micro-batch(es) of 2 per rank)" in r.stdout and "step_00000003 at step 3" in r.stdout, r.stdout[-2000:]
-    two = [json.loads(line) for line in (tmp_path / "two.jsonl").read_text().splitlines()]
+    two = [json.loads(line) for line in (run_dir / "two.jsonl").read_text().splitlines()]
     one = [json.loads(line) for line in (tmp_path / "one.jsonl").read_text().splitlines()]
     assert [rec["step"] for rec in one] == [4, 5, 6] and [rec["world_size"] for rec in one] == [1] * 3
     for a, b in zip(one, two[3:], strict=True):
