@@ -120,25 +120,33 @@ def _train_chunked(
     return losses, [p.full_tensor() for p in model.parameters()]
 
 
+def _in_turn(rank: int, world: int, runs: list[tuple]) -> list:
+    """Each ``(fn, *args)`` of ``runs`` on these ranks, one after another: torch's run and
+    fullshard's share one call (each seeds its own model)."""
+    return [fn(rank, world, *args) for fn, *args in runs]
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_chunked_loss_over_a_norm_and_head_unit_matches_torch(world: int) -> None:
-    for explicit in (True, False):
-        ref = run_ranks(_train_chunked, world, "torch", explicit)
-        got = run_ranks(_train_chunked, world, "fullshard", explicit)
-        for r in range(world):
-            assert got[r][0] == ref[r][0], (explicit, r)
-            for a, b in zip(got[r][1], ref[r][1]):
+    modes = (True, False)
+    runs = [(_train_chunked, lib, explicit) for explicit in modes for lib in ("torch", "fullshard")]
+    results = run_ranks(_in_turn, world, runs)
+    for r in range(world):
+        for i, explicit in enumerate(modes):
+            ref, got = results[r][2 * i], results[r][2 * i + 1]
+            assert got[0] == ref[0], (explicit, r)
+            for a, b in zip(got[1], ref[1]):
                 assert torch.equal(a, b), explicit
 
 
 def test_chunked_loss_in_bf16_sums_unsynced_head_gradients_in_fp32_as_torch() -> None:
     """With sync off for all chunks but the last, torch's FSDP2 keeps the head's gradient sum in
     the reduce dtype (fp32); summed in bf16, the result differs from the first step."""
-    ref = run_ranks(_train_chunked, 2, "torch", True, True)
-    got = run_ranks(_train_chunked, 2, "fullshard", True, True)
+    results = run_ranks(_in_turn, 2, [(_train_chunked, lib, True, True) for lib in ("torch", "fullshard")])
     for r in range(2):
-        assert got[r][0] == ref[r][0], r
-        for a, b in zip(got[r][1], ref[r][1]):
+        ref, got = results[r]
+        assert got[0] == ref[0], r
+        for a, b in zip(got[1], ref[1]):
             assert torch.equal(a, b)
 
 
@@ -261,12 +269,17 @@ def _train_ac(rank: int, world: int, lib: str, order: str, wrapper: str, mode: s
 
 @pytest.mark.parametrize("order", ["before", "after"])
 def test_activation_checkpointing_in_either_order_matches_torch(order: str) -> None:
-    for mode in ("full", "selective"):
-        ref = run_ranks(_train_ac, 2, "torch", order, "torch", mode)
-        for wrapper in ("torch", "fullshard"):
-            got = run_ranks(_train_ac, 2, "fullshard", order, wrapper, mode)
-            for a, b in zip(got[0], ref[0]):
-                assert torch.equal(a, b), (order, wrapper, mode)
+    grid = [(mode, wrapper) for mode in ("full", "selective") for wrapper in (None, "torch", "fullshard")]
+    # per mode, one reference run (torch's fully_shard and checkpoint_wrapper), then fullshard's
+    # fully_shard with either wrapper
+    runs = [(_train_ac, "torch" if w is None else "fullshard", order, w or "torch", mode) for mode, w in grid]
+    results = run_ranks(_in_turn, 2, runs)[0]
+    for (mode, wrapper), got in zip(grid, results):
+        if wrapper is None:
+            ref = got
+            continue
+        for a, b in zip(got, ref):
+            assert torch.equal(a, b), (order, wrapper, mode)
 
 
 def _train_with_eval(rank: int, world: int, lib: str) -> list[torch.Tensor]:
@@ -292,7 +305,6 @@ def _train_with_eval(rank: int, world: int, lib: str) -> list[torch.Tensor]:
 def test_evaluation_between_steps_leaves_the_root_ready_for_training() -> None:
     """A no-grad forward of the root must end its pass: the next training forward gathers
     parameters that require grad again (found by the GPT job's resume test)."""
-    ref = run_ranks(_train_with_eval, 2, "torch")
-    got = run_ranks(_train_with_eval, 2, "fullshard")
-    for a, b in zip(got[0], ref[0]):
+    ref, got = run_ranks(_in_turn, 2, [(_train_with_eval, "torch"), (_train_with_eval, "fullshard")])[0]
+    for a, b in zip(got, ref):
         assert torch.equal(a, b)
