@@ -44,9 +44,9 @@ def ray_cluster(request: pytest.FixtureRequest) -> Iterator[dict[str, str]]:
 
     Starting and stopping a Ray instance costs 10-30 s here, so the first test that needs one
     starts it (``ray start --head`` on a free port, its workers' environment set for tests: Train's
-    health check every 0.2 s instead of 2 s, as reports wait for it) and the run's last act stops
-    it (:func:`pytest_sessionfinish`). The tests using it hold a file lock, one at a time, so the
-    Ray worker processes alive during a test are that test's.
+    health check every 0.2 s instead of 2 s, as reports wait for it, and no preemption watcher)
+    and the run's last act stops it (:func:`pytest_sessionfinish`). The tests using it hold a file
+    lock, one at a time, so the Ray worker processes alive during a test are that test's.
     """
     pytest.importorskip("ray.train")
     with open(RAY_LOCK, "w") as lock:
@@ -57,7 +57,14 @@ def ray_cluster(request: pytest.FixtureRequest) -> Iterator[dict[str, str]]:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
             # no token: drivers then reach it by address alone (this machine's, not the network's)
-            env = dict(os.environ, RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.2", RAY_AUTH_MODE="disabled")
+            # no preemption watcher: one actor process less per worker group, and a one-node
+            # cluster has no node to drain
+            env = dict(
+                os.environ,
+                RAY_TRAIN_HEALTH_CHECK_INTERVAL_S="0.2",
+                RAY_TRAIN_ENABLE_PREEMPTION_WATCHER="0",
+                RAY_AUTH_MODE="disabled",
+            )
             r = _ray(
                 "start", "--head", f"--port={port}", "--num-cpus=8", "--include-dashboard=false",
                 "--disable-usage-stats", env=env,

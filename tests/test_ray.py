@@ -33,17 +33,17 @@ def _example(storage: Path, workers: int, epochs: int, env: dict[str, str]) -> t
 
 @pytest.mark.timeout(400)
 def test_user_train_func_under_torch_trainer_resumes_at_another_worker_count(tmp_path: Path, ray_cluster: dict) -> None:
-    first, _ = _example(tmp_path, workers=2, epochs=3, env=ray_cluster)
-    assert len(first["losses"]) == 3
+    first, _ = _example(tmp_path, workers=2, epochs=2, env=ray_cluster)
+    assert len(first["losses"]) == 2
     ckpt = Path(first["checkpoint"])  # merged by Ray from both workers' directories
     names = sorted(p.name for p in ckpt.iterdir())
     assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "extra_rank0.pt", "extra_rank1.pt"], names
 
     # The same run started again on one worker: Ray hands it the last checkpoint, which reshards.
-    second, output = _example(tmp_path, workers=1, epochs=5, env=ray_cluster)
-    assert "resumed at epoch 3 on 1 workers" in output, output[-3000:]
-    assert second["losses"][:3] == first["losses"]
-    assert len(second["losses"]) == 5 and second["losses"][-1] < first["losses"][-1] < first["losses"][0]
+    second, output = _example(tmp_path, workers=1, epochs=3, env=ray_cluster)
+    assert "resumed at epoch 2 on 1 workers" in output, output[-3000:]
+    assert second["losses"][:2] == first["losses"]
+    assert len(second["losses"]) == 3 and second["losses"][-1] < first["losses"][-1] < first["losses"][0]
 
     # The final checkpoint is a complete one: it converts to a full state dict of the plain model.
     sys.path.insert(0, str(EXAMPLE.parent))
