@@ -12,7 +12,7 @@ def make_mlp() -> nn.Module:
 
 
 def test_estimate_gpt_preset_prints_the_categories_and_the_peak(capsys: pytest.CaptureFixture[str]) -> None:
-    from fullshard.jobs.plan import cli, validate
+    from fullshard.jobs.planning import cli, validate
 
     assert cli.main(["--model", "gpt:tiny", "--batch-size", "16", "--world-size", "2"]) == 0
     out = capsys.readouterr().out
@@ -24,7 +24,7 @@ def test_estimate_gpt_preset_prints_the_categories_and_the_peak(capsys: pytest.C
 
 
 def test_estimate_a_user_factory(capsys: pytest.CaptureFixture[str]) -> None:
-    from fullshard.jobs.plan import cli
+    from fullshard.jobs.planning import cli
 
     args = ["--model", "test_estimate:make_mlp", "--input-shape", "32,64", "--wrap-cls", "Linear", "--world-size", "4"]
     assert cli.main([*args, "--optimizer", "sgd"]) == 0
@@ -39,7 +39,7 @@ def test_estimate_hf_models(capsys: pytest.CaptureFixture[str]) -> None:
     """``hf:NAME``: the HF job's configs, sharded by decoder layer as the job shards them, and a
     transformers class from its default config (GPT-2 small: 12 GPT2Blocks), traced on meta."""
     pytest.importorskip("transformers")
-    from fullshard.jobs.plan import cli, validate
+    from fullshard.jobs.planning import cli, validate
 
     assert cli.main(["--model", "hf:llama-tiny", "--batch-size", "16", "--world-size", "2"]) == 0
     out = capsys.readouterr().out
@@ -57,7 +57,7 @@ def test_estimate_hf_models(capsys: pytest.CaptureFixture[str]) -> None:
 def test_estimate_cpu_offload(capsys: pytest.CaptureFixture[str]) -> None:
     """``--cpu-offload`` on nccl: model state as host memory, none of it on the device; on
     gloo it changes nothing and says so."""
-    from fullshard.jobs.plan import cli
+    from fullshard.jobs.planning import cli
 
     base = ["--model", "gpt:tiny", "--batch-size", "4", "--world-size", "2"]
     assert cli.main([*base, "--backend", "nccl"]) == 0
@@ -92,7 +92,7 @@ def test_estimate_cpu_offload(capsys: pytest.CaptureFixture[str]) -> None:
     ],
 )
 def test_estimate_rejects_bad_models(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from fullshard.jobs.plan import cli
+    from fullshard.jobs.planning import cli
 
     if args[1].startswith("hf:"):
         pytest.importorskip("transformers")

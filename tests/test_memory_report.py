@@ -47,7 +47,7 @@ def _net() -> nn.Module:
 
 def report_body(rank: int, world: int, api: str, optimizer: str = "adamw") -> dict:
     from fullshard import FullyShardedDataParallel, fully_shard, memory_report
-    from fullshard.jobs.plan.estimate import estimate_model_state
+    from fullshard.plan.estimate import estimate_model_state
     from fullshard.wrap import ModuleWrapPolicy
 
     with torch.device("meta"):
@@ -118,7 +118,7 @@ def test_estimated_model_state_equals_the_measured_one(world: int, api: str, opt
 
 
 def test_live_tensor_bytes_counts_each_storage_once_and_forgets_freed_ones() -> None:
-    from fullshard.jobs.plan.tracker import LiveTensorBytes
+    from fullshard.plan.tracker import LiveTensorBytes
 
     x = torch.ones(1000, requires_grad=True)  # made before: seen only when adopted
     with LiveTensorBytes(label=lambda: "step") as live:
@@ -144,7 +144,7 @@ def test_live_tensor_bytes_counts_each_storage_once_and_forgets_freed_ones() -> 
 
 
 def test_live_tensor_bytes_on_the_meta_device_measures_without_allocating() -> None:
-    from fullshard.jobs.plan.tracker import LiveTensorBytes
+    from fullshard.plan.tracker import LiveTensorBytes
 
     with LiveTensorBytes("meta") as live:
         with torch.device("meta"):
@@ -159,7 +159,7 @@ def test_live_tensor_bytes_on_the_meta_device_measures_without_allocating() -> N
 def test_predicted_step_peak_is_within_5_percent_of_the_measured_one() -> None:
     """Bytes, not seconds: the estimate from a meta-device trace against LiveTensorBytes on three
     real steps (the third step's peak on rank 0). The full table is `fullshard bench estimate`."""
-    from fullshard.jobs.plan import validate
+    from fullshard.jobs.planning import validate
 
     configs = (validate.Config("gpt-tiny", 2, ac=True), validate.Config("mnist", 1, batch=64))
     # the memory-bound GPT: resident gradient shards and the reduce-scatter's receive buffer
@@ -175,7 +175,7 @@ def test_meta_trace_of_attention_equals_the_cpu_step(dtype: torch.dtype) -> None
     """On meta, SDPA would take its math path (float32 attention weights saved); the trace runs
     CPU's flash kernel instead, so its activation bytes are the real CPU step's, to the byte."""
     from fullshard.jobs.models.gpt import GPT, PRESETS
-    from fullshard.jobs.plan.peak import trace_activations
+    from fullshard.plan.peak import trace_activations
 
     def example() -> tuple[torch.Tensor, torch.Tensor]:
         return torch.zeros(2, 64, dtype=torch.long), torch.zeros(2, 64, dtype=torch.long)
@@ -190,7 +190,7 @@ def test_meta_trace_of_attention_equals_the_cpu_step(dtype: torch.dtype) -> None
 
 def _real_step_activations(model: nn.Module, example: Any, loss: Any) -> int:
     """Bytes of a real CPU step's peak beyond the parameters and the gradients made by then."""
-    from fullshard.jobs.plan.tracker import LiveTensorBytes
+    from fullshard.plan.tracker import LiveTensorBytes
 
     params = list(model.parameters())
     with LiveTensorBytes(label=lambda: sum(p.grad.nbytes for p in params if p.grad is not None)) as live:
@@ -210,9 +210,9 @@ def test_meta_trace_of_hf_models_equals_the_cpu_step(config: str, slack: int, ch
     of 5.9 MB (measured)."""
     pytest.importorskip("transformers")
     from fullshard.frontend.activation_checkpointing import apply_activation_checkpointing
-    from fullshard.jobs.plan.peak import trace_activations
     from fullshard.jobs.train.hf import hf_model
     from fullshard.jobs.train.plan_options import lm_parts
+    from fullshard.plan.peak import trace_activations
 
     make, layers = hf_model(config)
     example, loss = lm_parts(2, 64)
@@ -234,8 +234,8 @@ def test_meta_trace_of_cuda_attention_saves_no_attention_weights() -> None:
     plain meta tensors take; in bf16 it saves what CPU's flash kernel saves (and the 96 bytes of
     the dropout generator's seed and offset)."""
     from fullshard.jobs.models.gpt import GPT, PRESETS
-    from fullshard.jobs.plan.peak import trace_activations
     from fullshard.jobs.train.plan_options import lm_parts
+    from fullshard.plan.peak import trace_activations
 
     cfg = PRESETS["tiny"]
     example, loss = lm_parts(2, 512)
@@ -278,7 +278,7 @@ def test_the_peak_names_its_phase_and_unit(checkpoint: bool) -> None:
     """Three units, the middle one 256x wider inside: the step's peak comes when that unit's
     backward starts (its activations all alive, its input gradient being made), also when it is
     recomputed first; before any unit, the root's own layer."""
-    from fullshard.jobs.plan.peak import trace_activations
+    from fullshard.plan.peak import trace_activations
 
     def make() -> nn.Module:
         wide = _Block(nn.Linear(16, 4096), nn.ReLU(), nn.Linear(4096, 16))
@@ -317,7 +317,7 @@ def test_the_peak_names_its_phase_and_unit(checkpoint: bool) -> None:
 def test_the_trace_patches_keyword_attention_and_answers_only_meta_position_ids() -> None:
     """SDPA called by keyword still gets the device's kernel; transformers' packed-sequence
     check is answered for meta ids only, real ids get transformers' own answer."""
-    from fullshard.jobs.plan.meta_trace import traced
+    from fullshard.plan.meta_trace import traced
 
     q = torch.zeros(2, 4, 16, 8, device="meta")
     with traced("cpu"):
@@ -331,8 +331,8 @@ def test_the_trace_patches_keyword_attention_and_answers_only_meta_position_ids(
 
 
 def test_a_value_read_in_the_meta_trace_names_the_problem() -> None:
-    from fullshard.jobs.plan.meta_trace import MetaValueRead
-    from fullshard.jobs.plan.peak import trace_activations
+    from fullshard.plan.meta_trace import MetaValueRead
+    from fullshard.plan.peak import trace_activations
 
     class Branchy(nn.Module):
         def __init__(self) -> None:
@@ -350,8 +350,8 @@ def test_peak_counts_resident_gradient_shards_and_the_receive_buffer() -> None:
     """On gloo each unit keeps its gradient shard between steps, and a reduce-scatter in flight
     holds its receive buffer (one shard at 2 ranks, the whole input beyond) once there are two
     units; on NCCL neither: gradients count as far as the trace had produced them."""
-    from fullshard.jobs.plan.estimate import UnitEstimate
-    from fullshard.jobs.plan.peak import Trace, combine, grad_scale
+    from fullshard.plan.estimate import UnitEstimate
+    from fullshard.plan.peak import Trace, combine, grad_scale
 
     def units(n: int, world: int) -> list[UnitEstimate]:
         full = 4000
@@ -375,8 +375,8 @@ def test_cpu_offload_moves_model_state_to_the_host_on_cuda_only() -> None:
     """Under CPU offload on NCCL the device holds no shards, gradients or optimizer state (they
     are host bytes, outside the device's peak) but one shard staged each way: the upload before
     a gather and the gradient shard before its download. On gloo offload changes nothing."""
-    from fullshard.jobs.plan.estimate import UnitEstimate
-    from fullshard.jobs.plan.peak import Trace, combine, grad_scale
+    from fullshard.plan.estimate import UnitEstimate
+    from fullshard.plan.peak import Trace, combine, grad_scale
 
     # 1000 float32 parameters per block, gathered in bf16 (2000 bytes in full, 2000 per shard)
     units = [UnitEstimate("<root>", 10, 20, 20, 40, 20)] + [
@@ -397,8 +397,8 @@ def test_cpu_offload_moves_model_state_to_the_host_on_cuda_only() -> None:
 def test_cpu_offload_at_one_rank_still_gathers_a_full_copy() -> None:
     """One rank normally computes on its shard itself (nothing gathered); under offload the shard
     is on the host, so the device holds an uploaded full copy and the packed gradient."""
-    from fullshard.jobs.plan.estimate import estimate_model_state
-    from fullshard.jobs.plan.peak import Trace, combine
+    from fullshard.plan.estimate import estimate_model_state
+    from fullshard.plan.peak import Trace, combine
 
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     linear = lambda m: isinstance(m, nn.Linear)  # noqa: E731

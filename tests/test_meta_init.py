@@ -94,7 +94,7 @@ def init_memory_body(rank: int, world: int, meta: bool) -> float:
     """Growth of peak RSS (MiB) while building and wrapping 8 x Linear(2048, 2048)."""
     from fullshard import FSDP, peak_rss_bytes
     from fullshard.frontend.wrap import ModuleWrapPolicy
-    from fullshard.jobs.memory import reset_peak_rss
+    from fullshard.plan.memory import reset_peak_rss
 
     # First-use costs stay out of the measure: lazy imports, group set-up, and about 34 MiB that
     # the first materialization of a large meta module costs once (seen in a per-unit trace;

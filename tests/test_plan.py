@@ -16,8 +16,8 @@ from dist import run_ranks
 from plan_jobs import check_plan_auto
 from torch import nn
 
-from fullshard.jobs.plan.calibrate import BlockTime, CommModel, Link, _fit
-from fullshard.jobs.plan.simulate import UnitCost, merge_costs, simulate_step
+from fullshard.plan.calibrate import BlockTime, CommModel, Link, _fit
+from fullshard.plan.simulate import UnitCost, merge_costs, simulate_step
 
 MS = 1e-3
 BIN = Path(sys.executable).parent
@@ -112,7 +112,7 @@ class _Counted(nn.Linear):
 
 
 def test_time_blocks_runs_a_kind_once_per_unit_of_it_and_times_per_unit() -> None:
-    from fullshard.jobs.plan.calibrate import time_blocks
+    from fullshard.plan.calibrate import time_blocks
 
     def make() -> nn.Module:
         return nn.Sequential(_Counted(4, 8), _Counted(8, 8), _Counted(8, 8), _Counted(8, 8))
@@ -152,8 +152,8 @@ def test_calibration_and_trace_cast_float_inputs_to_the_compute_dtype() -> None:
     """Under mixed precision the root's floating inputs run in the compute dtype, as FSDP casts
     them (MNIST's images into a bf16 conv raised a dtype error in `--plan auto`); ids stay int64."""
     from fullshard.jobs.models.net import Net
-    from fullshard.jobs.plan.calibrate import time_blocks
-    from fullshard.jobs.plan.peak import cast_floats, trace_activations
+    from fullshard.plan.calibrate import time_blocks
+    from fullshard.plan.peak import cast_floats, trace_activations
 
     def example() -> tuple[torch.Tensor, torch.Tensor]:
         return torch.zeros(2, 1, 28, 28), torch.zeros(2, dtype=torch.long)
@@ -177,9 +177,9 @@ def test_time_blocks_replays_a_transformers_layers_keyword_inputs() -> None:
     """A Llama decoder layer takes its rotary tables, mask and positions as keyword arguments:
     calibration captures them in the meta forward and replays tensors of their shapes."""
     pytest.importorskip("transformers")
-    from fullshard.jobs.plan.calibrate import time_blocks
     from fullshard.jobs.train.hf import hf_model
     from fullshard.jobs.train.plan_options import lm_parts
+    from fullshard.plan.calibrate import time_blocks
 
     make, layers = hf_model("llama-tiny")
     example, loss = lm_parts(2, 32)
@@ -189,8 +189,8 @@ def test_time_blocks_replays_a_transformers_layers_keyword_inputs() -> None:
 
 
 def test_grouped_units_gather_once_and_carry_their_members_recomputation() -> None:
-    from fullshard.jobs.plan.estimate import UnitEstimate, group_units
-    from fullshard.jobs.plan.simulate import merge_costs
+    from fullshard.plan.estimate import UnitEstimate, group_units
+    from fullshard.plan.simulate import merge_costs
 
     # Latency-only all-gather (5 ms a call, any size): two units of two blocks save two gathers.
     comm = CommModel(2, "gloo", all_gather=Link(5 * MS, 0.0), reduce_scatter=Link(0.0, 0.0), all_reduce=Link(0.0, 0.0))
@@ -216,7 +216,7 @@ def test_grouped_units_gather_once_and_carry_their_members_recomputation() -> No
 
 
 def test_parse_size() -> None:
-    from fullshard.jobs.plan.planner import parse_size
+    from fullshard.plan.planner import parse_size
 
     assert parse_size("8GiB") == 8 * 2**30 and parse_size("1.5 mib") == 3 * 2**19 and parse_size("2GB") == 2 * 10**9
     assert parse_size("4096") == 4096
@@ -226,7 +226,7 @@ def test_parse_size() -> None:
 
 
 def _fake_calibration(comm_per_byte: float, backend: str = "gloo") -> object:
-    from fullshard.jobs.plan.steptime import Calibration
+    from fullshard.plan.steptime import Calibration
 
     blocks = {"<root>": BlockTime(0.004, 0.008)} | {f"blocks.{i}": BlockTime(0.01, 0.02) for i in range(4)}
     comm = CommModel(2, backend, *(Link(1e-4, comm_per_byte) for _ in range(3)))
@@ -236,13 +236,13 @@ def _fake_calibration(comm_per_byte: float, backend: str = "gloo") -> object:
 
 
 def _gpt_parts() -> tuple:
-    from fullshard.jobs.plan.validate import Config, gpt_parts
+    from fullshard.jobs.planning.validate import Config, gpt_parts
 
     return gpt_parts(Config("gpt-tiny", 2, batch=16))
 
 
 def test_planner_picks_the_fastest_that_fits_and_says_when_nothing_does() -> None:
-    from fullshard.jobs.plan.planner import candidates, plan
+    from fullshard.plan.planner import candidates, plan
 
     names = [f"blocks.{i}" for i in range(4)]
     # AC on 0..4 blocks x (NO_SHARD + prefetch x FULL_SHARD with 0..all units kept gathered, for
@@ -286,7 +286,7 @@ def test_planner_offloads_on_cuda_when_nothing_else_fits() -> None:
     """On NCCL every sharded candidate also comes with CPU offload: slower (copies, the
     optimizer on the host), so an ample budget gets none, but a budget below every
     non-offloaded peak gets the fastest offloaded candidate. On gloo offload is no candidate."""
-    from fullshard.jobs.plan.planner import candidates, plan
+    from fullshard.plan.planner import candidates, plan
 
     names = [f"blocks.{i}" for i in range(4)]
     assert len(candidates(names, offload=True)) == 5 * (1 + 2 * 2 * (5 + 3 + 2))
@@ -302,7 +302,7 @@ def test_planner_offloads_on_cuda_when_nothing_else_fits() -> None:
     assert f"; on the host {tight.best.peak.host / 2**20:,.1f}" in tight.describe()[1]
     on_gloo = plan(_fake_calibration(1e-9), make, example, loss, is_unit, 2**40)
     assert not any(s.candidate.offload for s in on_gloo.scored)
-    from fullshard.jobs.plan.steptime import predict_step  # on a CPU device offload moves nothing
+    from fullshard.plan.steptime import predict_step  # on a CPU device offload moves nothing
 
     gloo = _fake_calibration(1e-9)
     assert predict_step(gloo, make, is_unit, offload=True) == predict_step(gloo, make, is_unit)
@@ -310,7 +310,7 @@ def test_planner_offloads_on_cuda_when_nothing_else_fits() -> None:
 
 def test_an_offloaded_plan_passes_the_offload_policy_to_each_unit(monkeypatch: pytest.MonkeyPatch) -> None:
     import fullshard.frontend.fully_shard as front
-    from fullshard.jobs.plan.planner import Candidate
+    from fullshard.plan.planner import Candidate
 
     calls: list[dict] = []
     monkeypatch.setattr(front, "fully_shard", lambda module, **kw: calls.append(kw) or module)
@@ -326,7 +326,7 @@ def test_an_offloaded_plan_passes_the_offload_policy_to_each_unit(monkeypatch: p
 def apply_body(rank: int, world: int) -> dict:
     """A plan applied to the tiny GPT trains, with the planned units resharding / checkpointed."""
     from fullshard.frontend.activation_checkpointing import CheckpointWrapper
-    from fullshard.jobs.plan.planner import Candidate
+    from fullshard.plan.planner import Candidate
 
     make, example, loss, _ = _gpt_parts()
     names = tuple(f"blocks.{i}" for i in range(4))
@@ -397,7 +397,7 @@ def test_gpt_job_plan_auto(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(200)
 def test_plan_cli(capsys: pytest.CaptureFixture[str]) -> None:
-    from fullshard.jobs.plan import plan_cli
+    from fullshard.jobs.planning import plan_cli
 
     base = ["--model", "gpt:tiny", "--batch-size", "2", "--seq-len", "32", "--world-size", "1"]
     assert plan_cli.main([*base, "--memory-budget", "1GiB"]) == 0
@@ -414,7 +414,7 @@ def slowest_rank_body(rank: int, world: int) -> tuple[dict, float, dict]:
     """calibrate() with rank 1's blocks and optimizer made 3x slower than rank 0's."""
     from unittest import mock
 
-    from fullshard.jobs.plan import steptime
+    from fullshard.plan import steptime
 
     make, example, loss, is_unit = _gpt_parts()
     real_blocks, real_optim = steptime.time_blocks, steptime.time_optimizer

@@ -3,6 +3,11 @@
 Usage: ``python tools/check_layers.py [--graph]`` from the repository root (``make test`` runs
 it). Exit status 1 with one line per violation, 0 when the layout holds.
 
+Package-level cycles are checked too: each module belongs to its package (the folder it is in;
+``__init__`` to the package it opens), and the graph of imports between packages must have no
+cycle either (``jobs.train`` importing ``jobs.bench`` while ``jobs.bench`` imports ``jobs.train``
+is a cycle even when no two modules import each other).
+
 Every import in ``src/fullshard`` counts: module level, inside functions, and under
 ``if TYPE_CHECKING:``. Each module belongs to a layer (below); a module may import modules of
 its own layer or lower ones, never a higher one, and the graph of imports between modules must
@@ -28,9 +33,12 @@ LAYERS: dict[str, int] = {
     "fullshard.engine": 2,  # sharded parameter, unit, reduction, hooks, build, configs
     "fullshard.state": 3,  # state dicts, optimizer state, checkpoints (work from units)
     "fullshard.frontend": 4,  # FSDP1 wrapper, fully_shard, wrap policies, checkpointing, clipping
-    "fullshard.jobs": 5,  # launcher, models, data, training commands, benchmark
-    "fullshard": 6,  # the public facade: __init__, api, wrap, checkpoint, train, cli
+    "fullshard.plan": 5,  # memory and step-time estimates, the planner, memory measurement
+    "fullshard.jobs": 6,  # launcher, models, data, training commands, estimate/plan commands, benchmark
+    "fullshard": 7,  # the public facade: __init__, api, wrap, checkpoint, train, cli
 }
+# Modules that count as a package of their own in the package-level cycle check.
+OWN_PACKAGE = {"fullshard.probes"}
 
 
 def module_name(path: Path) -> str:
@@ -98,6 +106,22 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def package_of(module: str, path: Path) -> str:
+    """The package ``module`` belongs to for the package-level cycle check."""
+    if module in OWN_PACKAGE or path.name == "__init__.py":
+        return module
+    return module.rpartition(".")[0]
+
+
+def package_graph(graph: dict[str, set[str]], paths: dict[str, Path]) -> dict[str, set[str]]:
+    """Imports between packages: an edge for every module import that crosses packages."""
+    packages: dict[str, set[str]] = {package_of(m, p): set() for m, p in paths.items()}
+    for name, deps in graph.items():
+        src = package_of(name, paths[name])
+        packages[src].update(d for d in (package_of(dep, paths[dep]) for dep in deps) if d != src)
+    return packages
+
+
 def size_problems(path: Path) -> list[str]:
     text = path.read_text()
     rel = path.relative_to(ROOT.parent)
@@ -125,6 +149,7 @@ def main(argv: list[str]) -> int:
             if layer_of(dep) > layer_of(name):
                 problems.append(f"{name} (layer {layer_of(name)}) imports {dep} (layer {layer_of(dep)}): upward")
     problems.extend("import cycle among: " + ", ".join(c) for c in cycles(graph))
+    problems.extend("package import cycle among: " + ", ".join(c) for c in cycles(package_graph(graph, paths)))
     for path in paths.values():
         problems.extend(size_problems(path))
     for p in problems:

@@ -38,8 +38,8 @@ from fullshard.frontend.fully_shard import (
 )
 from fullshard.frontend.optim_local import register_elementwise_optimizer
 from fullshard.frontend.torch_names import use_in_torch
-from fullshard.jobs.memory import model_state_bytes, peak_rss_bytes
-from fullshard.jobs.memory_report import MemoryReport, UnitMemory, memory_report
+from fullshard.plan.memory import model_state_bytes, peak_rss_bytes
+from fullshard.plan.memory_report import MemoryReport, UnitMemory, memory_report
 
 __version__ = "0.1.0"
 

@@ -46,11 +46,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return plot_main(rest)
     if command == "estimate":
-        from fullshard.jobs.plan.cli import main as estimate_main
+        from fullshard.jobs.planning.cli import main as estimate_main
 
         return estimate_main(rest)
     if command == "plan":
-        from fullshard.jobs.plan.plan_cli import main as plan_main
+        from fullshard.jobs.planning.plan_cli import main as plan_main
 
         return plan_main(rest)
     if command == "bench":

@@ -1,2 +1,2 @@
-"""Layer 5, jobs: the launcher, memory measurement, models, data, the ``fullshard train`` jobs and
+"""Layer 6, jobs: the launcher, models, data, the ``fullshard train`` jobs, ``fullshard estimate``/``plan`` and
 ``fullshard bench``. Imports any lower layer, never the facade. See ARCHITECTURE.md."""

@@ -22,7 +22,6 @@ from fullshard.comm import collectives
 from fullshard.jobs import launch
 from fullshard.jobs.bench.report import machine_line
 from fullshard.jobs.bench.workloads import (
-    BENCH_ENV,
     COMPARE_WORKLOADS,
     FLOOR,
     FULLY_SHARD,
@@ -50,7 +49,7 @@ def compare_worker(workload: str, impl: str, steps: int, warmup: int) -> dict[st
 
 def _compare_turn(workload: str, impl: str, steps: int, warmup: int, device: torch.device) -> dict[str, Any]:
     """Build the job, measure it, and gather this rank's figures (see :func:`compare_worker`)."""
-    from fullshard.jobs.memory import model_state_bytes, peak_rss_bytes
+    from fullshard.plan.memory import model_state_bytes, peak_rss_bytes
 
     group = collectives.default_group()
     rank, world = collectives.group_rank(group), collectives.group_size(group)
@@ -259,7 +258,7 @@ def _run_workload(workload: str, steps: int, warmup: int, rounds: int, nproc: in
     res: dict[str, dict[str, Any]] = {}
     for r in range(rounds):
         for impl in impls if r % 2 == 0 else impls[::-1]:
-            turn = launch.launch(compare_worker, (workload, impl, steps, warmup), nproc, env=BENCH_ENV)[0]
+            turn = launch.launch(compare_worker, (workload, impl, steps, warmup), nproc, env=launch.BENCH_ENV)[0]
             assert turn is not None
             if impl in res:
                 res[impl]["times"] += turn["times"]

@@ -19,7 +19,7 @@ import torch
 from fullshard.comm import collectives
 from fullshard.jobs import launch
 from fullshard.jobs.bench.report import machine_line
-from fullshard.jobs.bench.workloads import BENCH_ENV, COMPARE_WORKLOADS, FULLY_SHARD, build_job, step, unit_modules
+from fullshard.jobs.bench.workloads import COMPARE_WORKLOADS, FULLY_SHARD, build_job, step, unit_modules
 
 IMPLS = (FULLY_SHARD, "torch FSDP2")
 
@@ -74,7 +74,7 @@ def run(workload: str, backend: str, steps: int, warmup: int, rounds: int, nproc
     info: dict[tuple[str, str | None], dict[str, Any]] = {}
     for r in range(rounds):
         for impl, b in variants if r % 2 == 0 else variants[::-1]:
-            turn = launch.launch(compile_worker, (workload, impl, b, steps, warmup), nproc, env=BENCH_ENV)[0]
+            turn = launch.launch(compile_worker, (workload, impl, b, steps, warmup), nproc, env=launch.BENCH_ENV)[0]
             assert turn is not None
             times[(impl, b)] += turn.pop("times")
             info[(impl, b)] = turn

@@ -151,8 +151,8 @@ def offload_worker(preset: str, batch: int, seq: int, steps: int, warmup: int) -
     from fullshard.engine.config import CPUOffload, MixedPrecision
     from fullshard.frontend.fsdp1 import FullyShardedDataParallel as FSDP
     from fullshard.frontend.wrap import ModuleWrapPolicy
-    from fullshard.jobs.memory import model_state_bytes, peak_rss_bytes
     from fullshard.jobs.models.gpt import GPT, PRESETS, Block, init_module
+    from fullshard.plan.memory import model_state_bytes, peak_rss_bytes
 
     device = launch.init_process_group()
     try:

@@ -6,7 +6,7 @@
 ``fullshard bench gpu`` measures the GPT presets on one CUDA device (see :mod:`fullshard.jobs.bench.gpu`).
 
 ``fullshard bench estimate`` predicts each configuration's peak live tensor bytes per rank and
-measures it on three real steps (see :mod:`fullshard.jobs.plan.validate`).
+measures it on three real steps (see :mod:`fullshard.jobs.planning.validate`).
 
 ``fullshard bench recorder [--calls 2000] [--rounds 2] [--nproc 2]`` times one-element all-reduces
 with the flight recorder on and off, taking turns: what recording adds to each collective.
@@ -49,17 +49,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\n".join(micro.optimizer_report(args.numel)))
         return 0
     if args.workload == "estimate":
-        from fullshard.jobs.plan import validate
+        from fullshard.jobs.planning import validate
 
         print("\n".join(validate.report()))
         return 0
     if args.workload == "plan":
-        from fullshard.jobs.plan import plan_bench
+        from fullshard.jobs.planning import plan_bench
 
         print("\n".join(plan_bench.report()))
         return 0
     if args.workload == "steptime":
-        from fullshard.jobs.plan import validate_time
+        from fullshard.jobs.planning import validate_time
 
         print("\n".join(validate_time.report()))
         return 0

@@ -22,7 +22,6 @@ from fullshard.engine.config import BackwardPrefetch
 from fullshard.frontend.fsdp1 import FullyShardedDataParallel as FSDP
 from fullshard.frontend.wrap import ModuleWrapPolicy
 from fullshard.jobs import launch
-from fullshard.jobs.bench.workloads import BENCH_ENV
 
 PREFETCH_CONFIGS: list[tuple[str, dict[str, Any]]] = [
     ("no prefetch", {"backward_prefetch": None, "forward_prefetch": False}),
@@ -95,7 +94,7 @@ def _prefetch_rows(device: torch.device, d: int, layers: int, batch: int, steps:
 
 def prefetch_report(d_model: int, layers: int, batch: int, steps: int, nproc: int) -> list[str]:
     """Run the prefetch benchmark on ``nproc`` ranks; its heading and markdown table, as lines."""
-    rows = launch.launch(prefetch_worker, (d_model, layers, batch, steps), nproc, env=BENCH_ENV)[0]
+    rows = launch.launch(prefetch_worker, (d_model, layers, batch, steps), nproc, env=launch.BENCH_ENV)[0]
     assert rows is not None
     base = rows[0][1]
     params = layers * (d_model**2 + d_model)
@@ -188,7 +187,7 @@ def recorder_report(calls: int, rounds: int, nproc: int) -> list[str]:
     """``fullshard bench recorder``: what the flight recorder (with its watchdog heartbeat)
     adds to one collective: ``calls`` 1-element all-reduces per setting and round at ``nproc``
     ranks on gloo (the smallest collective, so the fixed cost shows most). Lines of markdown."""
-    results = launch.launch(_recorder_worker, (calls, rounds), nproc, env=BENCH_ENV)[0]
+    results = launch.launch(_recorder_worker, (calls, rounds), nproc, env=launch.BENCH_ENV)[0]
     on = statistics.median(r[0] for r in results)
     off = statistics.median(r[1] for r in results)
     return [

@@ -37,10 +37,6 @@ COMPARE_WORKLOADS: dict[str, dict[str, Any]] = {
 FULLY_SHARD = "fullshard fully_shard"  # the FSDP2 front end: DTensor parameters, torch's optimizer on them
 IMPLEMENTATIONS = ("fullshard", FULLY_SHARD, "torch FSDP2", "DDP")
 FLOOR = "no communication"  # each rank trains its own replica: the compute and optimizer floor
-# Every implementation's workers run with huge pages for large CPU tensors (unless the caller's
-# environment says otherwise): torch FSDP2 allocates fresh full-parameter buffers every step and
-# its memory-bound step is 1.65x longer without them; fullshard reuses its buffers either way.
-BENCH_ENV = {"THP_MEM_ALLOC_ENABLE": "1"}
 _Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets)
 _Loss = Callable[[nn.Module, _Batch], torch.Tensor]
 

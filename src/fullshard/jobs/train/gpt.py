@@ -25,12 +25,12 @@ from fullshard.frontend.activation_checkpointing import apply_activation_checkpo
 from fullshard.frontend.wrap import transformer_auto_wrap_policy
 from fullshard.jobs import launch
 from fullshard.jobs.data.text import ByteCorpus, files_from_glob
-from fullshard.jobs.memory import model_state_bytes
-from fullshard.jobs.memory_report import memory_report
 from fullshard.jobs.models.gpt import GPT, PRESETS, Block, init_module
 from fullshard.jobs.train import fsdp_options, global_batch, launcher_options, observe, plan_options, resume_options
 from fullshard.jobs.train.report import MetricsFile, mib
 from fullshard.jobs.train.session import Session, open_session
+from fullshard.plan.memory import model_state_bytes
+from fullshard.plan.memory_report import memory_report
 
 
 @dataclasses.dataclass

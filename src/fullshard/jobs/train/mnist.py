@@ -26,12 +26,12 @@ from fullshard.comm import collectives
 from fullshard.frontend.wrap import size_based_auto_wrap_policy
 from fullshard.jobs import launch
 from fullshard.jobs.data import mnist as mnist_data
-from fullshard.jobs.memory import model_state_bytes
-from fullshard.jobs.memory_report import memory_report
 from fullshard.jobs.models.net import Net
 from fullshard.jobs.train import fsdp_options, launcher_options, observe, plan_options, resume_options
 from fullshard.jobs.train.report import MetricsFile, mib
 from fullshard.jobs.train.session import Session, open_session
+from fullshard.plan.memory import model_state_bytes
+from fullshard.plan.memory_report import memory_report
 
 
 @dataclasses.dataclass

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from fullshard.comm import collectives, exposure
-from fullshard.jobs.memory import peak_rss_bytes
+from fullshard.plan.memory import peak_rss_bytes
 
 # Dense peak FLOP/s per GPU from the vendors' datasheets (SXM parts; no sparsity).
 _DATASHEET = {

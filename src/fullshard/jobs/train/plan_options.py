@@ -2,7 +2,7 @@
 FSDP configuration (sharding per unit, activation checkpointing, forward prefetch, front end).
 
 At start-up every rank calibrates this machine for a few seconds (collectives at the job's world
-size, each unit at the job's micro-batch, the job's optimizer), rank 0 runs :func:`fullshard.jobs.plan.planner.plan`
+size, each unit at the job's micro-batch, the job's optimizer), rank 0 runs :func:`fullshard.plan.planner.plan`
 under the budget, prints the plan and hands it to every rank, and each rank wraps the model as
 planned. When nothing fits, every rank fails with the smallest budget that would.
 """
@@ -46,7 +46,7 @@ def validate(cfg: Any) -> None:
         ValueError: an unknown plan; ``--memory-budget`` missing, malformed or given without
             ``--plan auto``; or an option the plan chooses itself also given, naming it.
     """
-    from fullshard.jobs.plan.planner import parse_size
+    from fullshard.plan.planner import parse_size
 
     if cfg.plan not in PLANS:
         raise ValueError(f"--plan {cfg.plan!r}: use none or auto")
@@ -104,9 +104,9 @@ def planned_model(
             gives the budget the smallest configuration needs.
     """
     from fullshard.comm import collectives
-    from fullshard.jobs.plan.planner import parse_size, plan
-    from fullshard.jobs.plan.steptime import calibrate
     from fullshard.jobs.train.fsdp_options import PRECISIONS
+    from fullshard.plan.planner import parse_size, plan
+    from fullshard.plan.steptime import calibrate
 
     example, loss_fn = parts if parts is not None else lm_parts(cfg.batch_size, cfg.seq_len)
     dtype = PRECISIONS[cfg.mixed_precision]

@@ -14,9 +14,9 @@ The candidates, per outermost unit in forward order (``n`` of them besides the r
 - on CUDA (nccl), each FULL_SHARD candidate also with CPU offload: shards, gradients and the
   optimizer step on the host, uploads and downloads around every gather and reduce-scatter.
 
-Memory comes from :mod:`fullshard.jobs.plan.peak` (one meta-device trace per ``k``, the rest
+Memory comes from :mod:`fullshard.plan.peak` (one meta-device trace per ``k``, the rest
 arithmetic; a candidate fits when its predicted peak plus :data:`MARGIN` does), time from
-:mod:`fullshard.jobs.plan.steptime` on one calibration. On a CPU device offload is no candidate:
+:mod:`fullshard.plan.steptime` on one calibration. On a CPU device offload is no candidate:
 the shards already live in host memory. The offload candidates' copies and host optimizer step
 are calibrated on the GPU; no GPU has been lent to check their predictions against a run yet.
 """
@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fullshard.jobs.plan.estimate import UnitEstimate, estimate_model_state, group_units
-from fullshard.jobs.plan.peak import (
+from fullshard.plan.estimate import UnitEstimate, estimate_model_state, group_units
+from fullshard.plan.peak import (
     PeakEstimate,
     Trace,
     combine,
@@ -43,8 +43,8 @@ from fullshard.jobs.plan.peak import (
     offloads,
     trace_activations,
 )
-from fullshard.jobs.plan.simulate import StepTime
-from fullshard.jobs.plan.steptime import Calibration, predict_step
+from fullshard.plan.simulate import StepTime
+from fullshard.plan.steptime import Calibration, predict_step
 
 # The share of a candidate's predicted peak kept free under the budget: the estimator's goal and
 # its validated error on CPU (``fullshard bench estimate``: 20 configurations within 5%).
@@ -282,9 +282,9 @@ def plan(
     """Choose the fastest predicted candidate whose predicted peak, ``margin`` more (a fraction:
     the estimate's validated error), fits ``budget`` bytes per rank.
 
-    ``cal`` comes from :func:`~fullshard.jobs.plan.steptime.calibrate` at the job's world size,
+    ``cal`` comes from :func:`~fullshard.plan.steptime.calibrate` at the job's world size,
     batch and dtype; ``make_model``, ``example``, ``loss_fn`` and ``is_unit`` as for
-    :func:`~fullshard.jobs.plan.peak.estimate_peak`.
+    :func:`~fullshard.plan.peak.estimate_peak`.
 
     Raises:
         ValueError: ``budget`` is not positive.

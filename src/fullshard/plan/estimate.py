@@ -32,7 +32,7 @@ OPTIMIZER_BUFFERS = {"adamw": (2, True), "adam": (2, True), "adadelta": (2, True
 
 @dataclasses.dataclass(frozen=True)
 class UnitEstimate:
-    """One unit's predicted bytes on one rank (ints); names as in :class:`~fullshard.jobs.memory_report.UnitMemory`."""
+    """One unit's predicted bytes on one rank (ints); names as in :class:`~fullshard.plan.memory_report.UnitMemory`."""
 
     name: str
     numel: int

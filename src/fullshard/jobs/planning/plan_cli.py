@@ -6,7 +6,7 @@
 Takes the models of ``fullshard estimate``. It starts ``--world-size`` local processes (gloo on
 CPU, NCCL when CUDA is there) that calibrate this machine for a few seconds (collectives at that
 world size, each block at the batch shape, the optimizer), then rank 0 scores every candidate
-(:mod:`fullshard.jobs.plan.planner`) and prints the plan, its predicted peak by category and
+(:mod:`fullshard.plan.planner`) and prints the plan, its predicted peak by category and
 step time, and the runners-up, or the smallest budget that would fit. Exit status 1 when
 nothing fits, 2 on bad options.
 """
@@ -17,14 +17,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from fullshard.jobs import launch
-from fullshard.jobs.plan.cli import PRECISIONS, _model_parts, _parser
-from fullshard.jobs.plan.planner import parse_size
+from fullshard.jobs.planning.cli import PRECISIONS, _model_parts, _parser
+from fullshard.plan.planner import parse_size
 
 
 def _worker(args: Any) -> list[str] | None:
     from fullshard.comm import collectives
-    from fullshard.jobs.plan.planner import plan
-    from fullshard.jobs.plan.steptime import calibrate
+    from fullshard.plan.planner import plan
+    from fullshard.plan.steptime import calibrate
 
     device = launch.init_process_group()
     try:

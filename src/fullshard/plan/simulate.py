@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from fullshard.jobs.plan.calibrate import FREE, BlockTime, CommModel
+from fullshard.plan.calibrate import FREE, BlockTime, CommModel
 
 
 @dataclasses.dataclass(frozen=True)

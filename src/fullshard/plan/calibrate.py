@@ -13,7 +13,7 @@
   (CPU offload's uploads of shards and downloads of gradient shards), on CUDA only.
 - :func:`time_optimizer` times an optimizer step over a rank's shard.
 
-Each takes seconds, not minutes; the numbers feed :mod:`fullshard.jobs.plan.simulate`.
+Each takes seconds, not minutes; the numbers feed :mod:`fullshard.plan.simulate`.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from fullshard.comm import collectives
-from fullshard.jobs.plan.meta_trace import traced
-from fullshard.jobs.plan.peak import cast_floats
+from fullshard.plan.meta_trace import traced
+from fullshard.plan.peak import cast_floats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +59,7 @@ class CommModel:
     copies and socket work; about 0.7 measured on loopback). ``contended`` says that the ranks'
     compute threads leave fewer cores free than there are ranks on this machine (a CPU device,
     cores - ranks x intra-op threads < ranks): no collective then runs beside compute for free (see
-    :func:`~fullshard.jobs.plan.simulate.simulate_step`).
+    :func:`~fullshard.plan.simulate.simulate_step`).
     """
 
     world_size: int
@@ -275,7 +275,7 @@ def time_blocks(
     Raises:
         TypeError: a unit's output is not a tensor.
         MetaValueRead: the model reads a tensor value in forward (see
-            :func:`~fullshard.jobs.plan.meta_trace.traced`).
+            :func:`~fullshard.plan.meta_trace.traced`).
     """
     with torch.device("meta"):
         model = make_model()

@@ -4,7 +4,7 @@
 world size, each distinct block's forward and backward at the real batch shape, and the
 optimizer's seconds per parameter; :func:`predict_step` turns a configuration (per-unit
 resharding, activation checkpointing, mixed precision, NO_SHARD) into unit costs and replays
-fullshard's schedule (:func:`~fullshard.jobs.plan.simulate.simulate_step`). Every rank
+fullshard's schedule (:func:`~fullshard.plan.simulate.simulate_step`). Every rank
 calibrates at once; each time is the slowest rank's, as a step waits for the slowest rank.
 """
 
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from fullshard.comm import collectives
-from fullshard.jobs.plan.calibrate import (
+from fullshard.plan.calibrate import (
     BlockTime,
     CommModel,
     calibrate_comm,
@@ -26,9 +26,9 @@ from fullshard.jobs.plan.calibrate import (
     time_blocks,
     time_optimizer,
 )
-from fullshard.jobs.plan.estimate import UnitEstimate, estimate_model_state
-from fullshard.jobs.plan.peak import offloads
-from fullshard.jobs.plan.simulate import StepTime, UnitCost, merge_costs, simulate_step
+from fullshard.plan.estimate import UnitEstimate, estimate_model_state
+from fullshard.plan.peak import offloads
+from fullshard.plan.simulate import StepTime, UnitCost, merge_costs, simulate_step
 
 OPTIMIZER_TIMING_NUMEL = 1 << 24  # the most parameters an optimizer step is timed over (64 MiB in float32)
 
@@ -112,7 +112,7 @@ def predict_step(
         checkpoint: units whose activations are recomputed in backward.
         param_dtype: the mixed-precision dtype (gathers and reductions in it), if any.
         group: consecutive units sharded together as one (``fully_shard`` of a list).
-        state: :func:`~fullshard.jobs.plan.estimate.estimate_model_state` of the model at these
+        state: :func:`~fullshard.plan.estimate.estimate_model_state` of the model at these
             settings, when the caller has it (saves building the model on the meta device).
         offload: CPU offload of shards, gradients and the optimizer step (uploads before each
             gather, downloads after each reduce-scatter, the step at the CPU's calibrated rate);

@@ -18,7 +18,7 @@ from torch import nn
 
 from fullshard.engine.hooks import fsdp_state
 from fullshard.engine.module_wrapper import clean_name
-from fullshard.jobs.memory import _storage_bytes
+from fullshard.plan.memory import _storage_bytes
 
 
 @dataclasses.dataclass(frozen=True)

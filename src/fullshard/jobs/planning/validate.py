@@ -2,9 +2,9 @@
 
 Each configuration (GPT presets and the MNIST Net x sharding strategy x activation
 checkpointing x mixed precision x world size) is predicted with
-:func:`~fullshard.jobs.plan.peak.estimate_peak` and measured: the job's own model, wrapping and
+:func:`~fullshard.plan.peak.estimate_peak` and measured: the job's own model, wrapping and
 optimizer train three steps in ``world`` fresh processes under
-:class:`~fullshard.jobs.plan.tracker.LiveTensorBytes` (everything from the model's
+:class:`~fullshard.plan.tracker.LiveTensorBytes` (everything from the model's
 construction on is seen), and the third step's peak on rank 0 is the measurement (the first
 steps create the optimizer state and fill the buffer pool). Peak RSS above the process's
 baseline before the model is built is reported beside it.
@@ -21,10 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from fullshard.jobs import launch
-from fullshard.jobs.bench.workloads import BENCH_ENV
-from fullshard.jobs.memory import peak_rss_bytes
-from fullshard.jobs.plan.peak import estimate_peak
-from fullshard.jobs.plan.tracker import LiveTensorBytes
+from fullshard.plan.memory import peak_rss_bytes
+from fullshard.plan.peak import estimate_peak
+from fullshard.plan.tracker import LiveTensorBytes
 
 
 def _wide() -> Any:
@@ -192,7 +191,7 @@ def _measure_worker(c: Config) -> tuple[int, int]:
 
 def compare(c: Config) -> tuple[Any, int, int]:
     """(the estimate, the measured peak live tensor bytes of rank 0, its peak RSS growth) for ``c``."""
-    peak, rss = launch.launch(_measure_worker, (c,), c.world, env=BENCH_ENV)[0]
+    peak, rss = launch.launch(_measure_worker, (c,), c.world, env=launch.BENCH_ENV)[0]
     return predict(c), peak, rss
 
 

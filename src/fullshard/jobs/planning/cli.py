@@ -8,7 +8,7 @@
         --wrap-cls Bottleneck --world-size 4
 
 Nothing is allocated: the model is built and traced on the meta device (see
-:mod:`fullshard.jobs.plan.peak`). A ``module:factory`` model is called with no arguments; its
+:mod:`fullshard.plan.peak`). A ``module:factory`` model is called with no arguments; its
 input is a float tensor of ``--input-shape`` and its loss the sum of its output. An ``hf:NAME``
 model is one of the HF job's configs or a transformers causal-LM class from its default config
 (:func:`fullshard.jobs.train.hf.hf_model`), fed tokens (batch, seq-len), its loss the
@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from fullshard.jobs.plan.estimate import OPTIMIZER_BUFFERS
-from fullshard.jobs.plan.peak import PeakEstimate, estimate_peak
 from fullshard.jobs.train.plan_options import lm_parts
+from fullshard.plan.estimate import OPTIMIZER_BUFFERS
+from fullshard.plan.peak import PeakEstimate, estimate_peak
 
 PRECISIONS = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -73,7 +73,7 @@ def _model_parts(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
         example, loss_fn = lm_parts(args.batch_size, args.seq_len)
         return make, example, loss_fn, (lambda m: type(m).__name__ in layers)
     if args.model == "mnist":
-        from fullshard.jobs.plan.validate import Config, mnist_parts
+        from fullshard.jobs.planning.validate import Config, mnist_parts
 
         return mnist_parts(Config("mnist", args.world_size, batch=args.batch_size))
     module_name, _, factory = args.model.partition(":")

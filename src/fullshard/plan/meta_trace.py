@@ -1,7 +1,7 @@
 """What the meta-device trace needs to run a model as the real device would.
 
-A model traced on the meta device (:mod:`fullshard.jobs.plan.peak`, and calibration's shape
-pass in :mod:`fullshard.jobs.plan.calibrate`) allocates nothing, but two things differ from a
+A model traced on the meta device (:mod:`fullshard.plan.peak`, and calibration's shape
+pass in :mod:`fullshard.plan.calibrate`) allocates nothing, but two things differ from a
 real step, and :func:`traced` mends both for the length of a trace:
 
 - kernels picked by device: meta tensors take SDPA's math path, which saves the attention

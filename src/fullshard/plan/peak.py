@@ -1,12 +1,12 @@
 """Predicted peak of live tensor bytes per rank in one training step, without allocating.
 
 One forward and backward of the *unwrapped* model runs on the meta device under
-:class:`~fullshard.jobs.plan.tracker.LiveTensorBytes`: its peak, less the full parameters and the
+:class:`~fullshard.plan.tracker.LiveTensorBytes`: its peak, less the full parameters and the
 gradients already produced at that moment, is what activations, saved tensors and temporaries
 take (activation checkpointing applied as the job applies it; under mixed precision the model is
 traced in the compute dtype). The FSDP step's peak adds, per rank:
 
-- model state (:func:`~fullshard.jobs.plan.estimate.estimate_model_state`): parameter shards and
+- model state (:func:`~fullshard.plan.estimate.estimate_model_state`): parameter shards and
   optimizer state in full; gradient shards in full on gloo (CPU) at world sizes above 1, where
   each unit keeps its reduce-scatter output buffer between steps (``zero_grad`` drops only the
   views), otherwise in the fraction the trace had produced at its peak;
@@ -42,9 +42,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from fullshard.jobs.plan.estimate import UnitEstimate, estimate_model_state
-from fullshard.jobs.plan.meta_trace import traced
-from fullshard.jobs.plan.tracker import LiveTensorBytes
+from fullshard.plan.estimate import UnitEstimate, estimate_model_state
+from fullshard.plan.meta_trace import traced
+from fullshard.plan.tracker import LiveTensorBytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +159,7 @@ def trace_activations(
     unwrapped model holds full gradients (``grad_scale`` 1), a rank of a sharded one its
     shards (``1 / world``), so its peak comes earlier in backward, where more activations live.
     ``device_type``: where the step will run ("cpu" or "cuda"); attention is traced as that
-    device's kernel runs it (:func:`~fullshard.jobs.plan.meta_trace.traced`).
+    device's kernel runs it (:func:`~fullshard.plan.meta_trace.traced`).
 
     Raises:
         MetaValueRead: the model reads a tensor value, which the trace cannot give.
@@ -223,7 +223,7 @@ def estimate_peak(
         cpu_offload: shards, gradients and optimizer state in host memory (CUDA only).
 
     Raises:
-        ValueError: as :func:`~fullshard.jobs.plan.estimate.estimate_model_state`, or
+        ValueError: as :func:`~fullshard.plan.estimate.estimate_model_state`, or
             ``cpu_offload`` with ``no_shard``.
     """
     if cpu_offload and sharding_strategy == "no_shard":

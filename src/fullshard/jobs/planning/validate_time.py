@@ -1,8 +1,8 @@
 """``fullshard bench steptime``: the predicted step time against the measured one.
 
-For each configuration of :data:`fullshard.jobs.plan.validate.CONFIGS` (and SHARD_GRAD_OP /
+For each configuration of :data:`fullshard.jobs.planning.validate.CONFIGS` (and SHARD_GRAD_OP /
 NO_SHARD variants), ``world`` fresh processes calibrate this machine
-(:func:`~fullshard.jobs.plan.steptime.calibrate`), predict the step, then build the job's own
+(:func:`~fullshard.plan.steptime.calibrate`), predict the step, then build the job's own
 model, wrapping and optimizer and time real steps (the median of ``steps`` after two warm-up
 steps; rank 0's clock), three rounds of both in turn. Calibration, prediction and measurement
 run in the same processes, so they see the same thread count and the same neighbours.
@@ -18,10 +18,9 @@ from typing import Any
 import torch
 
 from fullshard.jobs import launch
-from fullshard.jobs.bench.workloads import BENCH_ENV
-from fullshard.jobs.plan.simulate import StepTime
-from fullshard.jobs.plan.steptime import calibrate, predict_step
-from fullshard.jobs.plan.validate import CONFIGS, Config, _build, _parts, optimizer_of
+from fullshard.jobs.planning.validate import CONFIGS, Config, _build, _parts, optimizer_of
+from fullshard.plan.simulate import StepTime
+from fullshard.plan.steptime import calibrate, predict_step
 
 TIME_CONFIGS = [
     *CONFIGS,
@@ -93,7 +92,7 @@ def report(configs: list[Config] | None = None, rounds: int = 3) -> list[str]:
     worst = 0.0
     chosen = configs or TIME_CONFIGS
     for c in chosen:
-        pred, measured = launch.launch(_worker, (c, rounds), c.world, env=BENCH_ENV)[0]
+        pred, measured = launch.launch(_worker, (c, rounds), c.world, env=launch.BENCH_ENV)[0]
         err = (pred.seconds - measured) / measured
         worst = max(worst, abs(err))
         parts = " / ".join(f"{1e3 * x:.1f}" for x in (pred.compute, pred.exposed_comm, pred.optimizer))

@@ -5,10 +5,10 @@ twice the largest hand configuration's predicted peak; tight: 1.15 x the smalles
 peak of all candidates), ``world`` fresh processes calibrate and plan; then the planned
 configuration and the six hand configurations (FULL_SHARD per block, SHARD_GRAD_OP per block,
 NO_SHARD, each with and without activation checkpointing) are each built from the same seed,
-applied with :meth:`~fullshard.jobs.plan.planner.Candidate.apply`, and measured
+applied with :meth:`~fullshard.plan.planner.Candidate.apply`, and measured
 (:func:`measure_all`): the median step of 5 after 2 warm-up steps, the fastest of 3 rounds, and
 the third step's peak of live tensor bytes on rank 0
-(a separate build under :class:`~fullshard.jobs.plan.tracker.LiveTensorBytes`, which slows
+(a separate build under :class:`~fullshard.plan.tracker.LiveTensorBytes`, which slows
 steps down).
 """
 
@@ -22,11 +22,10 @@ import torch
 
 from fullshard.comm import buffers, collectives
 from fullshard.jobs import launch
-from fullshard.jobs.bench.workloads import BENCH_ENV
-from fullshard.jobs.plan.planner import Candidate, plan
-from fullshard.jobs.plan.steptime import calibrate
-from fullshard.jobs.plan.tracker import LiveTensorBytes
-from fullshard.jobs.plan.validate import Config, _parts, optimizer_of
+from fullshard.jobs.planning.validate import Config, _parts, optimizer_of
+from fullshard.plan.planner import Candidate, plan
+from fullshard.plan.steptime import calibrate
+from fullshard.plan.tracker import LiveTensorBytes
 
 WORKLOADS = {
     "compute-bound GPT (tiny, 16 x 128 tokens)": Config("gpt-tiny", 2, batch=16),
@@ -122,7 +121,7 @@ def report(workloads: dict[str, Config] | None = None) -> list[str]:
     mib = 2**20
     lines = []
     for title, c in (workloads or WORKLOADS).items():
-        result = launch.launch(_worker, (c,), c.world, env=BENCH_ENV)[0][0]
+        result = launch.launch(_worker, (c,), c.world, env=launch.BENCH_ENV)[0][0]
         lines += [
             f"\n**{title}**, {c.world} ranks\n",
             "| budget | configuration | peak predicted / measured (MiB) | "
