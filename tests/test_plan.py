@@ -472,7 +472,7 @@ def test_calibration_keeps_the_slowest_ranks_times() -> None:
 
 
 @pytest.mark.timeout(300)
-def test_mnist_job_plan_auto(tmp_path: Path) -> None:
+def test_mnist_job_plan_auto(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The MNIST job plans too (its Net, Adadelta and batch): one epoch on a quarter of the
     training images as planned, and at one rank a budget nothing fits fails at start-up."""
     from mnist_idx import train_subset
@@ -490,8 +490,12 @@ def test_mnist_job_plan_auto(tmp_path: Path) -> None:
     r = subprocess.run([*base, "--nproc", "1", "--plan", "auto", "--memory-budget", "1MiB"], **_quiet(env))
     assert r.returncode != 0
     assert "--plan auto --memory-budget 1MiB: Nothing fits 1.0 MiB per rank" in r.stderr, r.stderr[-3000:]
-    r = subprocess.run([*base, "--memory-budget", "1GiB"], **_quiet(env))
-    assert r.returncode == 2 and "--memory-budget is the budget of --plan auto" in r.stderr, r.stderr[-3000:]
+    from fullshard.cli import main  # options are checked before any worker starts: in this process
+
+    with pytest.raises(SystemExit) as exit_:
+        main([*base[1:], "--memory-budget", "1GiB"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--memory-budget is the budget of --plan auto" in err, err[-3000:]
 
 
 def _quiet(env: dict[str, str]) -> dict:
