@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -225,7 +226,9 @@ def test_parse_size() -> None:
             parse_size(bad)
 
 
+@functools.cache
 def _fake_calibration(comm_per_byte: float, backend: str = "gloo") -> object:
+    """One calibration object per setting (cached: :func:`_scored_once` keys on it)."""
     from fullshard.plan.steptime import Calibration
 
     blocks = {"<root>": BlockTime(0.004, 0.008)} | {f"blocks.{i}": BlockTime(0.01, 0.02) for i in range(4)}
@@ -235,13 +238,35 @@ def _fake_calibration(comm_per_byte: float, backend: str = "gloo") -> object:
     return Calibration(comm, blocks, 1e-9, "adamw", host_optimizer_seconds_per_param=1e-8)
 
 
+@functools.cache
 def _gpt_parts() -> tuple:
     from fullshard.jobs.planning.validate import Config, gpt_parts
 
     return gpt_parts(Config("gpt-tiny", 2, batch=16))
 
 
-def test_planner_picks_the_fastest_that_fits_and_says_when_nothing_does() -> None:
+_SCORED: dict[tuple[int, ...], list] = {}
+
+
+@pytest.fixture
+def _scored_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``plan`` scores every candidate of one calibration and model once per test module (a
+    meta trace per AC count and sharding is most of its time); each call still chooses under
+    its own budget and margin from those scores."""
+    from fullshard.plan import planner
+
+    real = planner._score_all
+
+    def scored(*args: object) -> list:
+        key = tuple(id(a) for a in args)
+        if key not in _SCORED:
+            _SCORED[key] = real(*args)
+        return _SCORED[key]
+
+    monkeypatch.setattr(planner, "_score_all", scored)
+
+
+def test_planner_picks_the_fastest_that_fits_and_says_when_nothing_does(_scored_once: None) -> None:
     from fullshard.plan.planner import candidates, plan
 
     names = [f"blocks.{i}" for i in range(4)]
@@ -282,7 +307,7 @@ def test_planner_picks_the_fastest_that_fits_and_says_when_nothing_does() -> Non
         plan(_fake_calibration(1e-6), make, example, loss, is_unit, 0)
 
 
-def test_planner_offloads_on_cuda_when_nothing_else_fits() -> None:
+def test_planner_offloads_on_cuda_when_nothing_else_fits(_scored_once: None) -> None:
     """On NCCL every sharded candidate also comes with CPU offload: slower (copies, the
     optimizer on the host), so an ample budget gets none, but a budget below every
     non-offloaded peak gets the fastest offloaded candidate. On gloo offload is no candidate."""
@@ -300,7 +325,7 @@ def test_planner_offloads_on_cuda_when_nothing_else_fits() -> None:
     assert tight.best is not None and tight.best.candidate.offload, tight.describe()
     assert tight.best.candidate.describe().endswith(", CPU offload")
     assert f"; on the host {tight.best.peak.host / 2**20:,.1f}" in tight.describe()[1]
-    on_gloo = plan(_fake_calibration(1e-9), make, example, loss, is_unit, 2**40)
+    on_gloo = plan(_fake_calibration(1e-6), make, example, loss, is_unit, 2**40)  # the other test's scores
     assert not any(s.candidate.offload for s in on_gloo.scored)
     from fullshard.plan.steptime import predict_step  # on a CPU device offload moves nothing
 
@@ -447,7 +472,7 @@ def test_calibration_keeps_the_slowest_ranks_times() -> None:
 
 
 @pytest.mark.timeout(300)
-def test_mnist_job_plan_auto(tmp_path: Path) -> None:
+def test_mnist_job_plan_auto(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The MNIST job plans too (its Net, Adadelta and batch): one epoch on a quarter of the
     training images as planned, and at one rank a budget nothing fits fails at start-up."""
     from mnist_idx import train_subset
@@ -465,8 +490,12 @@ def test_mnist_job_plan_auto(tmp_path: Path) -> None:
     r = subprocess.run([*base, "--nproc", "1", "--plan", "auto", "--memory-budget", "1MiB"], **_quiet(env))
     assert r.returncode != 0
     assert "--plan auto --memory-budget 1MiB: Nothing fits 1.0 MiB per rank" in r.stderr, r.stderr[-3000:]
-    r = subprocess.run([*base, "--memory-budget", "1GiB"], **_quiet(env))
-    assert r.returncode == 2 and "--memory-budget is the budget of --plan auto" in r.stderr, r.stderr[-3000:]
+    from fullshard.cli import main  # options are checked before any worker starts: in this process
+
+    with pytest.raises(SystemExit) as exit_:
+        main([*base[1:], "--memory-budget", "1GiB"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--memory-budget is the budget of --plan auto" in err, err[-3000:]
 
 
 def _quiet(env: dict[str, str]) -> dict:

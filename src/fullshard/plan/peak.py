@@ -164,19 +164,45 @@ def trace_activations(
     Raises:
         MetaValueRead: the model reads a tensor value, which the trace cannot give.
     """
+    traces = trace_activations_at(
+        make_model, example, loss_fn, (grad_scale,), compute_dtype, checkpoint, device_type, is_unit
+    )
+    return traces[grad_scale]
+
+
+def trace_activations_at(
+    make_model: Callable[[], nn.Module],
+    example: Callable[[], Any],
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    grad_scales: Collection[float],
+    compute_dtype: torch.dtype | None = None,
+    checkpoint: Callable[[nn.Module], bool] | None = None,
+    device_type: str = "cpu",
+    is_unit: Callable[[nn.Module], bool] | None = None,
+) -> dict[float, Trace]:
+    """:func:`trace_activations` at each of ``grad_scales`` from one traced step (the bytes
+    alive and gradients produced at every allocation are kept, and each scale's peak taken
+    from them): grad_scale -> Trace.
+
+    Raises:
+        MetaValueRead: as :func:`trace_activations`.
+    """
     from fullshard.frontend.activation_checkpointing import apply_activation_checkpointing
 
     params: list[nn.Parameter] = []
-
-    def grads() -> int:
-        return sum(p.grad.nbytes for p in params if p.grad is not None)
-
     running: list[_RunningUnit] = []
+    # (bytes alive, gradient bytes produced, graph task id, unit) at each measurement from the
+    # step's start on
+    samples: list[tuple[int, int, int, str]] = []
+    recording: list[bool] = []
 
-    def label() -> tuple[int, int, str]:
-        return grads(), torch._C._current_graph_task_id(), running[0].name if running else "<root>"
+    def observe(current: int) -> None:
+        if recording:
+            grads = sum(p.grad.nbytes for p in params if p.grad is not None)
+            unit = running[0].name if running else "<root>"
+            samples.append((current, grads, torch._C._current_graph_task_id(), unit))
 
-    with LiveTensorBytes("meta", label=label, discount=lambda: round((1 - grad_scale) * grads())) as live:
+    with LiveTensorBytes("meta", observe=observe) as live:
         with torch.device("meta"):
             model = make_model()
             if compute_dtype is not None:
@@ -188,13 +214,22 @@ def trace_activations(
             batch = cast_floats(example(), compute_dtype)
         params.extend(model.parameters())
         param_bytes = sum(p.nbytes for p in params)
-        live.reset_peak()
+        recording.append(True)
+        live.measure()
         with traced(device_type):
             loss_fn(model, batch).backward()
-    produced, task, unit = live.peak_label
     total_grads = sum(p.nbytes for p in params if p.requires_grad) or 1
+    return {scale: _peak_of(samples, scale, param_bytes, total_grads) for scale in grad_scales}
+
+
+def _peak_of(samples: list[tuple[int, int, int, str]], scale: float, param_bytes: int, total_grads: int) -> Trace:
+    """The :class:`Trace` at the first sample with the most bytes alive, counting ``scale`` x
+    the gradients produced by then."""
+    best = max(range(len(samples)), key=lambda i: (samples[i][0] - round((1 - scale) * samples[i][1]), -i))
+    alive, produced, task, unit = samples[best]
+    peak = alive - round((1 - scale) * produced)
     phase = "backward" if task >= 0 else "forward"
-    return Trace(live.peak - param_bytes - round(grad_scale * produced), produced / total_grads, phase, unit)
+    return Trace(peak - param_bytes - round(scale * produced), produced / total_grads, phase, unit)
 
 
 def estimate_peak(

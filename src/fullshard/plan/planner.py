@@ -41,7 +41,7 @@ from fullshard.plan.peak import (
     device_type,
     grad_scale,
     offloads,
-    trace_activations,
+    trace_activations_at,
 )
 from fullshard.plan.simulate import StepTime
 from fullshard.plan.steptime import Calibration, predict_step
@@ -313,25 +313,25 @@ def _score_all(
     is_unit: Callable[[nn.Module], bool],
     param_dtype: torch.dtype | None,
 ) -> list[Scored]:
-    """Every candidate with its predicted peak (one meta trace per AC count and sharding) and step."""
+    """Every candidate with its predicted peak (one meta trace per AC count) and step."""
     world = cal.comm.world_size
     names = [n for n in cal.blocks if n != "<root>"]
     offload = offloads(True, cal.comm.backend)
     state = _model_states(cal, make_model, is_unit, param_dtype, offload)
-    traces: dict[tuple[int, bool, bool], Trace] = {}
+    traces: dict[int, dict[float, Trace]] = {}  # AC count -> gradient scale -> trace
+    scales = {grad_scale(world, ns, cal.comm.backend, off) for ns, off in state}
     scored = []
     for c in candidates(names, offload=offload):
-        key = (len(c.checkpoint), c.no_shard, c.offload)
-        if key not in traces:
-            scale = grad_scale(world, c.no_shard, cal.comm.backend, c.offload)
+        if len(c.checkpoint) not in traces:  # one traced step per AC count serves every sharding
             make = _tagged(make_model, c.checkpoint)
             device = device_type(cal.comm.backend)
-            traces[key] = trace_activations(
-                make, example, loss_fn, param_dtype, _is_tagged, scale, device, is_unit=is_unit
+            traces[len(c.checkpoint)] = trace_activations_at(
+                make, example, loss_fn, scales, param_dtype, _is_tagged, device, is_unit=is_unit
             )
+        scale = grad_scale(world, c.no_shard, cal.comm.backend, c.offload)
         peak = combine(
             group_units(state[c.no_shard, c.offload], c.groups),
-            traces[key],
+            traces[len(c.checkpoint)][scale],
             world,
             keep_gathered=c.keep_gathered,
             no_shard=c.no_shard,

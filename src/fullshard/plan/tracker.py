@@ -34,13 +34,17 @@ class LiveTensorBytes(TorchDispatchMode):
         peak: the largest ``current - discount()`` since construction or :meth:`reset_peak`
             (bytes; ``discount`` returns 0 unless given).
         peak_label: what :attr:`label` returned at the peak (e.g. the unit and phase).
+
+    ``observe``, if given, is called with ``current`` after every measurement (the bytes alive
+    at each allocation, e.g. to find the peak under several discounts from one run).
     """
 
-    def __init__(self, device_type: str = "cpu", label: Any = None, discount: Any = None) -> None:
+    def __init__(self, device_type: str = "cpu", label: Any = None, discount: Any = None, observe: Any = None) -> None:
         super().__init__()
         self.device_type = device_type
         self.label = label or (lambda: None)
         self.discount = discount or (lambda: 0)
+        self.observe = observe
         self._storages: dict[int, weakref.ref] = {}
         self.current = 0
         self.peak = 0
@@ -84,6 +88,8 @@ class LiveTensorBytes(TorchDispatchMode):
                 ptr = st.data_ptr() if self.device_type != "meta" else id(st)  # meta storages have no address
                 sizes[ptr] = max(sizes.get(ptr, 0), n)
         self.current = sum(sizes.values())
+        if self.observe is not None:
+            self.observe(self.current)
         if (value := self.current - self.discount()) > self.peak:
             self.peak, self.peak_label = value, self.label()
 
