@@ -179,10 +179,18 @@ def late_body(rank: int, world: int) -> list[str]:
 
     from fullshard.comm import collectives
 
+    saved = (collectives._all_gather_fn, collectives._reduce_scatter_fn, dist.all_to_all_single, dist.all_reduce)
     collectives._all_gather_fn = _make_late(collectives._all_gather_fn)
     collectives._reduce_scatter_fn = _make_late(collectives._reduce_scatter_fn)
     dist.all_to_all_single = _make_late(dist.all_to_all_single)
     dist.all_reduce = _late_all_reduce(dist.all_reduce)
+    try:
+        return _late_steps(rank, world)
+    finally:  # the kept rank process runs later tests: put the real collectives back
+        collectives._all_gather_fn, collectives._reduce_scatter_fn, dist.all_to_all_single, dist.all_reduce = saved
+
+
+def _late_steps(rank: int, world: int) -> list[str]:
     done = []
     for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
         for kw in ({}, {"forward_prefetch": True}):

@@ -158,7 +158,9 @@ def test_whole_tensor_optimizers_match_torch() -> None:
     seen = run_ranks(optim_body, 2, timeout=280)[0]
     for name in MAKERS:
         want = ["DTensor"] if name in WHOLE_TENSOR else ["Parameter"]
-        assert seen[name] == [want] * 3, (name, seen[name])
+        # One entry per hooked step() call: 3 steps, or 6 for LambLike once the process has made a
+        # plain AdamW (torch then hooks AdamW.step too, which LambLike.step calls through super()).
+        assert len(seen[name]) in (3, 6) and all(s == want for s in seen[name]), (name, seen[name])
 
 
 def test_elementwise_rule() -> None:
