@@ -31,19 +31,17 @@ class LiveTensorBytes(TorchDispatchMode):
 
     Attributes:
         current: bytes alive at the last allocation (int).
-        peak: the largest ``current - discount()`` since construction or :meth:`reset_peak`
-            (bytes; ``discount`` returns 0 unless given).
+        peak: the largest ``current`` since construction or :meth:`reset_peak` (bytes).
         peak_label: what :attr:`label` returned at the peak (e.g. the unit and phase).
 
     ``observe``, if given, is called with ``current`` after every measurement (the bytes alive
-    at each allocation, e.g. to find the peak under several discounts from one run).
+    at each allocation, e.g. to find the peak under several gradient scales from one run).
     """
 
-    def __init__(self, device_type: str = "cpu", label: Any = None, discount: Any = None, observe: Any = None) -> None:
+    def __init__(self, device_type: str = "cpu", label: Any = None, observe: Any = None) -> None:
         super().__init__()
         self.device_type = device_type
         self.label = label or (lambda: None)
-        self.discount = discount or (lambda: 0)
         self.observe = observe
         self._storages: dict[int, weakref.ref] = {}
         self.current = 0
@@ -65,7 +63,7 @@ class LiveTensorBytes(TorchDispatchMode):
     def reset_peak(self) -> None:
         """Start a new peak from the bytes alive now."""
         self._measure()
-        self.peak, self.peak_label = self.current - self.discount(), self.label()
+        self.peak, self.peak_label = self.current, self.label()
 
     def _register(self, t: torch.Tensor) -> bool:
         if hasattr(t, "to_local"):  # DTensor: its local tensor holds the memory
@@ -90,8 +88,8 @@ class LiveTensorBytes(TorchDispatchMode):
         self.current = sum(sizes.values())
         if self.observe is not None:
             self.observe(self.current)
-        if (value := self.current - self.discount()) > self.peak:
-            self.peak, self.peak_label = value, self.label()
+        if self.current > self.peak:
+            self.peak, self.peak_label = self.current, self.label()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
