@@ -78,15 +78,15 @@ def test_mnist_default_recipe_two_processes_reach_094_in_three_epochs(tmp_path: 
         assert per_rank == pytest.approx(16 * numel / 2, rel=1e-4), (per_rank, numel)
 
 
-@pytest.mark.timeout(500)
-def test_mnist_under_torchrun_bf16_learns_in_one_epoch_of_a_quarter_of_the_data(tmp_path: Path) -> None:
+@pytest.mark.timeout(300)
+def test_mnist_under_torchrun_bf16_learns_in_one_epoch_of_an_eighth_of_the_data(tmp_path: Path) -> None:
     """The job under torchrun (ranks from torchrun's environment), with --mixed-precision bf16
     (bf16 all-gathers and compute, fp32 shards), --forward-prefetch and shard_grad_op in one run.
     This CPU has no bf16 convolution kernel (torch falls back to a slow one, 8.5x float32's time),
-    so the suite trains one epoch on a quarter of the training images (1,000, given as IDX files
-    by --data-dir; 500 test images): 0.714 measured with the default full_shard under fullshard's
-    launcher (half the images: 0.823), bar 0.6 (chance: 0.1). On the whole subset the runs
-    measured 0.935, 0.956, 0.965 after epochs 1-3, 0.969 after 10."""
+    so the suite trains one epoch on an eighth of the training images (500, given as IDX files
+    by --data-dir; 200 test images): 0.635 measured (27 s), bar 0.45 (chance: 0.1); a quarter
+    of the images gave 0.714. On the whole subset the runs measured 0.935, 0.956, 0.965 after
+    epochs 1-3, 0.969 after 10."""
     metrics = tmp_path / "bf16.jsonl"
     _run(
         # --standalone: a free rendezvous port (the default 29500 may still be held by an earlier run)
@@ -106,13 +106,13 @@ def test_mnist_under_torchrun_bf16_learns_in_one_epoch_of_a_quarter_of_the_data(
             "bf16",
             "--forward-prefetch",
             "--data-dir",
-            str(train_subset(tmp_path / "data", 0.25, 0.5)),
+            str(train_subset(tmp_path / "data", 0.125, 0.2)),
             "--metrics-file",
             str(metrics),
         ],
         tmp_path,
-        timeout=480,
+        timeout=280,
     )
     (last,) = _records(metrics)
-    assert last["epoch"] == 1 and last["test_accuracy"] >= 0.6, last
+    assert last["epoch"] == 1 and last["test_accuracy"] >= 0.45, last
     assert len(last["sharded_state_bytes"]) == 2, last
