@@ -121,7 +121,7 @@ def test_per_rank_directories_merge_into_one_checkpoint(tmp_path: Path) -> None:
         for f in (tmp_path / f"rank{rank}" / "step_00000001").iterdir():
             shutil.copy(f, merged / f.name)
     names = sorted(p.name for p in merged.iterdir())
-    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "extra_rank0.pt", "extra_rank1.pt"], names
+    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "extra_rank0.pt", "extra_rank1.pt", "manifest.json"]
     results = run_ranks(load_body, 3, str(merged), 2, timeout=180)
     full, optim, _ = results[0]
     for k, v in want_model.items():
