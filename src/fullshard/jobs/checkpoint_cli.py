@@ -29,7 +29,10 @@ def convert_main(args: Sequence[str]) -> int:
         except (CheckpointError, ValueError) as e:
             failure = e
     for w in seen:
-        print(str(w.message), file=sys.stderr)
+        if issubclass(w.category, CheckpointWarning):
+            print(str(w.message), file=sys.stderr)
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     if failure is not None:
         print(f"fullshard convert: {failure}", file=sys.stderr)
         return 1

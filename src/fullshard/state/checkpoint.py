@@ -140,7 +140,7 @@ def _publish(tmp: Path, final: Path, manifest: Manifest, keep: int | None) -> No
     try:
         manifests.write(tmp, manifest)
     except OSError as e:
-        raise FileFailure(MANIFEST, "writing", e) from e
+        raise FileFailure.of(MANIFEST, "writing", e) from e
     for claim in tmp.glob(f"{_CLAIM}*"):
         claim.unlink()
     if final.exists():
@@ -260,7 +260,7 @@ def _read_and_apply(
         created.extend(create_optimizer_state(optimizer))
         target = copies(sharded(model, optimizer))  # a failed read must leave the model as it was
         saved = Reader(directory).read_metadata().state_dict_metadata
-        check_fits(directory, saved, target, optimizer, manifest.optimizer if manifest else None)
+        check_fits(saved, target, optimizer, manifest.optimizer if manifest else None)
         dcp.load(target, storage_reader=Reader(directory), checkpoint_id=str(directory))
         listed = manifest is None or extra_name(rank) in manifest.files
         return target, load_extra(directory, rank) if listed else {}

@@ -39,11 +39,16 @@ class CheckpointMismatch(ValueError):
 
 
 class FileFailure(Exception):
-    """Reading or writing one file of a checkpoint failed: ``REASON (writing NAME)``."""
+    """Reading or writing one file of a checkpoint failed: ``REASON (writing NAME)``.
 
-    def __init__(self, name: str, verb: str, cause: BaseException) -> None:
-        super().__init__(f"{one_line(cause)} ({verb} {name})")
-        self.name, self.verb, self.cause = name, verb, cause
+    Built by :meth:`of`; its one argument is the whole line, so it survives the pickling that
+    torch.distributed.checkpoint gathers failures with.
+    """
+
+    @classmethod
+    def of(cls, name: str, verb: str, cause: BaseException) -> FileFailure:
+        """The failure of ``verb`` (``reading``, ``writing``) the file ``name`` because of ``cause``."""
+        return cls(f"{one_line(cause)} ({verb} {name})")
 
 
 def one_line(error: BaseException) -> str:
@@ -53,6 +58,8 @@ def one_line(error: BaseException) -> str:
         text = error.strerror + (f" ({error.filename})" if error.filename else "")
     elif isinstance(error, (FileFailure, CheckpointMismatch, CheckpointError)):
         text = str(error)
+    elif isinstance(error, EOFError) and not str(error):
+        text = "EOFError: the file ends early"
     else:
         text = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
     return "; ".join(line.strip() for line in text.splitlines() if line.strip())

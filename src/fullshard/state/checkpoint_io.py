@@ -33,7 +33,7 @@ class _NamingFileSystem(FileSystem):
         except FileFailure:
             raise
         except Exception as e:
-            raise FileFailure(Path(path).name, verb, e) from e
+            raise FileFailure.of(Path(path).name, verb, e) from e
 
 
 class Writer(FileSystemWriter):
@@ -69,7 +69,7 @@ def save_extra(directory: Path, rank: int, extra: dict[str, Any]) -> str:
     try:
         torch.save(extra, directory / name)
     except Exception as e:
-        raise FileFailure(name, "writing", e) from e
+        raise FileFailure.of(name, "writing", e) from e
     return name
 
 
@@ -85,4 +85,4 @@ def load_extra(directory: Path, rank: int) -> dict[str, Any]:
     try:
         return torch.load(path, weights_only=False)
     except Exception as e:
-        raise FileFailure(path.name, "reading", e) from e
+        raise FileFailure.of(path.name, "reading", e) from e

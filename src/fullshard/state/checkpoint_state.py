@@ -10,7 +10,6 @@ removed again when the load fails (:func:`create_optimizer_state`, :func:`forget
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -116,9 +115,7 @@ def copies(state: Any) -> Any:
     return state
 
 
-def check_fits(
-    directory: Path, saved: dict[str, Any], target: dict[str, Any], optimizer: Any, saved_optimizer: str | None
-) -> None:
+def check_fits(saved: dict[str, Any], target: dict[str, Any], optimizer: Any, saved_optimizer: str | None) -> None:
     """Compare the checkpoint's keys and shapes (``saved``: its DCP metadata by key) with what
     the model and optimizer expect.
 
@@ -131,7 +128,7 @@ def check_fits(
     if "optim" in target:
         problems += _optimizer_problems(saved, target["optim"], type(optimizer).__name__, saved_optimizer)
     if problems:
-        raise CheckpointMismatch(f"checkpoint {directory} does not fit: " + "; ".join(problems))
+        raise CheckpointMismatch("; ".join(problems))
 
 
 def _model_problems(saved: dict[str, Any], model_state: dict[str, Any]) -> list[str]:
