@@ -210,7 +210,7 @@ def all_or_nothing_body(rank: int, world: int, base: str, api: str) -> list[str]
         if rank == 0:
             assert _checkpoint_warnings(seen) == [
                 f"fullshard: loading checkpoint {legacy} unverified: no manifest (saved before fullshard wrote "
-                f"checksums, or not by fullshard): checkpoint.load('{legacy}') loads it unverified"
+                "checksums, or not by fullshard)"
             ]
         assert _same(_snapshot(model, opt), before), case
         done.append(case)
@@ -337,7 +337,9 @@ def test_a_full_tmpfs_is_one_line_on_every_rank(small_tmpfs: Path) -> None:
     lines = run_ranks(full_disk_body, 2, str(small_tmpfs), True, timeout=180)
     assert lines[0] == lines[1], lines
     head = f"checkpoint save to {small_tmpfs / 'step_00000002'} failed on rank"
-    assert lines[0].startswith(head) and "No space left on device (writing __" in lines[0], lines[0]
+    assert lines[0].startswith(head), lines[0]
+    for clause in lines[0][len(head) :].split("; on "):  # the errno, not torch.save's "unexpected pos"
+        assert "No space left on device (writing __" in clause, lines[0]
     assert "\n" not in lines[0] and "CheckpointException" not in lines[0]
 
 

@@ -9,9 +9,10 @@ checkpoint verified, 1 otherwise. ``convert`` verifies before it converts.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 
@@ -20,24 +21,36 @@ def convert_main(args: Sequence[str]) -> int:
     if len(args) != 2:
         print("usage: fullshard convert CKPT OUT  (OUT ends in .safetensors or .pt)", file=sys.stderr)
         return 2
-    from fullshard.state.checkpoint import CheckpointError, CheckpointWarning, consolidate
+    from fullshard.state.checkpoint import CheckpointError, consolidate
 
-    with warnings.catch_warnings(record=True) as seen:  # printed as one line each, not with a source line
-        warnings.simplefilter("always", CheckpointWarning)
+    with warnings_as_lines():
         try:
             out, failure = consolidate(args[0], args[1]), None
         except (CheckpointError, ValueError) as e:
             failure = e
-    for w in seen:
-        if issubclass(w.category, CheckpointWarning):
-            print(str(w.message), file=sys.stderr)
-        else:
-            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     if failure is not None:
         print(f"fullshard convert: {failure}", file=sys.stderr)
         return 1
     print(f"wrote {out}")
     return 0
+
+
+@contextlib.contextmanager
+def warnings_as_lines() -> Iterator[None]:
+    """Print the checkpoint warnings raised in the block as one line each on stderr (no source
+    line under them); other warnings are shown as usual."""
+    from fullshard.state.checkpoint import CheckpointWarning
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", CheckpointWarning)
+        try:
+            yield
+        finally:
+            for w in seen:
+                if issubclass(w.category, CheckpointWarning):
+                    print(str(w.message), file=sys.stderr, flush=True)
+                else:
+                    warnings.showwarning(w.message, w.category, w.filename, w.lineno)
 
 
 def verify_main(args: Sequence[str]) -> int:

@@ -53,7 +53,8 @@ def report(error: BaseException, log: Path, rank: int) -> None:
             f.write(f"==== rank {rank} (pid {os.getpid()}, restart {restart}) ====\n{text}\n")
     except OSError:
         pass  # the line below still says what happened
-    print(line(error, rank), file=sys.stderr, flush=True)
+    sys.stderr.write(line(error, rank) + "\n")  # one write: the ranks' lines do not interleave
+    sys.stderr.flush()
 
 
 class Guarded:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -318,7 +319,9 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> Path:
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        dcp.load(state, storage_reader=Reader(directory), checkpoint_id=str(directory), no_dist=True)
+        with warnings.catch_warnings():  # that no_dist means one process is what is asked for here
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.load(state, storage_reader=Reader(directory), checkpoint_id=str(directory), no_dist=True)
     except (Exception, CheckpointException) as e:
         detail = "; ".join(text for _, text in reasons(e, 0))
         raise CheckpointError(f"checkpoint {directory} could not be read: {detail}") from e

@@ -21,19 +21,45 @@ def extra_name(rank: int) -> str:
     return f"extra_rank{rank}.pt"
 
 
+class _Recording:
+    """A file being written, remembering the OSError its ``write`` raised: torch.save's zip
+    writer turns that into ``RuntimeError: [enforce fail ...] unexpected pos``, losing the errno
+    (``No space left on device``)."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> Any:
+        try:
+            return self._stream.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 class _NamingFileSystem(FileSystem):
-    """DCP's local file system; an error while a file is open is re-raised as FileFailure naming it."""
+    """DCP's local file system; an error while a file is open is re-raised as FileFailure naming
+    it, with the OSError beneath a write failure as its reason."""
 
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
-        verb = "reading" if "r" in mode else "writing"
+        recording: _Recording | None = None
         try:
             with super().create_stream(path, mode) as stream:
-                yield stream
+                if "r" in mode:
+                    yield stream
+                else:
+                    recording = _Recording(stream)
+                    yield recording
         except FileFailure:
             raise
         except Exception as e:
-            raise FileFailure.of(Path(path).name, verb, e) from e
+            lost = recording.error if recording is not None and not isinstance(e, OSError) else None
+            raise FileFailure.of(Path(path).name, "reading" if "r" in mode else "writing", lost or e) from e
 
 
 class Writer(FileSystemWriter):

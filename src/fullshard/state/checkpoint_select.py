@@ -31,12 +31,11 @@ class CheckpointWarning(UserWarning):
     """A checkpoint was skipped, or is loaded without verification (the reason named)."""
 
 
-def unverified_reason(directory: Path) -> str:
-    """Why a checkpoint without a manifest cannot be verified, and how to load it anyway."""
-    return (
-        f"{manifests.NO_MANIFEST} (saved before fullshard wrote checksums, or not by fullshard): "
-        f"checkpoint.load({str(directory)!r}) loads it unverified"
-    )
+def unverified_reason(directory: Path, named: bool = False) -> str:
+    """Why a checkpoint without a manifest cannot be verified; unless it was ``named`` by the
+    caller, how to load it anyway."""
+    why = f"{manifests.NO_MANIFEST} (saved before fullshard wrote checksums, or not by fullshard)"
+    return why if named else f"{why}; checkpoint.load({str(directory)!r}) loads it unverified"
 
 
 def is_checkpoint(path: Path) -> bool:
@@ -110,8 +109,8 @@ def choose(
             if problems:
                 raise CheckpointError(f"checkpoint {directory} failed verification: " + "; ".join(problems))
             if manifest is None and warn:
-                warnings.warn(f"fullshard: loading checkpoint {directory} unverified: {unverified_reason(directory)}",
-                              CheckpointWarning, stacklevel=4)  # fmt: skip
+                why = unverified_reason(directory, named=True)
+                warnings.warn(f"fullshard: loading checkpoint {directory} unverified: {why}", CheckpointWarning, 4)
             return directory, manifest
         if manifest is not None and not problems:
             return directory, manifest

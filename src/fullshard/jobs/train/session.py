@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fullshard.jobs.checkpoint_cli import warnings_as_lines
 from fullshard.state import checkpoint
 
 
@@ -45,7 +46,8 @@ class Session:
         naming each and why (``fullshard.state.checkpoint.resume``)."""
         if not self.cfg.checkpoint_dir:
             return None
-        found = checkpoint.resume(self.cfg.checkpoint_dir, model, optimizer)
+        with warnings_as_lines():  # rank 0's line per checkpoint skipped
+            found = checkpoint.resume(self.cfg.checkpoint_dir, model, optimizer)
         if found is None:
             return None
         return Resumed(checkpoint.step_of(found[0]), found[1], str(found[0]))
