@@ -239,6 +239,7 @@ def prune_body(rank: int, world: int, root: str) -> list[str]:
     import torch.distributed as dist
 
     from fullshard import checkpoint
+    from fullshard.checkpoint import CheckpointError
 
     model, opt = _trained(rank, world)
     checkpoint.save(root, 1, model, opt)
@@ -249,12 +250,28 @@ def prune_body(rank: int, world: int, root: str) -> list[str]:
     new = checkpoint.save(root, 2, model, opt, keep=1)
     names = sorted(p.name for p in Path(root).iterdir())
     assert names == ["step_00000002", "step_00000005"], names  # step 1 pruned; 5 neither counted nor removed
+    legacy = Path(root) / "step_00000007"  # as saved before checksums: never picked from a folder
+    dist.barrier()  # every rank has looked
+    if rank == 0:
+        shutil.copytree(new, legacy)
+        (legacy / "manifest.json").unlink()
+        shutil.copytree(legacy, Path(root).with_name("legacy") / legacy.name)
+    dist.barrier()
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         assert checkpoint.latest(root) == new
-    assert _checkpoint_warnings(seen) == [
-        f"fullshard: skipping checkpoint {Path(root) / 'step_00000005'}: .metadata: missing"
+        assert checkpoint.resume(root, model, opt)[0] == new
+    incomplete = Path(root) / "step_00000005"
+    skipped = [
+        f"fullshard: skipping checkpoint {legacy}: no manifest (saved before fullshard wrote checksums, or not by "
+        f"fullshard); checkpoint.load('{legacy}') loads it unverified",
+        f"fullshard: skipping checkpoint {incomplete}: .metadata: missing",
     ]
+    assert _checkpoint_warnings(seen) == skipped * (2 if rank == 0 else 1)  # latest() here, resume() on rank 0
+    with pytest.raises(CheckpointError, match=r"holds no verified checkpoint: each of its 1 step_\* folder"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            checkpoint.load(Path(root).with_name("legacy"), model, opt)
     # A newer complete checkpoint does not push out the one just written either.
     checkpoint.save(root, 9, model, opt)
     checkpoint.save(root, 3, model, opt, keep=1)
@@ -264,7 +281,7 @@ def prune_body(rank: int, world: int, root: str) -> list[str]:
 @pytest.mark.timeout(200)
 def test_pruning_keeps_the_new_checkpoint_and_counts_only_complete_ones(tmp_path: Path) -> None:
     results = run_ranks(prune_body, 2, str(tmp_path / "ckpt"), timeout=180)
-    assert results == [["step_00000003", "step_00000005"]] * 2
+    assert results == [["step_00000003", "step_00000005", "step_00000007"]] * 2  # 2 and 9 pruned
 
 
 def full_disk_body(rank: int, world: int, root: str, fill: bool) -> str:

@@ -219,11 +219,21 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     """
     chosen = select.choose_together(Path(path))
     if chosen is None:
-        raise CheckpointError(
-            f"{path} is not a checkpoint: it has no {METADATA} or {MANIFEST} and no verified step_* checkpoint "
-            "(an interrupted save leaves only a .tmp directory)"
-        )
+        raise CheckpointError(_nothing_to_load(Path(path)))
     return _read_and_apply(*chosen, model, optimizer)
+
+
+def _nothing_to_load(path: Path) -> str:
+    found = len(select.step_folders(path))
+    if found:
+        return (
+            f"{path} holds no verified checkpoint: each of its {found} step_* folder(s) was skipped (see the "
+            "warnings); a checkpoint without a manifest loads when named by its own path"
+        )
+    return (
+        f"{path} is not a checkpoint: it has no {METADATA} or {MANIFEST} and no step_* checkpoint "
+        "(an interrupted save leaves only a .tmp directory)"
+    )
 
 
 def resume(
@@ -308,7 +318,7 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> Path:
         raise ValueError(f"output {out} must end in .safetensors or .pt")
     chosen = select.choose_here(Path(path))
     if chosen is None:
-        raise CheckpointError(f"{path} is not a checkpoint: it has no {METADATA} and no verified step_* checkpoint")
+        raise CheckpointError(_nothing_to_load(Path(path)))
     directory = chosen[0]
     saved = Reader(directory).read_metadata().state_dict_metadata
     state = {
