@@ -26,3 +26,16 @@ def world_sum() -> float:
     collectives.all_reduce(t, collectives.default_group())
     launch.destroy_process_group()
     return float(t.item())
+
+
+def save_into(root: str) -> None:
+    """Save a checkpoint of a small FSDP model under ``root`` (a test makes that fail on every rank)."""
+    from fullshard import FSDP, checkpoint
+    from fullshard.jobs import launch
+
+    launch.init_process_group(timeout_s=600)
+    try:
+        model = FSDP(torch.nn.Linear(4, 4))
+        checkpoint.save(root, 1, model)
+    finally:
+        launch.destroy_process_group()

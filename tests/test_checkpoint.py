@@ -121,7 +121,7 @@ def test_per_rank_directories_merge_into_one_checkpoint(tmp_path: Path) -> None:
         for f in (tmp_path / f"rank{rank}" / "step_00000001").iterdir():
             shutil.copy(f, merged / f.name)
     names = sorted(p.name for p in merged.iterdir())
-    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "extra_rank0.pt", "extra_rank1.pt"], names
+    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "extra_rank0.pt", "extra_rank1.pt", "manifest.json"]
     results = run_ranks(load_body, 3, str(merged), 2, timeout=180)
     full, optim, _ = results[0]
     for k, v in want_model.items():
@@ -188,7 +188,7 @@ def errors_body(rank: int, world: int, root: str) -> list[str]:
         shard = sorted(good.glob("*.distcp"))[0]
         shard.write_bytes(shard.read_bytes()[:100])
     collectives.barrier(collectives.default_group())
-    with pytest.raises(CheckpointError, match="load from"):
+    with pytest.raises(CheckpointError, match=r"failed verification: __0_0.distcp \(written by rank 0\): 100 bytes"):
         checkpoint.load(good, model, opt)
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)

@@ -188,11 +188,20 @@ def test_gpt_job_on_fully_shard_checkpoints_and_resumes(
     from fullshard.jobs.models.gpt import GPT, PRESETS
 
     GPT(PRESETS["tiny"]).load_state_dict(torch.load(run_dir / "gpt.pt"), strict=True)
-    # A second start resumes from the newest checkpoint (step 6) and has nothing left to do.
+    # A second start resumes from the newest verified checkpoint: step 6's shard of rank 1 has 64
+    # flipped bytes, so it is skipped with a warning naming it and why, and step 3 is loaded.
     ckpt = tmp_path / "ckpt"
     shutil.copytree(run_dir / "ckpt", ckpt)
+    shard = ckpt / "step_00000006" / "__1_0.distcp"
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2 : len(raw) // 2 + 64] = bytes(b ^ 0xFF for b in raw[len(raw) // 2 : len(raw) // 2 + 64])
+    shard.write_bytes(bytes(raw))
     r = _run([*_FSDP2_JOB, "--nproc", "2", "--checkpoint-dir", str(ckpt)], tmp_path, timeout=280)
-    assert "resumed from" in r.stdout and "step_00000006" in r.stdout, r.stdout[-2000:]
+    assert f"resumed from {ckpt / 'step_00000003'} at step 3" in r.stdout, r.stdout[-2000:]
+    skipped = (
+        f"fullshard: skipping checkpoint {ckpt / 'step_00000006'}: __1_0.distcp (written by rank 1): checksum mismatch"
+    )
+    assert r.stderr.count(skipped) == 1, r.stderr[-2000:]  # rank 0 warns; every rank takes step 3
 
 
 @pytest.mark.timeout(300)

@@ -11,6 +11,7 @@ commands:
   train JOB [options]   run a training job across processes (jobs: mnist, gpt, hf)
   bench WORKLOAD        time fullshard (compare, gpu, prefetch, optimizer, recorder, estimate, steptime)
   convert CKPT OUT      write a sharded checkpoint as one full state dict (.safetensors or .pt)
+  verify CKPT           check every file of a checkpoint (or of each in a folder) against its manifest
   plot METRICS... -o F  draw loss, throughput and per-rank memory of runs' metrics files
   estimate --model M    predict memory per rank of an FSDP configuration (nothing allocated)
   plan --model M --memory-budget SIZE
@@ -29,18 +30,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from fullshard.jobs.train import main as train_main
 
         return train_main(rest)
-    if command == "convert":
-        if len(rest) != 2:
-            print("usage: fullshard convert CKPT OUT  (OUT ends in .safetensors or .pt)", file=sys.stderr)
-            return 2
-        from fullshard.state.checkpoint import CheckpointError, consolidate
+    if command in ("convert", "verify"):
+        from fullshard.jobs.checkpoint_cli import convert_main, verify_main
 
-        try:
-            print(f"wrote {consolidate(rest[0], rest[1])}")
-        except (CheckpointError, ValueError) as e:
-            print(f"fullshard convert: {e}", file=sys.stderr)
-            return 1
-        return 0
+        return convert_main(rest) if command == "convert" else verify_main(rest)
     if command == "plot":
         from fullshard.jobs.plot import main as plot_main
 

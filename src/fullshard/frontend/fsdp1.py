@@ -80,6 +80,7 @@ class FullyShardedDataParallel(StateDictMethods):
             given to fullshard's ``fully_shard``, has parameters on several devices, an unknown
             strategy name, or conflicting arguments.
         NotImplementedError: an argument whose feature fullshard does not have yet.
+        TypeError: a ``device_mesh`` that is not a DeviceMesh.
         TypeError: an unknown keyword argument; an option of a type neither fullshard's nor torch's.
     """
 

@@ -20,6 +20,7 @@ from fullshard.engine import build
 from fullshard.engine.groups import resolve_groups
 from fullshard.engine.meta_init import is_meta
 from fullshard.engine.wrapper_config import WrapperConfig
+from fullshard.frontend.meshes import check_mesh
 from fullshard.frontend.options import (
     as_backward_prefetch,
     as_cpu_offload,
@@ -57,6 +58,7 @@ def wrapper_config(
     Raises:
         TypeError, ValueError: as ``FullyShardedDataParallel``.
     """
+    check_mesh(device_mesh, "FullyShardedDataParallel: device_mesh")
     strategy = parse_sharding_strategy(sharding_strategy)
     config = WrapperConfig(
         mixed_precision=as_mixed_precision(mixed_precision),

@@ -111,7 +111,7 @@ def fully_shard(
         ``module``, now also an FSDPModule (the list, for a list).
 
     Raises:
-        TypeError: a policy of a type neither fullshard's nor torch's.
+        TypeError: a policy of a type neither fullshard's nor torch's; a mesh not a DeviceMesh.
         ValueError: ``module`` already heads a unit; it or a submodule was sharded by torch's
             FSDP or is a fullshard FullyShardedDataParallel; a mesh of more than 2 dimensions; a 0-dim
             parameter (as torch's fully_shard: make it shape (1,) or ignore it); a parameter
@@ -147,7 +147,9 @@ def _engine_mp(mp_policy: Optional[MixedPrecisionPolicy]) -> Optional[MixedPreci
 
 
 def _check_fresh(modules: list[nn.Module], mesh: Any) -> None:
-    """Refuse a module that already heads a unit, and a mesh of other than 1 or 2 dimensions."""
+    """Refuse a module that already heads a unit, a mesh that is not a DeviceMesh, and one of
+    other than 1 or 2 dimensions."""
+    meshes.check_mesh(mesh, "fully_shard: mesh")
     for m in modules:
         if hooks.is_unit(m):
             raise ValueError(

@@ -26,6 +26,21 @@ def default_mesh(device_type: str) -> Any:
     return _DEFAULT_MESHES[key]
 
 
+def check_mesh(mesh: Any, argument: str) -> None:
+    """Refuse a ``mesh`` / ``device_mesh`` argument that is neither None nor a DeviceMesh.
+
+    Raises:
+        TypeError: naming ``argument``, the expected type and the value given.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"{argument} must be a torch.distributed.device_mesh.DeviceMesh (e.g. init_device_mesh('cpu', "
+            f"(world_size,))) or None, got {type(mesh).__name__} {mesh!r}"
+        )
+
+
 def mesh_device(mesh: Any) -> torch.device | None:
     """The compute device a mesh implies (CUDA's current device for a CUDA mesh)."""
     if mesh is None or mesh.device_type == "cpu":

@@ -3,7 +3,9 @@
 ``launch(fn, args, nproc)`` starts ``nproc`` local workers with
 ``torch.distributed.launcher.api.elastic_launch`` (what ``torchrun`` uses), so the job runs the
 same under ``torchrun``. If a worker fails, the launcher's agent stops the others (no hang) and
-``launch`` raises :class:`WorkerFailed` with the first failure's message.
+``launch`` raises :class:`WorkerFailed` with the first failure's message. Each failing worker
+prints one line and writes its traceback to the job's log file (:mod:`fullshard.jobs.failures`);
+``run_job`` ends with a line naming the failed rank and that file.
 
 Inside a worker, ``init_process_group()`` creates the default process group from the
 launcher's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK): gloo on CPU,
@@ -27,11 +29,13 @@ import socket
 import sys
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from fullshard.comm import collectives, process_groups
+from fullshard.jobs import failures
 
 # The environment benchmark workers run with (``fullshard bench``): huge pages for large CPU
 # tensors, unless the caller's environment says otherwise. torch FSDP2 allocates fresh
@@ -41,7 +45,25 @@ BENCH_ENV = {"THP_MEM_ALLOC_ENABLE": "1"}
 
 
 class WorkerFailed(RuntimeError):
-    """A worker process of a launched job failed; the message holds its error."""
+    """A worker process of a launched job failed; the message holds its error.
+
+    Attributes:
+        rank: the first failed worker's rank; exitcode: its exit code (negative: a signal).
+        reported: whether the worker printed its own one-line error (it raised an exception;
+            False when it was killed or exited).
+        log: the job's log file (tracebacks), None when nothing was written to it.
+    """
+
+    def __init__(
+        self, message: str, rank: int = -1, exitcode: int = 1, reported: bool = False, log: Path | None = None
+    ) -> None:
+        super().__init__(message)
+        self.rank, self.exitcode, self.reported, self.log = rank, exitcode, reported, log
+
+    def summary(self) -> str:
+        """One line for the launcher's user: the worker's own line (printed above) is not repeated."""
+        head = f"worker rank {self.rank} failed (exit code {self.exitcode})" if self.reported else str(self)
+        return head + (f"; tracebacks in {self.log}" if self.log is not None else "")
 
 
 def default_nproc() -> int:
@@ -100,16 +122,29 @@ def launch(
     wanted = {**worker_environment(nproc), **(env or {})}
     added = {k: v for k, v in wanted.items() if k not in os.environ}
     os.environ.update(added)
+    log = failures.log_path(config.run_id)
     try:
-        return elastic_launch(config, fn)(*args)
+        with failures.agent_logs_to(log):
+            return elastic_launch(config, failures.Guarded(fn, log))(*args)
     except ChildFailedError as e:
-        first = e.get_first_failure()
-        rank, failure = first
-        message = failure.message if isinstance(failure.message, str) else str(failure.message)
-        raise WorkerFailed(f"worker rank {rank} failed (exit code {failure.exitcode}): {message}") from None
+        raise _failed(e, log) from None
     finally:
         for k in added:
             os.environ.pop(k, None)
+
+
+def _failed(error: Any, log: Path) -> WorkerFailed:
+    """The WorkerFailed for torch's ChildFailedError: its first failure, and the job's log."""
+    rank, failure = error.get_first_failure()
+    raised = isinstance(failure.message, dict)  # an exception's record: the worker printed its line
+    message = failure.message.get("message", "") if isinstance(failure.message, dict) else str(failure.message)
+    return WorkerFailed(
+        f"worker rank {rank} failed (exit code {failure.exitcode}): {message}",
+        rank,
+        failure.exitcode,
+        raised,
+        log if log.exists() else None,
+    )
 
 
 def worker_environment(nproc: int) -> dict[str, str]:
@@ -127,20 +162,26 @@ def run_job(name: str, worker: Callable[[Any], Any], cfg: Any, nproc: int, max_r
     """Run ``worker(cfg)`` on every rank: in this process under torchrun, else in ``nproc`` workers.
 
     Returns:
-        (exit code, rank 0's return value or None). A worker failure is printed to stderr,
-        prefixed with ``name``, and gives exit code 1.
+        (exit code, rank 0's return value or None). A worker failure gives exit code 1: each
+        failing worker prints its one line (``fullshard: ...``), then a line prefixed with
+        ``name`` names the failed rank and the log file holding the tracebacks.
     """
     if getattr(cfg, "launcher", "torch") == "ray":
         from fullshard.jobs import ray_launcher
 
         return ray_launcher.run_job(name, worker, cfg)
-    if env_world_size() is not None:
-        result = worker(cfg)
+    if env_world_size() is not None:  # under torchrun: this process is one worker
+        log = failures.log_path(f"fullshard-{os.environ.get('TORCHELASTIC_RUN_ID', 'torchrun')}")
+        try:
+            result = failures.Guarded(worker, log)(cfg)
+        except Exception:
+            print(f"{name}: rank {rank()} failed; traceback in {log}", file=sys.stderr)
+            return 1, None
         return 0, result if rank() == 0 else None
     try:
         results = launch(worker, (cfg,), nproc, max_restarts)
     except WorkerFailed as e:
-        print(f"{name}: {e}", file=sys.stderr)
+        print(f"{name}: {e.summary()}", file=sys.stderr)
         return 1, None
     return 0, results.get(0)
 

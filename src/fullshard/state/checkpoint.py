@@ -1,65 +1,53 @@
-"""Sharded checkpoints on torch.distributed.checkpoint: atomic, resharding, and safe to crash in.
+"""Sharded checkpoints on torch.distributed.checkpoint: atomic, verified, resharding, safe to crash in.
 
-Layout: ``ROOT/step_00000120/`` holds one checkpoint: DCP's files (every rank writes its shards,
-rank 0 writes ``.metadata`` last) and ``extra_rank{r}.pt`` (each rank's own extra state, such
-as RNG states). A save writes into ``step_00000120.tmp/`` and renames it when every rank is
-done, so a directory without ``.tmp`` is complete: a crash during a save leaves the previous
-checkpoint as the newest complete one. ``keep`` prunes older complete checkpoints.
+Layout: ``ROOT/step_00000120/`` holds one checkpoint: DCP's files (every rank writes its shards
+``__{rank}_0.distcp``, rank 0 writes ``.metadata``), ``extra_rank{r}.pt`` (each rank's own
+extra state, such as RNG states) and ``manifest.json`` (every file's size, writer and checksum:
+:mod:`fullshard.state.checkpoint_manifest`). A save writes into ``step_00000120.tmp/``, hashes
+every file, writes the manifest last, and renames the directory, so a directory without ``.tmp``
+is complete: a crash during a save leaves the previous checkpoint as the newest complete one.
+``keep`` prunes older complete checkpoints, never the one just written.
+
+Loads verify every file's checksum first (the ranks share the hashing) and are all-or-nothing:
+everything is read and checked (checksums, keys, shapes, the optimizer's state keys) before the
+model or optimizer changes, so a failed load leaves both bitwise as they were. A folder of
+checkpoints gives its newest verified one; newer ones that fail are skipped with a warning
+naming each and why (:mod:`fullshard.state.checkpoint_select`). A checkpoint without a manifest
+(saved by fullshard before checksums, or by DCP itself) loads when named, with a warning that it
+is unverified, and is never picked from a folder, nor counted or removed by ``keep``.
 
 ``ROOT`` may be shared by all ranks (rank 0 renames the directory) or local to each rank or
 node (each directory's lowest rank renames it): then every rank's directory holds its own
-shards and rank 0's the metadata, and merging the directories (as Ray Train does with the
-directories its workers report) gives one complete checkpoint.
+shards, the manifest of all of them, and rank 0's the metadata; merging the directories (as Ray
+Train does with the directories its workers report) gives one complete checkpoint.
 
 The model and optimizer state are sharded state dicts (DTensor ``Shard(0)`` entries), so a
 checkpoint saved at one world size loads at any other. Errors on any rank are raised on every
-rank as :class:`CheckpointError`, naming the rank and the problem; nothing hangs, and a model
-is never left partly loaded by a load that reports success.
+rank as :class:`CheckpointError`, one line naming the failed rank and the cause
+(``checkpoint save to DIR failed on rank 1: No space left on device (writing __1_0.distcp)``);
+nothing hangs.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import shutil
+import warnings
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any
 
 import torch
 from torch import nn
 
 from fullshard.comm import collectives, flight_recorder
-from fullshard.engine.config import FrontEnd
-from fullshard.engine.hooks import UnitHooks, fsdp_state
-from fullshard.state.optim_state import init_state, load_sharded_optim_state_dict, sharded_optim_state_dict
-from fullshard.state.state_dict import load_sharded_state_dict, sharded_state_dict
-
-_STEP = re.compile(r"^step_(\d{8})$")
-T = TypeVar("T")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be saved or loaded; raised on every rank with every rank's reason."""
-
-
-def _everywhere(action: str, fn: Callable[[], T]) -> T:
-    """Run ``fn`` on every rank; if it fails on any, raise CheckpointError on all (collective)."""
-    error: BaseException | None = None
-    result: Any = None
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    try:
-        result = fn()
-    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
-        error = e
-    group = collectives.default_group()
-    flag = torch.tensor([1.0 if error is not None else 0.0])
-    collectives.all_reduce_max(flag, group)
-    if flag.item():
-        reasons = collectives.all_gather_object(None if error is None else f"{type(error).__name__}: {error}", group)
-        detail = "; ".join(f"rank {r}: {m}" for r, m in enumerate(reasons) if m)
-        raise CheckpointError(f"{action} failed: {detail}") from error
-    return result
+from fullshard.state import checkpoint_manifest as manifests
+from fullshard.state import checkpoint_select as select
+from fullshard.state.checkpoint_errors import CheckpointError, FileFailure, everywhere, reasons
+from fullshard.state.checkpoint_io import Reader, Writer, extra_name, load_extra, save_extra
+from fullshard.state.checkpoint_manifest import MANIFEST, METADATA, Manifest
+from fullshard.state.checkpoint_select import STEP as _STEP
+from fullshard.state.checkpoint_select import CheckpointWarning  # noqa: F401  (re-exported)
+from fullshard.state.checkpoint_state import apply, check_fits, copies, create_optimizer_state, forget_state, sharded
 
 
 def step_dir(root: str | os.PathLike, step: int) -> Path:
@@ -80,68 +68,13 @@ def step_of(path: str | os.PathLike) -> int:
 
 
 def latest(root: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint directory under ``root`` (None when there is none)."""
-    root = Path(root)
-    if not root.is_dir():
-        return None
-    steps = sorted(
-        (int(m.group(1)), p) for p in root.iterdir() if (m := _STEP.match(p.name)) and (p / ".metadata").is_file()
-    )
-    return steps[-1][1] if steps else None
+    """The newest complete checkpoint directory under ``root`` (None when there is none).
 
-
-def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """The sharded state to save or load into: DTensor shards under the original names.
-
-    A ``fully_shard`` model already registers DTensor parameters, so torch's own
-    ``get_model_state_dict`` / ``get_optimizer_state_dict`` give it; the FSDP1 wrapper maps
-    its plain shards itself. Both write the same keys, so ``convert`` reads either.
-
-    Raises:
-        TypeError: ``model`` heads no unit of either front end.
+    Complete: it has a manifest, and every file the manifest lists is there at its listed size.
+    No byte is read here (:func:`load` and :func:`verify` check the checksums). Each newer
+    ``step_*`` folder passed over raises a :class:`CheckpointWarning` naming it and why.
     """
-    hooks = _hook_state(model)
-    if hooks.front_end is FrontEnd.FULLY_SHARD:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-        state: dict[str, Any] = {"model": get_model_state_dict(model)}
-        if optimizer is not None:
-            state["optim"] = get_optimizer_state_dict(model, optimizer)
-        return state
-    state = {"model": sharded_state_dict(model, hooks.ignored)}
-    if optimizer is not None:
-        state["optim"] = sharded_optim_state_dict(model, optimizer)
-    return state
-
-
-def _hook_state(model: nn.Module) -> UnitHooks:
-    """The hook state of the unit ``model`` heads (which front end built it, what it ignores).
-
-    Raises:
-        TypeError: ``model`` heads no unit.
-    """
-    state = fsdp_state(model) if isinstance(model, nn.Module) else None
-    if state is None:
-        raise TypeError(
-            "model must be the root FullyShardedDataParallel or a module given to fully_shard, got "
-            f"{type(model).__name__}"
-        )
-    return state
-
-
-def _apply(model: nn.Module, optimizer: torch.optim.Optimizer | None, target: dict[str, Any]) -> None:
-    """Copy the loaded sharded state into the model and optimizer."""
-    hooks = _hook_state(model)
-    if hooks.front_end is FrontEnd.FULLY_SHARD:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
-        set_model_state_dict(model, target["model"])
-        if optimizer is not None:
-            set_optimizer_state_dict(model, optimizer, target["optim"])
-        return
-    load_sharded_state_dict(model, target["model"], True, hooks.ignored)
-    if optimizer is not None:
-        load_sharded_optim_state_dict(model, optimizer, target["optim"])
+    return select.newest_complete(Path(root))
 
 
 @flight_recorder.labelled("checkpoint save")
@@ -161,41 +94,60 @@ def save(
         model: the root FullyShardedDataParallel, or the root module given to ``fully_shard``.
         optimizer: an optimizer over ``model.parameters()``.
         extra: this rank's own picklable state (RNG states, a scheduler, data position).
-        keep: keep only this many newest complete checkpoints (None: all).
+        keep: keep only this many newest complete checkpoints, the new one among them (None:
+            all). Only checkpoints with a manifest count; the new one is never removed.
 
     Returns:
         the directory of the new, complete checkpoint.
 
     Raises:
-        CheckpointError: on every rank, when any rank failed; the previous checkpoints stay.
+        ValueError: ``keep`` < 1.
+        CheckpointError: on every rank, when any rank failed (one line naming the rank, the
+            reason and the file); the previous checkpoints stay.
     """
     import torch.distributed.checkpoint as dcp
 
+    if keep is not None and keep < 1:
+        raise ValueError(f"keep must be at least 1 (None keeps every checkpoint), got {keep}")
     final = step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
-    rank = collectives.group_rank(collectives.default_group())
-    leader = _claim(tmp, f"save to {final}")
+    action = f"save to {final}"
+    group = collectives.default_group()
+    rank, world = collectives.group_rank(group), collectives.group_size(group)
+    leader = _claim(tmp, action)
+    writer = Writer(tmp)
 
-    def gather_state() -> dict[str, Any]:
-        torch.save(extra or {}, tmp / f"extra_rank{rank}.pt")
-        return _state(model, optimizer)
+    def gather_state() -> tuple[dict[str, Any], str]:
+        return sharded(model, optimizer), save_extra(tmp, rank, extra or {})
 
-    state = _everywhere(f"save to {final}", gather_state)
+    state, extra_file = everywhere(action, gather_state)
+
     # Inside dcp.save a failure on one rank reaches every rank through DCP's own collectives,
-    # so all ranks leave it together and meet again in _everywhere.
-    _everywhere(f"save to {final}", lambda: dcp.save(state, checkpoint_id=str(tmp)))
+    # so all ranks leave it together and meet again in everywhere.
+    def write_and_hash() -> dict[str, manifests.FileEntry]:
+        dcp.save(state, storage_writer=writer, checkpoint_id=str(tmp))
+        mine = writer.written | {extra_file} | ({METADATA} if rank == 0 else set())  # rank 0: DCP's coordinator
+        return manifests.entries(tmp, mine, rank)
 
-    def publish() -> None:
-        if rank == leader:
-            for claim in tmp.glob(f"{_CLAIM}*"):
-                claim.unlink()
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            _prune(Path(root), keep)
-
-    _everywhere(f"save to {final}", publish)
+    files = everywhere(action, write_and_hash)
+    listed = {name: e for part in collectives.all_gather_object(files, group) for name, e in part.items()}
+    manifest = Manifest(listed, world, step, type(optimizer).__name__ if optimizer is not None else None)
+    everywhere(action, lambda: _publish(tmp, final, manifest, keep) if rank == leader else None)
     return final
+
+
+def _publish(tmp: Path, final: Path, manifest: Manifest, keep: int | None) -> None:
+    """Write the manifest (last: every rank's files are complete), rename ``tmp`` to ``final``, prune."""
+    try:
+        manifests.write(tmp, manifest)
+    except OSError as e:
+        raise FileFailure.of(MANIFEST, "writing", e) from e
+    for claim in tmp.glob(f"{_CLAIM}*"):
+        claim.unlink()
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _prune(final.parent, keep, final)
 
 
 _CLAIM = ".fullshard-claim-"
@@ -222,7 +174,7 @@ def _claim(tmp: Path, action: str) -> int:
         tmp.mkdir(parents=True, exist_ok=True)
         (tmp / f"{mine}{rank}").touch()
 
-    _everywhere(action, create)  # its closing all-reduce is the barrier: every claim is written
+    everywhere(action, create)  # its closing all-reduce is the barrier: every claim is written
 
     def clean() -> int:
         leader = min(int(p.name[len(mine) :]) for p in tmp.glob(f"{mine}*"))
@@ -232,15 +184,16 @@ def _claim(tmp: Path, action: str) -> int:
                     shutil.rmtree(p) if p.is_dir() else p.unlink()
         return leader
 
-    return _everywhere(action, clean)
+    return everywhere(action, clean)
 
 
-def _prune(root: Path, keep: int | None) -> None:
+def _prune(root: Path, keep: int | None, new: Path) -> None:
+    """Remove all but the ``keep`` newest complete checkpoints, ``new`` kept whatever its step."""
     if keep is None:
         return
-    # A published directory is complete; in a per-rank directory only rank 0's holds .metadata.
-    complete = sorted(p for p in root.iterdir() if _STEP.match(p.name))
-    for old in complete[: max(0, len(complete) - keep)]:
+    # In a per-rank directory the manifest lists every rank's files; .metadata is only in rank 0's.
+    others = sorted(p for p in select.step_folders(root) if p != new and (p / MANIFEST).is_file())
+    for old in others[: max(0, len(others) - (keep - 1))]:
         shutil.rmtree(old, ignore_errors=True)
 
 
@@ -248,128 +201,140 @@ def _prune(root: Path, keep: int | None) -> None:
 def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
     """Load a checkpoint into ``model`` (and ``optimizer``), at any world size (collective).
 
+    Every file's checksum is verified first (the ranks share the hashing), then every file is
+    read and checked before anything in the model or optimizer changes.
+
     Args:
-        path: a checkpoint directory, or a folder of them (its newest complete one is loaded).
+        path: a checkpoint directory, or a folder of them (its newest verified one is loaded;
+            newer ones that fail verification are skipped with a :class:`CheckpointWarning`).
 
     Returns:
         this rank's ``extra`` from the save (empty when it was saved by no rank of this number).
 
     Raises:
-        CheckpointError: on every rank: no checkpoint at ``path``; missing or unexpected keys or
-            a shape mismatch (named); unreadable files. The model is unchanged then.
+        CheckpointError: on every rank: no checkpoint at ``path``; a file that fails
+            verification (named with the rank that wrote it); missing or unexpected keys, a
+            shape mismatch, an optimizer whose state keys the checkpoint lacks (named);
+            unreadable files. The model and optimizer are bitwise unchanged then.
     """
-    import torch.distributed.checkpoint as dcp
-
-    rank = collectives.group_rank(collectives.default_group())
-    directory = _resolve(Path(path))
-
-    def read() -> dict[str, Any]:
-        if optimizer is not None:
-            init_state(optimizer)
-        target = _copies(_state(model, optimizer))  # a failed read must leave the model as it was
-        _check_against(directory, target)
-        dcp.load(target, checkpoint_id=str(directory))
-        return target
-
-    target = _everywhere(f"load from {directory}", read)
-
-    def apply() -> dict[str, Any]:
-        _apply(model, optimizer, target)
-        extra = directory / f"extra_rank{rank}.pt"
-        return torch.load(extra, weights_only=False) if extra.is_file() else {}
-
-    return _everywhere(f"load from {directory}", apply)
+    chosen = select.choose_together(Path(path))
+    if chosen is None:
+        raise CheckpointError(_nothing_to_load(Path(path)))
+    return _read_and_apply(*chosen, model, optimizer)
 
 
-def _copies(state: Any) -> Any:
-    """The same nested state with every tensor (and DTensor shard) copied."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(state, dict):
-        return {k: _copies(v) for k, v in state.items()}
-    if isinstance(state, list):
-        return [_copies(v) for v in state]
-    if isinstance(state, DTensor):
-        return DTensor.from_local(
-            state.to_local().clone(),
-            state.device_mesh,
-            state.placements,
-            run_check=False,
-            shape=state.size(),
-            stride=state.stride(),
+def _nothing_to_load(path: Path) -> str:
+    found = len(select.step_folders(path))
+    if found:
+        return (
+            f"{path} holds no verified checkpoint: each of its {found} step_* folder(s) was skipped (see the "
+            "warnings); a checkpoint without a manifest loads when named by its own path"
         )
-    if isinstance(state, torch.Tensor):
-        return state.clone()
-    return state
-
-
-def _resolve(path: Path) -> Path:
-    if (path / ".metadata").is_file():
-        return path
-    newest = latest(path)
-    if newest is not None:
-        return newest
-    raise CheckpointError(
-        f"{path} is not a checkpoint: it has no .metadata and no complete step_* checkpoint "
+    return (
+        f"{path} is not a checkpoint: it has no {METADATA} or {MANIFEST} and no step_* checkpoint "
         "(an interrupted save leaves only a .tmp directory)"
     )
 
 
-def _check_against(directory: Path, target: dict[str, Any]) -> None:
-    """Compare the checkpoint's keys and shapes with what the model expects; name any mismatch."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    from torch.distributed.tensor import DTensor
+def resume(
+    root: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> tuple[Path, dict[str, Any]] | None:
+    """Load the newest verified checkpoint under ``root`` (collective), as a restarted job does.
 
-    saved = FileSystemReader(str(directory)).read_metadata().state_dict_metadata
-    wanted: dict[str, Any] = {}
-    for name, value in target["model"].items():
-        wanted[f"model.{name}"] = value
-    saved_model = {k for k in saved if k.startswith("model.")}
-    missing = sorted(set(wanted) - saved_model)
-    unexpected = sorted(saved_model - set(wanted))
-    problems = []
-    if missing:
-        problems.append(f"missing key(s) {', '.join(k[6:] for k in missing)}")
-    if unexpected:
-        problems.append(f"unexpected key(s) {', '.join(k[6:] for k in unexpected)}")
-    for key, value in wanted.items():
-        meta = saved.get(key)
-        if isinstance(meta, TensorStorageMetadata) and isinstance(value, torch.Tensor):
-            shape = value.shape if not isinstance(value, DTensor) else value.size()
-            if tuple(meta.size) != tuple(shape):
-                problems.append(f"shape mismatch for {key[6:]}: checkpoint {tuple(meta.size)}, model {tuple(shape)}")
-    if "optim" in target and not any(k.startswith("optim.") for k in saved):
-        problems.append("the checkpoint holds no optimizer state")
-    if problems:
-        raise ValueError(f"checkpoint {directory} does not fit the model: " + "; ".join(problems))
+    Newer ``step_*`` folders that fail verification (a checksum mismatch, a missing file or
+    ``.metadata``, no manifest) are skipped with a :class:`CheckpointWarning` each, on rank 0.
+
+    Returns:
+        (the checkpoint loaded, this rank's ``extra``), or None when ``root`` holds no verified
+        checkpoint (nothing is changed then).
+
+    Raises:
+        CheckpointError: as :func:`load`, for the checkpoint chosen.
+    """
+    chosen = select.choose_together(Path(root))
+    if chosen is None:
+        return None
+    return chosen[0], _read_and_apply(*chosen, model, optimizer)
+
+
+def _read_and_apply(
+    directory: Path, manifest: Manifest | None, model: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> dict[str, Any]:
+    """Read every file of the (verified) checkpoint into copies, check them, then apply them."""
+    import torch.distributed.checkpoint as dcp
+
+    rank = collectives.group_rank(collectives.default_group())
+    action = f"load from {directory}"
+    created: list[torch.Tensor] = []
+
+    def read() -> tuple[dict[str, Any], dict[str, Any]]:
+        created.extend(create_optimizer_state(optimizer))
+        target = copies(sharded(model, optimizer))  # a failed read must leave the model as it was
+        saved = Reader(directory).read_metadata().state_dict_metadata
+        check_fits(saved, target, optimizer, manifest.optimizer if manifest else None)
+        dcp.load(target, storage_reader=Reader(directory), checkpoint_id=str(directory))
+        listed = manifest is None or extra_name(rank) in manifest.files
+        return target, load_extra(directory, rank) if listed else {}
+
+    try:
+        target, extra = everywhere(action, read)
+    except CheckpointError:
+        forget_state(optimizer, created)
+        raise
+    everywhere(action, lambda: apply(model, optimizer, target))
+    return extra
+
+
+def verify(path: str | os.PathLike) -> list[str]:
+    """Verify one checkpoint directory in this process: every file the manifest lists present,
+    at its size, with its checksum.
+
+    Returns:
+        the problems, one per bad file, each naming the file, the rank that wrote it and what
+        is wrong (``__1_0.distcp (written by rank 1): checksum mismatch``); empty when the
+        checkpoint is verified. A checkpoint without a manifest gives one problem saying so.
+    """
+    directory = Path(path)
+    manifest, problems = select.verify_here(directory)
+    return [select.unverified_reason(directory)] if manifest is None and not problems else problems
 
 
 def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> Path:
     """Write the model of a checkpoint as one full state dict (``.safetensors`` or ``.pt``).
 
-    Runs in one process without a process group. The result loads into the plain model with
-    ``load_state_dict(..., strict=True)``.
+    Runs in one process without a process group, after verifying the checkpoint (a folder of
+    checkpoints gives its newest verified one, as :func:`load`). The result loads into the plain
+    model with ``load_state_dict(..., strict=True)``.
 
     Raises:
-        CheckpointError: ``path`` holds no complete checkpoint.
+        CheckpointError: ``path`` holds no verified checkpoint, or is one that fails verification.
         ValueError: ``out`` ends in neither ``.safetensors`` nor ``.pt``.
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     out = Path(out)
     if out.suffix not in (".safetensors", ".pt"):
         raise ValueError(f"output {out} must end in .safetensors or .pt")
-    directory = _resolve(Path(path))
-    saved = FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    chosen = select.choose_here(Path(path))
+    if chosen is None:
+        raise CheckpointError(_nothing_to_load(Path(path)))
+    directory = chosen[0]
+    saved = Reader(directory).read_metadata().state_dict_metadata
     state = {
         k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
         for k, m in saved.items()
         if k.startswith("model.") and isinstance(m, TensorStorageMetadata)
     }
-    dcp.load(state, checkpoint_id=str(directory), no_dist=True)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with warnings.catch_warnings():  # that no_dist means one process is what is asked for here
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.load(state, storage_reader=Reader(directory), checkpoint_id=str(directory), no_dist=True)
+    except (Exception, CheckpointException) as e:
+        detail = "; ".join(text for _, text in reasons(e, 0))
+        raise CheckpointError(f"checkpoint {directory} could not be read: {detail}") from e
     model = {k[len("model.") :]: v.contiguous() for k, v in state.items()}
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.suffix == ".safetensors":

@@ -14,6 +14,9 @@ with the flight recorder on and off, taking turns: what recording adds to each c
 ``fullshard bench compile [--compare compute] [--backend inductor]`` times fullshard's and torch's
 fully_shard with and without per-block torch.compile (see :mod:`fullshard.jobs.bench.compiled`).
 
+``fullshard bench save [--shapes wide memory] [--rounds 3] [--nproc 2] [--dir DIR]`` times a
+checkpoint save of memory-bound GPTs and what its checksums cost (see :mod:`fullshard.jobs.bench.save`).
+
 ``fullshard bench prefetch [--nproc 2] [--steps 12]`` trains a stack of large Linear layers
 (communication-heavy: many parameters, small batch) with FULL_SHARD under each prefetch setting
 and prints the median step time of each, with its ratio to the no-prefetch run. Timings belong
@@ -63,6 +66,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print("\n".join(validate_time.report()))
         return 0
+    if args.workload == "save":
+        from fullshard.jobs.bench import save
+
+        lines = save.report(args.shapes, args.rounds, args.nproc, args.dir)
+        print(f"`fullshard bench {' '.join(argv)}`\n\n" + "\n".join(lines))
+        return 0
     if args.workload == "recorder":
         print("\n".join(micro.recorder_report(args.calls, args.rounds, args.nproc)))
         return 0
@@ -74,7 +83,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fullshard bench", description=__doc__)
     p.add_argument(
         "workload",
-        choices=["prefetch", "optimizer", "compare", "compile", "gpu", "recorder", "estimate", "steptime", "plan"],
+        choices=["prefetch", "optimizer", "compare", "compile", "gpu", "recorder", "estimate", "steptime", "plan"]
+        + ["save"],
     )
     p.add_argument("--backend", default="inductor", help="compile: torch.compile's backend for each block")
     p.add_argument(
@@ -99,6 +109,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--numel", type=int, default=62_000_000, help="optimizer: elements per rank")
     p.add_argument("--calls", type=int, default=2000, help="recorder: collectives per setting and round")
+    p.add_argument("--shapes", nargs="+", default=["wide", "memory"], choices=["wide", "memory"], help="save: GPTs")
+    p.add_argument("--dir", default=None, help="save: where the checkpoints go (default: the temporary folder)")
     return p
 
 

@@ -43,6 +43,43 @@ def files_from_glob(pattern: str) -> list[Path]:
     return files
 
 
+def split_sizes(files: list[Path]) -> tuple[int, int]:
+    """(training bytes, validation bytes) that :meth:`ByteCorpus.load` makes of ``files``,
+    from their sizes alone (nothing read): what a job checks before its workers start."""
+    sizes = [p.stat().st_size for p in files]
+    train = [n for i, n in enumerate(sizes) if i % VAL_EVERY != VAL_EVERY - 1]
+    val = [n for i, n in enumerate(sizes) if i % VAL_EVERY == VAL_EVERY - 1]
+    if not val:  # load() holds out the tail of the last file
+        last = train.pop()
+        cut = max(1, last * 9 // 10)
+        train.append(min(cut, last))
+        val.append(max(0, last - cut))
+    return _joined(train), _joined(val)
+
+
+def _joined(sizes: list[int]) -> int:
+    return sum(sizes) + max(0, len(sizes) - 1)  # the parts are joined by a newline
+
+
+def check_fits(pattern: str, seq_len: int) -> None:
+    """Check that the corpus of ``pattern`` has a window of ``seq_len`` + 1 bytes in both parts.
+
+    Raises:
+        ValueError: naming the bytes each part has and the window it needs.
+        FileNotFoundError: ``pattern`` matches nothing.
+    """
+    files = files_from_glob(pattern)
+    train, val = split_sizes(files)
+    need = seq_len + 2
+    if train < need or val < need:
+        total = sum(p.stat().st_size for p in files)
+        raise ValueError(
+            f"--data {pattern!r}: {total} bytes of text in {len(files)} file(s) give {train} training and {val} "
+            f"validation bytes; --seq-len {seq_len} needs at least {need} in each (every 20th file is validation, "
+            "or the last tenth of a single file): give more text or a smaller --seq-len"
+        )
+
+
 @dataclasses.dataclass
 class ByteCorpus:
     """Training and validation bytes as uint8 tensors of shape (n,)."""

@@ -24,7 +24,8 @@ from fullshard.engine.hooks import fsdp_state
 from fullshard.frontend.activation_checkpointing import apply_activation_checkpointing
 from fullshard.frontend.wrap import transformer_auto_wrap_policy
 from fullshard.jobs import launch
-from fullshard.jobs.data.text import ByteCorpus, files_from_glob
+from fullshard.jobs.data import text as text_data
+from fullshard.jobs.data.text import ByteCorpus
 from fullshard.jobs.models.gpt import GPT, PRESETS, Block, init_module
 from fullshard.jobs.train import fsdp_options, global_batch, launcher_options, observe, plan_options, resume_options
 from fullshard.jobs.train.report import MetricsFile, mib
@@ -94,9 +95,9 @@ class GPTJobConfig:
         plan_options.validate(self)
         global_batch.validate(self)
         observe.validate(self)
-        if self.data is not None:
+        if self.data is not None:  # here, in the launching process: not as a worker's traceback
             try:
-                files_from_glob(self.data)
+                text_data.check_fits(self.data, self.seq_len)
             except FileNotFoundError as e:
                 raise ValueError(str(e)) from None
 
@@ -117,8 +118,8 @@ def config_from(p: argparse.ArgumentParser, argv: Sequence[str], cls: type) -> A
             global_batch.validate(cfg, cfg.nproc)  # under torchrun or Ray: at start-up, on every rank
         return cfg
     except ValueError as e:
-        p.error(str(e))
-        raise
+        p.exit(2, f"{p.prog}: error: {e}\n")  # one line: the options parsed, their values did not fit
+        raise  # unreachable: p.exit exits
 
 
 def make_parser(prog: str, description: str) -> argparse.ArgumentParser:

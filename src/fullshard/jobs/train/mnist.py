@@ -116,8 +116,8 @@ def parse_args(argv: Sequence[str]) -> MnistConfig:
     try:
         return MnistConfig(**vars(ns))
     except ValueError as e:
-        p.error(str(e))
-        raise  # unreachable: p.error exits
+        p.exit(2, f"{p.prog}: error: {e}\n")  # one line: the options parsed, their values did not fit
+        raise  # unreachable: p.exit exits
 
 
 def _loaders(cfg: MnistConfig, rank: int, world: int) -> tuple[DataLoader, DataLoader, DistributedSampler]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 
@@ -20,9 +21,14 @@ def validate(cfg: Any) -> None:
     """Check a job config's checkpoint fields.
 
     Raises:
-        ValueError: negative counts, or --checkpoint-every without --checkpoint-dir.
+        ValueError: negative counts, --checkpoint-every without --checkpoint-dir, a
+            --checkpoint-dir that exists and is not a directory.
     """
     if cfg.checkpoint_every < 0 or cfg.keep_checkpoints < 1 or cfg.max_restarts < 0:
         raise ValueError("--checkpoint-every and --max-restarts must be >= 0, --keep-checkpoints >= 1")
     if cfg.checkpoint_every and not cfg.checkpoint_dir:
         raise ValueError("--checkpoint-every needs --checkpoint-dir DIR")
+    if cfg.checkpoint_dir and os.path.exists(cfg.checkpoint_dir) and not os.path.isdir(cfg.checkpoint_dir):
+        raise ValueError(
+            f"--checkpoint-dir {cfg.checkpoint_dir} is a file, not a directory: give a directory (created if missing)"
+        )

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fullshard.jobs.checkpoint_cli import warnings_as_lines
 from fullshard.state import checkpoint
 
 
@@ -40,13 +41,16 @@ class Session:
         self.cfg = cfg
 
     def resume(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Resumed | None:
-        """Load the newest complete checkpoint into ``model`` and ``optimizer`` (collective);
-        None when there is none."""
-        newest = checkpoint.latest(self.cfg.checkpoint_dir) if self.cfg.checkpoint_dir else None
-        if newest is None:
+        """Load the newest verified checkpoint into ``model`` and ``optimizer`` (collective);
+        None when there is none. Newer ones that fail verification are skipped with a warning
+        naming each and why (``fullshard.state.checkpoint.resume``)."""
+        if not self.cfg.checkpoint_dir:
             return None
-        extra = checkpoint.load(newest, model, optimizer)
-        return Resumed(checkpoint.step_of(newest), extra, str(newest))
+        with warnings_as_lines():  # rank 0's line per checkpoint skipped
+            found = checkpoint.resume(self.cfg.checkpoint_dir, model, optimizer)
+        if found is None:
+            return None
+        return Resumed(checkpoint.step_of(found[0]), found[1], str(found[0]))
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any]) -> None:
         """Save a sharded checkpoint of the state after optimizer step ``step`` (collective)."""

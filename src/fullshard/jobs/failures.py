@@ -1,0 +1,94 @@
+"""What a failed worker leaves: one line on stderr, and its traceback in the job's log file.
+
+Each worker the launcher starts runs its function inside :class:`Guarded`. An exception out of
+it prints one line on that rank's stderr and appends the traceback to the job's log file, then
+propagates as before (the launcher stops the other workers, restarts the group or fails the
+job)::
+
+    fullshard: checkpoint save to /ckpt/step_00000002 failed on rank 1: No space left on device (writing __1_0.distcp)
+    fullshard: rank 0: ValueError: ...
+
+A checkpoint error already names the rank that failed (every rank raises it), other errors get
+the rank that raised them. torch's elastic agent logs every worker failure with its traceback;
+while a job runs, its log records go to the same file instead of the console, and the
+launcher's own last line names the file (:func:`log_path`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from fullshard.state.checkpoint_errors import CheckpointError, one_line
+
+# torch's loggers that print a worker's failure (with its traceback) in the launching process
+_AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+
+
+def log_path(run_id: str) -> Path:
+    """The log file of the job ``run_id``: tracebacks of its failed workers and its agent's log."""
+    return Path(tempfile.gettempdir()) / f"{run_id}.log"
+
+
+def line(error: BaseException, rank: int) -> str:
+    """The one line a worker prints for ``error``: ``fullshard: ...``."""
+    if isinstance(error, CheckpointError):
+        return f"fullshard: {one_line(error)}"
+    return f"fullshard: rank {rank}: {one_line(error)}"
+
+
+def report(error: BaseException, log: Path, rank: int) -> None:
+    """Print the one line for ``error`` on stderr and append its traceback to ``log``."""
+    text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    try:
+        with open(log, "a") as f:  # each rank appends one block in one write
+            f.write(f"==== rank {rank} (pid {os.getpid()}, restart {restart}) ====\n{text}\n")
+    except OSError:
+        pass  # the line below still says what happened
+    sys.stderr.write(line(error, rank) + "\n")  # one write: the ranks' lines do not interleave
+    sys.stderr.flush()
+
+
+class Guarded:
+    """``fn`` as a worker runs it: a failure prints one line and logs its traceback (picklable,
+    named like ``fn`` for torch's launcher)."""
+
+    def __init__(self, fn: Callable[..., Any], log: Path) -> None:
+        self.fn, self.log = fn, log
+        self.__name__ = getattr(fn, "__name__", "worker")
+        self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
+
+    def __call__(self, *args: Any) -> Any:
+        try:
+            return self.fn(*args)
+        except Exception as e:
+            report(e, self.log, int(os.environ.get("RANK", "0")))
+            raise
+
+
+@contextlib.contextmanager
+def agent_logs_to(log: Path) -> Iterator[None]:
+    """Send torch's elastic agent's log records to ``log`` (created only if one comes) instead
+    of the console while the block runs."""
+    handler = logging.FileHandler(log, delay=True)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
+    loggers = [logging.getLogger(name) for name in _AGENT_LOGGERS]
+    saved = [lg.propagate for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(handler)
+        lg.propagate = False
+    try:
+        yield
+    finally:
+        for lg, propagate in zip(loggers, saved):
+            lg.removeHandler(handler)
+            lg.propagate = propagate
+        handler.close()
