@@ -246,4 +246,5 @@ def test_ray_train_worker_sigkill_resumes_exactly(tmp_path: Path, reference: dic
         "__1_0.distcp",
         "extra_rank0.pt",
         "extra_rank1.pt",
+        "manifest.json",
     ]

@@ -37,7 +37,8 @@ def test_user_train_func_under_torch_trainer_resumes_at_another_worker_count(tmp
     assert len(first["losses"]) == 2
     ckpt = Path(first["checkpoint"])  # merged by Ray from both workers' directories
     names = sorted(p.name for p in ckpt.iterdir())
-    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "extra_rank0.pt", "extra_rank1.pt"], names
+    want = [".metadata", "__0_0.distcp", "__1_0.distcp", "extra_rank0.pt", "extra_rank1.pt", "manifest.json"]
+    assert names == want, names
 
     # The same run started again on one worker: Ray hands it the last checkpoint, which reshards.
     second, output = _example(tmp_path, workers=1, epochs=3, env=ray_cluster)
