@@ -54,10 +54,7 @@ from unittest import mock
 
 import torch
 
-BOUND = (
-    "upper bound: MoE experts (eager) traced with an assumed worst-case routing "
-    "(the last expert takes every token, every other expert at least one)"
-)
+BOUND = "upper bound: eager MoE experts traced under an assumed worst-case routing"
 
 
 def worst_case_rows(tokens: int, top_k: int, experts: int) -> list[int]:
