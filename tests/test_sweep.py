@@ -54,9 +54,14 @@ def test_draw_is_deterministic_and_covers_every_setting(seed: int) -> None:
 
 
 def _tiny(family: str) -> Shape:
+    """Two layers of 3 heads, odd sizes; the MoE family's grouped experts need sizes of 16 bytes'
+    multiples (the CPU kernel refuses others), so its hidden size is 48."""
     fam = FAMILIES[family]
-    moe = dict(experts=4, top_k=2, experts_impl="grouped_mm") if fam.moe else {}
-    return Shape(layers=2, heads=3, kv_heads=1 if fam.gqa else 3, head_dim=fam.head_dims[0], ffn=50, vocab=211, **moe)  # type: ignore[arg-type]
+    if fam.moe:
+        return Shape(
+            2, heads=4, kv_heads=1, head_dim=12, ffn=40, vocab=211, experts=4, top_k=2, experts_impl="grouped_mm"
+        )
+    return Shape(2, heads=3, kv_heads=1 if fam.gqa else 3, head_dim=fam.head_dims[0], ffn=50, vocab=211)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -149,7 +154,7 @@ def test_summary_keeps_bounds_apart_and_counts_matching_moments() -> None:
     shape = Shape(2, 3, 1, 12, 50, 211, experts=4, top_k=2, experts_impl="eager")
     bounded_config = sweep.Config(0, 1, "mixtral", shape, 2, 32, "shard_grad_op", "none", "fp32", 4, "fsdp1")
     exact, bounded = predict(exact_config), predict(bounded_config)
-    assert exact.bound == "" and bounded.bound.startswith("upper bound")
+    assert exact.bound == "" and "upper bound" in bounded.bound
     rows = [
         Row(exact_config, exact, round(exact.total / 1.25), exact.moment),
         Row(bounded_config, bounded, round(bounded.total / 0.5), "optimizer step"),
@@ -157,5 +162,8 @@ def test_summary_keeps_bounds_apart_and_counts_matching_moments() -> None:
     assert f"| +25.0% | {exact.moment} / {exact.moment} | yes |  |" in format_row(rows[0])
     lines = "\n".join(summary(rows))
     assert "Exact estimates: max |error| 25.0%, p95 25.0%, median 25.0%, signed mean +25.0% over 1." in lines
-    assert "Upper bounds (MoE eager routing assumed): max |error| 50.0%" in lines and "1 below the measured" in lines
+    assert (
+        "Routing assumed (eager MoE, activations bounded): max |error| 50.0%" in lines
+        and "1 below the measured" in lines
+    )
     assert "Moment of the peak matched in 1 of 2 configurations." in lines

@@ -54,7 +54,7 @@ from unittest import mock
 
 import torch
 
-BOUND = "upper bound: eager MoE experts traced under an assumed worst-case routing"
+BOUND = "activations an upper bound: eager MoE experts traced under an assumed worst-case routing"
 
 
 def worst_case_rows(tokens: int, top_k: int, experts: int) -> list[int]:
@@ -95,8 +95,13 @@ class _MetaGroupedMM(torch.autograd.Function):
 
 def grouped_mm(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """``torch.nn.functional.grouped_mm`` that runs a meta ``(S, K) x (G, K, N)`` product of a
-    dtype the meta kernel refuses (float32) through :class:`_MetaGroupedMM`; anything else goes
-    to ``original``."""
+    dtype the meta kernel refuses (float32) through :class:`_MetaGroupedMM`, refusing, as the
+    CPU kernel does, operands whose strides are not multiples of 16 bytes (an expert's hidden or
+    intermediate size not a multiple of 4 in float32); anything else goes to ``original``.
+
+    Raises:
+        RuntimeError: such a stride, named (the real step fails there too).
+    """
 
     def run(mat_a: torch.Tensor, mat_b: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         stand_in = (
@@ -106,7 +111,13 @@ def grouped_mm(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Ten
             and kwargs.get("bias") is None
             and kwargs.get("out_dtype") is None
         )
-        return _MetaGroupedMM.apply(mat_a, mat_b) if stand_in else original(mat_a, mat_b, **kwargs)
+        if not stand_in:
+            return original(mat_a, mat_b, **kwargs)
+        for name, t in (("mat_a", mat_a), ("mat_b", mat_b)):
+            odd = [s for s in t.stride() if s != 1 and s * t.element_size() % 16]
+            if odd:
+                raise RuntimeError(f"grouped_mm: {name} strides {t.stride()} are not all multiples of 16 bytes")
+        return _MetaGroupedMM.apply(mat_a, mat_b)
 
     return run
 

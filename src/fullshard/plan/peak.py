@@ -53,7 +53,8 @@ class PeakEstimate:
     """Predicted bytes per rank (ints) by category, their sum and when the peak occurs: in
     ``phase`` ("forward" or "backward") while unit ``unit`` runs ("<root>": the root's own layers).
     ``bound`` is empty when the trace knew every shape; otherwise it names what the trace had to
-    assume (e.g. a mixture-of-experts layer's routing), and ``total`` is an upper bound."""
+    assume (e.g. a mixture-of-experts layer's routing), chosen so that the traced activations are
+    an upper bound of any real step's; the other terms are as exact as they are elsewhere."""
 
     shards: int
     gradients: int
@@ -65,7 +66,7 @@ class PeakEstimate:
     units: list[UnitEstimate]
     unit: str = "<root>"
     host: int = 0  # CPU offload: shards, gradients and optimizer state in host memory (not in ``total``)
-    bound: str = ""  # "": exact as far as the trace knows; else the assumption that makes ``total`` an upper bound
+    bound: str = ""  # "": the trace knew every shape; else what it assumed (its activations: an upper bound)
 
     @property
     def moment(self) -> str:

@@ -9,7 +9,8 @@ with the drawn front end, and train three steps of AdamW (fused) on random batch
 step's peak on rank 0 is the measurement, and its moment (the phase and the unit running, from
 :class:`~fullshard.plan.running_unit.RunningUnit` on the plain model's names, or the optimizer
 step) is compared with the predicted one. Estimates that rest on an assumption (``bound``: a
-mixture-of-experts routing) are upper bounds and are summarized apart from the exact ones.
+mixture-of-experts routing, traced so that their activations are an upper bound) are
+summarized apart from the exact ones, with how many of them still fell below the measurement.
 """
 
 from __future__ import annotations
@@ -215,7 +216,7 @@ def summary(rows: list[Row]) -> Iterator[str]:
     if bounded:
         under = [r for r in bounded if r.measured and r.estimate is not None and r.estimate.total < r.measured]
         yield (
-            f"Upper bounds (MoE eager routing assumed): {distribution([r.error for r in bounded])}; "
+            f"Routing assumed (eager MoE, activations bounded): {distribution([r.error for r in bounded])}; "
             f"{len(under)} below the measured peak."
         )
     timed = [r for r in rows if r.estimate is not None and r.measured]
