@@ -12,8 +12,14 @@ real step, and :func:`traced` mends both for the length of a trace:
   ``.all()``) cannot run. transformers' masking code does it once on the training path: it asks
   whether the position ids hold several packed sequences. The position ids it makes itself when
   none are passed are ``0..T-1`` in every row, one sequence each, so the trace answers as
-  transformers does for them (:func:`_unpacked`). Any other value read fails with a
-  :class:`MetaValueRead` naming what happened.
+  transformers does for them (:func:`_unpacked`). Models with a padding token id (GPT-2 and
+  some sixty others) look for it at the ends of the input ids to warn when no attention mask
+  was passed; the trace skips that warning (:func:`_unwarned`). Any other value read fails with a
+  :class:`MetaValueRead` naming what happened;
+- mixture-of-experts layers (:mod:`fullshard.plan.moe_trace`): transformers' default grouped
+  experts have routing-independent shapes and trace exactly (float32 through a stand-in for the
+  meta kernel, which takes bfloat16 only); its eager experts loop over the routing's values, and
+  trace under an assumed worst-case routing, which :func:`traced` reports.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from unittest import mock
 
 import torch
 import torch.nn.functional as F
+
+from fullshard.plan.moe_trace import patch_experts
 
 _SDPA = F.scaled_dot_product_attention
 
@@ -76,24 +84,44 @@ def _unpacked(original: Any) -> Any:
     return find
 
 
+def _unwarned(original: Any) -> Any:
+    """transformers' ``warn_if_padding_and_no_attention_mask`` that says nothing for meta
+    input ids (it only warns; it reads their values to decide). Real ids go to ``original``."""
+
+    def warn(self: Any, input_ids: Any, attention_mask: Any) -> None:
+        if isinstance(input_ids, torch.Tensor) and input_ids.is_meta:
+            return
+        original(self, input_ids, attention_mask)
+
+    return warn
+
+
 @contextlib.contextmanager
-def traced(device_type: str) -> Iterator[None]:
+def traced(device_type: str) -> Iterator[list[str]]:
     """Patch what the meta trace of a step on ``device_type`` needs (see the module docstring)
     while inside; patched functions, not a TorchFunctionMode, since checkpointed blocks recompute
-    in autograd's own thread.
+    in autograd's own thread. Yields the list of what the trace had to assume, filled as it runs
+    (one entry per assumption made; empty when it knew every shape, and its bytes are exact).
 
     Raises:
         MetaValueRead: the model read a tensor value inside (its message names the fix).
     """
+    assumed: list[str] = []
     with contextlib.ExitStack() as stack:
+        patch_experts(stack, assumed)
         if device_type in ("cpu", "cuda"):
             stack.enter_context(mock.patch.object(F, "scaled_dot_product_attention", device_attention(device_type)))
         masking = sys.modules.get("transformers.masking_utils")
         if masking is not None and hasattr(masking, "find_packed_sequence_indices"):
             unpacked = _unpacked(masking.find_packed_sequence_indices)
             stack.enter_context(mock.patch.object(masking, "find_packed_sequence_indices", unpacked))
+        modeling = sys.modules.get("transformers.modeling_utils")
+        pretrained = getattr(modeling, "PreTrainedModel", None)
+        if pretrained is not None and hasattr(pretrained, "warn_if_padding_and_no_attention_mask"):
+            unwarned = _unwarned(pretrained.warn_if_padding_and_no_attention_mask)
+            stack.enter_context(mock.patch.object(pretrained, "warn_if_padding_and_no_attention_mask", unwarned))
         try:
-            yield
+            yield assumed
         except (RuntimeError, NotImplementedError) as err:
             if "meta" not in str(err) or not any(w in str(err) for w in ("item", "data-dependent", "nonzero")):
                 raise

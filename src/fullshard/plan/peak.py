@@ -40,17 +40,21 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 from fullshard.plan.estimate import UnitEstimate, estimate_model_state
 from fullshard.plan.meta_trace import traced
+from fullshard.plan.running_unit import RunningUnit
 from fullshard.plan.tracker import LiveTensorBytes
 
 
 @dataclasses.dataclass(frozen=True)
 class PeakEstimate:
     """Predicted bytes per rank (ints) by category, their sum and when the peak occurs: in
-    ``phase`` ("forward" or "backward") while unit ``unit`` runs ("<root>": the root's own layers)."""
+    ``phase`` ("forward" or "backward") while unit ``unit`` runs ("<root>": the root's own layers).
+    ``bound`` is empty when the trace knew every shape; otherwise it names what the trace had to
+    assume (e.g. a mixture-of-experts layer's routing), chosen so that the traced activations are
+    an upper bound of any real step's; the other terms are as exact as they are elsewhere."""
 
     shards: int
     gradients: int
@@ -62,6 +66,7 @@ class PeakEstimate:
     units: list[UnitEstimate]
     unit: str = "<root>"
     host: int = 0  # CPU offload: shards, gradients and optimizer state in host memory (not in ``total``)
+    bound: str = ""  # "": the trace knew every shape; else what it assumed (its activations: an upper bound)
 
     @property
     def moment(self) -> str:
@@ -75,63 +80,14 @@ class PeakEstimate:
 
 class Trace(NamedTuple):
     """What :func:`trace_activations` finds at the step's peak: activation and temporary bytes,
-    the fraction of gradient bytes produced by then, "forward" or "backward", and the unit running."""
+    the fraction of gradient bytes produced by then, "forward" or "backward", the unit running,
+    and what the trace assumed where it could not know ("": nothing)."""
 
     activations: int
     grad_fraction: float
     phase: str
     unit: str = "<root>"
-
-
-def _first_grad_tensor(tree: Any) -> torch.Tensor | None:
-    """The first tensor in ``tree`` (args, an output tuple) that autograd will differentiate."""
-    return next((t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and t.requires_grad), None)
-
-
-class _RunningUnit:
-    """Which unit runs, by module hooks: forward pre/post hooks in forward; in backward, a
-    gradient hook on a unit's output (its backward starts) and on its input (it ends), each the
-    first tensor that needs a gradient. A checkpointed unit's recomputation runs inside its own
-    backward and changes nothing."""
-
-    def __init__(self, model: nn.Module, is_unit: Callable[[nn.Module], bool]) -> None:
-        self.forward: list[str] = []
-        self.backward = "<root>"
-        for name, m in model.named_modules():
-            if name and is_unit(m):
-                m.register_forward_pre_hook(lambda m, args, n=name: self._enter(n, args))
-                m.register_forward_hook(lambda m, args, out, n=name: self._leave(n, out))
-
-    @property
-    def name(self) -> str:
-        if torch._C._current_graph_task_id() >= 0:
-            return self.backward
-        return self.forward[-1] if self.forward else "<root>"
-
-    def _set_backward(self, name: str) -> None:
-        self.backward = name
-
-    def _end_backward(self, name: str, outer: str) -> None:
-        # a unit's input is often the previous unit's output, whose hook starts that unit's
-        # backward: end only a unit that is still running (itself, or a unit nested in it that
-        # shares its input)
-        if self.backward == name or self.backward.startswith(name + "."):
-            self.backward = outer
-
-    def _enter(self, name: str, args: tuple) -> None:
-        if torch._C._current_graph_task_id() >= 0:
-            return  # recomputation
-        outer = self.name
-        if (first := _first_grad_tensor(args)) is not None:
-            first.register_hook(lambda g: self._end_backward(name, outer))
-        self.forward.append(name)
-
-    def _leave(self, name: str, out: Any) -> None:
-        if torch._C._current_graph_task_id() >= 0:
-            return
-        self.forward.pop()
-        if (first := _first_grad_tensor(out)) is not None:
-            first.register_hook(lambda g: self._set_backward(name))
+    bound: str = ""
 
 
 def cast_floats(batch: Any, dtype: torch.dtype | None) -> Any:
@@ -151,6 +107,8 @@ def trace_activations(
     grad_scale: float = 1.0,
     device_type: str = "cpu",
     is_unit: Callable[[nn.Module], bool] | None = None,
+    *,
+    checkpoint_context: Callable[[], Any] | None = None,
 ) -> Trace:
     """What the step's peak holds besides parameters and gradients, traced on the meta device
     (see :class:`Trace`; the unit is one of ``is_unit``'s modules, or "<root>").
@@ -159,13 +117,23 @@ def trace_activations(
     unwrapped model holds full gradients (``grad_scale`` 1), a rank of a sharded one its
     shards (``1 / world``), so its peak comes earlier in backward, where more activations live.
     ``device_type``: where the step will run ("cpu" or "cuda"); attention is traced as that
-    device's kernel runs it (:func:`~fullshard.plan.meta_trace.traced`).
+    device's kernel runs it (:func:`~fullshard.plan.meta_trace.traced`). ``checkpoint_context``:
+    the ``context_fn`` the ``checkpoint`` modules are recomputed under (selective activation
+    checkpointing, e.g. torch's ``create_selective_checkpoint_contexts``), traced as it runs.
 
     Raises:
         MetaValueRead: the model reads a tensor value, which the trace cannot give.
     """
     traces = trace_activations_at(
-        make_model, example, loss_fn, (grad_scale,), compute_dtype, checkpoint, device_type, is_unit
+        make_model,
+        example,
+        loss_fn,
+        (grad_scale,),
+        compute_dtype,
+        checkpoint,
+        device_type,
+        is_unit,
+        checkpoint_context=checkpoint_context,
     )
     return traces[grad_scale]
 
@@ -179,6 +147,8 @@ def trace_activations_at(
     checkpoint: Callable[[nn.Module], bool] | None = None,
     device_type: str = "cpu",
     is_unit: Callable[[nn.Module], bool] | None = None,
+    *,
+    checkpoint_context: Callable[[], Any] | None = None,
 ) -> dict[float, Trace]:
     """:func:`trace_activations` at each of ``grad_scales`` from one traced step (the bytes
     alive and gradients produced at every allocation are kept, and each scale's peak taken
@@ -187,10 +157,10 @@ def trace_activations_at(
     Raises:
         MetaValueRead: as :func:`trace_activations`.
     """
-    from fullshard.frontend.activation_checkpointing import apply_activation_checkpointing
+    from fullshard.frontend.activation_checkpointing import apply_activation_checkpointing, checkpoint_wrapper
 
     params: list[nn.Parameter] = []
-    running: list[_RunningUnit] = []
+    running: list[RunningUnit] = []
     # (bytes alive, gradient bytes produced, graph task id, unit) at each measurement from the
     # step's start on
     samples: list[tuple[int, int, int, str]] = []
@@ -208,18 +178,22 @@ def trace_activations_at(
             if compute_dtype is not None:
                 model.to(compute_dtype)
             if is_unit is not None:
-                running.append(_RunningUnit(model, is_unit))
+                running.append(RunningUnit(model, is_unit))
             if checkpoint is not None:
-                apply_activation_checkpointing(model, check_fn=checkpoint)
+                kwargs: dict[str, Any] = {} if checkpoint_context is None else {"context_fn": checkpoint_context}
+                apply_activation_checkpointing(
+                    model, checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(m, **kwargs), check_fn=checkpoint
+                )
             batch = cast_floats(example(), compute_dtype)
         params.extend(model.parameters())
         param_bytes = sum(p.nbytes for p in params)
         recording.append(True)
         live.measure()
-        with traced(device_type):
+        with traced(device_type) as assumed:
             loss_fn(model, batch).backward()
     total_grads = sum(p.nbytes for p in params if p.requires_grad) or 1
-    return {scale: _peak_of(samples, scale, param_bytes, total_grads) for scale in grad_scales}
+    bound = "; ".join(dict.fromkeys(assumed))
+    return {scale: _peak_of(samples, scale, param_bytes, total_grads)._replace(bound=bound) for scale in grad_scales}
 
 
 def _peak_of(samples: list[tuple[int, int, int, str]], scale: float, param_bytes: int, total_grads: int) -> Trace:
@@ -245,6 +219,7 @@ def estimate_peak(
     sharding_strategy: str = "full_shard",
     backend: str = "gloo",
     cpu_offload: bool = False,
+    checkpoint_context: Callable[[], Any] | None = None,
 ) -> PeakEstimate:
     """Predict rank 0's peak live tensor bytes in a steady training step (see module docstring).
 
@@ -254,6 +229,7 @@ def estimate_peak(
         loss_fn: ``(model, batch) -> scalar loss`` as the training loop computes it.
         is_unit: the auto-wrap policy's choice of units.
         checkpoint: the modules whose activations are recomputed in backward, if any.
+        checkpoint_context: their recomputation's ``context_fn`` (selective checkpointing), if any.
         backend: the process group's, "gloo" (CPU) or "nccl" (CUDA).
         cpu_offload: shards, gradients and optimizer state in host memory (CUDA only).
 
@@ -276,9 +252,9 @@ def estimate_peak(
     )
     no_shard = sharding_strategy == "no_shard"
     scale = grad_scale(world_size, no_shard, backend, cpu_offload)
-    traced = trace_activations(
-        make_model, example, loss_fn, param_dtype, checkpoint, scale, device_type(backend), is_unit=is_unit
-    )
+    where = device_type(backend)
+    context = {"checkpoint_context": checkpoint_context}
+    traced = trace_activations(make_model, example, loss_fn, param_dtype, checkpoint, scale, where, is_unit, **context)
     keep = [u.name for u in units] if sharding_strategy == "shard_grad_op" else []
     return combine(
         units, traced, world_size, keep_gathered=keep, no_shard=no_shard, backend=backend, offload=cpu_offload
@@ -324,7 +300,7 @@ def combine(
     ``keep_gathered`` do not reshard after forward (SHARD_GRAD_OP for them), ``no_shard``
     replicates everything (nothing gathered, gradients all-reduced in place), ``offload`` keeps
     model state in host memory (CUDA only; see the module docstring)."""
-    activations, grad_fraction, phase, unit = traced
+    activations, grad_fraction, phase, unit = traced.activations, traced.grad_fraction, traced.phase, traced.unit
     by_size = sorted(
         (u for u in units if u.name != "<root>" and u.name not in keep_gathered),
         key=lambda u: u.full_bytes,
@@ -363,4 +339,5 @@ def combine(
         units=units,
         unit=unit,
         host=host,
+        bound=traced.bound,
     )

@@ -7,6 +7,10 @@
 
 ``fullshard bench estimate`` predicts each configuration's peak live tensor bytes per rank and
 measures it on three real steps (see :mod:`fullshard.jobs.planning.validate`).
+``fullshard bench estimate --sweep [N] [--seed S]`` does it on N (default 40) configurations
+drawn at random from seed S (default: drawn from the clock, printed), across model families,
+sharding, activation checkpointing, precision, world size and front end
+(see :mod:`fullshard.jobs.planning.sweep_bench`).
 
 ``fullshard bench recorder [--calls 2000] [--rounds 2] [--nproc 2]`` times one-element all-reduces
 with the flight recorder on and off, taking turns: what recording adds to each collective.
@@ -52,10 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\n".join(micro.optimizer_report(args.numel)))
         return 0
     if args.workload == "estimate":
-        from fullshard.jobs.planning import validate
-
-        print("\n".join(validate.report()))
-        return 0
+        return _estimate_main(args)
     if args.workload == "plan":
         from fullshard.jobs.planning import plan_bench
 
@@ -111,7 +112,36 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--calls", type=int, default=2000, help="recorder: collectives per setting and round")
     p.add_argument("--shapes", nargs="+", default=["wide", "memory"], choices=["wide", "memory"], help="save: GPTs")
     p.add_argument("--dir", default=None, help="save: where the checkpoints go (default: the temporary folder)")
+    p.add_argument(
+        "--sweep",
+        type=int,
+        nargs="?",
+        const=40,
+        default=None,
+        metavar="N",
+        help="estimate: N configurations drawn at random instead of the fixed ones (default 40)",
+    )
+    p.add_argument("--seed", type=int, default=None, help="estimate --sweep: the draw's seed (default: from the clock)")
     return p
+
+
+def _estimate_main(args: argparse.Namespace) -> int:
+    """``fullshard bench estimate [--sweep [N] [--seed S]]``: print the table as it comes."""
+    if args.sweep is None:
+        from fullshard.jobs.planning import validate
+
+        print("\n".join(validate.report()))
+        return 0
+    import time
+
+    from fullshard.jobs.planning import sweep_bench
+
+    if args.sweep < 1:
+        raise SystemExit(f"fullshard bench estimate: --sweep {args.sweep}: draw at least one configuration")
+    seed = args.seed if args.seed is not None else int(time.time()) % 1_000_000
+    for line in sweep_bench.report(seed, args.sweep):
+        print(line, flush=True)
+    return 0
 
 
 def _compare_main(args: argparse.Namespace, argv: Sequence[str]) -> int:

@@ -106,6 +106,8 @@ def table(e: PeakEstimate, world: int) -> list[str]:
     units = sorted(e.units, key=lambda u: u.full_bytes, reverse=True)
     largest = f"the largest ({units[0].name}) gathers {units[0].full_bytes / 2**20:,.2f} MiB"
     lines.append(f"\n{len(e.units)} FSDP units; {largest}")
+    if e.bound:
+        lines.append(f"The trace could not know every shape: {e.bound}.")
     return lines
 
 
