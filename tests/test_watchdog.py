@@ -232,3 +232,43 @@ def test_timeout_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     assert watchdog.collective_timeout() == watchdog._PG_TIMEOUT  # the process group's, once one started it
     with pytest.raises(ValueError, match="grace_s must be a positive number"):
         watchdog.enable_watchdog(grace_s=0)
+
+
+class _Peers:
+    """A store channel whose other ranks' heartbeats are given."""
+
+    def __init__(self, rank: int, heartbeats: dict[int, dict]) -> None:
+        self.rank, self.heartbeats = rank, heartbeats
+
+    def heartbeat(self, rank: int) -> dict | None:
+        return self.heartbeats.get(rank)
+
+
+def test_a_timeout_where_every_rank_issued_different_collectives_is_a_divergence_not_a_stuck_backend() -> None:
+    """Both ranks issued #2 of the group, but not the same collective: the timed-out line names
+    the divergence, and does not blame the backend."""
+    import time
+
+    from fullshard.comm import diagnosis
+    from fullshard.comm.flight_recorder import RECORDER
+
+    group = "7,9"  # a group of this test only
+    mine = [RECORDER.issue("all_gather", torch.float32, 8, 32, group) for _ in range(2)]
+    mine[1].unit, mine[1].phase = "layers.1", "forward"
+    RECORDER.complete(mine[0])
+    try:
+        peer = {
+            "t": time.time(),
+            "seq": {group: 2},
+            "pending": None,
+            "recent": [[group, 1, "all_gather", None, None], [group, 2, "all_gather", "layers.2", "forward"]],
+        }
+        line = diagnosis.timed_out(_Peers(7, {9: peer}), mine[1], 3.0, 5.0)  # type: ignore[arg-type]
+    finally:
+        RECORDER.complete(mine[1])
+    assert "in all_gather #2 of group [7,9] (32 bytes, unit 'layers.1', forward, step" in line, line
+    assert (
+        "; ranks diverged at #2 of group [7,9]: rank 9 issued all_gather for unit 'layers.2' (forward) where rank 7 "
+        "issued all_gather for unit 'layers.1' (forward)" in line
+    ), line
+    assert "backend" not in line, line
