@@ -3,6 +3,7 @@ a collective that timed out or failed in the backend."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import sys
@@ -41,8 +42,13 @@ def heartbeat(final: bool = False) -> dict[str, Any]:
         "pending": pending.describe() if pending else None,
         "completed": done.describe() if done else None,
         "stack": None if pending or final else stack(),
-        "recent": [[e.group, e.seq, e.op, e.unit, e.phase] for e in list(RECORDER.entries)[-_RECENT:]],
+        "recent": [[e.group, e.seq, e.op, e.unit, e.phase] for e in _recent(_RECENT)],
     }
+
+
+def _recent(n: int) -> list[Entry]:
+    """The newest ``n`` entries, oldest first (one C-level copy: safe against the main thread)."""
+    return list(itertools.islice(reversed(RECORDER.entries), n))[::-1]
 
 
 def where(rank: int) -> str:
@@ -87,7 +93,7 @@ def _divergence(channel: peers.Channel, rank: int) -> str | None:
     hb = channel.heartbeat(rank)
     if hb is None:
         return None
-    mine = {(e.group, e.seq): (e.op, e.unit, e.phase) for e in list(RECORDER.entries)[-4 * _RECENT :]}
+    mine = {(e.group, e.seq): (e.op, e.unit, e.phase) for e in _recent(4 * _RECENT)}
     for group, seq, op, unit, phase in hb.get("recent", []):
         here = mine.get((group, seq))
         if here is not None and here[:2] != (op, unit):

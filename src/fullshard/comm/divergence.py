@@ -9,8 +9,8 @@ unit, runs an extra forward), the backend pairs one rank's collective #N with an
 data and hang later.
 
 Asking the other ranks before every collective would cost a round trip each. Instead each rank
-predicts its next collective on each group: the one that followed its previous collective the
-last time that one was issued. Ranks whose collectives matched up to #N-1 have made the same
+predicts its next collective on each group: the one that followed its previous two collectives
+the last time those two were issued in a row. Ranks whose collectives matched up to #N-1 have made the same
 predictions, so when they differ at #N, at least one of them issues something it did not
 predict. Only then does a rank ask the others, through the store (:mod:`fullshard.comm.peers`),
 for the identity of their #N (their watchdog thread answers once their main thread has issued
@@ -30,6 +30,7 @@ from fullshard.comm import peers
 from fullshard.comm.flight_recorder import RECORDER, Entry
 
 Identity = tuple[Any, ...]
+_MAX_LINKS = 1 << 16  # predictions kept per rank
 
 _OP_NAMES = {
     "all_gather": "all-gather",
@@ -48,9 +49,10 @@ class Guard:
 
     def __init__(self, channel: peers.Channel) -> None:
         self.channel = channel
-        self.last: dict[str, Identity] = {}  # group -> identity of its last collective
-        self.after: dict[tuple[str, Identity | None], Identity] = {}  # (group, identity) -> the next one
+        self.last: dict[str, tuple[Identity | None, Identity | None]] = {}  # group -> its last two identities
+        self.after: dict[tuple[Any, ...], Identity] = {}  # (group, last two) -> the next identity
         self.tickets = itertools.count(1)
+        self.asked_at = 0.0  # time.monotonic() of the last question (the watchdog polls faster after)
 
     def check(self, e: Entry) -> None:
         """Before ``e`` (already recorded) goes to the backend: ask the other ranks of its group
@@ -62,16 +64,20 @@ class Guard:
             CollectiveError: the watchdog stopped this rank while it waited for an answer.
         """
         key = e.identity()
-        link = (e.group, self.last.get(e.group))
-        self.last[e.group] = key
+        before = self.last.get(e.group, (None, None))
+        link = (e.group, *before)
+        self.last[e.group] = (before[1], key)
         if self.after.get(link) == key:
             return
+        if len(self.after) > _MAX_LINKS:  # a program whose collectives never repeat: start over
+            self.after.clear()
+        self.confirm(e)  # with the predictions every rank shares (the same history up to #N-1)
         self.after[link] = key
-        self.confirm(e)
 
     def confirm(self, e: Entry) -> None:
         """Ask every other rank of ``e``'s group for its collective #``e.seq`` and compare."""
         me = self.channel.rank
+        self.asked_at = time.monotonic()
         asked = {}
         for r in (int(x) for x in e.group.split(",")):
             if r != me:
@@ -89,7 +95,7 @@ class Guard:
     def await_reply(self, rank: int, ticket: int, e: Entry) -> dict[str, Any] | None:
         """Rank ``rank``'s reply (None: its ring no longer holds #N); polls the store, stopping
         if this rank is told to stop or ``rank`` exits first."""
-        pause, next_look = 0.0002, time.monotonic() + 0.5
+        pause, next_look = 0.0001, time.monotonic() + 0.5
         while True:
             arrived, reply = self.channel.reply(ticket)
             if arrived:
@@ -105,7 +111,7 @@ class Guard:
                         f"({peers.last_completed(hb)})"
                     )
             time.sleep(pause)
-            pause = min(pause * 2, 0.01)
+            pause = min(pause * 2, 0.001)  # the other rank answers within ~1 ms once it issued #N
 
     def message(self, e: Entry, rank: int, theirs: dict[str, Any]) -> str:
         """``ranks diverged at collective #N of group [..]: rank A issued ..., rank B issued ...``
@@ -130,17 +136,18 @@ class Guard:
         return hint
 
     def comes_after(self, group: str, start: Identity, target: Identity) -> bool:
-        """Whether ``target`` follows ``start`` in this rank's predicted order."""
-        seen: set[Identity] = set()
-        key = start
-        while key not in seen and len(seen) < 100_000:
-            seen.add(key)
-            nxt = self.after.get((group, key))
-            if nxt is None:
-                return False
-            if nxt == target:
-                return True
-            key = nxt
+        """Whether ``target`` follows ``start`` in this rank's predicted order (from any
+        collective that preceded ``start``)."""
+        for link in [k for k in self.after if k[0] == group and k[2] == start]:
+            seen: set[tuple[Any, ...]] = set()
+            while link not in seen and len(seen) < 100_000:
+                seen.add(link)
+                nxt = self.after.get(link)
+                if nxt is None:
+                    break
+                if nxt == target:
+                    return True
+                link = (group, link[2], nxt)
         return False
 
 

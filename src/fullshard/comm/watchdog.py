@@ -133,15 +133,16 @@ class Watchdog(threading.Thread):
         self.stop_at: float | None = None  # when this rank was told to stop
         self.signalled = False
         self.reported: flight_recorder.Entry | None = None  # the last completed one, as last published
+        self.cpu_s = 0.0  # this thread's CPU time so far (seconds; for fullshard bench recorder)
 
     def run(self) -> None:
         last_beat = -1e9  # the first heartbeat at once: a rank may die before the first interval ends
         while not self.stopped.is_set():
             now = time.monotonic()
-            # every interval, and within 0.1 s of a newly completed collective: a rank that is
+            # every interval, and within 0.25 s of a newly completed collective: a rank that is
             # killed is then reported with its last completed collective (nearly) exactly
             since = now - last_beat
-            if since >= self.interval() or (RECORDER.last_completed is not self.reported and since >= 0.1):
+            if since >= self.interval() or (RECORDER.last_completed is not self.reported and since >= 0.25):
                 self.reported = RECORDER.last_completed
                 self.beat()
                 last_beat = now
@@ -151,9 +152,17 @@ class Watchdog(threading.Thread):
             except Exception:  # the store is gone (its host exited): judge alone
                 pass
             self.watch()
-            fast = self.asks or time.monotonic() - self.active_at < 1.0
-            self.stopped.wait(0.001 if self.asks else 0.005 if fast else 0.05)
+            self.cpu_s = time.thread_time()
+            self.stopped.wait(self.tick())
         self.beat(final=True)
+
+    def tick(self) -> float:
+        """Seconds until the next look at the inbox: 1 ms while a question waits for this rank's
+        main thread, or for 0.25 s after a question came or this rank asked one (more follow: a
+        new stretch of collectives), else 0.1 s."""
+        guard = GUARD
+        last = max(self.active_at, guard.asked_at if guard is not None else 0.0)
+        return 0.001 if self.asks or time.monotonic() - last < 0.25 else 0.1
 
     def interval(self) -> float:
         return min(1.0, max(0.05, collective_timeout() / 5))
