@@ -88,9 +88,9 @@ class Guard:
             if theirs is not None and tuple(theirs["identity"]) != e.identity():
                 message = self.message(e, r, theirs)
                 RECORDER.complete(e, "diverged")
-                peers.set_stop(peers.CollectiveDiverged(message))
+                error = peers.raising(peers.CollectiveDiverged(message))
                 self.channel.tell_others({"kind": "stop", "error": "diverged", "message": message})
-                raise peers.CollectiveDiverged(message)
+                raise error
 
     def await_reply(self, rank: int, ticket: int, e: Entry) -> dict[str, Any] | None:
         """Rank ``rank``'s reply (None: its ring no longer holds #N); polls the store, stopping

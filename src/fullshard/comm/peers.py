@@ -65,6 +65,15 @@ def clear_stop() -> None:
     STOPPED.clear()
 
 
+def raising(error: CollectiveError) -> CollectiveError:
+    """Record ``error`` as this rank's stop, raised by the main thread itself (the watchdog sends
+    it no signal); returns it, for ``raise peers.raising(...)``."""
+    global RAISED
+    set_stop(error)
+    RAISED = True
+    return error
+
+
 def raise_stop() -> None:
     """Raise :data:`STOP` if it is set (called by the main thread where it waits)."""
     global RAISED
@@ -122,8 +131,15 @@ class Channel:
         if not self.store.check([key]):
             return False, None
         reply = json.loads(self.store.get(key))
-        self.store.delete_key(key)
+        self.forget(key)
         return True, reply
+
+    def forget(self, key: str) -> None:
+        """Delete ``key`` (read once); a store that cannot delete keeps it."""
+        try:
+            self.store.delete_key(key)
+        except Exception:
+            pass
 
 
 class Inbox:
@@ -149,7 +165,7 @@ class Inbox:
                     break
             else:
                 out.append(json.loads(ch.store.get(key)))
-                ch.store.delete_key(key)
+                ch.forget(key)
             self.blocked_since = None
             self.next += 1
         return out

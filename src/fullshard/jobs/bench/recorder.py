@@ -93,7 +93,7 @@ def _worker(calls: int, rounds: int) -> list[dict[str, tuple[float, float, float
 
 def report(calls: int, rounds: int, nproc: int) -> list[str]:
     """``calls`` one-element all-reduces per setting and round at ``nproc`` ranks on gloo, on
-    rank 0, in microseconds, as lines of markdown."""
+    rank 0, then at 1 rank, in microseconds, as lines of markdown."""
     results = launch.launch(_worker, (calls, rounds), nproc, env=launch.BENCH_ENV)[0]
 
     def median(setting: str, i: int, minus: str | None = None) -> float:
@@ -109,6 +109,15 @@ def report(calls: int, rounds: int, nproc: int) -> list[str]:
         f"{median('new', 0, 'recorder + watchdog'):+.1f} (vs predicted) | {median('new', 1):.1f} | "
         f"{median('new', 1, 'recorder + watchdog'):+.1f} (vs predicted) | {median('new', 2) / 1e3:.1f} |"
     )
+    one = launch.launch(_worker, (calls, rounds), 1, env=launch.BENCH_ENV)[0]
+    best = {s: 1e6 * min(r[s][0] for r in one) for s in SETTINGS}
+    rows += [
+        "",
+        f"The same at 1 rank (no other rank to wait for: the bookkeeping's own time), fastest of {rounds} rounds:",
+        "| setting | wall per call (us) | vs off |",
+        "|---|---|---|",
+        *(f"| {_NAMES[s]} | {best[s]:.1f} | {best[s] - best['off']:+.1f} |" for s in SETTINGS),
+    ]
     return [
         f"Per-collective cost: {calls} one-element all-reduces x {rounds} rounds per setting, {nproc} ranks, "
         f"gloo, torch {torch.__version__} (rank 0; medians over rounds; 'vs off': the median of each round's "
