@@ -1,8 +1,9 @@
 """Programs that would hang, at 2 ranks on gloo: ``torchrun --nproc-per-node 2 tests/hang_cases.py CASE``, or
 ``python tests/hang_cases.py CASE --launcher fullshard`` (``fullshard train``'s launcher). Run by test_watchdog.py.
 
-Rank 1 misbehaves in a different way in each CASE; the watchdog must stop the job within
-seconds of ``FULLSHARD_COLLECTIVE_TIMEOUT`` and say what is stuck.
+Rank 1 misbehaves in a different way in each CASE; with the watchdog on (``FULLSHARD_WATCHDOG=1``)
+the job must stop within seconds of ``FULLSHARD_COLLECTIVE_TIMEOUT`` and say what is stuck, or at
+once when the ranks' collectives stop matching or a rank leaves.
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ def main(case: str) -> None:
         loss.backward()
         optim.step()
         optim.zero_grad()
+        if case == "exit_early" and rank == 1 and step == 2:
+            launch.destroy_process_group()  # leaves a step early: its process ends here
+            return
     time.sleep(120)  # finished early while the other rank still waits
     launch.destroy_process_group()
 

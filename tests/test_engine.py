@@ -139,11 +139,14 @@ class _LateWork:
     def __init__(self, work, dst: torch.Tensor, tmp: torch.Tensor) -> None:
         self.work, self.dst, self.tmp = work, dst, tmp
 
-    def wait(self) -> bool:
+    def wait(self, timeout: object = None) -> bool:  # torch's Work.wait(timeout=...) signature
         time.sleep(0.02)
         self.work.wait()
         self.dst.copy_(self.tmp)
         return True
+
+    def is_completed(self) -> bool:
+        return bool(self.work.is_completed())
 
 
 def _make_late(real):

@@ -1,17 +1,23 @@
-"""The watchdog and flight recorder: five programs that would hang (tests/hang_cases.py, under
-torchrun at 2 ranks, FULLSHARD_COLLECTIVE_TIMEOUT=3) end within seconds of the timeout with a
-line naming the step, phase, unit and collective, and where the other rank is."""
+"""The watchdog and flight recorder: programs that would hang (tests/hang_cases.py, under
+torchrun at 2 ranks, FULLSHARD_WATCHDOG=1, FULLSHARD_COLLECTIVE_TIMEOUT=3) end within seconds of
+the timeout with a line naming the step, phase, unit and collective, and where the other rank is;
+ranks whose collectives stop matching, or that leave, are named at once. The watchdog raises in
+the main thread, exits only after a grace period, is off unless asked for, and never keeps a
+process alive."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import torch
+from dist import run_ranks
 
 BIN = Path(sys.executable).parent
 CASES = Path(__file__).with_name("hang_cases.py")
@@ -21,6 +27,7 @@ def _run_case(
     case: str, tmp: Path, launcher: str = "torchrun", monitor_interval: float = 0.2, timeout: float = 3
 ) -> tuple[int, str, float]:
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", FULLSHARD_COLLECTIVE_TIMEOUT=f"{timeout:g}")
+    env["FULLSHARD_WATCHDOG"] = "1"  # hang_cases is a library user: the watchdog is opt-in
     env["FULLSHARD_FLIGHT_RECORDER_DIR"] = str(tmp / "dumps")
     if launcher == "torchrun":
         cmd = [
@@ -46,22 +53,42 @@ def _line(out: str, start: str) -> str:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(
-    ("case", "sentence"),
-    [
-        (
-            "skip_forward",
-            "ranks diverged at #3 of group [0,1]: rank 1 issued all_gather for unit 'layers.2' (forward) "
-            "where rank 0 issued all_gather for unit 'layers.1' (forward)",
-        ),
-        ("slow_data", "forward, step 2); not joined: rank 1 is alive, not in a collective, at hang_cases.py:38 data"),
-    ],
-)
-def test_a_stuck_collective_names_the_rank_and_where_it_is(tmp_path: Path, case: str, sentence: str) -> None:
-    rc, out, seconds = _run_case(case, tmp_path)
+def test_a_stuck_collective_names_the_rank_and_where_it_is(tmp_path: Path) -> None:
+    rc, out, seconds = _run_case("slow_data", tmp_path)
     assert rc != 0, out[-4000:]
-    _check_stuck(out, tmp_path, sentence)
-    print(f"{case}: stopped after {seconds:.1f} s")  # start-up included; the timeout is 3 s
+    where = "forward, step 2); not joined: rank 1 is alive, not in a collective, at hang_cases.py:39 data"
+    _check_stuck(out, tmp_path, where)
+    # each rank raised the watchdog's line in its main thread (rank 1 while it slept in its data loader)
+    assert "[rank0]: fullshard.comm.peers.CollectiveTimeout: rank 0 waited 3 s" in out, out[-4000:]
+    assert "[rank1]: fullshard.comm.peers.CollectiveTimeout: rank 1 is not in a collective, at hang_cases.py:39" in out
+    print(f"slow_data: stopped after {seconds:.1f} s")  # start-up included; the timeout is 3 s
+
+
+@pytest.mark.timeout(120)
+def test_collectives_of_equal_size_that_differ_are_named_at_once_on_both_ranks(tmp_path: Path) -> None:
+    """Rank 1 skips a unit of the same size in every forward: the backend would pair the two
+    all-gathers; the divergence check stops both ranks at the first one, with no timeout."""
+    rc, out, _ = _run_case("skip_forward", tmp_path, timeout=60)
+    assert rc != 0, out[-4000:]
+    sentence = (
+        "CollectiveDiverged: ranks diverged at collective #3 of group [0,1]: rank 0 issued forward all-gather of "
+        "unit 'layers.1' (544 bytes, step 1), rank 1 issued forward all-gather of unit 'layers.2' (544 bytes, step 1)"
+    )
+    assert sentence in _line(out, "[rank0]: fullshard.comm.peers.CollectiveDiverged"), out[-4000:]
+    assert sentence in _line(out, "[rank1]: fullshard.comm.peers.CollectiveDiverged"), out[-4000:]
+    assert "every rank of the group has joined it" not in out
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_leaves_is_named_with_its_last_completed_collective(tmp_path: Path) -> None:
+    rc, out, _ = _run_case("exit_early", tmp_path, timeout=60)
+    assert rc != 0, out[-4000:]
+    line = _line(out, "[rank0]: fullshard.comm.peers.CollectiveFailed: rank 0:")
+    assert "all_gather #20 of group [0,1] (544 bytes, unit 'layers.0', forward, step 3) failed" in line, line
+    assert (
+        "rank 1 exited (last completed: reduce_scatter #19 of group [0,1] (544 bytes, unit 'layers.0', "
+        "post-backward reduce-scatter, step 2))" in line
+    ), line
 
 
 def _check_stuck(out: str, tmp: Path, sentence: str) -> None:
@@ -86,7 +113,9 @@ def test_a_killed_rank_is_named_as_exited(tmp_path: Path) -> None:
     rc, out, _ = _run_case("sigkill", tmp_path, monitor_interval=3.0)
     assert rc != 0
     line = _line(out, "CollectiveFailed: rank 0:")
-    assert "(544 bytes, unit 'layers.2', backward, step 2) failed" in line and "rank 1 exited" in line, line
+    assert "(544 bytes, unit 'layers.2', backward, step 2) failed" in line, line
+    # killed: its last heartbeat's report, and how old it is
+    assert re.search(r"rank 1 exited \(last completed: .*, as of its heartbeat \d+\.\d s before\)", line), line
 
 
 @pytest.mark.timeout(120)
@@ -110,7 +139,7 @@ def test_under_the_job_launcher_a_stuck_rank_is_named_too(tmp_path: Path) -> Non
         out,
         tmp_path,
         "unit 'layers.2', backward, step 2); not joined: rank 1 is alive, not in a collective, at "
-        "hang_cases.py:56 main",
+        "hang_cases.py:57 main",
     )
     assert "hang_cases: " in out
 
@@ -124,6 +153,66 @@ def test_ranks_with_different_models_fail_at_the_first_forward(tmp_path: Path) -
     assert "at unit #3 in construction order (rank 0: 'layers.2' (1088 bytes); rank 1: 'layers.2' (1024 bytes))" in line
     assert "[rank0]: RuntimeError: FSDP units differ across ranks" in out
     assert not (tmp_path / "dumps").exists()  # no timeout was needed
+
+
+MAIN = Path(__file__).with_name("watchdog_main.py")
+
+
+def _main(case: str, tmp: Path) -> tuple[int, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FULLSHARD_")}
+    env["FULLSHARD_FLIGHT_RECORDER_DIR"] = str(tmp / "dumps")
+    r = subprocess.run([sys.executable, str(MAIN), case], cwd=tmp, env=env, capture_output=True, text=True, timeout=90)
+    return r.returncode, r.stdout + r.stderr
+
+
+@pytest.mark.timeout(120)
+def test_the_watchdog_raises_in_the_main_thread_and_exits_only_after_a_grace_period(tmp_path: Path) -> None:
+    rc, out = _main("interrupt", tmp_path)
+    assert "timeout 0.5 s (the process group's)" in out, out
+    line = _line(out, "main thread raised after")
+    assert ": rank 0 waited 1 s (timeout 0.5 s) in all_reduce #2 of group [0] (4 bytes, step 0);" in line, line
+    assert rc == 3, out  # the error was caught: the watchdog ended the process after its grace period
+    assert "fullshard watchdog: rank 0 still running 1 s after: rank 0 waited" in out and "exiting with code 3" in out
+    assert "still alive" not in out
+
+
+@pytest.mark.timeout(120)
+def test_the_watchdog_never_keeps_a_process_alive(tmp_path: Path) -> None:
+    rc, out = _main("exit", tmp_path)
+    assert rc == 0, out
+    assert "threads left at exit: ['MainThread']" in out, out  # the atexit hook stopped and joined it
+    assert "terminate called" not in out
+
+
+def watchdog_settings_body(rank: int, world: int) -> list[object]:
+    import threading
+
+    from fullshard.comm import collectives, watchdog
+
+    def threads() -> list[bool]:
+        return [t.daemon for t in threading.enumerate() if t.name == "fullshard-watchdog"]
+
+    watchdog.set_collective_timeout(None)
+    group = collectives.default_group()
+    t = torch.ones(1)
+    collectives.all_reduce(t, group)
+    seen: list[object] = [watchdog.ACTIVE is None, threads(), collectives.process_group_timeout(group)]
+    watchdog.enable_watchdog()
+    try:
+        collectives.all_reduce(t, group)
+        seen += [watchdog.ACTIVE is not None, threads(), watchdog.collective_timeout()]
+    finally:
+        watchdog.disable_watchdog()
+    collectives.all_reduce(t, group)
+    return [*seen, watchdog.ACTIVE is None, threads()]
+
+
+def test_the_watchdog_is_off_for_library_users_until_asked_for() -> None:
+    """Off without FULLSHARD_WATCHDOG; on (one daemon thread) after enable_watchdog(), with the
+    timeout given to init_process_group (120 s in tests/dist.py); gone after disable_watchdog()."""
+    assert "FULLSHARD_WATCHDOG" not in os.environ
+    for seen in run_ranks(watchdog_settings_body, 2):
+        assert seen == [True, [], 120.0, True, [True], 120.0, True, []], seen
 
 
 def test_timeout_settings(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -140,4 +229,46 @@ def test_timeout_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="positive number of seconds"):
         watchdog.set_collective_timeout(0)
     monkeypatch.delenv("FULLSHARD_COLLECTIVE_TIMEOUT")
-    assert watchdog.collective_timeout() == watchdog.DEFAULT_TIMEOUT_S
+    assert watchdog.collective_timeout() == watchdog._PG_TIMEOUT  # the process group's, once one started it
+    with pytest.raises(ValueError, match="grace_s must be a positive number"):
+        watchdog.enable_watchdog(grace_s=0)
+
+
+class _Peers:
+    """A store channel whose other ranks' heartbeats are given."""
+
+    def __init__(self, rank: int, heartbeats: dict[int, dict]) -> None:
+        self.rank, self.heartbeats = rank, heartbeats
+
+    def heartbeat(self, rank: int) -> dict | None:
+        return self.heartbeats.get(rank)
+
+
+def test_a_timeout_where_every_rank_issued_different_collectives_is_a_divergence_not_a_stuck_backend() -> None:
+    """Both ranks issued #2 of the group, but not the same collective: the timed-out line names
+    the divergence, and does not blame the backend."""
+    import time
+
+    from fullshard.comm import diagnosis
+    from fullshard.comm.flight_recorder import RECORDER
+
+    group = "7,9"  # a group of this test only
+    mine = [RECORDER.issue("all_gather", torch.float32, 8, 32, group) for _ in range(2)]
+    mine[1].unit, mine[1].phase = "layers.1", "forward"
+    RECORDER.complete(mine[0])
+    try:
+        peer = {
+            "t": time.time(),
+            "seq": {group: 2},
+            "pending": None,
+            "recent": [[group, 1, "all_gather", None, None], [group, 2, "all_gather", "layers.2", "forward"]],
+        }
+        line = diagnosis.timed_out(_Peers(7, {9: peer}), mine[1], 3.0, 5.0)  # type: ignore[arg-type]
+    finally:
+        RECORDER.complete(mine[1])
+    assert "in all_gather #2 of group [7,9] (32 bytes, unit 'layers.1', forward, step" in line, line
+    assert (
+        "; ranks diverged at #2 of group [7,9]: rank 9 issued all_gather for unit 'layers.2' (forward) where rank 7 "
+        "issued all_gather for unit 'layers.1' (forward)" in line
+    ), line
+    assert "backend" not in line, line

@@ -6,7 +6,7 @@ Speaks ``torch.distributed.fsdp``'s API: replace
 """
 
 from fullshard.comm.flight_recorder import set_step
-from fullshard.comm.watchdog import set_collective_timeout
+from fullshard.comm.watchdog import disable_watchdog, enable_watchdog, set_collective_timeout
 from fullshard.engine.config import (
     BackwardPrefetch,
     CPUOffload,
@@ -48,6 +48,8 @@ __all__ = [
     "UnitMemory",
     "memory_report",
     "set_collective_timeout",
+    "enable_watchdog",
+    "disable_watchdog",
     "set_step",
     "FSDP",
     "BackwardPrefetch",

@@ -17,17 +17,22 @@ It hides what differs between backends and torch versions:
 - torch 2.13 renamed ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` to
   ``all_gather_single`` / ``reduce_scatter_single``; torch 2.11 has only the old names.
 
-Asynchronous calls return a :class:`Handle`; its ``wait()`` finishes any local work (the sum
-of an emulated reduce-scatter, the division of an average) and is idempotent.
+Asynchronous calls return a :class:`~fullshard.comm.handle.Handle`; its ``wait()`` finishes any
+local work (the sum of an emulated reduce-scatter, the division of an average) and is
+idempotent. On gloo every call is asynchronous underneath, so that a synchronous one also waits
+through a Handle (in slices while the watchdog runs, see :mod:`fullshard.comm.handle`).
+
+While the watchdog runs (:mod:`fullshard.comm.watchdog`), each call is checked against the other
+ranks' before it reaches the backend when it is not the one this rank predicted
+(:mod:`fullshard.comm.divergence`).
 
 While :mod:`fullshard.probes` are enabled, each call is counted there (calls, bytes sent).
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
-from typing import Any, NoReturn, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,103 +41,60 @@ from fullshard import probes
 from fullshard.comm import exposure, watchdog
 from fullshard.comm.buffers import POOL
 from fullshard.comm.flight_recorder import RECORDER, Entry
+from fullshard.comm.handle import Handle
+from fullshard.comm.handle import explained as _explained
+from fullshard.comm.peers import CollectiveDiverged, CollectiveError, CollectiveFailed, CollectiveTimeout
 
 ProcessGroup = Any  # torch's ProcessGroup type moves between versions
-F = TypeVar("F", bound=Callable[..., Any])
 
 _all_gather_fn: Callable[..., Any] = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_fn: Callable[..., Any] = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-
-class Handle:
-    """An in-flight collective. ``wait()`` blocks until it is done and runs its local epilogue.
-
-    ``work`` is one torch Work (or Handle), a list of them (waited in order), or None.
-    """
-
-    def __init__(self, work: Any, epilogue: Callable[[], Any] | None = None, entry: Entry | None = None) -> None:
-        self._work = work
-        self._epilogue = epilogue
-        self._done = False
-        self._entry = entry  # the flight recorder's entry, completed by wait()
-        if entry is not None:
-            entry.probe = self.is_completed
-
-    def wait(self) -> None:
-        with exposure.blocked(self._label):
-            try:
-                self._wait()
-            except RuntimeError as e:
-                _explain(e)
-
-    def _label(self) -> str:
-        """The profiler range of the wait: ``fullshard::wait <op> <unit>``."""
-        works = self._work if isinstance(self._work, list) else [self._work]
-        inner = [w._entry for w in works if isinstance(w, Handle) and w._entry is not None]
-        e = self._entry or (inner[0] if inner else None)
-        return f"fullshard::wait {e.op} {e.unit or ''}".rstrip() if e else "fullshard::wait"
-
-    def _wait(self) -> None:
-        if self._done:
-            return
-        if isinstance(self._work, list):
-            for w in self._work:
-                w.wait()
-        elif self._work is not None:
-            self._work.wait()
-        RECORDER.complete(self._entry)
-        if self._epilogue is not None:
-            self._epilogue()
-        self._done = True
-
-    def is_completed(self) -> bool:
-        """Whether the communication has finished (without waiting)."""
-        works = self._work if isinstance(self._work, list) else [self._work]
-        return self._done or all(w is None or w.is_completed() for w in works)
-
-
-def _explained(fn: F) -> F:
-    """Re-raise a backend failure (a peer's connection closed) naming the collective, its unit
-    and phase, and the ranks that exited."""
-
-    @functools.wraps(fn)
-    def inner(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except RuntimeError as e:
-            _explain(e)
-
-    return inner  # type: ignore[return-value]
-
-
-def _explain(e: RuntimeError) -> NoReturn:
-    """Raise ``e`` again, as a CollectiveFailed naming the pending collective if there is one."""
-    pending = RECORDER.oldest_pending()
-    if pending is None or isinstance(e, CollectiveFailed):
-        raise e
-    RECORDER.complete(pending)
-    raise CollectiveFailed(watchdog.explain_failure(pending, e)) from e
+__all__ = ["CollectiveDiverged", "CollectiveError", "CollectiveFailed", "CollectiveTimeout", "Handle"]
 
 
 def _unit() -> str | None:
     return RECORDER.context.unit
 
 
-class CollectiveFailed(RuntimeError):
-    """A collective failed in the backend; the message names it and the ranks that exited."""
-
-
 def _note(op: str, dtype: torch.dtype, numel: int, nbytes: int, group: ProcessGroup) -> Entry | None:
     """Count a collective in the probes and record it in the flight recorder (issued)."""
     if probes.ACTIVE is not None:
         probes.ACTIVE.collectives.record(op, dtype, numel, nbytes)
-    if watchdog.ACTIVE is None and RECORDER.capacity > 0:
-        watchdog.start(dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size())
-    return RECORDER.issue(op, dtype, numel, nbytes, _group_name(group))
+    entry = RECORDER.issue(op, dtype, numel, nbytes, _group_name(group))
+    if watchdog.ACTIVE is None:
+        if entry is None or not watchdog.wanted():
+            return entry
+        _start_watchdog()
+    guard = watchdog.GUARD
+    if entry is not None and guard is not None:
+        guard.check(entry)  # raises before the backend sees a collective another rank did not issue
+    return entry
 
 
-def _finish(work: Any, epilogue: Callable[[], Any] | None, async_op: bool, entry: Entry | None) -> Handle | None:
-    handle = Handle(work, epilogue, entry)
+def _start_watchdog() -> None:
+    """Start the watchdog on the default process group's store (a public accessor of torch's)."""
+    world = default_group()
+    watchdog.start(world.get_group_store(), dist.get_rank(), dist.get_world_size(), process_group_timeout(world))
+
+
+def process_group_timeout(group: ProcessGroup) -> float:
+    """The ``timeout=`` (seconds) that ``group`` was created with.
+
+    torch has no public getter: ``init_process_group`` / ``new_group`` store it in the backend's
+    options (``group._get_backend(device).options._timeout``), the one place read here. When that
+    cannot be read, torch's default (``torch.distributed.constants.default_pg_timeout``).
+    """
+    try:
+        return float(group._get_backend(reduction_device(group)).options._timeout.total_seconds())
+    except (AttributeError, RuntimeError):
+        return float(dist.constants.default_pg_timeout.total_seconds())
+
+
+def _finish(
+    work: Any, epilogue: Callable[[], Any] | None, async_op: bool, entry: Entry | None, sliced: bool = False
+) -> Handle | None:
+    handle = Handle(work, epilogue, entry, sliced)
     if async_op:
         return handle
     handle.wait()
@@ -199,8 +161,8 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup, a
             # 1.06 ms against 1.29 ms on this project's machine).
             splits = [0, 0]
             splits[1 - rank] = input.numel()
-            work = dist.all_to_all_single(slices[1 - rank], input, splits, splits, group=group, async_op=async_op)
-            return _finish(work, None, async_op, entry)
+            work = dist.all_to_all_single(slices[1 - rank], input, splits, splits, group=group, async_op=True)
+            return _finish(work, None, async_op, entry, sliced=True)
         # One broadcast rooted at each rank; the root sends its input as is, the others
         # receive into their slice of the output. Gloo runs them concurrently.
         works = [
@@ -209,7 +171,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup, a
             )
             for src in range(n)
         ]
-        return _finish(works, None, async_op, entry)
+        return _finish(works, None, async_op, entry, sliced=True)
     work = _all_gather_fn(output, input, group=group, async_op=async_op)
     return _finish(work if async_op else None, None, async_op, entry)
 
@@ -269,7 +231,7 @@ def reduce_scatter(
             received = POOL.take(output.numel(), input.dtype, input.device)
             splits = [0, 0]
             splits[1 - me] = output.numel()
-            work = dist.all_to_all_single(received, chunks[1 - me], splits, splits, group=group, async_op=async_op)
+            work = dist.all_to_all_single(received, chunks[1 - me], splits, splits, group=group, async_op=True)
 
             def epilogue() -> None:
                 torch.add(chunks[me], received, out=output)
@@ -277,9 +239,9 @@ def reduce_scatter(
                 if divide_by != 1.0:
                     output.div_(divide_by)
 
-            return _finish(work, epilogue, async_op, entry)
+            return _finish(work, epilogue, async_op, entry, sliced=True)
         received = POOL.take(input.numel(), input.dtype, input.device)
-        work = dist.all_to_all_single(received, input, group=group, async_op=async_op)
+        work = dist.all_to_all_single(received, input, group=group, async_op=True)
 
         def epilogue_n() -> None:
             torch.sum(received.view(n, -1), dim=0, out=output)
@@ -287,7 +249,7 @@ def reduce_scatter(
             if divide_by != 1.0:
                 output.div_(divide_by)
 
-        return _finish(work, epilogue_n, async_op, entry)
+        return _finish(work, epilogue_n, async_op, entry, sliced=True)
     work = _reduce_scatter_fn(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
     return _finish(work, (lambda: output.div_(divide_by)) if divide_by != 1.0 else None, async_op, entry)
 
@@ -328,9 +290,10 @@ def all_reduce(
     nbytes = 2 * tensor.numel() * tensor.element_size() * (n - 1) // n
     entry = _note("all_reduce", tensor.dtype, tensor.numel(), nbytes, group)
     staged = _staged(tensor, group)
-    work = dist.all_reduce(staged, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    gloo = backend(group) == "gloo"  # always asynchronous there: waited in slices (Handle)
+    work = dist.all_reduce(staged, op=dist.ReduceOp.SUM, group=group, async_op=async_op or gloo)
     divide = (lambda: tensor.div_(divide_by)) if divide_by != 1.0 else None
-    return _finish(work, _copy_back(staged, tensor, divide), async_op, entry)
+    return _finish(work, _copy_back(staged, tensor, divide), async_op, entry, sliced=gloo)
 
 
 @exposure.blocking("all_reduce_max", _unit)
@@ -339,10 +302,8 @@ def all_reduce_max(tensor: torch.Tensor, group: ProcessGroup) -> None:
     """Element-wise maximum over ranks, in place, synchronous (staged like :func:`all_reduce`)."""
     entry = _note("all_reduce_max", tensor.dtype, tensor.numel(), tensor.numel() * tensor.element_size(), group)
     staged = _staged(tensor, group)
-    dist.all_reduce(staged, op=dist.ReduceOp.MAX, group=group)
-    RECORDER.complete(entry)
-    if staged is not tensor:
-        tensor.copy_(staged)
+    work = dist.all_reduce(staged, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    _finish(work, _copy_back(staged, tensor), False, entry, sliced=backend(group) == "gloo")
 
 
 @exposure.blocking("broadcast", _unit)
@@ -352,10 +313,8 @@ def broadcast(tensor: torch.Tensor, src_rank: int, group: ProcessGroup) -> None:
     like :func:`all_reduce`)."""
     entry = _note("broadcast", tensor.dtype, tensor.numel(), tensor.numel() * tensor.element_size(), group)
     staged = _staged(tensor, group)
-    dist.broadcast(staged, src=dist.get_global_rank(group, src_rank), group=group)
-    RECORDER.complete(entry)
-    if staged is not tensor:
-        tensor.copy_(staged)
+    work = dist.broadcast(staged, src=dist.get_global_rank(group, src_rank), group=group, async_op=True)
+    _finish(work, _copy_back(staged, tensor), False, entry, sliced=backend(group) == "gloo")
 
 
 @exposure.blocking("all_gather_object", _unit)
@@ -385,8 +344,8 @@ def broadcast_object(obj: Any, src_rank: int, group: ProcessGroup) -> Any:
 @_explained
 def barrier(group: ProcessGroup) -> None:
     entry = _note("barrier", torch.uint8, 0, 0, group)
-    dist.barrier(group=group)
-    RECORDER.complete(entry)
+    work = dist.barrier(group=group, async_op=True)
+    _finish(work, None, False, entry, sliced=backend(group) == "gloo")
 
 
 def clear_caches() -> None:

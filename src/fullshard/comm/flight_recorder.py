@@ -61,6 +61,11 @@ class Entry:
     completed_at: float | None = None
     probe: Any = dataclasses.field(default=None, repr=False, compare=False)  # () -> finished?
 
+    def identity(self) -> tuple[str, str, int, str | None, str | None]:
+        """What must match on every rank for the same collective: op, dtype, element count, unit
+        and phase (the step and the times may differ)."""
+        return (self.op, self.dtype, self.numel, self.unit, self.phase)
+
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "probe"}
 
@@ -103,13 +108,23 @@ class FlightRecorder:
         self.pending[id(e)] = e
         return e
 
-    def complete(self, e: Entry | None) -> None:
-        """Mark ``e`` completed (its wait returned)."""
+    def complete(self, e: Entry | None, state: str = "completed") -> None:
+        """Mark ``e`` completed (its wait returned), or ended in ``state`` ("failed", "diverged")."""
         if e is None or e.completed_at is not None:
             return
-        e.state, e.completed_at, e.probe = "completed", time.time(), None
+        e.state, e.completed_at, e.probe = state, time.time(), None
         self.pending.pop(id(e), None)
-        self.last_completed = e
+        if state == "completed":
+            self.last_completed = e
+
+    def find(self, group: str, seq: int) -> Entry | None:
+        """Entry ``seq`` of ``group`` if the ring still holds it (from any thread)."""
+        for e in reversed(list(self.entries)):
+            if e.group == group and e.seq == seq:
+                return e
+            if e.group == group and e.seq < seq:
+                return None
+        return None
 
     def oldest_pending(self) -> Entry | None:
         return next(iter(self.pending.values()), None) if self.pending else None

@@ -1,45 +1,90 @@
-"""A watchdog that names the culprit when a collective waits too long, instead of hanging.
+"""A watchdog that names the culprit when a collective waits too long, and the divergence check.
 
-A daemon thread per process publishes a heartbeat to the rendezvous store every interval (its
-wall time, the last sequence number it issued on each process group, the collective it waits
-in, its last completed one, and its main thread's Python stack when it is in none); the store
-keeps working while the process group is stuck. When this rank's oldest pending collective has
-waited longer than the timeout, it reads the other ranks' heartbeats, prints one line saying
-where it waits and which ranks of that group have not joined and where each of those is
-(exited, waiting in another collective, or alive outside any collective with its stack), asks
-every other rank to print its own line, writes its flight-recorder dump into one directory
-shared by all ranks, and exits with :data:`EXIT_CODE` (the elastic launcher then restarts the
-job or reports the failure).
+Off by default for library users; on in ``fullshard train`` (``FULLSHARD_WATCHDOG=1`` unless the
+environment says 0) and wherever ``FULLSHARD_WATCHDOG=1`` is set or :func:`enable_watchdog` is
+called. It starts at the next collective on the default process group's own store
+(``ProcessGroup.get_group_store()``) and stops at
+:func:`fullshard.comm.process_groups.destroy_process_group`, :func:`disable_watchdog`, or
+interpreter exit (an ``atexit`` hook, before the interpreter tears threads down).
 
-The timeout in seconds: :func:`set_collective_timeout`, else ``FULLSHARD_COLLECTIVE_TIMEOUT``,
-else :data:`DEFAULT_TIMEOUT_S`. The dump directory: ``FULLSHARD_FLIGHT_RECORDER_DIR``, else
-``fullshard_flight_recorder`` in the working directory.
+A daemon thread per process publishes a heartbeat to the store every interval (see
+:func:`fullshard.comm.diagnosis.heartbeat`), answers the other ranks' questions about its
+collectives (:mod:`fullshard.comm.divergence`) and reads their stop messages. When this rank's
+oldest pending collective has waited longer than the timeout, it prints one line saying where it
+waits and where each rank that has not joined is, writes the flight-recorder dump, tells every
+other rank to stop (each prints where it is), and raises :class:`~fullshard.comm.peers.CollectiveTimeout`
+with that line in the main thread: where the main thread waits in a collective (on gloo it waits
+in slices), else by a SIGINT to the main thread that fullshard's handler turns into that error (a
+Ctrl-C stays a KeyboardInterrupt). The launcher then sees the worker fail. If the process is still
+alive ``grace_s`` seconds later (its main thread stuck in a call that cannot be interrupted, or the
+error caught), the watchdog exits it with :data:`EXIT_CODE` as a last resort.
+
+The timeout in seconds: :func:`set_collective_timeout` (or ``enable_watchdog(timeout=)``), else
+``FULLSHARD_COLLECTIVE_TIMEOUT``, else the default process group's own (the ``timeout=`` given to
+``torch.distributed.init_process_group``). The dump directory: ``FULLSHARD_FLIGHT_RECORDER_DIR``,
+else ``fullshard_flight_recorder`` in the working directory.
 """
 
 from __future__ import annotations
 
-import json
+import atexit
 import os
-import socket
+import signal
 import sys
 import threading
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
-from fullshard.comm import flight_recorder
+from fullshard.comm import diagnosis, divergence, flight_recorder, peers
 from fullshard.comm.flight_recorder import RECORDER
 
-DEFAULT_TIMEOUT_S = 300.0
 EXIT_CODE = 3
-_KEY = "fullshard_watchdog"
+DEFAULT_GRACE_S = 30.0
 _TIMEOUT: float | None = None
-_RECENT = 64  # entries a heartbeat carries, to find where two ranks' collectives stopped matching
+_PG_TIMEOUT = 1800.0  # the default process group's, recorded at start (torch's default until then)
+_GRACE_S = DEFAULT_GRACE_S
+_WANTED: bool | None = None  # None: FULLSHARD_WATCHDOG decides at the first collective
+_SESSIONS = 0
+
+
+def enable_watchdog(timeout: float | None = None, grace_s: float = DEFAULT_GRACE_S) -> None:
+    """Turn the watchdog and the divergence check on for this process (every rank must).
+
+    Args:
+        timeout: seconds a collective may wait before the job is stopped; None keeps
+            :func:`collective_timeout`'s choice (by default the process group's own timeout).
+        grace_s: seconds between raising in the main thread and the last-resort exit.
+
+    Raises:
+        ValueError: ``timeout`` or ``grace_s`` is not positive.
+    """
+    global _WANTED, _GRACE_S
+    if not grace_s > 0:
+        raise ValueError(f"grace_s must be a positive number of seconds, got {grace_s}")
+    if timeout is not None:
+        set_collective_timeout(timeout)
+    _WANTED, _GRACE_S = True, float(grace_s)
+
+
+def disable_watchdog() -> None:
+    """Turn the watchdog off for this process and stop its thread (every rank must)."""
+    global _WANTED
+    _WANTED = False
+    stop()
+    peers.clear_stop()
+
+
+def wanted() -> bool:
+    """Whether the watchdog should run: :func:`enable_watchdog`, else ``FULLSHARD_WATCHDOG=1``."""
+    global _WANTED
+    if _WANTED is None:
+        _WANTED = os.environ.get("FULLSHARD_WATCHDOG", "0").strip().lower() in ("1", "true", "yes", "on")
+    return _WANTED
 
 
 def set_collective_timeout(seconds: float | None) -> None:
-    """Set the watchdog's timeout (seconds) for this process; None returns to the environment's.
+    """Set the watchdog's timeout (seconds) for this process; None returns to the default.
 
     Raises:
         ValueError: ``seconds`` is not positive.
@@ -60,7 +105,7 @@ def collective_timeout() -> float:
         return _TIMEOUT
     value = os.environ.get("FULLSHARD_COLLECTIVE_TIMEOUT")
     if not value:
-        return DEFAULT_TIMEOUT_S
+        return _PG_TIMEOUT
     try:
         seconds = float(value)
     except ValueError:
@@ -74,185 +119,208 @@ def dump_dir() -> Path:
     return Path(os.environ.get("FULLSHARD_FLIGHT_RECORDER_DIR", "fullshard_flight_recorder"))
 
 
-def _stack() -> str:
-    """The main thread's innermost frames, outermost first: ``file:line func`` joined by " < "."""
-    frame = sys._current_frames().get(threading.main_thread().ident or 0)
-    if frame is None:
-        return "unknown"
-    frames = traceback.extract_stack(frame)[-4:]
-    return " < ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames))
-
-
 class Watchdog(threading.Thread):
-    """The heartbeat-and-timeout thread of one process group's lifetime (see module docstring)."""
+    """The heartbeat, answering and timeout thread of one process group's lifetime."""
 
-    def __init__(self, store: Any, rank: int, world_size: int) -> None:
+    def __init__(self, channel: peers.Channel) -> None:
         super().__init__(name="fullshard-watchdog", daemon=True)
-        self.store, self.rank, self.world_size = store, rank, world_size
+        self.channel = channel  # this thread's own store connection
+        self.rank = channel.rank
+        self.inbox = peers.Inbox(channel)
+        self.asks: list[dict[str, Any]] = []
         self.stopped = threading.Event()
-
-    def heartbeat(self) -> dict[str, Any]:
-        pending, done = RECORDER.oldest_pending(), RECORDER.last_completed
-        return {
-            "t": time.time(),
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "seq": dict(RECORDER.seq),
-            "pending": pending.describe() if pending else None,
-            "completed": done.describe() if done else None,
-            "stack": None if pending else _stack(),
-            "recent": [[e.group, e.seq, e.op, e.unit, e.phase] for e in list(RECORDER.entries)[-_RECENT:]],
-        }
+        self.active_at = 0.0  # when the last question came: answer the next ones quickly
+        self.stop_at: float | None = None  # when this rank was told to stop
+        self.signalled = False
+        self.reported: flight_recorder.Entry | None = None  # the last completed one, as last published
+        self.cpu_s = 0.0  # this thread's CPU time so far (seconds; for fullshard bench recorder)
 
     def run(self) -> None:
-        while True:  # the first heartbeat at once: a rank may die before the first interval ends
+        last_beat = -1e9  # the first heartbeat at once: a rank may die before the first interval ends
+        while not self.stopped.is_set():
+            now = time.monotonic()
+            # every interval, and within 0.25 s of a newly completed collective: a rank that is
+            # killed is then reported with its last completed collective (nearly) exactly
+            since = now - last_beat
+            if since >= self.interval() or (RECORDER.last_completed is not self.reported and since >= 0.25):
+                self.reported = RECORDER.last_completed
+                self.beat()
+                last_beat = now
             try:
-                self.store.set(f"{_KEY}/hb/{self.rank}", json.dumps(self.heartbeat()))
-                if self.store.check([f"{_KEY}/abort"]):
-                    self.fail(f"stopping: {self.store.get(f'{_KEY}/abort').decode()}", propagate=False)
+                self.read_inbox()
+                self.answer()
             except Exception:  # the store is gone (its host exited): judge alone
                 pass
-            pending = RECORDER.oldest_pending()
-            if pending is not None and time.time() - pending.issued_at > collective_timeout():
-                if pending.probe is None or not pending.probe():  # else finished, its wait not called yet
-                    self.fail(self.diagnose(pending), propagate=True)
-            if self.stopped.wait(self.interval()):
-                return
+            self.watch()
+            self.cpu_s = time.thread_time()
+            self.stopped.wait(self.tick())
+        self.beat(final=True)
+
+    def tick(self) -> float:
+        """Seconds until the next look at the inbox: 1 ms while a question waits for this rank's
+        main thread, or for 0.25 s after a question came or this rank asked one (more follow: a
+        new stretch of collectives), else 0.1 s."""
+        guard = GUARD
+        last = max(self.active_at, guard.asked_at if guard is not None else 0.0)
+        return 0.001 if self.asks or time.monotonic() - last < 0.25 else 0.1
 
     def interval(self) -> float:
         return min(1.0, max(0.05, collective_timeout() / 5))
 
-    def peer(self, rank: int) -> dict[str, Any] | None:
-        key = f"{_KEY}/hb/{rank}"
+    def beat(self, final: bool = False) -> None:
         try:
-            return json.loads(self.store.get(key)) if self.store.check([key]) else None
+            self.channel.publish(diagnosis.heartbeat(final))
         except Exception:
-            return None
+            pass
 
-    def diagnose(self, e: flight_recorder.Entry) -> str:
-        """The line for a timed-out entry: where this rank waits, and who has not joined."""
-        waited = time.time() - e.issued_at
-        head = f"rank {self.rank} waited {waited:.0f} s (timeout {collective_timeout():g} s) in {e.describe()}"
-        stale = max(3 * self.interval(), 2.0)
-        missing = []
-        for r in (int(x) for x in e.group.split(",")):
-            if r == self.rank:
-                continue
-            hb = self.peer(r)
-            if hb is None:
-                missing.append(f"rank {r} never reported (not started, or the store is unreachable)")
-            elif time.time() - hb["t"] > stale:
-                missing.append(
-                    f"rank {r} exited (silent for {time.time() - hb['t']:.0f} s; last completed: {hb['completed']})"
-                )
-            elif hb["seq"].get(e.group, 0) >= e.seq:
-                continue
-            elif hb["pending"]:
-                missing.append(f"rank {r} waits in {hb['pending']}")
+    def read_inbox(self) -> None:
+        for message in self.inbox.poll():
+            if message["kind"] == "ask":
+                self.asks.append(message)
+                self.active_at = time.monotonic()
+            elif message["kind"] == "stop":
+                self.told_to_stop(message)
+
+    def answer(self) -> None:
+        """Reply to the questions whose collective this rank's main thread has issued."""
+        waiting = []
+        for ask in self.asks:
+            ready, reply = divergence.reply_for(ask["group"], ask["seq"])
+            if ready:
+                self.channel.answer(ask["from"], ask["ticket"], reply)
             else:
-                missing.append(
-                    f"rank {r} is alive, not in a collective, at {hb['stack']} (last completed: {hb['completed']})"
-                )
-        diverged = [d for r in (int(x) for x in e.group.split(",")) if r != self.rank and (d := self.divergence(r))]
-        tail = ("; " + "; ".join(diverged)) if diverged else ""
-        if not missing:
-            return f"{head}; every rank of the group has joined it: the backend itself is stuck{tail}"
-        return f"{head}; not joined: " + "; ".join(missing) + tail
+                waiting.append(ask)
+        self.asks = waiting
 
-    def divergence(self, rank: int) -> str | None:
-        """Where ``rank``'s recent collectives first differ from this rank's (same group and
-        sequence number, another op or unit): the two were paired wrongly from there on."""
-        hb = self.peer(rank)
-        if hb is None:
-            return None
-        mine = {(e.group, e.seq): (e.op, e.unit, e.phase) for e in list(RECORDER.entries)[-4 * _RECENT :]}
-        for group, seq, op, unit, phase in hb.get("recent", []):
-            here = mine.get((group, seq))
-            if here is not None and here[:2] != (op, unit):
-                return (
-                    f"ranks diverged at #{seq} of group [{group}]: rank {rank} issued {op} for unit {unit!r} "
-                    f"({phase}) where rank {self.rank} issued {here[0]} for unit {here[1]!r} ({here[2]}): "
-                    "rank-dependent control flow around an FSDP unit?"
-                )
-        return None
+    def watch(self) -> None:
+        """Time out this rank's oldest pending collective; exit when the grace period is over."""
+        if peers.STOP is not None:
+            self.stop_at = self.stop_at or time.monotonic()
+            waited = time.monotonic() - self.stop_at
+            if waited > _GRACE_S:
+                self.exit(f"still running {_GRACE_S:g} s after: {peers.STOP}")
+            elif waited > 0.3 and not peers.RAISED and not self.signalled:
+                self.signalled = True  # not waiting in a collective (it would have raised by now)
+                _interrupt_main()
+            return
+        pending = RECORDER.oldest_pending()
+        if pending is None or time.time() - pending.issued_at <= collective_timeout():
+            return
+        if pending.probe is not None and pending.probe():
+            return  # finished, its wait not called yet
+        stale = max(3 * self.interval(), 2.0)
+        line = diagnosis.timed_out(self.channel, pending, collective_timeout(), stale)
+        self.say(line)
+        self.channel.tell_others({"kind": "stop", "error": "timeout", "message": f"rank {self.rank} timed out"})
+        self.stop_main(peers.CollectiveTimeout(line))
 
-    def fail(self, message: str, propagate: bool) -> None:
-        """Print ``message``, ask the others to stop (``propagate``), dump, and exit the process."""
-        if not propagate:
-            pending = RECORDER.oldest_pending()
-            where = f"waits in {pending.describe()}" if pending else f"is not in a collective, at {_stack()}"
-            message = f"rank {self.rank} {where}; {message}"
-        text = f"fullshard watchdog: {message}"
+    def told_to_stop(self, message: dict[str, Any]) -> None:
+        if peers.STOP is not None:
+            return
+        if message["error"] == "diverged":
+            self.say(f"rank {self.rank}: stopping: {message['message']}")
+            self.stop_main(peers.CollectiveDiverged(message["message"]))
+        else:
+            line = f"{diagnosis.where(self.rank)}; stopping: {message['message']}"
+            self.say(line)
+            self.stop_main(peers.CollectiveTimeout(line))
+
+    def say(self, line: str) -> None:
+        """Print ``fullshard watchdog: <line> [flight recorder: <dump>]`` to stderr."""
+        text = f"fullshard watchdog: {line}"
         path = dump_dir() / f"rank{self.rank}.json"
         try:
-            flight_recorder.dump(path, self.rank, self.world_size)
+            flight_recorder.dump(path, self.rank, self.channel.world_size)
             text += f" [flight recorder: {path}]"
         except OSError as err:
             text += f" [no flight recorder dump: {err}]"
         print(text, file=sys.stderr, flush=True)
-        if propagate:
-            try:
-                self.store.set(f"{_KEY}/abort", f"rank {self.rank} timed out")
-                time.sleep(3 * self.interval())  # the others print their lines before the launcher stops them
-            except Exception:
-                pass
+
+    def stop_main(self, error: peers.CollectiveError) -> None:
+        """Make the main thread raise ``error``: where it waits in a collective, else by a signal
+        (:meth:`watch`)."""
+        if peers.set_stop(error):
+            self.stop_at = time.monotonic()
+
+    def exit(self, why: str) -> None:
+        print(f"fullshard watchdog: rank {self.rank} {why}; exiting with code {EXIT_CODE}", file=sys.stderr, flush=True)
+        self.beat(final=True)
         os._exit(EXIT_CODE)
 
 
-def _exited(hb: dict[str, Any]) -> bool:
-    """Whether the process of heartbeat ``hb`` has ended: on this host, by its /proc state
-    (gone, or a zombie not yet reaped); elsewhere, unknown (False)."""
-    if hb.get("host") != socket.gethostname():
-        return False
-    try:
-        with open(f"/proc/{hb['pid']}/status") as f:
-            return any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
-    except OSError:
-        return True
+# The SIGINT handler that turns the watchdog's signal into its error (installed at start when
+# Python's own handler is in place, from the main thread).
+_SIGNALLED = False
+_HANDLER_INSTALLED = False
 
 
-def explain_failure(entry: flight_recorder.Entry, error: BaseException) -> str:
-    """The message for a collective the backend failed (a peer's connection closed): which
-    collective, and which ranks of its group have exited."""
-    rank = ACTIVE.rank if ACTIVE is not None else int(os.environ.get("RANK", "-1"))
-    text = f"rank {rank}: {entry.describe()} failed ({str(error).splitlines()[0][:160]})"
-    if ACTIVE is None:
-        return text
-    peers = [int(x) for x in entry.group.split(",") if int(x) != ACTIVE.rank]
-    # A killed peer's sockets close before its process is a zombie: look again for up to 2 s.
-    deadline = time.monotonic() + 2.0
-    while not (gone := _gone(ACTIVE, peers)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return text + ("; " + "; ".join(gone) if gone else "")
+def _on_sigint(signum: int, frame: Any) -> None:
+    global _SIGNALLED
+    if not _SIGNALLED:
+        signal.default_int_handler(signum, frame)  # a Ctrl-C: KeyboardInterrupt as always
+    _SIGNALLED = False
+    if not peers.RAISED:
+        peers.raise_stop()
 
 
-def _gone(dog: Watchdog, peers: list[int]) -> list[str]:
-    """A phrase for each of ``peers`` whose process has exited, by its heartbeat."""
-    gone = []
-    for r in peers:
-        hb = dog.peer(r)
-        if hb is not None and _exited(hb):
-            gone.append(f"rank {r} exited (last completed: {hb['completed']})")
-    return gone
+def _install_handler() -> None:
+    global _HANDLER_INSTALLED
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is (
+        signal.default_int_handler
+    ):
+        signal.signal(signal.SIGINT, _on_sigint)
+        _HANDLER_INSTALLED = True
+
+
+def _remove_handler() -> None:
+    global _HANDLER_INSTALLED
+    if _HANDLER_INSTALLED and threading.current_thread() is threading.main_thread():
+        if signal.getsignal(signal.SIGINT) is _on_sigint:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        _HANDLER_INSTALLED = False
+
+
+def _interrupt_main() -> None:
+    global _SIGNALLED
+    main = threading.main_thread()
+    if _HANDLER_INSTALLED and main.ident is not None and threading.current_thread() is not main:
+        _SIGNALLED = True
+        signal.pthread_kill(main.ident, signal.SIGINT)
 
 
 ACTIVE: Watchdog | None = None
+GUARD: divergence.Guard | None = None
 
 
-def start(store: Any, rank: int, world_size: int) -> None:
-    """Start the watchdog on ``store`` (the rendezvous store, prefixed per attempt), once."""
-    global ACTIVE
+def start(store: Any, rank: int, world_size: int, pg_timeout_s: float) -> None:
+    """Start the watchdog on ``store`` (the default process group's), once per process group.
+
+    Raises:
+        ValueError: ``FULLSHARD_COLLECTIVE_TIMEOUT`` is not a positive number (on every rank).
+    """
+    global ACTIVE, GUARD, _PG_TIMEOUT, _SESSIONS
     if ACTIVE is not None and ACTIVE.is_alive():
         return
-    collective_timeout()  # a bad FULLSHARD_COLLECTIVE_TIMEOUT fails here, on every rank
-    ACTIVE = Watchdog(store, rank, world_size)
+    _PG_TIMEOUT = pg_timeout_s
+    collective_timeout()
+    _SESSIONS += 1
+    peers.clear_stop()
+    channel = peers.Channel(store, rank, world_size, _SESSIONS)
+    GUARD = divergence.Guard(channel)
+    ACTIVE = Watchdog(channel.clone())
+    _install_handler()
     ACTIVE.start()
 
 
 def stop() -> None:
-    """Stop the watchdog (before the process group is destroyed)."""
-    global ACTIVE
-    if ACTIVE is not None:
-        ACTIVE.stopped.set()
-        ACTIVE.join(timeout=5)
-        ACTIVE = None
+    """Stop the watchdog (before the process group is destroyed, and at exit): its thread writes
+    a final heartbeat and ends, so no thread of it is inside the store at interpreter teardown."""
+    global ACTIVE, GUARD
+    dog, ACTIVE, GUARD = ACTIVE, None, None
+    if dog is not None:
+        dog.stopped.set()
+        dog.join(timeout=5)
+    _remove_handler()
+
+
+atexit.register(stop)

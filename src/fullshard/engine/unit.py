@@ -191,7 +191,8 @@ class Unit(UnitLayout):
             full = src.clone()
         else:
             full = torch.empty(self.world * self.shard_numel, dtype=src.dtype, device=src.device)
-            self._gather_into(full, src).wait()
+            with flight_recorder.at(self.name):
+                self._gather_into(full, src).wait()
         return [full[sp.full_offset : sp.full_offset + sp.spec.numel].view(sp.spec.orig_shape) for sp in self.params]
 
     def local_grads(self) -> torch.Tensor:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from fullshard.comm import collectives
+from fullshard.comm import collectives, flight_recorder
 from fullshard.engine import hooks
 from fullshard.engine.config import (
     FullOptimStateDictConfig,
@@ -60,6 +60,7 @@ class StateDictMethods(ModuleWrapper):
         assert state is not None, "a FullyShardedDataParallel always heads a unit"
         return state
 
+    @flight_recorder.labelled("state_dict")
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:  # type: ignore[override]
         """The state dict under the original names, of the type set by ``state_dict_type``.
 
@@ -92,6 +93,7 @@ class StateDictMethods(ModuleWrapper):
             destination[prefix + k] = v
         return destination
 
+    @flight_recorder.labelled("load_state_dict")
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
         """Load a state dict of the type set by ``state_dict_type`` (full by default).
 
@@ -205,7 +207,8 @@ class StateDictMethods(ModuleWrapper):
             ValueError: ``optim_state_dict`` names a parameter id ``optim`` does not have.
         """
         wrapper = _root(model, "optim_state_dict")
-        return fsdp1_optim.save(wrapper, wrapper._settings(), optim, optim_state_dict, group)
+        with flight_recorder.at(phase="optim_state_dict"):
+            return fsdp1_optim.save(wrapper, wrapper._settings(), optim, optim_state_dict, group)
 
     @staticmethod
     def optim_state_dict_to_load(

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from fullshard.comm import collectives
+from fullshard.comm import collectives, flight_recorder
 from fullshard.engine import hooks
 from fullshard.engine.config import FrontEnd
 from fullshard.engine.unit import TrainingState, Unit
@@ -75,6 +75,7 @@ def _wrapper_units(module: nn.Module) -> list[Unit]:
     ]
 
 
+@flight_recorder.labelled("summon_full_params")
 def _summon(unit: Unit, rank0_only: bool, offload_to_cpu: bool, with_grads: bool) -> list[torch.Tensor] | None:
     """Gather ``unit``'s parameters in full precision and register them; None where skipped."""
     full = unit.gather_full(unit.local_flat)

@@ -13,7 +13,8 @@ sharding, activation checkpointing, precision, world size and front end
 (see :mod:`fullshard.jobs.planning.sweep_bench`).
 
 ``fullshard bench recorder [--calls 2000] [--rounds 2] [--nproc 2]`` times one-element all-reduces
-with the flight recorder on and off, taking turns: what recording adds to each collective.
+with nothing, the flight recorder, and the recorder with the watchdog and divergence check, taking
+turns: what each adds to a collective (see :mod:`fullshard.jobs.bench.recorder`).
 
 ``fullshard bench compile [--compare compute] [--backend inductor]`` times fullshard's and torch's
 fully_shard with and without per-block torch.compile (see :mod:`fullshard.jobs.bench.compiled`).
@@ -74,7 +75,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"`fullshard bench {' '.join(argv)}`\n\n" + "\n".join(lines))
         return 0
     if args.workload == "recorder":
-        print("\n".join(micro.recorder_report(args.calls, args.rounds, args.nproc)))
+        from fullshard.jobs.bench import recorder
+
+        print("\n".join(recorder.report(args.calls, args.rounds, args.nproc)))
         return 0
     print("\n".join(micro.prefetch_report(args.d_model, args.layers, args.batch, args.steps, args.nproc)))
     return 0

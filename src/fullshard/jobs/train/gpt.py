@@ -213,6 +213,7 @@ def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
 def worker(cfg: GPTJobConfig) -> dict[str, Any] | None:
     """One rank of the job. Returns the last log record on rank 0, None elsewhere."""
     device = launch.init_process_group()
+    launcher_options.watchdog_on()
     try:
         return _run(cfg, device)
     finally:

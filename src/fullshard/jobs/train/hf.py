@@ -20,7 +20,7 @@ from fullshard.frontend.activation_checkpointing import apply_activation_checkpo
 from fullshard.frontend.fsdp1 import FullyShardedDataParallel as FSDP
 from fullshard.frontend.wrap import transformer_auto_wrap_policy
 from fullshard.jobs import launch
-from fullshard.jobs.train import fsdp_options, plan_options
+from fullshard.jobs.train import fsdp_options, launcher_options, plan_options
 from fullshard.jobs.train.gpt import GPTJobConfig, config_from, make_parser, train_loop
 
 
@@ -188,6 +188,7 @@ def parse_args(argv: Sequence[str]) -> HFJobConfig:
 def worker(cfg: HFJobConfig) -> dict[str, Any] | None:
     """One rank of the job. Returns the last log record on rank 0, None elsewhere."""
     device = launch.init_process_group()
+    launcher_options.watchdog_on()
     try:
         return _run(cfg, device)
     finally:

@@ -7,6 +7,7 @@ import argparse
 import os
 from typing import Any
 
+from fullshard.comm import watchdog
 from fullshard.jobs import ray_launcher
 
 
@@ -32,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="SECONDS",
         help="a collective waiting longer stops the job, naming the ranks that did not join it "
-        "(default: FULLSHARD_COLLECTIVE_TIMEOUT, else 300)",
+        "(default: FULLSHARD_COLLECTIVE_TIMEOUT, else the process group's timeout, 300)",
     )
 
 
@@ -57,3 +58,10 @@ def validate(cfg: Any) -> None:
         cfg.num_workers = str(cfg.nproc)
     ray_launcher.parse_num_workers(cfg.num_workers)
     ray_launcher.require_ray()
+
+
+def watchdog_on() -> None:
+    """Turn the watchdog and the divergence check on in a job's worker, unless
+    ``FULLSHARD_WATCHDOG=0``: training jobs run with them, library users opt in."""
+    if os.environ.get("FULLSHARD_WATCHDOG", "1").strip().lower() not in ("0", "false", "no", "off"):
+        watchdog.enable_watchdog()

@@ -219,6 +219,7 @@ def build_model(cfg: MnistConfig, device: torch.device) -> nn.Module:
 def worker(cfg: MnistConfig) -> dict[str, Any] | None:
     """One rank of the job. Returns the last epoch's metrics on rank 0, None elsewhere."""
     device = launch.init_process_group()
+    launcher_options.watchdog_on()
     try:
         return _run(cfg, device)
     finally:

@@ -1,0 +1,170 @@
+"""Ranks whose collectives stop pairing up are caught before the backend runs the mismatched one.
+
+Every collective has an identity: op, dtype, element count, and the FSDP unit and phase that
+issued it (:meth:`~fullshard.comm.flight_recorder.Entry.identity`; the step and the bytes are
+reported, not compared). An SPMD program issues the same collectives in the same order on every
+rank. When it does not (a rank that steps and calls ``state_dict()`` alone, clips alone, skips a
+unit, runs an extra forward), the backend pairs one rank's collective #N with another's different
+#N: of another size, gloo aborts the process in C++; of the same size, they exchange the wrong
+data and hang later.
+
+Asking the other ranks before every collective would cost a round trip each. Instead each rank
+predicts its next collective on each group: the one that followed its previous two collectives
+the last time those two were issued in a row. Ranks whose collectives matched up to #N-1 have made the same
+predictions, so when they differ at #N, at least one of them issues something it did not
+predict. Only then does a rank ask the others, through the store (:mod:`fullshard.comm.peers`),
+for the identity of their #N (their watchdog thread answers once their main thread has issued
+it), before it issues its own. A mismatch raises :class:`~fullshard.comm.peers.CollectiveDiverged`
+on this rank, naming both collectives and which rank skipped ahead, and stops every other rank
+with the same message. In a training loop only the first step, and the first time of anything
+new (a state dict, an evaluation), asks. It runs while the watchdog runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+from fullshard.comm import peers
+from fullshard.comm.flight_recorder import RECORDER, Entry
+
+Identity = tuple[Any, ...]
+_MAX_LINKS = 1 << 16  # predictions kept per rank
+
+_OP_NAMES = {
+    "all_gather": "all-gather",
+    "reduce_scatter": "reduce-scatter",
+    "all_reduce": "all-reduce",
+    "all_reduce_max": "max all-reduce",
+    "broadcast": "broadcast",
+    "all_gather_object": "object all-gather",
+    "broadcast_object": "object broadcast",
+    "barrier": "barrier",
+}
+
+
+class Guard:
+    """This rank's predictions per group, and the questions it asks when one fails."""
+
+    def __init__(self, channel: peers.Channel) -> None:
+        self.channel = channel
+        self.last: dict[str, tuple[Identity | None, Identity | None]] = {}  # group -> its last two identities
+        self.after: dict[tuple[Any, ...], Identity] = {}  # (group, last two) -> the next identity
+        self.tickets = itertools.count(1)
+        self.asked_at = 0.0  # time.monotonic() of the last question (the watchdog polls faster after)
+
+    def check(self, e: Entry) -> None:
+        """Before ``e`` (already recorded) goes to the backend: ask the other ranks of its group
+        unless it is the predicted one.
+
+        Raises:
+            CollectiveDiverged: another rank issued a different collective #``e.seq``.
+            CollectiveFailed: another rank of the group exited before issuing it.
+            CollectiveError: the watchdog stopped this rank while it waited for an answer.
+        """
+        key = e.identity()
+        before = self.last.get(e.group, (None, None))
+        link = (e.group, *before)
+        self.last[e.group] = (before[1], key)
+        if self.after.get(link) == key:
+            return
+        if len(self.after) > _MAX_LINKS:  # a program whose collectives never repeat: start over
+            self.after.clear()
+        self.confirm(e)  # with the predictions every rank shares (the same history up to #N-1)
+        self.after[link] = key
+
+    def confirm(self, e: Entry) -> None:
+        """Ask every other rank of ``e``'s group for its collective #``e.seq`` and compare."""
+        me = self.channel.rank
+        self.asked_at = time.monotonic()
+        asked = {}
+        for r in (int(x) for x in e.group.split(",")):
+            if r != me:
+                asked[r] = next(self.tickets)
+                self.channel.send(r, {"kind": "ask", "from": me, "ticket": asked[r], "group": e.group, "seq": e.seq})
+        for r, ticket in asked.items():
+            theirs = self.await_reply(r, ticket, e)
+            if theirs is not None and tuple(theirs["identity"]) != e.identity():
+                message = self.message(e, r, theirs)
+                RECORDER.complete(e, "diverged")
+                error = peers.raising(peers.CollectiveDiverged(message))
+                self.channel.tell_others({"kind": "stop", "error": "diverged", "message": message})
+                raise error
+
+    def await_reply(self, rank: int, ticket: int, e: Entry) -> dict[str, Any] | None:
+        """Rank ``rank``'s reply (None: its ring no longer holds #N); polls the store, stopping
+        if this rank is told to stop or ``rank`` exits first."""
+        pause, next_look = 0.0001, time.monotonic() + 0.5
+        while True:
+            arrived, reply = self.channel.reply(ticket)
+            if arrived:
+                return reply
+            peers.raise_stop()
+            if time.monotonic() > next_look:
+                next_look = time.monotonic() + 0.5
+                hb = self.channel.heartbeat(rank)
+                if hb is not None and peers.exited(hb):
+                    RECORDER.complete(e, "failed")
+                    raise peers.CollectiveFailed(
+                        f"rank {self.channel.rank}: {e.describe()} cannot run: rank {rank} exited "
+                        f"({peers.last_completed(hb)})"
+                    )
+            time.sleep(pause)
+            pause = min(pause * 2, 0.001)  # the other rank answers within ~1 ms once it issued #N
+
+    def message(self, e: Entry, rank: int, theirs: dict[str, Any]) -> str:
+        """``ranks diverged at collective #N of group [..]: rank A issued ..., rank B issued ...``
+        (lower rank first, so every rank words it the same), and which rank skipped ahead."""
+        mine = {"identity": list(e.identity()), "nbytes": e.nbytes, "step": e.step}
+        pair = sorted([(self.channel.rank, mine), (rank, theirs)], key=lambda x: x[0])
+        issued = ", ".join(f"rank {r} issued {_what(d)}" for r, d in pair)
+        head = f"ranks diverged at collective #{e.seq} of group [{e.group}]: {issued}"
+        return f"{head}; {self.skipped(e.group, pair)}"
+
+    def skipped(self, group: str, pair: list[tuple[int, dict[str, Any]]]) -> str:
+        """Which of the two ranks went past collectives the other one issues: the one at the
+        later step, else the one whose collective comes later in the other's usual order."""
+        (ra, a), (rb, b) = pair
+        hint = "rank-dependent control flow around FSDP units or collectives?"
+        if a["step"] != b["step"]:
+            (r, x), (_, y) = (pair[0], pair[1]) if a["step"] > b["step"] else (pair[1], pair[0])
+            return f"rank {r} skipped ahead (step {x['step']} against step {y['step']}): {hint}"
+        for (r, x), (_, y) in ((pair[1], pair[0]), (pair[0], pair[1])):
+            if self.comes_after(group, tuple(y["identity"]), tuple(x["identity"])):
+                return f"rank {r} skipped ahead (its collective comes later in the usual order): {hint}"
+        return hint
+
+    def comes_after(self, group: str, start: Identity, target: Identity) -> bool:
+        """Whether ``target`` follows ``start`` in this rank's predicted order (from any
+        collective that preceded ``start``)."""
+        for link in [k for k in self.after if k[0] == group and k[2] == start]:
+            seen: set[tuple[Any, ...]] = set()
+            while link not in seen and len(seen) < 100_000:
+                seen.add(link)
+                nxt = self.after.get(link)
+                if nxt is None:
+                    break
+                if nxt == target:
+                    return True
+                link = (group, link[2], nxt)
+        return False
+
+
+def _what(d: dict[str, Any]) -> str:
+    """``state_dict all-gather of unit 'layers.0' (544 bytes, step 3)``."""
+    op, _dtype, _numel, unit, phase = d["identity"]
+    name = _OP_NAMES.get(op, op)
+    of = "" if unit is None else (" of the root" if unit == "" else f" of unit {unit!r}")
+    return f"{phase + ' ' if phase else ''}{name}{of} ({d['nbytes']} bytes, step {d['step']})"
+
+
+def reply_for(group: str, seq: int) -> tuple[bool, dict[str, Any] | None]:
+    """(ready, reply) to an ask for this rank's collective ``seq`` of ``group``: not ready until
+    the main thread has issued it; the reply is None if the ring no longer holds it."""
+    if RECORDER.seq.get(group, 0) < seq:
+        return False, None
+    e = RECORDER.find(group, seq)
+    if e is None:
+        return True, None
+    return True, {"identity": list(e.identity()), "nbytes": e.nbytes, "step": e.step}
