@@ -409,3 +409,39 @@ def test_cpu_offload_at_one_rank_still_gathers_a_full_copy() -> None:
     assert off.gathered == 80 + 80 + 80 and off.gradient_buffer == 80 + 80
     # per unit: shard 80, gradient 80, AdamW's two moments 2 x 80 and a 4-byte step per tensor
     assert off.host == 2 * (80 + 80 + 2 * 80 + 2 * 4)
+
+
+class _GroupedAttention(nn.Module):
+    """Causal self-attention with 6 query heads over 2 key/value heads, as transformers calls
+    SDPA for grouped heads without a mask (``enable_gqa=True``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.kv = nn.Linear(24, 6 * 12), nn.Linear(24, 2 * 2 * 12)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, 6, 12).transpose(1, 2)
+        k, v = self.kv(x).view(b, t, 2, 2, 12).permute(2, 0, 3, 1, 4)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return out.transpose(1, 2).reshape(b, t, 72)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_meta_trace_of_grouped_query_attention_equals_the_cpu_step(dtype: torch.dtype) -> None:
+    """CPU runs grouped heads through its flash kernel (saving q, the 2-head k and v, the output
+    and the log-sum-exp, no B x H x T x T weights): the trace's bytes are the real step's to the
+    byte, and SDPA's math path on meta would save at least the 2 x 6 x 40 x 40 weights more."""
+    from fullshard.plan.peak import trace_activations
+
+    def example() -> torch.Tensor:
+        return torch.zeros(2, 40, 24)
+
+    def loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return model(x).float().sum()
+
+    traced = trace_activations(_GroupedAttention, example, loss, dtype).activations
+    measured = _real_step_activations(_GroupedAttention().to(dtype), lambda: example().to(dtype), loss)
+    assert traced == measured, (traced, measured)
+    math_path = trace_activations(_GroupedAttention, example, loss, dtype, device_type="meta").activations
+    assert math_path - traced >= 2 * 6 * 40 * 40 * dtype.itemsize, (math_path, traced)

@@ -42,8 +42,9 @@ class UnitEstimate:
     full_bytes: int
 
 
-def _owned_params(model: nn.Module, is_unit: Callable[[nn.Module], bool]) -> dict[str, list[nn.Parameter]]:
-    """Unit name -> the parameters it owns, in the wrapper's order (nested units first claim theirs)."""
+def owned_params(model: nn.Module, is_unit: Callable[[nn.Module], bool]) -> dict[str, list[nn.Parameter]]:
+    """Unit name ("" for the root) -> the parameters it owns, in the model's order (nested
+    units first claim theirs, as the wrapper does)."""
     heads = {"": model} | {n: m for n, m in model.named_modules() if n and is_unit(m)}
     owner: dict[int, str] = {}
     for name in sorted(heads, key=lambda n: -len(n.split(".")) if n else 0):  # deepest first, the root last
@@ -98,7 +99,7 @@ def estimate_model_state(
     if optimizer == "sgd" and momentum:
         buffers = 1
     out = []
-    for name, params in _owned_params(model, is_unit).items():
+    for name, params in owned_params(model, is_unit).items():
         specs = [(ShardSpec(p.shape, world, me), p) for p in params]
         shard = sum(s.padded_shard_numel * p.element_size() for s, p in specs)
         grads = sum(s.padded_shard_numel * p.element_size() for s, p in specs if p.requires_grad)

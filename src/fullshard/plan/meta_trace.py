@@ -51,16 +51,21 @@ def device_attention(device_type: str) -> Any:
     the tiny GPT in bf16: 82.6 MiB of activations traced the math way, 66.8 MiB real). On CUDA
     SDPA prefers flash attention (fp16/bf16, head size a multiple of 8 up to 256), else the
     memory-efficient kernel; both save the output and the log-sum-exp too (their meta kernels
-    are torch's own; not yet checked against a GPU's allocator). Calls with a mask, dropout or
-    grouped heads, or on real tensors, are SDPA's own.
+    are torch's own; not yet checked against a GPU's allocator). Grouped key/value heads
+    (``enable_gqa=True``, transformers' call when no mask is passed) run the same CPU flash
+    kernel on the ungrouped key and value (B x H_kv x T x D saved, no B x H x T x T weights; an
+    op log of a real CPU call shows that kernel alone). Calls with a mask or dropout, grouped
+    heads on CUDA, or real tensors, are SDPA's own.
     """
 
     def attention(*args: Any, **kwargs: Any) -> Any:
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
         opts = {**dict(zip(names, args)), **kwargs}
-        plain = opts.get("attn_mask") is None and not opts.get("dropout_p") and not opts.get("enable_gqa")
         q, k, v = (opts.get(n) for n in names[:3])
+        plain = opts.get("attn_mask") is None and not opts.get("dropout_p")
         if not (plain and isinstance(q, torch.Tensor) and q.is_meta and k is not None and v is not None):
+            return _SDPA(*args, **kwargs)
+        if opts.get("enable_gqa") and (device_type != "cpu" or q.dim() < 3 or q.shape[-3] % k.shape[-3]):
             return _SDPA(*args, **kwargs)
         causal, scale = bool(opts.get("is_causal", False)), opts.get("scale")
         if device_type == "cpu":

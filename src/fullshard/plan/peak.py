@@ -4,7 +4,15 @@ One forward and backward of the *unwrapped* model runs on the meta device under
 :class:`~fullshard.plan.tracker.LiveTensorBytes`: its peak, less the full parameters and the
 gradients already produced at that moment, is what activations, saved tensors and temporaries
 take (activation checkpointing applied as the job applies it; under mixed precision the model is
-traced in the compute dtype). The FSDP step's peak adds, per rank:
+traced in the compute dtype).
+
+On gloo (CPU) without offload, :func:`estimate_peak` keeps every sample of that trace
+(:func:`trace_step`) and replays the engine's buffers over it, moment by moment
+(:func:`fullshard.plan.schedule.replay`): the peak is the largest sum, at one moment, of the
+activations then, the model state, the gradients as they stand then, and the gathered,
+packed, received and pooled buffers alive then, which depend on the unit running and the phase.
+Elsewhere (NCCL, CPU offload, and the planner's many candidates) :func:`combine` adds the
+following terms to the trace's peak, per rank:
 
 - model state (:func:`~fullshard.plan.estimate.estimate_model_state`): parameter shards and
   optimizer state in full; gradient shards in full on gloo (CPU) at world sizes above 1, where
@@ -40,12 +48,21 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from fullshard.plan.estimate import UnitEstimate, estimate_model_state
-from fullshard.plan.meta_trace import traced
-from fullshard.plan.running_unit import RunningUnit
-from fullshard.plan.tracker import LiveTensorBytes
+from fullshard.plan.schedule import model_state, replay, unit_buffers
+from fullshard.plan.step_trace import StepTrace, cast_floats, trace_step
+
+__all__ = [
+    "PeakEstimate",
+    "StepTrace",
+    "Trace",
+    "cast_floats",
+    "combine",
+    "estimate_peak",
+    "trace_activations",
+    "trace_step",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,14 +105,6 @@ class Trace(NamedTuple):
     phase: str
     unit: str = "<root>"
     bound: str = ""
-
-
-def cast_floats(batch: Any, dtype: torch.dtype | None) -> Any:
-    """``batch`` with its floating-point tensors in ``dtype`` (None: as it is), as mixed precision
-    casts the root's forward inputs; integer tensors (token ids, labels) are left alone."""
-    if dtype is None:
-        return batch
-    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, batch)
 
 
 def trace_activations(
@@ -157,43 +166,22 @@ def trace_activations_at(
     Raises:
         MetaValueRead: as :func:`trace_activations`.
     """
-    from fullshard.frontend.activation_checkpointing import apply_activation_checkpointing, checkpoint_wrapper
-
-    params: list[nn.Parameter] = []
-    running: list[RunningUnit] = []
-    # (bytes alive, gradient bytes produced, graph task id, unit) at each measurement from the
-    # step's start on
-    samples: list[tuple[int, int, int, str]] = []
-    recording: list[bool] = []
-
-    def observe(current: int) -> None:
-        if recording:
-            grads = sum(p.grad.nbytes for p in params if p.grad is not None)
-            unit = running[0].name if running else "<root>"
-            samples.append((current, grads, torch._C._current_graph_task_id(), unit))
-
-    with LiveTensorBytes("meta", observe=observe) as live:
-        with torch.device("meta"):
-            model = make_model()
-            if compute_dtype is not None:
-                model.to(compute_dtype)
-            if is_unit is not None:
-                running.append(RunningUnit(model, is_unit))
-            if checkpoint is not None:
-                kwargs: dict[str, Any] = {} if checkpoint_context is None else {"context_fn": checkpoint_context}
-                apply_activation_checkpointing(
-                    model, checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(m, **kwargs), check_fn=checkpoint
-                )
-            batch = cast_floats(example(), compute_dtype)
-        params.extend(model.parameters())
-        param_bytes = sum(p.nbytes for p in params)
-        recording.append(True)
-        live.measure()
-        with traced(device_type) as assumed:
-            loss_fn(model, batch).backward()
-    total_grads = sum(p.nbytes for p in params if p.requires_grad) or 1
-    bound = "; ".join(dict.fromkeys(assumed))
-    return {scale: _peak_of(samples, scale, param_bytes, total_grads)._replace(bound=bound) for scale in grad_scales}
+    step = trace_step(
+        make_model,
+        example,
+        loss_fn,
+        compute_dtype,
+        checkpoint,
+        device_type,
+        is_unit,
+        checkpoint_context=checkpoint_context,
+    )
+    samples = [(alive, sum(grads), 0 if back else -1, unit) for alive, grads, back, unit in step.samples]
+    total_grads = sum(step.grad_totals) or 1
+    return {
+        scale: _peak_of(samples, scale, step.param_bytes, total_grads)._replace(bound=step.bound)
+        for scale in grad_scales
+    }
 
 
 def _peak_of(samples: list[tuple[int, int, int, str]], scale: float, param_bytes: int, total_grads: int) -> Trace:
@@ -251,14 +239,69 @@ def estimate_peak(
         offload=offloads(cpu_offload, backend),
     )
     no_shard = sharding_strategy == "no_shard"
-    scale = grad_scale(world_size, no_shard, backend, cpu_offload)
     where = device_type(backend)
     context = {"checkpoint_context": checkpoint_context}
+    if backend == "gloo" and not cpu_offload:  # the engine's buffers replayed (fullshard.plan.schedule)
+        step = trace_step(make_model, example, loss_fn, param_dtype, checkpoint, where, is_unit, **context)
+        return _replayed(plain, is_unit, units, step, world_size, sharding_strategy, param_dtype, checkpoint)
+    scale = grad_scale(world_size, no_shard, backend, cpu_offload)
     traced = trace_activations(make_model, example, loss_fn, param_dtype, checkpoint, scale, where, is_unit, **context)
     keep = [u.name for u in units] if sharding_strategy == "shard_grad_op" else []
     return combine(
         units, traced, world_size, keep_gathered=keep, no_shard=no_shard, backend=backend, offload=cpu_offload
     )
+
+
+def _replayed(
+    plain: nn.Module,
+    is_unit: Callable[[nn.Module], bool],
+    units: list[UnitEstimate],
+    step: StepTrace,
+    world_size: int,
+    sharding_strategy: str,
+    param_dtype: torch.dtype | None,
+    checkpoint: Callable[[nn.Module], bool] | None,
+) -> PeakEstimate:
+    """:func:`estimate_peak` on gloo: the engine's buffers replayed over ``step``."""
+    buffers = unit_buffers(plain, is_unit, world_size, sharding_strategy=sharding_strategy, param_dtype=param_dtype)
+    by_name = {b.name: b for b in buffers}
+    peak = replay(
+        [by_name[n] for n in step.units],
+        step.samples,
+        step.grad_totals,
+        step.param_bytes,
+        world_size,
+        sharding_strategy=sharding_strategy,
+        state=model_state(units),
+        recomputed=recomputed_units(plain, is_unit, checkpoint),
+    )
+    return PeakEstimate(
+        shards=sum(u.shard_bytes for u in units),
+        gradients=peak.grads,
+        optimizer=sum(u.optim_bytes for u in units),
+        gathered=peak.gathered,
+        gradient_buffer=peak.grad_buffer,
+        activations=peak.activations,
+        phase=peak.phase,
+        units=units,
+        unit=peak.unit,
+        bound=step.bound,
+    )
+
+
+def recomputed_units(
+    model: nn.Module, is_unit: Callable[[nn.Module], bool], checkpoint: Callable[[nn.Module], bool] | None
+) -> set[str]:
+    """The units (names as :func:`~fullshard.plan.estimate.owned_params`'s) whose forward
+    activation checkpointing runs again in backward: those ``checkpoint`` takes, or inside one."""
+    if checkpoint is None:
+        return set()
+    wrapped = [name for name, m in model.named_modules() if checkpoint(m)]
+    return {
+        name
+        for name, m in model.named_modules()
+        if name and is_unit(m) and any(name == w or name.startswith(w + ".") or not w for w in wrapped)
+    }
 
 
 def device_type(backend: str) -> str:
@@ -295,7 +338,8 @@ def combine(
     backend: str = "gloo",
     offload: bool = False,
 ) -> PeakEstimate:
-    """The peak from its parts: ``units`` from :func:`estimate_model_state`, ``traced`` from
+    """The peak from its parts, added at the trace's peak (NCCL, offload, the planner; gloo
+    steps are replayed instead, see the module docstring): ``units`` from :func:`estimate_model_state`, ``traced`` from
     :func:`trace_activations` (with :func:`grad_scale` of the same settings); units named in
     ``keep_gathered`` do not reshard after forward (SHARD_GRAD_OP for them), ``no_shard``
     replicates everything (nothing gathered, gradients all-reduced in place), ``offload`` keeps

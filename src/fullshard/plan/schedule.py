@@ -1,0 +1,399 @@
+"""The FSDP step's buffers moment by moment, on gloo (CPU), replayed over a meta-device trace.
+
+:func:`~fullshard.plan.peak.trace_step` records, at every allocation of the unwrapped model's
+traced step, the bytes alive, the gradient bytes each unit's parameters have produced, the phase
+and the unit running. :func:`replay` walks those samples and does, at each change of unit, what
+the engine's hooks do (:mod:`fullshard.engine.hooks`, :mod:`~fullshard.engine.reduce`,
+:mod:`fullshard.comm.buffers`) with rank 0's buffers, then takes the step's peak as the largest
+of, over every sample and every moment between two samples:
+
+    model state (shards, optimizer state, gradient shards as they stand then)
+    + the unit-sized buffers in use then (full parameters, all-gather scratch, packed gradients,
+      reduce-scatter receive buffers) + those the buffer pool holds
+    + the per-parameter gradients of every unit not yet packed (the root's until backward ends)
+    + the traced activations at that moment.
+
+What each hook does, as the engine does it (``backward_prefetch=BACKWARD_PRE``, no forward
+prefetch, no CPU offload):
+
+- pre-forward of a unit: its full parameters are gathered into pooled memory (``buffers.lend``);
+  at world > 1, each run of small parameters is all-gathered through a pooled scratch buffer of
+  ``world x run`` elements given back when the gather is waited on; the root gathers first and
+  keeps its parameters until its own gradients are packed;
+- post-forward: FULL_SHARD gives the full parameters back to the pool; SHARD_GRAD_OP and
+  NO_SHARD keep them;
+- pre-backward (a unit's backward starts): it gathers again if it had resharded, and starts the
+  gather of the unit before it in forward order (its scratch held until that unit waits on it);
+- the last gradient of a unit: its full parameters go back to the pool and the packed gradient
+  (``world x S_t`` elements, compute dtype) is taken from it while the per-parameter gradients
+  still exist (a unit that activation checkpointing recomputes keeps its full parameters until
+  its reduce-scatter has started: the recomputation's views of them are still open then, so
+  ``Unit.reshard_for_packing`` waits for the post-backward hook). Then the previous unit's
+  reduction is finished: its packed gradient and receive buffer go back to the pool, and
+  gradient shards of another dtype than the reduction's get a fresh buffer. Then this unit's
+  reduce-scatter starts: its receive buffer (one shard at 2 ranks, the whole input beyond) is
+  taken from the pool, its output is the unit's gradient-shard buffer, kept between steps. At
+  one rank (and under NO_SHARD) the packed gradient is the gradient: it is never given back;
+  cast to the parameter dtype, it is freed once the cast copy is made;
+- end of backward: every reduction finished, every unit resharded.
+
+The pool keeps at most two buffers of each (numel, dtype) and keeps them across steps, so the
+replay runs the step twice and measures the second, as the engine's steady state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Collection, Sequence
+
+import torch
+from torch import nn
+
+from fullshard.engine.layout import DIRECT_GATHER_BYTES
+from fullshard.engine.sharded_param import ShardSpec
+from fullshard.plan.estimate import UnitEstimate, owned_params
+
+POOL_PER_SIZE = 2  # fullshard.comm.buffers.POOL keeps at most this many buffers per (numel, dtype)
+ROOT = "<root>"
+
+Key = tuple[int, int]  # (numel, itemsize): a pooled buffer's size class
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitBuffers:
+    """The buffers one unit needs on a rank (numels; itemsizes in bytes).
+
+    ``full``: the full flat buffer's numel (0 when it aliases the shards: one rank, no cast);
+    ``scratch``: the all-gather's scratch numels (runs of small parameters, world > 1);
+    ``packed``: the packed gradient's numel (``world x S_t``); ``shard_grad``: ``S_t``;
+    ``compute``/``reduce``/``param``: itemsizes of the compute, reduction and parameter dtypes.
+    """
+
+    name: str
+    full: int
+    scratch: tuple[int, ...]
+    packed: int
+    shard_grad: int
+    compute: int
+    reduce: int
+    param: int
+
+
+def unit_buffers(
+    model: nn.Module,
+    is_unit: Callable[[nn.Module], bool],
+    world_size: int,
+    *,
+    sharding_strategy: str = "full_shard",
+    param_dtype: torch.dtype | None = None,
+) -> list[UnitBuffers]:
+    """Each unit's :class:`UnitBuffers` on rank 0 (gloo; mixed precision reduces in
+    ``param_dtype``), in the order of :func:`~fullshard.plan.estimate.owned_params`."""
+    world = 1 if sharding_strategy == "no_shard" else world_size
+    out = []
+    for name, params in owned_params(model, is_unit).items():
+        dtype = params[0].dtype if params else torch.float32
+        compute = (param_dtype or dtype).itemsize
+        specs = [(ShardSpec(p.shape, world, 0), p) for p in params]
+        shard = sum(s.padded_shard_numel for s, _ in specs)
+        trainable = sum(s.padded_shard_numel for s, p in specs if p.requires_grad)
+        aliased = world == 1 and compute == dtype.itemsize
+        runs: list[int] = []
+        run = 0
+        for s, _ in sorted(specs, key=lambda sp: not sp[1].requires_grad):  # trainable first, as the layout
+            if s.padded_shard_numel * compute >= DIRECT_GATHER_BYTES:
+                runs, run = runs + [run], 0
+            else:
+                run += s.padded_shard_numel
+        scratch = tuple(world * r for r in [*runs, run] if r) if world > 1 and shard else ()
+        out.append(
+            UnitBuffers(
+                name or ROOT,
+                0 if aliased or not shard else world * shard,
+                scratch,
+                world * trainable,
+                trainable,
+                compute,
+                compute,
+                dtype.itemsize,
+            )
+        )
+    return out
+
+
+@dataclasses.dataclass
+class _Pool:
+    """Unit-sized buffers: in use (bytes) and kept by the pool (count per size class)."""
+
+    in_use: int = 0
+    kept: dict[Key, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def bytes(self) -> int:
+        return self.in_use + sum(n * k[0] * k[1] for k, n in self.kept.items())
+
+    def take(self, key: Key) -> None:
+        if key[0] == 0:
+            return
+        if self.kept.get(key, 0):
+            self.kept[key] -= 1
+        self.in_use += key[0] * key[1]
+
+    def give(self, key: Key) -> None:
+        if key[0] == 0:
+            return
+        self.in_use -= key[0] * key[1]
+        if self.kept.get(key, 0) < POOL_PER_SIZE:
+            self.kept[key] = self.kept.get(key, 0) + 1
+
+    def drop(self, key: Key) -> None:
+        """A buffer taken from the pool and freed, never given back."""
+        self.in_use -= key[0] * key[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Peak:
+    """The replay's peak: total bytes, its parts (see :func:`replay`), its phase and unit."""
+
+    total: int
+    grads: int  # gradient shards, gradients and per-parameter gradients not yet packed
+    gathered: int  # full parameters, all-gather scratch and what the pool keeps
+    grad_buffer: int  # packed gradients and receive buffers in flight
+    activations: int
+    phase: str
+    unit: str
+
+
+class _Replay:
+    """One rank's FSDP buffers through a traced step (see the module docstring)."""
+
+    def __init__(
+        self,
+        units: list[UnitBuffers],
+        world: int,
+        reshard_after_forward: bool,
+        state: int,
+        act: Sequence[int],
+        recomputed: Collection[str],
+    ) -> None:
+        self.recomputed = set(recomputed)
+        self.units = {u.name: u for u in units}
+        self.index = {u.name: i for i, u in enumerate(units)}
+        self.world = world
+        self.reshard_after_forward = reshard_after_forward
+        self.state = state  # shards and optimizer state, constant
+        self.act = act
+        self.pool = _Pool()
+        self.best: Peak | None = None
+        self.measuring = False
+        self.now: tuple[int, int, tuple[str, str]] = (0, 0, ("forward", ROOT))
+        self.packing: list[Key] = []  # the packed gradient being filled
+
+    # -------------------------------------------------------------- per step
+    def start(self, order: list[str]) -> None:
+        self.order = order
+        self.gathered: set[str] = set()
+        self.scratch_held: dict[str, list[Key]] = {}
+        self.packed: set[str] = set()
+        self.grads = 0  # gradient bytes outside the pool: shards' buffers, cast copies
+        if self.world > 1:  # each unit's reduce-scatter output, kept between steps
+            self.grads = sum(u.shard_grad * u.reduce for u in self.units.values())
+        self.in_flight: list[tuple[str, list[Key]]] = []  # the reduction launched last
+        self.flight_bytes = 0
+
+    def key(self, numel: int, itemsize: int) -> Key:
+        return (numel, itemsize)
+
+    def gather(self, name: str, wait: bool) -> None:
+        """Gather ``name`` (started; with ``wait`` also waited on, its scratch given back),
+        observed with its scratch."""
+        u = self.units[name]
+        if name in self.gathered or not u.full:
+            self.gathered.add(name)
+            if wait:
+                self.wait(name)
+            return
+        self.gathered.add(name)
+        self.pool.take(self.key(u.full, u.compute))
+        keys = [self.key(s, u.compute) for s in u.scratch]
+        for k in keys:
+            self.pool.take(k)
+        self.scratch_held[name] = keys
+        self.observe()
+        if wait:
+            self.wait(name)
+
+    def wait(self, name: str) -> None:
+        for k in self.scratch_held.pop(name, []):
+            self.pool.give(k)
+
+    def reshard(self, name: str) -> None:
+        if name in self.gathered:
+            self.wait(name)
+            self.gathered.discard(name)
+            u = self.units[name]
+            self.pool.give(self.key(u.full, u.compute))
+
+    def pack(self, name: str, grads: tuple[int, ...]) -> None:
+        """``name``'s last gradient came (``grads``: produced per unit): reshard, pack (observed
+        with the per-parameter gradients), finish the last reduction, launch this one."""
+        u = self.units[name]
+        if name in self.packed:
+            return
+        i = self.now[0]
+        if name not in self.recomputed:
+            self.reshard(name)
+        packed = self.key(u.packed, u.compute)
+        self.pool.take(packed)
+        self.at(i, self.unpacked(grads), ("backward", name))
+        self.packing = [packed]
+        self.observe()
+        self.packing = []
+        self.packed.add(name)
+        self.at(i, self.unpacked(grads), ("backward", name))
+        self.finish()
+        if self.world > 1:
+            received = self.key(u.shard_grad if self.world == 2 else u.packed, u.reduce)
+            self.pool.take(received)
+            self.in_flight = [(name, [received, packed])]
+        else:
+            self.in_flight = [(name, [packed])]
+        self.reshard(name)  # post-backward (a recomputed unit's only now, see the module docstring)
+
+    def finish(self) -> None:
+        """Finish the reduction in flight: its buffers back to the pool (world > 1), the
+        gradient shards cast into a fresh buffer when the reduction's dtype is not theirs
+        (observed while the source still exists); at one rank the packed gradient is the
+        gradient, or is freed once cast."""
+        for name, keys in self.in_flight:
+            u = self.units[name]
+            if self.world > 1:
+                for k in keys:
+                    self.pool.give(k)
+            if u.reduce != u.param:
+                self.grads += u.shard_grad * u.param
+                self.observe()
+            if self.world == 1:
+                (packed,) = keys
+                self.pool.drop(packed)
+                if u.reduce == u.param:  # the packed buffer becomes the gradient, never given back
+                    self.grads += packed[0] * packed[1]
+        self.in_flight = []
+
+    def unpacked(self, grads: tuple[int, ...]) -> int:
+        """Bytes of the per-parameter gradients (``grads``: produced per unit) not yet packed."""
+        return sum(grads[i] for name, i in self.index.items() if name not in self.packed)
+
+    def end(self) -> None:
+        self.finish()
+        for name in list(self.gathered):
+            self.reshard(name)
+
+    # -------------------------------------------------------------- peaks
+    def at(self, i: int, unpacked: int, label: tuple[str, str]) -> None:
+        """The moment the next changes happen: just after sample ``i``, with ``unpacked``
+        bytes of per-parameter gradients not yet packed, in phase and unit ``label``."""
+        self.now = (i, unpacked, label)
+
+    def observe(self) -> None:
+        """Count the bytes alive at the current moment (:meth:`at`) toward the peak."""
+        if not self.measuring:
+            return
+        i, unpacked, label = self.now
+        flight = sum(k[0] * k[1] for _, keys in self.in_flight for k in [*keys, *self.packing])
+        total = self.state + self.grads + unpacked + self.pool.bytes + self.act[i]
+        if self.best is None or total > self.best.total:
+            self.best = Peak(
+                total,
+                self.grads + unpacked,
+                self.pool.bytes - flight,
+                flight,
+                self.act[i],
+                label[0],
+                label[1],
+            )
+
+
+def replay(
+    units: list[UnitBuffers],
+    samples: Sequence[tuple[int, tuple[int, ...], bool, str]],
+    grad_totals: Sequence[int],
+    param_bytes: int,
+    world_size: int,
+    *,
+    sharding_strategy: str = "full_shard",
+    state: int = 0,
+    recomputed: Collection[str] = (),
+) -> Peak:
+    """The step's peak (see the module docstring) from ``samples`` of a traced step: (bytes
+    alive, gradient bytes produced per unit in ``units``' order, in backward?, unit running).
+
+    ``grad_totals``: each unit's gradient bytes in the trace (all produced); ``param_bytes``:
+    the traced model's parameter bytes; ``state``: shards and optimizer state (bytes);
+    ``recomputed``: the units activation checkpointing recomputes in backward.
+
+    Raises:
+        ValueError: ``samples`` is empty.
+    """
+    if not samples:
+        raise ValueError("replay needs the samples of a traced step")
+    world = 1 if sharding_strategy == "no_shard" else world_size
+    act = [alive - param_bytes - sum(grads) for alive, grads, _, _ in samples]
+    r = _Replay(units, world, sharding_strategy == "full_shard", state, act, recomputed)
+    order = list(dict.fromkeys(name for _, _, back, name in samples if not back and name in r.units))
+    order = [ROOT] + [n for n in order if n != ROOT] + [n for n in r.units if n not in order and n != ROOT]
+    for measuring in (False, True):
+        r.measuring = measuring
+        r.start(order)
+        _step(r, samples, grad_totals, order)
+        r.end()
+    assert r.best is not None
+    return r.best
+
+
+def _step(
+    r: _Replay,
+    samples: Sequence[tuple[int, tuple[int, ...], bool, str]],
+    grad_totals: Sequence[int],
+    order: list[str],
+) -> None:
+    """One step of the engine's hooks over ``samples`` (see :func:`replay`), units gathered
+    in forward ``order`` (the root first)."""
+    idx = r.index
+    prev: tuple[str | None, str | None] = (None, None)
+    r.at(0, 0, ("forward", ROOT))
+    r.gather(ROOT, wait=True)
+    for i, (_, grads, back, name) in enumerate(samples):
+        phase = "backward" if back else "forward"
+        r.at(i, r.unpacked(grads), (phase, name))
+        packed = len(r.packed)
+        if back:  # units whose last gradient came by now (the root's: at the end); a unit's
+            # last gradients (a norm's weight) may come with the next unit's input gradient,
+            # whose hook starts that unit's backward: packing comes first
+            for u in reversed(order[1:]):
+                if u not in r.packed and grad_totals[idx[u]] and grads[idx[u]] >= grad_totals[idx[u]]:
+                    r.pack(u, grads)
+        if (phase, name) != prev:
+            # the moment between the last sample and this one, or after this one's
+            # allocation when it brought a unit's last gradient (packed just now)
+            before = i if len(r.packed) > packed else max(i - 1, 0)
+            r.at(before, r.unpacked(samples[before][1]) if back else 0, (phase, name))
+            if prev[0] == "forward" and prev[1] not in (None, ROOT) and r.reshard_after_forward:
+                r.reshard(prev[1])
+            if name != ROOT and name not in r.packed:
+                r.gather(name, wait=True)
+                k = order.index(name)
+                if back and k > 1 and order[k - 1] not in r.packed:  # the unit before it in forward order
+                    r.gather(order[k - 1], wait=False)
+            prev = (phase, name)
+        r.at(i, r.unpacked(grads), (phase, name))
+        r.observe()
+    last = len(samples) - 1
+    r.at(last, r.unpacked(samples[last][1]), ("backward", ROOT))
+    for u in [*reversed(order[1:]), ROOT]:
+        r.pack(u, samples[last][1])
+
+
+def model_state(units: list[UnitEstimate]) -> int:
+    """Shards and optimizer state of ``units`` (bytes), constant through a step."""
+    return sum(u.shard_bytes + u.optim_bytes for u in units)

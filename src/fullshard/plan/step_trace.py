@@ -1,0 +1,103 @@
+"""A meta-device trace of one training step, kept sample by sample.
+
+:func:`trace_step` runs one forward and backward of the unwrapped model on the meta device
+under :class:`~fullshard.plan.tracker.LiveTensorBytes` and records, at every allocation, the
+bytes alive, the gradient bytes each FSDP unit's parameters have produced, the phase and the
+unit running (:class:`~fullshard.plan.running_unit.RunningUnit`). :mod:`fullshard.plan.peak`
+takes the peak of it, and :mod:`fullshard.plan.schedule` replays the engine's buffers over it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from fullshard.plan.estimate import owned_params
+from fullshard.plan.meta_trace import traced
+from fullshard.plan.running_unit import RunningUnit
+from fullshard.plan.tracker import LiveTensorBytes
+
+
+def cast_floats(batch: Any, dtype: torch.dtype | None) -> Any:
+    """``batch`` with its floating-point tensors in ``dtype`` (None: as it is), as mixed precision
+    casts the root's forward inputs; integer tensors (token ids, labels) are left alone."""
+    if dtype is None:
+        return batch
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, batch)
+
+
+class StepTrace(NamedTuple):
+    """A traced step, sample by sample (see :func:`trace_step`): per sample (bytes alive,
+    gradient bytes produced per unit in ``units``' order, in backward?, unit running); each
+    unit's gradient bytes once all are produced; the parameters' bytes; what was assumed."""
+
+    samples: list[tuple[int, tuple[int, ...], bool, str]]
+    units: list[str]
+    grad_totals: list[int]
+    param_bytes: int
+    bound: str
+
+
+def trace_step(
+    make_model: Callable[[], nn.Module],
+    example: Callable[[], Any],
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    compute_dtype: torch.dtype | None = None,
+    checkpoint: Callable[[nn.Module], bool] | None = None,
+    device_type: str = "cpu",
+    is_unit: Callable[[nn.Module], bool] | None = None,
+    *,
+    checkpoint_context: Callable[[], Any] | None = None,
+) -> StepTrace:
+    """One forward and backward of the unwrapped model on the meta device, sampled at every
+    allocation and once after backward has returned (arguments as
+    :func:`~fullshard.plan.peak.trace_activations`); gradients are attributed to the unit
+    owning each parameter (:func:`~fullshard.plan.estimate.owned_params` of ``is_unit``; every
+    parameter to the root without it).
+
+    Raises:
+        MetaValueRead: as :func:`trace_activations`.
+    """
+    from fullshard.frontend.activation_checkpointing import apply_activation_checkpointing, checkpoint_wrapper
+
+    owners: list[list[nn.Parameter]] = []
+    running: list[RunningUnit] = []
+    samples: list[tuple[int, tuple[int, ...], bool, str]] = []
+    recording: list[bool] = []
+
+    def observe(current: int) -> None:
+        if recording:
+            grads = tuple(sum(p.grad.nbytes for p in ps if p.grad is not None) for ps in owners)
+            unit = running[0].name if running else "<root>"
+            samples.append((current, grads, torch._C._current_graph_task_id() >= 0, unit))
+
+    with LiveTensorBytes("meta", observe=observe) as live:
+        with torch.device("meta"):
+            model = make_model()
+            if compute_dtype is not None:
+                model.to(compute_dtype)
+            owned = owned_params(model, is_unit or (lambda m: False))
+            names = [name or "<root>" for name in owned]
+            owners.extend(owned.values())
+            if is_unit is not None:
+                running.append(RunningUnit(model, is_unit))
+            if checkpoint is not None:
+                kwargs: dict[str, Any] = {} if checkpoint_context is None else {"context_fn": checkpoint_context}
+                apply_activation_checkpointing(
+                    model, checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(m, **kwargs), check_fn=checkpoint
+                )
+            batch = cast_floats(example(), compute_dtype)
+        param_bytes = sum(p.nbytes for ps in owners for p in ps)
+        recording.append(True)
+        live.measure()
+        with traced(device_type) as assumed:
+            loss_fn(model, batch).backward()
+        recording.clear()  # the end of backward: what autograd freed after its last allocation
+        grads = tuple(sum(p.grad.nbytes for p in ps if p.grad is not None) for ps in owners)
+        samples.append((live.measure(), grads, True, "<root>"))
+    totals = [sum(p.nbytes for p in ps if p.requires_grad) for ps in owners]
+    return StepTrace(samples, names, totals, param_bytes, "; ".join(dict.fromkeys(assumed)))
