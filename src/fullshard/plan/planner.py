@@ -15,7 +15,8 @@ The candidates, per outermost unit in forward order (``n`` of them besides the r
   optimizer step on the host, uploads and downloads around every gather and reduce-scatter.
 
 Memory comes from :mod:`fullshard.plan.peak` (one meta-device trace per ``k``, the rest
-arithmetic; a candidate fits when its predicted peak plus :data:`MARGIN` does), time from
+arithmetic; a candidate fits when its predicted peak plus :data:`~fullshard.plan.margin.MARGIN`
+does: the estimator's worst measured under-estimate, and what calibration could not free), time from
 :mod:`fullshard.plan.steptime` on one calibration. On a CPU device offload is no candidate:
 the shards already live in host memory. The offload candidates' copies and host optimizer step
 are calibrated on the GPU; no GPU has been lent to check their predictions against a run yet.
@@ -34,6 +35,7 @@ import torch
 from torch import nn
 
 from fullshard.plan.estimate import UnitEstimate, estimate_model_state, group_units
+from fullshard.plan.margin import MARGIN, SWEEP_ERRORS
 from fullshard.plan.peak import (
     PeakEstimate,
     Trace,
@@ -45,11 +47,6 @@ from fullshard.plan.peak import (
 )
 from fullshard.plan.simulate import StepTime
 from fullshard.plan.steptime import Calibration, predict_step
-
-# The share of a candidate's predicted peak kept free under the budget: the estimator's goal and
-# its validated error on CPU (``fullshard bench estimate``: 20 configurations within 5%).
-MARGIN = 0.05
-
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
@@ -178,8 +175,9 @@ class Scored:
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """The chosen candidate (``best``; None when nothing fits), the runners-up (fastest first),
-    the budget (bytes per rank), the candidate with the smallest predicted peak, and every
-    candidate scored."""
+    the budget (bytes per rank), the candidate with the smallest predicted peak, every
+    candidate scored, the margin kept free (a fraction of each prediction) and the bytes
+    calibration left behind (counted on top of every prediction)."""
 
     best: Scored | None
     runners_up: list[Scored]
@@ -187,6 +185,19 @@ class Plan:
     smallest: Scored
     scored: list[Scored]
     margin: float = 0.0
+    leftover: int = 0
+
+    def needs(self, s: Scored) -> int:
+        """The budget (bytes) candidate ``s`` needs: its predicted peak, the margin and the leftover."""
+        return needs(s.peak.total, self.margin) + self.leftover
+
+    def margin_line(self) -> str:
+        """Where the margin comes from, in one line."""
+        if self.margin == SWEEP_ERRORS.margin:
+            line = SWEEP_ERRORS.describe()
+        else:
+            line = f"margin {100 * self.margin:.1f}% (given by the caller)"
+        return line + (f"; {self.leftover / 2**20:,.2f} MiB left by calibration" if self.leftover else "")
 
     def describe(self) -> list[str]:
         """Markdown lines: the plan (or why none), its peak by category and step time, runners-up."""
@@ -195,10 +206,11 @@ class Plan:
             s = self.smallest
             return [
                 f"Nothing fits {self.budget / mib:,.1f} MiB per rank: the smallest configuration "
-                f"({s.candidate.describe()}) needs {needs(s.peak.total, self.margin) / mib:,.1f} MiB (its "
-                f"predicted peak {s.peak.total / mib:,.1f} MiB and {100 * self.margin:.0f}% for the estimate's "
+                f"({s.candidate.describe()}) needs {self.needs(s) / mib:,.1f} MiB (its "
+                f"predicted peak {s.peak.total / mib:,.1f} MiB and {100 * self.margin:.1f}% for the estimate's "
                 "error); raise the budget to that, add "
-                "ranks (shards and optimizer state shrink with the world size) or use a smaller batch."
+                "ranks (shards and optimizer state shrink with the world size) or use a smaller batch.",
+                self.margin_line(),
             ]
         b = self.best
         p = b.peak
@@ -208,6 +220,7 @@ class Plan:
             f"gradients {p.gradients / mib:,.1f}, optimizer {p.optimizer / mib:,.1f}, gathered "
             f"{p.gathered / mib:,.1f}, gradient buffer {p.gradient_buffer / mib:,.1f}, activations "
             f"{p.activations / mib:,.1f}" + (f"; on the host {p.host / mib:,.1f}" if p.host else ""),
+            self.margin_line(),
             f"predicted step {1e3 * b.step.seconds:,.1f} ms (compute {1e3 * b.step.compute:,.1f}, exposed "
             f"communication {1e3 * b.step.exposed_comm:,.1f}, optimizer {1e3 * b.step.optimizer:,.1f})",
             "",
@@ -280,7 +293,9 @@ def plan(
     margin: float = MARGIN,
 ) -> Plan:
     """Choose the fastest predicted candidate whose predicted peak, ``margin`` more (a fraction:
-    the estimate's validated error), fits ``budget`` bytes per rank.
+    by default :data:`~fullshard.plan.margin.MARGIN`, from the estimator's worst measured
+    under-estimate), plus what calibration left behind (``cal.leftover_bytes``), fits ``budget``
+    bytes per rank.
 
     ``cal`` comes from :func:`~fullshard.plan.steptime.calibrate` at the job's world size,
     batch and dtype; ``make_model``, ``example``, ``loss_fn`` and ``is_unit`` as for
@@ -292,12 +307,12 @@ def plan(
     if budget <= 0:
         raise ValueError(f"budget={budget}: give the memory per rank in bytes, e.g. 8 * 2**30")
     scored = _score_all(cal, make_model, example, loss_fn, is_unit, param_dtype)
-    fitting = sorted(
-        (s for s in scored if needs(s.peak.total, margin) <= budget), key=lambda s: (s.step.seconds, s.peak.total)
-    )
     smallest = min(scored, key=lambda s: s.peak.total)
-    best = fitting[0] if fitting else None
-    return Plan(best, fitting[1 : 1 + runners_up], budget, smallest, scored, margin)
+    result = Plan(None, [], budget, smallest, scored, margin, cal.leftover_bytes)
+    fitting = sorted(
+        (s for s in scored if result.needs(s) <= budget), key=lambda s: (s.step.seconds, s.peak.total)
+    )
+    return dataclasses.replace(result, best=fitting[0] if fitting else None, runners_up=fitting[1 : 1 + runners_up])
 
 
 def needs(peak: int, margin: float = MARGIN) -> int:
