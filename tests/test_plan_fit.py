@@ -85,3 +85,65 @@ def test_the_margin_table_is_the_sweep_documents() -> None:
     worst = min(column)
     assert MARGIN == pytest.approx(1 / (1 + worst) - 1) and MARGIN > 0
     assert f"was {100 * worst:+.1f}%" in SWEEP_ERRORS.describe()
+
+
+def _fake_scored(peaks_and_steps: list[tuple[int, float]]) -> list:
+    from types import SimpleNamespace
+
+    return [
+        SimpleNamespace(candidate=f"c{i}", peak=SimpleNamespace(total=p), step=SimpleNamespace(seconds=s))
+        for i, (p, s) in enumerate(peaks_and_steps)
+    ]
+
+
+def test_plan_sweep_pairs_come_from_the_estimator_sweeps_draw_with_tight_budgets() -> None:
+    from fullshard.jobs.planning import plan_sweep
+    from fullshard.jobs.planning.sweep import draw
+
+    seven = plan_sweep.pairs(11, 7)
+    assert seven == plan_sweep.pairs(11, 7) and seven[:5] == plan_sweep.pairs(11, 5)
+    assert [c for c, _, _ in seven[::2]] == draw(11, 4) and [c for c, _, _ in seven[1::2]] == draw(11, 3)
+    assert [k for _, k, _ in seven] == ["tight", "drawn"] * 3 + ["tight"]
+    assert all(0 <= f < plan_sweep.TIGHT_ABOVE for _, k, f in seven if k == "tight")
+    assert all(0 <= f < 1 for _, _, f in seven) and seven != plan_sweep.pairs(12, 7)
+    with pytest.raises(ValueError, match="n=0"):
+        plan_sweep.pairs(11, 0)
+
+
+def test_plan_sweep_budgets_and_plans_fit_under_the_margin() -> None:
+    from fullshard.jobs.planning import plan_sweep
+    from fullshard.plan.planner import needs
+
+    # the fastest candidate is the largest; the smallest the slowest
+    scored = _fake_scored([(100 * 2**20, 1.0), (60 * 2**20, 2.0), (30 * 2**20, 3.0)])
+    tight = plan_sweep.budget_of(scored, "tight", 0.05, leftover=1000)
+    assert tight == pytest.approx((needs(30 * 2**20) + 1000) * 1.05, abs=1)
+    assert plan_sweep.budget_of(scored, "drawn", 0.5) == 65 * 2**20
+    rows = plan_sweep._plans(scored, [("tight", 0.0), ("drawn", 1.0), ("drawn", 0.0)], 0)
+    assert rows[0]["plan"] == "c2" and rows[0]["budget"] == needs(30 * 2**20)
+    assert rows[1]["plan"] == "c1"  # 100 MiB: the largest needs its margin more
+    assert rows[2]["plan"] is None and rows[2]["smallest_needs"] == needs(30 * 2**20)
+    for r in rows[:2]:
+        assert needs(r["predicted"][0]) <= r["budget"]
+    with pytest.raises(ValueError, match="kind='loose'"):
+        plan_sweep.budget_of(scored, "loose", 0.5)
+
+
+def plan_sweep_model_body(rank: int, world: int) -> dict:
+    """One drawn-like model through the plan sweep's measurement, one round."""
+    from fullshard.jobs.planning import plan_sweep
+    from fullshard.jobs.planning.sweep import Config
+
+    c = Config(0, 0, "gpt", SMALL_GPT, 2, 32, "full_shard", "none", "fp32", 2, "fsdp2")
+    return plan_sweep.measure_model(c, [("tight", 0.0), ("drawn", 0.9)], 1, torch.device("cpu"))
+
+
+@pytest.mark.timeout(300)
+def test_plan_sweep_measures_each_plan_and_every_hand_configuration() -> None:
+    a, b = run_ranks(plan_sweep_model_body, 2, timeout=280)
+    assert [r["plan"] for r in a["rows"]] == [r["plan"] for r in b["rows"]]  # every rank runs rank 0's plans
+    assert len(a["hands"]) == 6 and all(s > 0 and peak > 0 for s, peak in a["hands"].values())
+    for r in a["rows"]:
+        assert r["plan"] is not None, r  # a tight budget is what the smallest needs, or more
+        seconds, peak = r["measured"]
+        assert seconds > 0 and peak <= r["budget"], r  # the plan fits its budget, measured
