@@ -147,3 +147,49 @@ def test_plan_sweep_measures_each_plan_and_every_hand_configuration() -> None:
         assert r["plan"] is not None, r  # a tight budget is what the smallest needs, or more
         seconds, peak = r["measured"]
         assert seconds > 0 and peak <= r["budget"], r  # the plan fits its budget, measured
+
+
+def test_plan_sweep_report_counts_fits_ratios_refusals_and_failures(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The report's arithmetic on made-up measurements (no process started)."""
+    from fullshard.jobs import launch
+    from fullshard.jobs.planning import plan_sweep
+    from fullshard.plan.candidate import Candidate
+
+    names = ("blocks.0",)
+    full, sgo = Candidate(False, (), (), False, names), Candidate(False, names, (), False, names)
+    mib = 2**20
+    hands = {"FULL_SHARD": (0.10, 10 * mib), "SHARD_GRAD_OP": (0.08, 14 * mib), "NO_SHARD": (0.05, 30 * mib)}
+    calls = []
+
+    def fake(worker: object, args: tuple, world: int, env: object = None) -> list:
+        calls.append(args[0])
+        if len(calls) == 2:
+            raise launch.WorkerFailed("worker rank 0 failed: boom")
+        rows = [
+            {
+                "kind": "tight",
+                "budget": 12 * mib,
+                "plan": full,
+                "predicted": (9 * mib, 0.1),
+                "measured": (0.104, 11 * mib),
+            },
+            {
+                "kind": "drawn",
+                "budget": 15 * mib,
+                "plan": sgo,
+                "predicted": (12 * mib, 0.08),
+                "measured": (0.09, 16 * mib),
+            },
+            {"kind": "drawn", "budget": 5 * mib, "plan": None, "smallest_needs": 11 * mib, "measured": None},
+        ]
+        return [{"rows": rows[:2] if len(calls) == 1 else [rows[0], rows[2]], "hands": hands}, None]
+
+    monkeypatch.setattr(launch, "launch", fake)
+    lines = list(plan_sweep.report(5, 6, rounds=1))
+    text = "\n".join(lines)
+    assert len(calls) == 3 and "failed: worker rank 0 failed: boom" in text
+    assert "Plans that fit their budget measured: 2 of 3." in text  # the SGO plan peaked at 16 > 15 MiB
+    # 0.104 / FULL_SHARD's 0.10 (the only hand within 12 MiB) twice; 0.09 / SHARD_GRAD_OP's 0.08 (within 15 MiB)
+    assert "max 1.12, median 1.04, min 1.04; within 5% (or faster) in 2 of 3." in text
+    assert "Refused (nothing fits under the margin): 1" in text and "Failed models: 1" in text
+    assert "| **NO** |" in text and plan_sweep.SWEEP_ERRORS.describe() in text
