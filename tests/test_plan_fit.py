@@ -4,6 +4,7 @@ error, and the plan sweep draws its model/budget pairs from the estimator sweep'
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -50,7 +51,13 @@ def calibration_leftovers_body(rank: int, world: int) -> dict[str, int]:
     with LiveTensorBytes() as live:
         out = {"live_before": live.measure(), "pool_before": buffers.POOL.nbytes}
         cal = calibrate(make, example, loss, is_unit, torch.device("cpu"), optimizer="adamw")
-        out |= {"live_after": live.measure(), "pool_after": buffers.POOL.nbytes, "leftover": cal.leftover_bytes}
+        out |= {"live_at_return": live.measure(), "pool_after": buffers.POOL.nbytes, "leftover": cal.leftover_bytes}
+        # gloo's worker thread lets go of the last collective's tensor (the calibration's times,
+        # a few hundred bytes) just after the caller's wait returns: give it a moment
+        deadline = time.monotonic() + 5.0
+        while live.measure() > out["live_before"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        out["live_after"] = live.measure()
         calibrate_comm(sizes=(1 << 14, 1 << 18), repeats=1)
         out |= {"live_control": live.measure(), "pool_control": buffers.POOL.nbytes}
     buffers.POOL.clear()
