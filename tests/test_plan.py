@@ -267,7 +267,8 @@ def _scored_once(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_planner_picks_the_fastest_that_fits_and_says_when_nothing_does(_scored_once: None) -> None:
-    from fullshard.plan.planner import candidates, plan
+    from fullshard.plan.margin import MARGIN, SWEEP_ERRORS
+    from fullshard.plan.planner import candidates, needs, plan
 
     names = [f"blocks.{i}" for i in range(4)]
     # AC on 0..4 blocks x (NO_SHARD + prefetch x FULL_SHARD with 0..all units kept gathered, for
@@ -290,18 +291,20 @@ def test_planner_picks_the_fastest_that_fits_and_says_when_nothing_does(_scored_
     fits = [s for s in slow_net.scored if s.peak.total <= slow_net.best.peak.total]
     assert all(s.step.seconds >= slow_net.best.step.seconds for s in fits)
     # A budget below NO_SHARD's peak but above the smallest: the fastest candidate under it.
-    budget = math.ceil(1.05 * (slow_net.best.peak.total + slow_net.smallest.peak.total) / 2)
+    grow = 1 + MARGIN  # the share kept free for the estimator's worst measured under-estimate
+    budget = math.ceil(grow * (slow_net.best.peak.total + slow_net.smallest.peak.total) / 2)
     tight = plan(_fake_calibration(1e-6), make, example, loss, is_unit, budget)
-    assert tight.best is not None and tight.best.peak.total * 1.05 <= budget  # 5% kept for the estimate's error
-    assert tight.best.step.seconds == min(s.step.seconds for s in tight.scored if s.peak.total * 1.05 <= budget)
+    assert tight.best is not None and needs(tight.best.peak.total) <= budget
+    assert tight.best.step.seconds == min(s.step.seconds for s in tight.scored if needs(s.peak.total) <= budget)
     assert tight.best.step.seconds >= slow_net.best.step.seconds
+    assert SWEEP_ERRORS.describe() in tight.describe()
     smallest = slow_net.smallest.peak.total
-    assert plan(_fake_calibration(1e-6), make, example, loss, is_unit, math.ceil(smallest * 1.05)).best is not None
-    none = plan(_fake_calibration(1e-6), make, example, loss, is_unit, math.ceil(smallest * 1.05) - 1)
+    assert plan(_fake_calibration(1e-6), make, example, loss, is_unit, needs(smallest)).best is not None
+    none = plan(_fake_calibration(1e-6), make, example, loss, is_unit, needs(smallest) - 1)
     assert none.best is None
     text = "\n".join(none.describe())
-    assert f"needs {smallest * 1.05 / 2**20:,.1f} MiB (its predicted peak {smallest / 2**20:,.1f} MiB" in text
-    assert "Nothing fits" in text
+    assert f"needs {needs(smallest) / 2**20:,.1f} MiB (its predicted peak {smallest / 2**20:,.1f} MiB" in text
+    assert "Nothing fits" in text and SWEEP_ERRORS.describe() in text
     assert plan(_fake_calibration(1e-6), make, example, loss, is_unit, smallest, margin=0.0).best is not None
     with pytest.raises(ValueError, match="budget=0"):
         plan(_fake_calibration(1e-6), make, example, loss, is_unit, 0)
@@ -311,7 +314,7 @@ def test_planner_offloads_on_cuda_when_nothing_else_fits(_scored_once: None) -> 
     """On NCCL every sharded candidate also comes with CPU offload: slower (copies, the
     optimizer on the host), so an ample budget gets none, but a budget below every
     non-offloaded peak gets the fastest offloaded candidate. On gloo offload is no candidate."""
-    from fullshard.plan.planner import candidates, plan
+    from fullshard.plan.planner import candidates, needs, plan
 
     names = [f"blocks.{i}" for i in range(4)]
     assert len(candidates(names, offload=True)) == 5 * (1 + 2 * 2 * (5 + 3 + 2))
@@ -321,7 +324,8 @@ def test_planner_offloads_on_cuda_when_nothing_else_fits(_scored_once: None) -> 
     offloaded = [s for s in ample.scored if s.candidate.offload]
     assert offloaded and all(s.peak.host > 0 and s.peak.shards == s.peak.optimizer == 0 for s in offloaded)
     on_device = min(s.peak.total for s in ample.scored if not s.candidate.offload)
-    tight = plan(_fake_calibration(1e-9, "nccl"), make, example, loss, is_unit, on_device)
+    below = needs(on_device) - 1  # below what every candidate on the device needs
+    tight = plan(_fake_calibration(1e-9, "nccl"), make, example, loss, is_unit, below)
     assert tight.best is not None and tight.best.candidate.offload, tight.describe()
     assert tight.best.candidate.describe().endswith(", CPU offload")
     assert f"; on the host {tight.best.peak.host / 2**20:,.1f}" in tight.describe()[1]

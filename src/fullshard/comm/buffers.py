@@ -20,6 +20,10 @@ the gradient shards. So fullshard keeps them:
 
 from __future__ import annotations
 
+import contextlib
+import weakref
+from collections.abc import Iterator
+
 import torch
 
 
@@ -54,6 +58,23 @@ class BufferPool:
     def buffers(self) -> list[torch.Tensor]:
         """The buffers held for reuse (for tests and measurements)."""
         return [t for ts in self._free.values() for t in ts]
+
+    @contextlib.contextmanager
+    def transient(self) -> Iterator[None]:
+        """A ``with`` block whose buffers do not outlive it: buffers given to the pool inside it
+        are dropped when it ends (on error too); those held before it, taken and given back
+        inside it, stay. For one-off work beside training (the planner's start-up timing of
+        collectives), whose buffer sizes training may never ask for again."""
+        before = {id(t): weakref.ref(t) for t in self.buffers()}  # weak: a buffer taken may be freed
+
+        def held_before(t: torch.Tensor) -> bool:
+            ref = before.get(id(t))
+            return ref is not None and ref() is t
+
+        try:
+            yield
+        finally:
+            self._free = {key: kept for key, ts in self._free.items() if (kept := [t for t in ts if held_before(t)])}
 
     def clear(self, keep_cpu: bool = False) -> None:
         """Drop the buffers held (with ``keep_cpu``, only those not in CPU memory)."""

@@ -15,7 +15,8 @@ The candidates, per outermost unit in forward order (``n`` of them besides the r
   optimizer step on the host, uploads and downloads around every gather and reduce-scatter.
 
 Memory comes from :mod:`fullshard.plan.peak` (one meta-device trace per ``k``, the rest
-arithmetic; a candidate fits when its predicted peak plus :data:`MARGIN` does), time from
+arithmetic; a candidate fits when its predicted peak plus :data:`~fullshard.plan.margin.MARGIN`
+does: the estimator's worst measured under-estimate, and what calibration could not free), time from
 :mod:`fullshard.plan.steptime` on one calibration. On a CPU device offload is no candidate:
 the shards already live in host memory. The offload candidates' copies and host optimizer step
 are calibrated on the GPU; no GPU has been lent to check their predictions against a run yet.
@@ -24,7 +25,6 @@ are calibrated on the GPU; no GPU has been lent to check their predictions again
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import re
 from collections.abc import Callable
@@ -33,7 +33,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from fullshard.plan.candidate import Candidate, candidates
 from fullshard.plan.estimate import UnitEstimate, estimate_model_state, group_units
+from fullshard.plan.margin import MARGIN, SWEEP_ERRORS
 from fullshard.plan.peak import (
     PeakEstimate,
     Trace,
@@ -45,125 +47,6 @@ from fullshard.plan.peak import (
 )
 from fullshard.plan.simulate import StepTime
 from fullshard.plan.steptime import Calibration, predict_step
-
-# The share of a candidate's predicted peak kept free under the budget: the estimator's goal and
-# its validated error on CPU (``fullshard bench estimate``: 20 configurations within 5%).
-MARGIN = 0.05
-
-
-@dataclasses.dataclass(frozen=True)
-class Candidate:
-    """One configuration: NO_SHARD or FULL_SHARD with ``keep_gathered`` blocks kept gathered
-    after forward, ``checkpoint`` blocks recomputed in backward, forward prefetch or not;
-    ``all_units`` are the blocks (the auto-wrap policy's units, forward order) and ``group``
-    how many consecutive ones make one unit (the last may have fewer); ``offload``: CPU offload
-    of shards, gradients and the optimizer step (CUDA)."""
-
-    no_shard: bool
-    keep_gathered: tuple[str, ...]
-    checkpoint: tuple[str, ...]
-    forward_prefetch: bool
-    all_units: tuple[str, ...]
-    group: int = 1
-    offload: bool = False
-
-    @property
-    def groups(self) -> list[tuple[str, ...]]:
-        """The units: blocks in chunks of ``group`` (one each for NO_SHARD)."""
-        size = 1 if self.no_shard else self.group
-        return [self.all_units[i : i + size] for i in range(0, len(self.all_units), size)]
-
-    @property
-    def n_units(self) -> int:
-        return len(self.groups)
-
-    def describe(self) -> str:
-        n, kept = self.n_units, sum(g[0] in self.keep_gathered for g in self.groups)
-        grouped = f" ({n} units of {self.group} blocks)" if n < len(self.all_units) else ""
-        grouped = f" (one unit of all {len(self.all_units)} blocks)" if n == 1 and grouped else grouped
-        if self.no_shard:
-            shard = "NO_SHARD"
-        elif kept >= n:
-            shard = "SHARD_GRAD_OP" + grouped
-        elif not kept:
-            shard = "FULL_SHARD" + grouped
-        else:
-            shard = f"FULL_SHARD{grouped}, last {kept}/{n} units SHARD_GRAD_OP"
-        noun = "blocks" if grouped else "units"
-        ac = f", AC on {len(self.checkpoint)}/{len(self.all_units)} {noun}" if self.checkpoint else ""
-        return (
-            shard
-            + ac
-            + (", forward prefetch" if self.forward_prefetch else "")
-            + (", CPU offload" if self.offload else "")
-        )
-
-    def apply(
-        self,
-        model: nn.Module,
-        param_dtype: torch.dtype | None = None,
-        *,
-        param_init_fn: Callable[[nn.Module], None] | None = None,
-        device: torch.device | None = None,
-    ) -> nn.Module:
-        """Wrap ``model`` (unwrapped; the units' names as planned) as planned and return it:
-        activation checkpointing on the planned units, then NO_SHARD by the FSDP1 wrapper, or
-        ``fully_shard`` on each unit (``reshard_after_forward`` as planned) and the root.
-        ``param_dtype``: mixed precision (gathers, compute, reductions). A model on the meta
-        device is materialized on ``device`` (default CPU) by ``param_init_fn`` (called on every
-        module): the wrapper's ``param_init_fn``, or ``to_empty`` then ``param_init_fn`` on the
-        DTensor shards after ``fully_shard``; without it the parameters must be on the device.
-
-        Raises:
-            AttributeError: a planned unit's name is not a submodule of ``model``.
-        """
-        from fullshard.engine.config import MixedPrecision, ShardingStrategy
-        from fullshard.frontend.activation_checkpointing import apply_activation_checkpointing
-        from fullshard.frontend.fsdp1 import FSDP
-        from fullshard.frontend.wrap import lambda_auto_wrap_policy
-
-        units = {n: model.get_submodule(n) for n in self.all_units}
-        if self.checkpoint:
-            chosen = {id(units[n]) for n in self.checkpoint}
-            apply_activation_checkpointing(model, check_fn=lambda m: id(m) in chosen)
-        dtype = param_dtype
-        if self.no_shard:
-            mp = MixedPrecision(dtype, dtype, dtype) if dtype is not None else None
-            planned = {id(m) for m in units.values()}  # the planned modules, not all of their class
-            policy = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: id(m) in planned)
-            init: dict[str, Any] = {}
-            if param_init_fn is not None:
-                init["param_init_fn"] = param_init_fn
-                init["device_id"] = device if device is not None and device.type == "cuda" else None
-            return FSDP(
-                model, sharding_strategy=ShardingStrategy.NO_SHARD, auto_wrap_policy=policy, mixed_precision=mp, **init
-            )
-        self._fully_shard(model, units, dtype)
-        if param_init_fn is not None:
-            model.to_empty(device=device or torch.device("cpu"))
-            for module in model.modules():
-                param_init_fn(module)
-        return model
-
-    def _fully_shard(self, model: nn.Module, units: dict[str, nn.Module], dtype: torch.dtype | None) -> None:
-        """``fully_shard`` on each planned unit (a list of blocks for a group) and on the root."""
-        from fullshard.frontend.fully_shard import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-
-        kw: dict[str, Any] = {"mp_policy": MixedPrecisionPolicy(dtype, dtype)} if dtype is not None else {}
-        if self.offload:
-            kw["offload_policy"] = CPUOffloadPolicy()
-        for group in self.groups:
-            members = [units[n] for n in group]
-            fully_shard(
-                members if len(members) > 1 else members[0],
-                reshard_after_forward=group[0] not in self.keep_gathered,
-                **kw,
-            )
-        fully_shard(model, **kw)
-        if self.forward_prefetch:
-            order: list[Any] = [units[g[0]] for g in self.groups]
-            for unit, following in zip(order, order[1:]):
-                unit.set_modules_to_forward_prefetch([following])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,8 +61,9 @@ class Scored:
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """The chosen candidate (``best``; None when nothing fits), the runners-up (fastest first),
-    the budget (bytes per rank), the candidate with the smallest predicted peak, and every
-    candidate scored."""
+    the budget (bytes per rank), the candidate with the smallest predicted peak, every
+    candidate scored, the margin kept free (a fraction of each prediction) and the bytes
+    calibration left behind (counted on top of every prediction)."""
 
     best: Scored | None
     runners_up: list[Scored]
@@ -187,6 +71,19 @@ class Plan:
     smallest: Scored
     scored: list[Scored]
     margin: float = 0.0
+    leftover: int = 0
+
+    def needs(self, s: Scored) -> int:
+        """The budget (bytes) candidate ``s`` needs: its predicted peak, the margin and the leftover."""
+        return needs(s.peak.total, self.margin) + self.leftover
+
+    def margin_line(self) -> str:
+        """Where the margin comes from, in one line."""
+        if self.margin == SWEEP_ERRORS.margin:
+            line = SWEEP_ERRORS.describe()
+        else:
+            line = f"margin {100 * self.margin:.1f}% (given by the caller)"
+        return line + (f"; {self.leftover / 2**20:,.2f} MiB left by calibration" if self.leftover else "")
 
     def describe(self) -> list[str]:
         """Markdown lines: the plan (or why none), its peak by category and step time, runners-up."""
@@ -195,10 +92,11 @@ class Plan:
             s = self.smallest
             return [
                 f"Nothing fits {self.budget / mib:,.1f} MiB per rank: the smallest configuration "
-                f"({s.candidate.describe()}) needs {needs(s.peak.total, self.margin) / mib:,.1f} MiB (its "
-                f"predicted peak {s.peak.total / mib:,.1f} MiB and {100 * self.margin:.0f}% for the estimate's "
+                f"({s.candidate.describe()}) needs {self.needs(s) / mib:,.1f} MiB (its "
+                f"predicted peak {s.peak.total / mib:,.1f} MiB and {100 * self.margin:.1f}% for the estimate's "
                 "error); raise the budget to that, add "
-                "ranks (shards and optimizer state shrink with the world size) or use a smaller batch."
+                "ranks (shards and optimizer state shrink with the world size) or use a smaller batch.",
+                self.margin_line(),
             ]
         b = self.best
         p = b.peak
@@ -208,6 +106,7 @@ class Plan:
             f"gradients {p.gradients / mib:,.1f}, optimizer {p.optimizer / mib:,.1f}, gathered "
             f"{p.gathered / mib:,.1f}, gradient buffer {p.gradient_buffer / mib:,.1f}, activations "
             f"{p.activations / mib:,.1f}" + (f"; on the host {p.host / mib:,.1f}" if p.host else ""),
+            self.margin_line(),
             f"predicted step {1e3 * b.step.seconds:,.1f} ms (compute {1e3 * b.step.compute:,.1f}, exposed "
             f"communication {1e3 * b.step.exposed_comm:,.1f}, optimizer {1e3 * b.step.optimizer:,.1f})",
             "",
@@ -239,34 +138,6 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
-def group_sizes(n: int) -> list[int]:
-    """Blocks per unit tried for ``n`` blocks: 1, 2, 4 and all of them (those up to ``n``)."""
-    return sorted({g for g in (1, 2, 4, n) if 1 <= g <= n})
-
-
-def candidates(
-    names: list[str], prefetch: bool = True, grouping: bool = True, offload: bool = False
-) -> list[Candidate]:
-    """Every candidate for blocks ``names`` (the outermost units, forward order; the root
-    excluded), each with AC on the first 0..n blocks: NO_SHARD, and FULL_SHARD per
-    :func:`group_sizes` (``grouping``; else one block per unit) with the last 0..all units kept
-    gathered, forward prefetch off / on (``prefetch``), each of these also with CPU offload
-    (``offload``)."""
-    n, out, every = len(names), [], tuple(names)
-    for k in range(n + 1):
-        ac = every[:k]
-        out.append(Candidate(True, (), ac, False, every))  # NO_SHARD gathers nothing to prefetch
-        for fp in (False, True) if prefetch else (False,):
-            for g in group_sizes(n) if grouping else [1]:
-                units = [every[i : i + g] for i in range(0, n, g)]
-                for m in range(len(units) + 1):
-                    kept = tuple(b for u in units[len(units) - m :] for b in u)
-                    out.append(Candidate(False, kept, ac, fp, every, g))
-                    if offload:
-                        out.append(Candidate(False, kept, ac, fp, every, g, offload=True))
-    return out
-
-
 def plan(
     cal: Calibration,
     make_model: Callable[[], nn.Module],
@@ -280,7 +151,9 @@ def plan(
     margin: float = MARGIN,
 ) -> Plan:
     """Choose the fastest predicted candidate whose predicted peak, ``margin`` more (a fraction:
-    the estimate's validated error), fits ``budget`` bytes per rank.
+    by default :data:`~fullshard.plan.margin.MARGIN`, from the estimator's worst measured
+    under-estimate), plus what calibration left behind (``cal.leftover_bytes``), fits ``budget``
+    bytes per rank.
 
     ``cal`` comes from :func:`~fullshard.plan.steptime.calibrate` at the job's world size,
     batch and dtype; ``make_model``, ``example``, ``loss_fn`` and ``is_unit`` as for
@@ -292,12 +165,24 @@ def plan(
     if budget <= 0:
         raise ValueError(f"budget={budget}: give the memory per rank in bytes, e.g. 8 * 2**30")
     scored = _score_all(cal, make_model, example, loss_fn, is_unit, param_dtype)
-    fitting = sorted(
-        (s for s in scored if needs(s.peak.total, margin) <= budget), key=lambda s: (s.step.seconds, s.peak.total)
-    )
+    return choose(scored, budget, margin=margin, leftover=cal.leftover_bytes, runners_up=runners_up)
+
+
+def choose(
+    scored: list[Scored], budget: int, *, margin: float = MARGIN, leftover: int = 0, runners_up: int = 4
+) -> Plan:
+    """The plan under ``budget`` (bytes per rank) from candidates already scored (``plan(...).scored``):
+    the fastest whose predicted peak, ``margin`` more, plus ``leftover`` bytes, fits.
+
+    Raises:
+        ValueError: ``budget`` is not positive, or nothing was scored.
+    """
+    if budget <= 0 or not scored:
+        raise ValueError(f"budget={budget}, {len(scored)} candidates: give a positive budget and scored candidates")
     smallest = min(scored, key=lambda s: s.peak.total)
-    best = fitting[0] if fitting else None
-    return Plan(best, fitting[1 : 1 + runners_up], budget, smallest, scored, margin)
+    result = Plan(None, [], budget, smallest, scored, margin, leftover)
+    fitting = sorted((s for s in scored if result.needs(s) <= budget), key=lambda s: (s.step.seconds, s.peak.total))
+    return dataclasses.replace(result, best=fitting[0] if fitting else None, runners_up=fitting[1 : 1 + runners_up])
 
 
 def needs(peak: int, margin: float = MARGIN) -> int:

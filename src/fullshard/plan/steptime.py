@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fullshard.comm import collectives
+from fullshard.comm import buffers, collectives
 from fullshard.plan.calibrate import (
     BlockTime,
     CommModel,
@@ -46,6 +46,9 @@ class Calibration:
     """Block times with only one unit's activations live (a checkpointed unit's); ``blocks`` where absent."""
     host_optimizer_seconds_per_param: float = 0.0
     """The optimizer step on the CPU (CPU offload), measured on CUDA; 0 where not (a CPU device)."""
+    leftover_bytes: int = 0
+    """Bytes calibration left in the buffer pool (the planner counts them on top of every
+    prediction); 0 when it released everything, as :func:`calibrate` does."""
 
 
 def calibrate(
@@ -61,7 +64,28 @@ def calibrate(
 ) -> Calibration:
     """Measure this machine for the model (collective: every rank of ``group`` calls it). On
     CUDA it also measures what CPU offload costs: pinned copies each way and the optimizer
-    step on the CPU."""
+    step on the CPU.
+
+    It leaves nothing behind for training to carry: the collectives' scratch buffers it gives
+    to :data:`~fullshard.comm.buffers.POOL` are dropped (sizes of its own that training need
+    not ask for again), and the blocks, tensors and optimizer it times are freed on return.
+    """
+    held = buffers.POOL.nbytes
+    with buffers.POOL.transient():
+        cal = _calibrate(make_model, example, loss_fn, is_unit, device, compute_dtype, optimizer, group)
+    return dataclasses.replace(cal, leftover_bytes=max(0, buffers.POOL.nbytes - held))
+
+
+def _calibrate(
+    make_model: Callable[[], nn.Module],
+    example: Callable[[], Any],
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    is_unit: Callable[[nn.Module], bool],
+    device: torch.device,
+    compute_dtype: torch.dtype | None,
+    optimizer: str,
+    group: Any,
+) -> Calibration:
     group = group if group is not None else collectives.default_group()
     comm = calibrate_comm(group)
     h2d, d2h = calibrate_copies(device)

@@ -12,6 +12,11 @@ drawn at random from seed S (default: drawn from the clock, printed), across mod
 sharding, activation checkpointing, precision, world size and front end
 (see :mod:`fullshard.jobs.planning.sweep_bench`).
 
+``fullshard bench plan`` measures the planner's choice against the hand configurations on fixed
+workloads (see :mod:`fullshard.jobs.planning.plan_bench`); ``fullshard bench plan --sweep [N]
+[--seed S] [--rounds R]`` on N model/budget pairs drawn from the estimator sweep's generator,
+tight budgets included (see :mod:`fullshard.jobs.planning.plan_sweep`).
+
 ``fullshard bench recorder [--calls 2000] [--rounds 2] [--nproc 2]`` times one-element all-reduces
 with nothing, the flight recorder, and the recorder with the watchdog and divergence check, taking
 turns: what each adds to a collective (see :mod:`fullshard.jobs.bench.recorder`).
@@ -59,10 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.workload == "estimate":
         return _estimate_main(args)
     if args.workload == "plan":
-        from fullshard.jobs.planning import plan_bench
-
-        print("\n".join(plan_bench.report()))
-        return 0
+        return _plan_main(args)
     if args.workload == "steptime":
         from fullshard.jobs.planning import validate_time
 
@@ -122,9 +124,10 @@ def _parser() -> argparse.ArgumentParser:
         const=40,
         default=None,
         metavar="N",
-        help="estimate: N configurations drawn at random instead of the fixed ones (default 40)",
+        help="estimate, plan: N configurations (plan: model/budget pairs) drawn at random instead of the fixed "
+        "ones (default 40)",
     )
-    p.add_argument("--seed", type=int, default=None, help="estimate --sweep: the draw's seed (default: from the clock)")
+    p.add_argument("--seed", type=int, default=None, help="--sweep: the draw's seed (default: from the clock)")
     return p
 
 
@@ -143,6 +146,25 @@ def _estimate_main(args: argparse.Namespace) -> int:
         raise SystemExit(f"fullshard bench estimate: --sweep {args.sweep}: draw at least one configuration")
     seed = args.seed if args.seed is not None else int(time.time()) % 1_000_000
     for line in sweep_bench.report(seed, args.sweep):
+        print(line, flush=True)
+    return 0
+
+
+def _plan_main(args: argparse.Namespace) -> int:
+    """``fullshard bench plan [--sweep [N] [--seed S] [--rounds R]]``: print the table as it comes."""
+    if args.sweep is None:
+        from fullshard.jobs.planning import plan_bench
+
+        print("\n".join(plan_bench.report()))
+        return 0
+    import time
+
+    from fullshard.jobs.planning import plan_sweep
+
+    if args.sweep < 1:
+        raise SystemExit(f"fullshard bench plan: --sweep {args.sweep}: draw at least one model/budget pair")
+    seed = args.seed if args.seed is not None else int(time.time()) % 1_000_000
+    for line in plan_sweep.report(seed, args.sweep, args.rounds):
         print(line, flush=True)
     return 0
 

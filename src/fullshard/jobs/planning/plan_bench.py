@@ -1,11 +1,12 @@
 """``fullshard bench plan``: the planner's choice against hand configurations, measured.
 
-For each workload (compute-bound GPT, memory-bound GPT, MNIST, transformers' Llama; 2 ranks) and budget (ample:
-twice the largest hand configuration's predicted peak; tight: 1.15 x the smallest predicted
-peak of all candidates), ``world`` fresh processes calibrate and plan; then the planned
-configuration and the six hand configurations (FULL_SHARD per block, SHARD_GRAD_OP per block,
-NO_SHARD, each with and without activation checkpointing) are each built from the same seed,
-applied with :meth:`~fullshard.plan.planner.Candidate.apply`, and measured
+For each workload (compute-bound GPT, memory-bound GPT, MNIST, transformers' Llama; 2 ranks) and
+budget (ample: twice the largest hand configuration's predicted peak; tight: 1.1 x what the
+candidate with the smallest predicted peak needs under the planner's margin), ``world`` fresh
+processes calibrate and plan; then the planned configuration and the six hand configurations
+(FULL_SHARD per block, SHARD_GRAD_OP per block, NO_SHARD, each with and without activation
+checkpointing) are each built from the same seed,
+applied with :meth:`~fullshard.plan.candidate.Candidate.apply`, and measured
 (:func:`measure_all`): the median step of 5 after 2 warm-up steps, the fastest of 3 rounds, and
 the third step's peak of live tensor bytes on rank 0
 (a separate build under :class:`~fullshard.plan.tracker.LiveTensorBytes`, which slows
@@ -14,16 +15,20 @@ steps down).
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch import nn
 
 from fullshard.comm import buffers, collectives
 from fullshard.jobs import launch
 from fullshard.jobs.planning.validate import Config, _parts, optimizer_of
-from fullshard.plan.planner import Candidate, plan
+from fullshard.plan.candidate import Candidate
+from fullshard.plan.planner import needs, plan
 from fullshard.plan.steptime import calibrate
 from fullshard.plan.tracker import LiveTensorBytes
 
@@ -46,38 +51,60 @@ def hand_configurations(names: tuple[str, ...]) -> dict[str, Candidate]:
     return out
 
 
-def _steps(c: Config, cand: Candidate, device: torch.device, n: int, live: LiveTensorBytes | None) -> list[float]:
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What a measured configuration trains: the unwrapped model (``make``), a real batch
+    (``batch()``: random tokens or images shaped as the planner's example), the loss of
+    ``(model, batch)``, the mixed-precision dtype (None: float32) and the optimizer's factory
+    (parameters -> optimizer)."""
+
+    make: Callable[[], nn.Module]
+    batch: Callable[[], Any]
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor]
+    param_dtype: torch.dtype | None
+    optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+def workload(c: Config) -> Workload:
+    """The fixed benchmark's workload for ``c`` (its job's optimizer, tokens in [0, 10))."""
     make, example, loss_fn, _ = _parts(c)
+    opt_cls: Any = torch.optim.AdamW if optimizer_of(c) == "adamw" else torch.optim.Adadelta
+    dtype = torch.bfloat16 if c.precision == "bf16" else None
+    return Workload(
+        make, lambda: tuple(t.random_(0, 10) for t in example()), loss_fn, dtype, lambda ps: opt_cls(ps, lr=1e-3)
+    )
+
+
+def _steps(w: Workload, cand: Candidate, device: torch.device, n: int, live: LiveTensorBytes | None) -> list[float]:
     torch.manual_seed(0)
     with torch.device(device):
-        model = cand.apply(make(), torch.bfloat16 if c.precision == "bf16" else None)
-    opt_cls: Any = torch.optim.AdamW if optimizer_of(c) == "adamw" else torch.optim.Adadelta
-    opt = opt_cls(model.parameters(), lr=1e-3)
+        model = cand.apply(w.make(), w.param_dtype)
+    opt = w.optimizer(model.parameters())
     times = []
     for _ in range(n):
-        batch = tuple(t.random_(0, 10) for t in example())
+        batch = w.batch()
         if live is not None:
             live.reset_peak()
         start = time.perf_counter()
-        loss_fn(model, batch).backward()
+        w.loss_fn(model, batch).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
     return times
 
 
-def measure(c: Config, cand: Candidate, device: torch.device) -> tuple[float, int]:
+def measure(w: Workload, cand: Candidate, device: torch.device) -> tuple[float, int]:
     """(median step seconds, third-step peak live tensor bytes) of ``cand`` on this rank."""
-    seconds = statistics.median(_steps(c, cand, device, 7, None)[2:])
+    seconds = statistics.median(_steps(w, cand, device, 7, None)[2:])
     # The pool's scratch buffers would otherwise outlive the timed build unseen by the tracker
     # (it sees storages made while it is entered): the tracked build makes its own.
     buffers.POOL.clear()
     with LiveTensorBytes() as live:
-        _steps(c, cand, device, 3, live)
+        _steps(w, cand, device, 3, live)
     return seconds, live.peak
 
 
-def measure_all(cands: list[Candidate], c: Config, device: torch.device, rounds: int = 3) -> dict[Candidate, Any]:
+def measure_all(cands: list[Candidate], w: Workload, device: torch.device, rounds: int = 3) -> dict[Candidate, Any]:
     """(seconds, peak bytes) of each distinct candidate: the fastest of ``rounds`` medians, the
     candidates measured in turn each round, so that the machine's slow minutes (on this 2-core
     machine the same configuration measured 142 and 219 ms minutes apart) do not fall on one of
@@ -86,7 +113,7 @@ def measure_all(cands: list[Candidate], c: Config, device: torch.device, rounds:
     peaks: dict[Candidate, int] = {}
     for _ in range(rounds):
         for cand in times:
-            seconds, peaks[cand] = measure(c, cand, device)
+            seconds, peaks[cand] = measure(w, cand, device)
             times[cand].append(seconds)
     return {cand: (min(ts), peaks[cand]) for cand, ts in times.items()}
 
@@ -102,12 +129,12 @@ def _worker(c: Config) -> list[dict[str, Any]] | None:
         largest = max(every[h].peak.total for h in hands.values())
         smallest = min(s.peak.total for s in every.values())
         rows = []
-        for label, budget in (("ample", 2 * largest), ("tight", int(1.15 * smallest))):
+        for label, budget in (("ample", 2 * largest), ("tight", int(1.1 * needs(smallest)))):
             chosen = plan(cal, make, example, loss_fn, is_unit, budget).best
-            assert chosen is not None  # the smallest candidate fits 1.15 x its own peak
+            assert chosen is not None  # the smallest candidate fits 1.1 x what it needs
             cand = collectives.broadcast_object(chosen.candidate, 0, collectives.default_group())
             rows.append({"budget": label, "bytes": budget, "plan": cand, "predicted": chosen})
-        by_cand = measure_all([*hands.values(), *(row["plan"] for row in rows)], c, device)
+        by_cand = measure_all([*hands.values(), *(row["plan"] for row in rows)], workload(c), device)
         for row in rows:
             row["measured"] = by_cand[row["plan"]]
         measured = {name: by_cand[cand] for name, cand in hands.items()}
