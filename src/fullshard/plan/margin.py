@@ -54,9 +54,7 @@ _SEED_4242 = (
     +1.0, -3.3, -0.6, -0.4, -0.0, +30.6, +44.3, +7.7, -0.8,
 )  # fmt: skip
 
-SWEEP_ERRORS = ErrorDistribution(
-    tuple(e / 100 for e in _SEED_4242), "docs/estimate_sweep_seed4242.md", 4242, "c5ab931"
-)
+SWEEP_ERRORS = ErrorDistribution(tuple(e / 100 for e in _SEED_4242), "docs/estimate_sweep_seed4242.md", 4242, "c5ab931")
 """The estimator's measured error distribution the planner's margin comes from."""
 
 MARGIN = SWEEP_ERRORS.margin
