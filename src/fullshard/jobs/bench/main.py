@@ -131,6 +131,19 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _sweep_seed(args: argparse.Namespace, command: str, what: str) -> int:
+    """The seed of ``--sweep``: ``--seed``, else drawn from the clock (printed by the report).
+
+    Raises:
+        SystemExit: ``--sweep`` below 1.
+    """
+    import time
+
+    if args.sweep < 1:
+        raise SystemExit(f"fullshard bench {command}: --sweep {args.sweep}: draw at least one {what}")
+    return args.seed if args.seed is not None else int(time.time()) % 1_000_000
+
+
 def _estimate_main(args: argparse.Namespace) -> int:
     """``fullshard bench estimate [--sweep [N] [--seed S]]``: print the table as it comes."""
     if args.sweep is None:
@@ -138,14 +151,9 @@ def _estimate_main(args: argparse.Namespace) -> int:
 
         print("\n".join(validate.report()))
         return 0
-    import time
-
     from fullshard.jobs.planning import sweep_bench
 
-    if args.sweep < 1:
-        raise SystemExit(f"fullshard bench estimate: --sweep {args.sweep}: draw at least one configuration")
-    seed = args.seed if args.seed is not None else int(time.time()) % 1_000_000
-    for line in sweep_bench.report(seed, args.sweep):
+    for line in sweep_bench.report(_sweep_seed(args, "estimate", "configuration"), args.sweep):
         print(line, flush=True)
     return 0
 
@@ -157,6 +165,11 @@ def _plan_main(args: argparse.Namespace) -> int:
 
         print("\n".join(plan_bench.report()))
         return 0
+    from fullshard.jobs.planning import plan_sweep
+
+    for line in plan_sweep.report(_sweep_seed(args, "plan", "model/budget pair"), args.sweep, args.rounds):
+        print(line, flush=True)
+    return 0
     import time
 
     from fullshard.jobs.planning import plan_sweep
