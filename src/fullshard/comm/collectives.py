@@ -31,6 +31,7 @@ While :mod:`fullshard.probes` are enabled, each call is counted there (calls, by
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -73,9 +74,12 @@ def _note(op: str, dtype: torch.dtype, numel: int, nbytes: int, group: ProcessGr
 
 
 def _start_watchdog() -> None:
-    """Start the watchdog on the default process group's store (a public accessor of torch's)."""
+    """Start the watchdog on the default process group's store: ``ProcessGroup.get_group_store()``
+    (public), or on a torch without it, the one private accessor."""
     world = default_group()
-    watchdog.start(world.get_group_store(), dist.get_rank(), dist.get_world_size(), process_group_timeout(world))
+    get_store = getattr(world, "get_group_store", None)
+    store = get_store() if get_store is not None else dist.distributed_c10d._get_default_store()
+    watchdog.start(store, dist.get_rank(), dist.get_world_size(), process_group_timeout(world))
 
 
 def process_group_timeout(group: ProcessGroup) -> float:
@@ -126,7 +130,33 @@ def group_rank(group: ProcessGroup) -> int:
 
 
 def backend(group: ProcessGroup) -> str:
-    return str(dist.get_backend(group)).lower()
+    """``group``'s backend name, lower case ("gloo", "nccl")."""
+    return _facts(group).backend
+
+
+class _Facts:
+    """What fullshard looks up about a group on every collective, cached. The cache holds the
+    group weakly: a group torch destroys (``torch.distributed.destroy_process_group``, as
+    torchtitan calls it) must not live on here until interpreter exit, where its gloo threads
+    would be joined while Python is finalizing."""
+
+    __slots__ = ("ref", "backend", "ranks", "name")
+
+    def __init__(self, group: ProcessGroup) -> None:
+        self.ref = weakref.ref(group)
+        self.backend = str(dist.get_backend(group)).lower()
+        self.ranks = [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
+        self.name = ",".join(map(str, self.ranks))  # the flight recorder's group key
+
+
+_FACTS: dict[int, _Facts] = {}
+
+
+def _facts(group: ProcessGroup) -> _Facts:
+    facts = _FACTS.get(id(group))
+    if facts is None or facts.ref() is not group:
+        facts = _FACTS[id(group)] = _Facts(group)
+    return facts
 
 
 def reduction_device(group: ProcessGroup) -> torch.device:
@@ -176,28 +206,14 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup, a
     return _finish(work if async_op else None, None, async_op, entry)
 
 
-_GLOBAL_RANKS: dict[Any, list[int]] = {}
-
-
-_GROUP_NAMES: dict[Any, str] = {}
-
-
 def _group_name(group: ProcessGroup) -> str:
     """The group's global ranks, comma-separated (the flight recorder's group key)."""
-    name = _GROUP_NAMES.get(group)
-    if name is None:
-        name = ",".join(map(str, _global_ranks(group)))
-        _GROUP_NAMES[group] = name
-    return name
+    return _facts(group).name
 
 
 def _global_ranks(group: ProcessGroup) -> list[int]:
-    """Global rank of each rank of ``group``, in group-rank order (cached per group)."""
-    ranks = _GLOBAL_RANKS.get(group)
-    if ranks is None:
-        ranks = [dist.get_global_rank(group, r) for r in range(group_size(group))]
-        _GLOBAL_RANKS[group] = ranks
-    return ranks
+    """Global rank of each rank of ``group``, in group-rank order."""
+    return _facts(group).ranks
 
 
 @exposure.blocking("reduce_scatter", _unit)
@@ -350,5 +366,4 @@ def barrier(group: ProcessGroup) -> None:
 
 def clear_caches() -> None:
     """Forget cached group facts (before the groups are destroyed)."""
-    _GLOBAL_RANKS.clear()
-    _GROUP_NAMES.clear()
+    _FACTS.clear()
