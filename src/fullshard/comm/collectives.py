@@ -95,6 +95,12 @@ def process_group_timeout(group: ProcessGroup) -> float:
         return float(dist.constants.default_pg_timeout.total_seconds())
 
 
+def _asynchronous(async_op: bool, group: ProcessGroup) -> bool:
+    """Whether to issue a call asynchronously: when asked, and on gloo while the watchdog runs (a
+    synchronous call would block in torch's C++ out of its reach; the Handle waits in slices)."""
+    return async_op or (watchdog.ACTIVE is not None and backend(group) == "gloo")
+
+
 def _finish(
     work: Any, epilogue: Callable[[], Any] | None, async_op: bool, entry: Entry | None, sliced: bool = False
 ) -> Handle | None:
@@ -191,7 +197,9 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup, a
             # 1.06 ms against 1.29 ms on this project's machine).
             splits = [0, 0]
             splits[1 - rank] = input.numel()
-            work = dist.all_to_all_single(slices[1 - rank], input, splits, splits, group=group, async_op=True)
+            work = dist.all_to_all_single(
+                slices[1 - rank], input, splits, splits, group=group, async_op=_asynchronous(async_op, group)
+            )
             return _finish(work, None, async_op, entry, sliced=True)
         # One broadcast rooted at each rank; the root sends its input as is, the others
         # receive into their slice of the output. Gloo runs them concurrently.
@@ -247,7 +255,9 @@ def reduce_scatter(
             received = POOL.take(output.numel(), input.dtype, input.device)
             splits = [0, 0]
             splits[1 - me] = output.numel()
-            work = dist.all_to_all_single(received, chunks[1 - me], splits, splits, group=group, async_op=True)
+            work = dist.all_to_all_single(
+                received, chunks[1 - me], splits, splits, group=group, async_op=_asynchronous(async_op, group)
+            )
 
             def epilogue() -> None:
                 torch.add(chunks[me], received, out=output)
@@ -257,7 +267,7 @@ def reduce_scatter(
 
             return _finish(work, epilogue, async_op, entry, sliced=True)
         received = POOL.take(input.numel(), input.dtype, input.device)
-        work = dist.all_to_all_single(received, input, group=group, async_op=True)
+        work = dist.all_to_all_single(received, input, group=group, async_op=_asynchronous(async_op, group))
 
         def epilogue_n() -> None:
             torch.sum(received.view(n, -1), dim=0, out=output)
@@ -306,8 +316,8 @@ def all_reduce(
     nbytes = 2 * tensor.numel() * tensor.element_size() * (n - 1) // n
     entry = _note("all_reduce", tensor.dtype, tensor.numel(), nbytes, group)
     staged = _staged(tensor, group)
-    gloo = backend(group) == "gloo"  # always asynchronous there: waited in slices (Handle)
-    work = dist.all_reduce(staged, op=dist.ReduceOp.SUM, group=group, async_op=async_op or gloo)
+    gloo = backend(group) == "gloo"
+    work = dist.all_reduce(staged, op=dist.ReduceOp.SUM, group=group, async_op=_asynchronous(async_op, group))
     divide = (lambda: tensor.div_(divide_by)) if divide_by != 1.0 else None
     return _finish(work, _copy_back(staged, tensor, divide), async_op, entry, sliced=gloo)
 
@@ -318,7 +328,7 @@ def all_reduce_max(tensor: torch.Tensor, group: ProcessGroup) -> None:
     """Element-wise maximum over ranks, in place, synchronous (staged like :func:`all_reduce`)."""
     entry = _note("all_reduce_max", tensor.dtype, tensor.numel(), tensor.numel() * tensor.element_size(), group)
     staged = _staged(tensor, group)
-    work = dist.all_reduce(staged, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    work = dist.all_reduce(staged, op=dist.ReduceOp.MAX, group=group, async_op=_asynchronous(False, group))
     _finish(work, _copy_back(staged, tensor), False, entry, sliced=backend(group) == "gloo")
 
 
@@ -329,7 +339,8 @@ def broadcast(tensor: torch.Tensor, src_rank: int, group: ProcessGroup) -> None:
     like :func:`all_reduce`)."""
     entry = _note("broadcast", tensor.dtype, tensor.numel(), tensor.numel() * tensor.element_size(), group)
     staged = _staged(tensor, group)
-    work = dist.broadcast(staged, src=dist.get_global_rank(group, src_rank), group=group, async_op=True)
+    src = dist.get_global_rank(group, src_rank)
+    work = dist.broadcast(staged, src=src, group=group, async_op=_asynchronous(False, group))
     _finish(work, _copy_back(staged, tensor), False, entry, sliced=backend(group) == "gloo")
 
 
@@ -360,7 +371,7 @@ def broadcast_object(obj: Any, src_rank: int, group: ProcessGroup) -> Any:
 @_explained
 def barrier(group: ProcessGroup) -> None:
     entry = _note("barrier", torch.uint8, 0, 0, group)
-    work = dist.barrier(group=group, async_op=True)
+    work = dist.barrier(group=group, async_op=_asynchronous(False, group))
     _finish(work, None, False, entry, sliced=backend(group) == "gloo")
 
 
