@@ -31,6 +31,7 @@ While :mod:`fullshard.probes` are enabled, each call is counted there (calls, by
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -73,9 +74,12 @@ def _note(op: str, dtype: torch.dtype, numel: int, nbytes: int, group: ProcessGr
 
 
 def _start_watchdog() -> None:
-    """Start the watchdog on the default process group's store (a public accessor of torch's)."""
+    """Start the watchdog on the default process group's store: ``ProcessGroup.get_group_store()``
+    (public), or on a torch without it, the one private accessor."""
     world = default_group()
-    watchdog.start(world.get_group_store(), dist.get_rank(), dist.get_world_size(), process_group_timeout(world))
+    get_store = getattr(world, "get_group_store", None)
+    store = get_store() if get_store is not None else dist.distributed_c10d._get_default_store()
+    watchdog.start(store, dist.get_rank(), dist.get_world_size(), process_group_timeout(world))
 
 
 def process_group_timeout(group: ProcessGroup) -> float:
@@ -89,6 +93,12 @@ def process_group_timeout(group: ProcessGroup) -> float:
         return float(group._get_backend(reduction_device(group)).options._timeout.total_seconds())
     except (AttributeError, RuntimeError):
         return float(dist.constants.default_pg_timeout.total_seconds())
+
+
+def _asynchronous(async_op: bool, group: ProcessGroup) -> bool:
+    """Whether to issue a call asynchronously: when asked, and on gloo while the watchdog runs (a
+    synchronous call would block in torch's C++ out of its reach; the Handle waits in slices)."""
+    return async_op or (watchdog.ACTIVE is not None and backend(group) == "gloo")
 
 
 def _finish(
@@ -126,7 +136,33 @@ def group_rank(group: ProcessGroup) -> int:
 
 
 def backend(group: ProcessGroup) -> str:
-    return str(dist.get_backend(group)).lower()
+    """``group``'s backend name, lower case ("gloo", "nccl")."""
+    return _facts(group).backend
+
+
+class _Facts:
+    """What fullshard looks up about a group on every collective, cached. The cache holds the
+    group weakly: a group torch destroys (``torch.distributed.destroy_process_group``, as
+    torchtitan calls it) must not live on here until interpreter exit, where its gloo threads
+    would be joined while Python is finalizing."""
+
+    __slots__ = ("ref", "backend", "ranks", "name")
+
+    def __init__(self, group: ProcessGroup) -> None:
+        self.ref = weakref.ref(group)
+        self.backend = str(dist.get_backend(group)).lower()
+        self.ranks = [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
+        self.name = ",".join(map(str, self.ranks))  # the flight recorder's group key
+
+
+_FACTS: dict[int, _Facts] = {}
+
+
+def _facts(group: ProcessGroup) -> _Facts:
+    facts = _FACTS.get(id(group))
+    if facts is None or facts.ref() is not group:
+        facts = _FACTS[id(group)] = _Facts(group)
+    return facts
 
 
 def reduction_device(group: ProcessGroup) -> torch.device:
@@ -161,7 +197,9 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup, a
             # 1.06 ms against 1.29 ms on this project's machine).
             splits = [0, 0]
             splits[1 - rank] = input.numel()
-            work = dist.all_to_all_single(slices[1 - rank], input, splits, splits, group=group, async_op=True)
+            work = dist.all_to_all_single(
+                slices[1 - rank], input, splits, splits, group=group, async_op=_asynchronous(async_op, group)
+            )
             return _finish(work, None, async_op, entry, sliced=True)
         # One broadcast rooted at each rank; the root sends its input as is, the others
         # receive into their slice of the output. Gloo runs them concurrently.
@@ -176,28 +214,14 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup, a
     return _finish(work if async_op else None, None, async_op, entry)
 
 
-_GLOBAL_RANKS: dict[Any, list[int]] = {}
-
-
-_GROUP_NAMES: dict[Any, str] = {}
-
-
 def _group_name(group: ProcessGroup) -> str:
     """The group's global ranks, comma-separated (the flight recorder's group key)."""
-    name = _GROUP_NAMES.get(group)
-    if name is None:
-        name = ",".join(map(str, _global_ranks(group)))
-        _GROUP_NAMES[group] = name
-    return name
+    return _facts(group).name
 
 
 def _global_ranks(group: ProcessGroup) -> list[int]:
-    """Global rank of each rank of ``group``, in group-rank order (cached per group)."""
-    ranks = _GLOBAL_RANKS.get(group)
-    if ranks is None:
-        ranks = [dist.get_global_rank(group, r) for r in range(group_size(group))]
-        _GLOBAL_RANKS[group] = ranks
-    return ranks
+    """Global rank of each rank of ``group``, in group-rank order."""
+    return _facts(group).ranks
 
 
 @exposure.blocking("reduce_scatter", _unit)
@@ -231,7 +255,9 @@ def reduce_scatter(
             received = POOL.take(output.numel(), input.dtype, input.device)
             splits = [0, 0]
             splits[1 - me] = output.numel()
-            work = dist.all_to_all_single(received, chunks[1 - me], splits, splits, group=group, async_op=True)
+            work = dist.all_to_all_single(
+                received, chunks[1 - me], splits, splits, group=group, async_op=_asynchronous(async_op, group)
+            )
 
             def epilogue() -> None:
                 torch.add(chunks[me], received, out=output)
@@ -241,7 +267,7 @@ def reduce_scatter(
 
             return _finish(work, epilogue, async_op, entry, sliced=True)
         received = POOL.take(input.numel(), input.dtype, input.device)
-        work = dist.all_to_all_single(received, input, group=group, async_op=True)
+        work = dist.all_to_all_single(received, input, group=group, async_op=_asynchronous(async_op, group))
 
         def epilogue_n() -> None:
             torch.sum(received.view(n, -1), dim=0, out=output)
@@ -290,8 +316,8 @@ def all_reduce(
     nbytes = 2 * tensor.numel() * tensor.element_size() * (n - 1) // n
     entry = _note("all_reduce", tensor.dtype, tensor.numel(), nbytes, group)
     staged = _staged(tensor, group)
-    gloo = backend(group) == "gloo"  # always asynchronous there: waited in slices (Handle)
-    work = dist.all_reduce(staged, op=dist.ReduceOp.SUM, group=group, async_op=async_op or gloo)
+    gloo = backend(group) == "gloo"
+    work = dist.all_reduce(staged, op=dist.ReduceOp.SUM, group=group, async_op=_asynchronous(async_op, group))
     divide = (lambda: tensor.div_(divide_by)) if divide_by != 1.0 else None
     return _finish(work, _copy_back(staged, tensor, divide), async_op, entry, sliced=gloo)
 
@@ -302,7 +328,7 @@ def all_reduce_max(tensor: torch.Tensor, group: ProcessGroup) -> None:
     """Element-wise maximum over ranks, in place, synchronous (staged like :func:`all_reduce`)."""
     entry = _note("all_reduce_max", tensor.dtype, tensor.numel(), tensor.numel() * tensor.element_size(), group)
     staged = _staged(tensor, group)
-    work = dist.all_reduce(staged, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    work = dist.all_reduce(staged, op=dist.ReduceOp.MAX, group=group, async_op=_asynchronous(False, group))
     _finish(work, _copy_back(staged, tensor), False, entry, sliced=backend(group) == "gloo")
 
 
@@ -313,7 +339,8 @@ def broadcast(tensor: torch.Tensor, src_rank: int, group: ProcessGroup) -> None:
     like :func:`all_reduce`)."""
     entry = _note("broadcast", tensor.dtype, tensor.numel(), tensor.numel() * tensor.element_size(), group)
     staged = _staged(tensor, group)
-    work = dist.broadcast(staged, src=dist.get_global_rank(group, src_rank), group=group, async_op=True)
+    src = dist.get_global_rank(group, src_rank)
+    work = dist.broadcast(staged, src=src, group=group, async_op=_asynchronous(False, group))
     _finish(work, _copy_back(staged, tensor), False, entry, sliced=backend(group) == "gloo")
 
 
@@ -344,11 +371,10 @@ def broadcast_object(obj: Any, src_rank: int, group: ProcessGroup) -> Any:
 @_explained
 def barrier(group: ProcessGroup) -> None:
     entry = _note("barrier", torch.uint8, 0, 0, group)
-    work = dist.barrier(group=group, async_op=True)
+    work = dist.barrier(group=group, async_op=_asynchronous(False, group))
     _finish(work, None, False, entry, sliced=backend(group) == "gloo")
 
 
 def clear_caches() -> None:
     """Forget cached group facts (before the groups are destroyed)."""
-    _GLOBAL_RANKS.clear()
-    _GROUP_NAMES.clear()
+    _FACTS.clear()

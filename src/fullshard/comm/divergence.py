@@ -79,10 +79,14 @@ class Guard:
         me = self.channel.rank
         self.asked_at = time.monotonic()
         asked = {}
-        for r in (int(x) for x in e.group.split(",")):
-            if r != me:
-                asked[r] = next(self.tickets)
-                self.channel.send(r, {"kind": "ask", "from": me, "ticket": asked[r], "group": e.group, "seq": e.seq})
+        try:
+            for r in (int(x) for x in e.group.split(",")):
+                if r != me:
+                    asked[r] = next(self.tickets)
+                    ask = {"kind": "ask", "from": me, "ticket": asked[r], "group": e.group, "seq": e.seq}
+                    self.channel.send(r, ask)
+        except Exception:  # the store is unreachable (its host exited): the backend will say what failed
+            return
         for r, ticket in asked.items():
             theirs = self.await_reply(r, ticket, e)
             if theirs is not None and tuple(theirs["identity"]) != e.identity():
@@ -93,11 +97,14 @@ class Guard:
                 raise error
 
     def await_reply(self, rank: int, ticket: int, e: Entry) -> dict[str, Any] | None:
-        """Rank ``rank``'s reply (None: its ring no longer holds #N); polls the store, stopping
-        if this rank is told to stop or ``rank`` exits first."""
+        """Rank ``rank``'s reply (None: its ring no longer holds #N, or the store is unreachable);
+        polls the store, stopping if this rank is told to stop or ``rank`` exits first."""
         pause, next_look = 0.0001, time.monotonic() + 0.5
         while True:
-            arrived, reply = self.channel.reply(ticket)
+            try:
+                arrived, reply = self.channel.reply(ticket)
+            except Exception:  # the store is unreachable: nothing to compare with
+                return None
             if arrived:
                 return reply
             peers.raise_stop()

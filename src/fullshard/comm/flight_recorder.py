@@ -7,7 +7,8 @@ training step) when it is issued, and marks it completed when its wait returns. 
 turns recording off). The engine says which unit and phase it works for with :func:`at`; the
 jobs (or a user) set the step with :func:`set_step`, otherwise it counts root forwards.
 
-The watchdog (:mod:`fullshard.comm.watchdog`) reads it to say where a stuck rank waits, and
+The watchdog (:mod:`fullshard.comm.watchdog`) reads it to say where a stuck rank waits, the
+divergence check (:mod:`fullshard.comm.divergence`) to compare collectives across ranks, and
 :func:`dump` writes it as JSON:
 
 .. code-block:: text
@@ -20,7 +21,9 @@ The watchdog (:mod:`fullshard.comm.watchdog`) reads it to say where a stuck rank
 
 ``group`` is the group's global ranks, comma-separated; ``seq`` counts that group's
 collectives on this rank from 1, so equal (group, seq) on two ranks are the same collective;
-``nbytes`` is the bytes this rank sends; times are seconds since the epoch. The format is
+``nbytes`` is the bytes this rank sends; ``state`` is "issued" (pending), "completed", "failed"
+(the backend raised) or "diverged" (another rank issued a different collective #``seq``: never
+run); times are seconds since the epoch. The format is
 fullshard's own: torch's Flight Recorder analyzer (``torchfrtrace``) reads pickled NCCL traces
 and does not read it.
 """

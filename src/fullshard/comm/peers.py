@@ -91,8 +91,13 @@ class Channel:
         self.prefix = f"fullshard_watchdog/{session}/"
 
     def clone(self) -> Channel:
-        """The same keys through a second store connection (one per thread)."""
-        return Channel(self.store.clone(), self.rank, self.world_size, self.session)
+        """The same keys through a second store connection (one per thread), where the store can
+        open one; else through the same connection (its operations are short: no blocking waits)."""
+        try:
+            store = self.store.clone()
+        except (AttributeError, RuntimeError):
+            store = self.store
+        return Channel(store, self.rank, self.world_size, self.session)
 
     def key(self, *parts: object) -> str:
         return self.prefix + "/".join(map(str, parts))
