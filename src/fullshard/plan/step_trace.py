@@ -92,6 +92,10 @@ def trace_step(
                 )
             batch = cast_floats(example(), compute_dtype)
         param_bytes = sum(p.nbytes for ps in owners for p in ps)
+        for p in (p for ps in owners for p in ps if p.requires_grad):
+            # a sample once a gradient has landed: the node that made it has freed its saved
+            # tensors by then, as when FSDP packs a unit's gradients after its last one
+            p.register_post_accumulate_grad_hook(lambda p: _discard(live.measure()))
         recording.append(True)
         live.measure()
         with traced(device_type) as assumed:
@@ -101,3 +105,7 @@ def trace_step(
         samples.append((live.measure(), grads, True, "<root>"))
     totals = [sum(p.nbytes for p in ps if p.requires_grad) for ps in owners]
     return StepTrace(samples, names, totals, param_bytes, "; ".join(dict.fromkeys(assumed)))
+
+
+def _discard(_: Any) -> None:
+    """A hook's result that must be None."""
