@@ -18,9 +18,10 @@ def fake_world(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from fullshard.comm import collectives
+    from fullshard.comm import buffers, collectives
 
     monkeypatch.setattr(collectives, "backend", lambda group: "gloo")
+    buffers.POOL.clear()  # buffers an earlier test left would serve this step unseen
 
     def start(world: int) -> None:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
@@ -28,6 +29,7 @@ def fake_world(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
     yield start
     if dist.is_initialized():
         dist.destroy_process_group()
+    buffers.POOL.clear()
 
 
 GPT = Shape(3, heads=2, kv_heads=2, head_dim=12, ffn=70, vocab=97)
