@@ -92,6 +92,7 @@ def trace_step(
                 )
             batch = cast_floats(example(), compute_dtype)
         param_bytes = sum(p.nbytes for ps in owners for p in ps)
+        _sample_each_gradient([p for ps in owners for p in ps if p.requires_grad], live)
         recording.append(True)
         live.measure()
         with traced(device_type) as assumed:
@@ -101,3 +102,14 @@ def trace_step(
         samples.append((live.measure(), grads, True, "<root>"))
     totals = [sum(p.nbytes for p in ps if p.requires_grad) for ps in owners]
     return StepTrace(samples, names, totals, param_bytes, "; ".join(dict.fromkeys(assumed)))
+
+
+def _sample_each_gradient(params: list[nn.Parameter], live: LiveTensorBytes) -> None:
+    """A sample once each of ``params``' gradients has landed: the node that made it has freed
+    its saved tensors by then, as when FSDP packs a unit's gradients after its last one."""
+    for p in params:
+        p.register_post_accumulate_grad_hook(lambda p: _discard(live.measure()))
+
+
+def _discard(_: Any) -> None:
+    """A hook's result that must be None."""
