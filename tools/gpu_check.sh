@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The device checks of a lent GPU machine in one command (see BENCHMARKS.md, "On one GPU").
+# Usage there:  bash tools/gpu_check.sh [OUTDIR]   (the device tool's $OUT by default)
+# Installs fullshard into the image's python (no downloads: --no-deps, no build isolation),
+# then runs the `gpu` tests, `fullshard bench gpu` and `fullshard bench compare` on CUDA, each
+# with its own time limit so one hang cannot eat the rest; logs go to OUTDIR.
+set -u
+out="${1:-${OUT:-/tmp/gpu_out}}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation --no-cache-dir -e . >"$out/install.log" 2>&1 \
+  || { echo "install failed"; tail -20 "$out/install.log"; exit 1; }
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name())'
+} | tee "$out/machine.txt"
+step() {  # step NAME SECONDS CMD...: run CMD under a limit, log to OUTDIR/NAME.log, print its tail
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout -k 10 "$limit" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: rc=$rc in $((SECONDS - t0)) s"
+  tail -n "${TAIL:-15}" "$out/$name.log"
+}
+step gpu_tests "${GPU_TESTS_S:-240}" python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider --timeout 230
+cp BENCHMARKS.md "$out/BENCHMARKS.md"
+step bench_gpu "${BENCH_GPU_S:-200}" fullshard bench gpu --offload-presets ${OFFLOAD_PRESETS:-124m 350m 1.3b} \
+  --write "$out/BENCHMARKS.md"
+TAIL=40 step bench_compare "${COMPARE_S:-150}" fullshard bench compare --nproc 1 --rounds 1 --steps 10 --warmup 3
