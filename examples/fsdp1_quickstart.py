@@ -2,8 +2,8 @@
 
     torchrun --standalone --nproc-per-node 2 examples/fsdp1_quickstart.py
 
-The code below is README.md's FSDP1 example; rank 0 prints the loss of each step and the
-full state dict's size.
+The code below is README.md's FSDP1 example; each rank prints its last loss and how many
+tensors its full state dict holds.
 """
 
 import functools
@@ -32,9 +32,6 @@ for step in range(5):
     loss.backward()  # gradients reduce-scattered and averaged over the ranks
     optimizer.step()
     optimizer.zero_grad()
-    if dist.get_rank() == 0:
-        print(f"step {step} loss {loss.item():.4f} (rank 0's batch)")
 full = model.state_dict()  # full tensors under the original names (a collective)
-if dist.get_rank() == 0:
-    print(f"{len(full)} tensors, {sum(t.numel() for t in full.values()):,} parameters")
+print(f"rank {dist.get_rank()}: last loss {loss.item():.4f}, full state dict of {len(full)} tensors")
 dist.destroy_process_group()

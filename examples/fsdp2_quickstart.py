@@ -2,8 +2,8 @@
 
     torchrun --standalone --nproc-per-node 2 examples/fsdp2_quickstart.py
 
-The code below is README.md's FSDP2 example; rank 0 prints the loss of each step and the
-full state dict's size.
+The code below is README.md's FSDP2 example; each rank prints its last loss and how many
+tensors its full state dict holds.
 """
 
 import torch
@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from fullshard import MixedPrecisionPolicy, fully_shard  # was: torch.distributed.fsdp
 
 dist.init_process_group("gloo")  # "nccl" on GPUs; torchrun gives the rank and world size
-torch.manual_seed(0)  # the same initial weights on every rank (or build under torch.device("meta"))
+torch.manual_seed(0)  # the same initial weights on every rank
 blocks = [nn.Sequential(nn.Linear(256, 256), nn.ReLU()) for _ in range(4)]
 model = nn.Sequential(*blocks, nn.Linear(256, 10))
 mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -30,9 +30,7 @@ for step in range(5):
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # the global norm, on every rank
     optimizer.step()
     optimizer.zero_grad()
-    if dist.get_rank() == 0:
-        print(f"step {step} loss {loss.item():.4f} (rank 0's batch)")
-full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-if dist.get_rank() == 0:
-    print(f"{len(full)} tensors, {sum(t.numel() for t in full.values()):,} parameters")
+options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # full tensors, on rank 0 only
+full = get_model_state_dict(model, options=options)  # a collective
+print(f"rank {dist.get_rank()}: last loss {loss.item():.4f}, full state dict of {len(full)} tensors")
 dist.destroy_process_group()
