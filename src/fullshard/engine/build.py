@@ -241,18 +241,28 @@ def _compute_device(module: nn.Module, device_id: Any, offload: bool, ignored: M
 
 
 def _place(module: nn.Module, device: torch.device, offload: bool, ignored: Modules) -> None:
-    """Move the module to ``device``; under offload only its buffers (shards stay on CPU)."""
+    """Move the unit's region to ``device``; under offload only its buffers (shards stay on CPU).
+
+    Nested units are left alone: they were placed when they were built, and ``Module.to`` on
+    them would replace their registered shards (DTensor parameters are swapped, not assigned),
+    cutting them off from their unit. Parameters move in place (``p.data``), so the Parameter
+    objects an optimizer may already hold stay the module's.
+    """
     if device.type == "cpu":
-        return
-    if not offload:
-        module.to(device)
         return
     for m in ignored:  # modules FSDP leaves alone compute on the device as they are
         m.to(device)
-    for _, m in walk_region(module, ignored):
-        for name, b in m._buffers.items():
-            if b is not None:
-                m._buffers[name] = b.to(device)
+    with torch.no_grad():
+        for _, m in walk_region(module, ignored):
+            if not offload:
+                for p in m._parameters.values():
+                    if p is not None and not is_sharded(p) and p.device != device:
+                        grad, p.grad = p.grad, None
+                        p.data = p.data.to(device)
+                        p.grad = None if grad is None else grad.to(device)
+            for name, b in m._buffers.items():
+                if b is not None and b.device != device:
+                    m._buffers[name] = b.to(device)
 
 
 def _cast_buffers(module: nn.Module, dtype: torch.dtype, ignored: Modules) -> None:
