@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 
@@ -15,6 +17,11 @@ def fail_on_rank1(message: str) -> int:
     t = torch.ones(1)
     collectives.all_reduce(t, collectives.default_group())  # rank 0 would wait here for the dead rank 1
     return 0
+
+
+def environment_probe(name: str) -> tuple[str | None, str | None, int]:
+    """This worker's ``name`` variable, its RANK and torch's intra-op thread count."""
+    return os.environ.get(name), os.environ.get("RANK"), torch.get_num_threads()
 
 
 def world_sum() -> float:

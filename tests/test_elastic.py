@@ -55,18 +55,21 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _workers(launcher: int) -> list[int]:
-    """PIDs of the launcher's worker processes (multiprocessing spawn children)."""
-    found = []
+    """PIDs of the launcher's worker processes, in start order: children of its forkserver
+    (how ``fullshard.jobs.launch`` starts them), or its spawned children."""
+    parents: dict[int, int] = {}
+    commands: dict[int, bytes] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmd = (entry / "cmdline").read_bytes()
+            parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            commands[int(entry.name)] = (entry / "cmdline").read_bytes()
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == launcher and b"spawn_main" in cmd:
-            found.append(int(entry.name))
+    servers = {pid for pid, ppid in parents.items() if ppid == launcher and b"forkserver" in commands[pid]}
+    found = [pid for pid, ppid in parents.items() if ppid in servers]
+    found += [pid for pid, ppid in parents.items() if ppid == launcher and b"spawn_main" in commands[pid]]
     return sorted(found)
 
 

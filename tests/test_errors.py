@@ -173,6 +173,27 @@ def test_failure_on_one_rank_stops_the_others() -> None:
 
 
 @pytest.mark.timeout(120)
+def test_launched_workers_take_each_launchs_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers forked from one forkserver still see the launcher's environment of their own
+    launch: a variable set, changed, then removed between launches, and OMP_NUM_THREADS
+    (torch's thread count) following the number of ranks."""
+    import jobs
+
+    from fullshard.jobs.launch import launch, worker_environment
+
+    name = "FULLSHARD_TEST_LAUNCH_ENV"
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv(name, "first")
+    threads = int(worker_environment(2)["OMP_NUM_THREADS"])
+    assert launch(jobs.environment_probe, (name,), nproc=2) == {0: ("first", "0", threads), 1: ("first", "1", threads)}
+    monkeypatch.setenv(name, "second")
+    threads = int(worker_environment(1)["OMP_NUM_THREADS"])
+    assert launch(jobs.environment_probe, (name,), nproc=1) == {0: ("second", "0", threads)}
+    monkeypatch.delenv(name)
+    assert launch(jobs.environment_probe, (name,), nproc=1)[0][0] is None
+
+
+@pytest.mark.timeout(120)
 def test_launch_runs_every_rank() -> None:
     import jobs
 

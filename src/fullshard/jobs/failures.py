@@ -57,16 +57,71 @@ def report(error: BaseException, log: Path, rank: int) -> None:
     sys.stderr.flush()
 
 
+_ENV_AT_IMPORT = dict(os.environ)
+"""The environment this module was imported under. In a forkserver (which imports it before
+forking workers) that is the server's environment, which every worker it forks inherits."""
+
+
+def adopt_environment(env: dict[str, str]) -> None:
+    """Make this worker's environment ``env`` (the launcher's when it launched), keeping what
+    torch's elastic agent set for this worker (``RANK``, ``MASTER_PORT``, ...).
+
+    Needed under the ``forkserver`` start method: a forked worker inherits the server's
+    environment from when the server started, not the launcher's of this launch. Variables read
+    only when a library initializes (``THP_MEM_ALLOC_ENABLE``) are not re-read; the intra-op
+    thread count is applied again from ``OMP_NUM_THREADS``.
+    """
+    from_agent = {k: v for k, v in os.environ.items() if _ENV_AT_IMPORT.get(k) != v}
+    os.environ.clear()
+    os.environ.update(env)
+    os.environ.update(from_agent)
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        import torch
+
+        torch.set_num_threads(int(threads))
+
+
+def _take_stdio(handles: tuple[Any, Any]) -> None:
+    """Point this worker's file descriptors 1 and 2 at the launcher's (``DupFd`` handles)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for target, handle in zip((1, 2), handles):
+        fd = handle.detach()
+        if fd != target:
+            os.dup2(fd, target)
+            os.close(fd)
+
+
 class Guarded:
     """``fn`` as a worker runs it: a failure prints one line and logs its traceback (picklable,
-    named like ``fn`` for torch's launcher)."""
+    named like ``fn`` for torch's launcher). With ``env``, the worker first takes that
+    environment (see :func:`adopt_environment`)."""
 
-    def __init__(self, fn: Callable[..., Any], log: Path) -> None:
-        self.fn, self.log = fn, log
+    def __init__(
+        self, fn: Callable[..., Any], log: Path, env: dict[str, str] | None = None, stdio: tuple[Any, Any] | None = None
+    ) -> None:
+        self.fn, self.log, self.env, self._stdio = fn, log, env, stdio
         self.__name__ = getattr(fn, "__name__", "worker")
         self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled for a worker being started: with handles to the launcher's stdout and stderr
+        as they are now (a forkserver's workers would otherwise write where the server's went
+        when it started, e.g. into an earlier caller's capture)."""
+        from multiprocessing import context, reduction
+
+        stdio = None
+        if context.get_spawning_popen() is not None:  # multiprocessing passes these descriptors along
+            stdio = (reduction.DupFd(1), reduction.DupFd(2))
+        return (Guarded, (self.fn, self.log, self.env, stdio))
+
     def __call__(self, *args: Any) -> Any:
+        if self._stdio is not None:
+            _take_stdio(self._stdio)
+            self._stdio = None
+        if self.env is not None:
+            adopt_environment(self.env)
         try:
             return self.fn(*args)
         except Exception as e:
