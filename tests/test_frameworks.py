@@ -239,7 +239,7 @@ def test_torchtitan_disable_fsdp_gradient_division_sums_like_torch() -> None:
 # ---------------------------------------------------------------------- HF Accelerate
 def force_accelerate_fsdp(plugin: Any) -> None:
     """On CPU, Accelerate picks DDP (MULTI_CPU) whatever the plugin says: make both of its shared
-    states FSDP (the README's lines)."""
+    states FSDP (the lines of docs/frameworks.md)."""
     from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType
 
@@ -312,7 +312,7 @@ def _trainer_losses(rank: int, world: int, on_fullshard: bool, out_dir: str) -> 
     from accelerate.state import AcceleratorState
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    class FSDPOnCPUTrainer(Trainer):  # the README's lines
+    class FSDPOnCPUTrainer(Trainer):  # the lines of docs/frameworks.md
         def create_accelerator_and_postprocess(self) -> None:
             from accelerate.utils import FullyShardedDataParallelPlugin
 

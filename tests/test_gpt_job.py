@@ -32,7 +32,7 @@ def _run(args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProc
 @pytest.mark.timeout(600)
 def test_tiny_preset_reaches_2_5_nats_per_byte(tmp_path: Path) -> None:
     """The defaults but 60 steps (the suite's time): 2.34 after 60 steps when measured; the
-    full 300 reach 1.52 (README)."""
+    full 300 reach 1.52 (docs/jobs.md)."""
     metrics, saved = tmp_path / "gpt.jsonl", tmp_path / "gpt.pt"
     args = ["--nproc", "2", "--steps", "60", "--log-interval", "20", "--metrics-file", str(metrics)]
     r = _run([*args, "--save-model", str(saved)], tmp_path, timeout=580)

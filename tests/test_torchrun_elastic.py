@@ -7,8 +7,8 @@ accumulation makes up the difference), and the gradient norm is summed in float6
 loss reports' summation order differs (1.4e-7 relative at most over 120 steps when measured).
 
 torch's shared rendezvous store (its default since 2.4) cannot take a node that joins after the
-first round (see README, "Multi-node and elastic training"): the agents run with
-``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, as the README tells users to.
+first round (see docs/elastic.md, "Multi-node and elastic training"): the agents run with
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, as docs/elastic.md tells users to.
 """
 
 from __future__ import annotations
