@@ -161,8 +161,11 @@ def _start_method(env: dict[str, str] | None, fn: Callable[..., Any]) -> str:
 
 
 def _failed(error: Any, log: Path) -> WorkerFailed:
-    """The WorkerFailed for torch's ChildFailedError: its first failure, and the job's log."""
-    rank, failure = error.get_first_failure()
+    """The WorkerFailed for torch's ChildFailedError: the worker killed by a signal if any (its
+    peers' collectives then fail after it, often within the same second, which torch's
+    one-second timestamps cannot order), else the first failure; and the job's log."""
+    killed = sorted(r for r, f in error.failures.items() if f.exitcode is not None and f.exitcode < 0)
+    rank, failure = (killed[0], error.failures[killed[0]]) if killed else error.get_first_failure()
     raised = isinstance(failure.message, dict)  # an exception's record: the worker printed its line
     message = failure.message.get("message", "") if isinstance(failure.message, dict) else str(failure.message)
     return WorkerFailed(
