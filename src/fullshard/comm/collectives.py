@@ -15,7 +15,8 @@ It hides what differs between backends and torch versions:
   output's slices; the bytes on the wire are the same. At two ranks it is one all-to-all with
   the own chunk left out (one gloo operation instead of two).
 - torch 2.13 renamed ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` to
-  ``all_gather_single`` / ``reduce_scatter_single``; torch 2.11 has only the old names.
+  ``all_gather_single`` / ``reduce_scatter_single``; torch 2.11 has only the old names
+  (:mod:`fullshard.compat` picks one at import).
 
 Asynchronous calls return a :class:`~fullshard.comm.handle.Handle`; its ``wait()`` finishes any
 local work (the sum of an emulated reduce-scatter, the division of an average) and is
@@ -38,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fullshard import probes
+from fullshard import compat, probes
 from fullshard.comm import exposure, watchdog
 from fullshard.comm.buffers import POOL
 from fullshard.comm.flight_recorder import RECORDER, Entry
@@ -48,8 +49,8 @@ from fullshard.comm.peers import CollectiveDiverged, CollectiveError, Collective
 
 ProcessGroup = Any  # torch's ProcessGroup type moves between versions
 
-_all_gather_fn: Callable[..., Any] = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_fn: Callable[..., Any] = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_fn: Callable[..., Any] = compat.all_gather_tensor
+_reduce_scatter_fn: Callable[..., Any] = compat.reduce_scatter_tensor
 
 __all__ = ["CollectiveDiverged", "CollectiveError", "CollectiveFailed", "CollectiveTimeout", "Handle"]
 
@@ -74,25 +75,21 @@ def _note(op: str, dtype: torch.dtype, numel: int, nbytes: int, group: ProcessGr
 
 
 def _start_watchdog() -> None:
-    """Start the watchdog on the default process group's store: ``ProcessGroup.get_group_store()``
-    (public), or on a torch without it, the one private accessor."""
+    """Start the watchdog on the default process group's store (:func:`fullshard.compat.group_store`)."""
     world = default_group()
-    get_store = getattr(world, "get_group_store", None)
-    store = get_store() if get_store is not None else dist.distributed_c10d._get_default_store()
+    store = compat.group_store(world)
     watchdog.start(store, dist.get_rank(), dist.get_world_size(), process_group_timeout(world))
 
 
 def process_group_timeout(group: ProcessGroup) -> float:
     """The ``timeout=`` (seconds) that ``group`` was created with.
 
-    torch has no public getter: ``init_process_group`` / ``new_group`` store it in the backend's
-    options (``group._get_backend(device).options._timeout``), the one place read here. When that
-    cannot be read, torch's default (``torch.distributed.constants.default_pg_timeout``).
+    torch has no public getter (:func:`fullshard.compat.backend_timeout` reads the backend's
+    options). For a backend that keeps no options (a third-party one), torch's default
+    (``torch.distributed.constants.default_pg_timeout``).
     """
-    try:
-        return float(group._get_backend(reduction_device(group)).options._timeout.total_seconds())
-    except (AttributeError, RuntimeError):
-        return float(dist.constants.default_pg_timeout.total_seconds())
+    seconds = compat.backend_timeout(group, reduction_device(group))
+    return float(dist.constants.default_pg_timeout.total_seconds()) if seconds is None else seconds
 
 
 def _asynchronous(async_op: bool, group: ProcessGroup) -> bool:

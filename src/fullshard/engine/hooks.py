@@ -23,10 +23,8 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
-from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten, tree_map
 
-from fullshard import probes
+from fullshard import compat, probes
 from fullshard.comm import buffers, collectives, exposure, flight_recorder
 from fullshard.engine.config import BackwardPrefetch, FrontEnd, MixedPrecision
 from fullshard.engine.module_wrapper import clean_name
@@ -178,13 +176,12 @@ def prepare_inputs(hooks: UnitHooks, inputs: Any) -> Any:
             t = t.to(dtype)
         return t
 
-    return tree_map(convert, inputs)
+    return compat.tree_map(convert, inputs)
 
 
 def _in_backward() -> bool:
     """Whether the autograd engine is running a backward pass on this thread."""
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return task is not None and task() != -1
+    return compat.in_backward()
 
 
 def root_pre_forward(hooks: UnitHooks) -> None:
@@ -313,7 +310,7 @@ def _complete_unfinished_passes(root: RootState, hooks: UnitHooks, output: Any) 
 def register_pre_backward(hooks: UnitHooks, output: Any) -> Any:
     """Hook every tensor of ``output`` that requires grad, so that the unit is gathered (and
     its prefetches start) when backward reaches it. Returns ``output``."""
-    tensors, _ = tree_flatten(output)
+    tensors, _ = compat.tree_flatten(output)
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.requires_grad:
             t.register_hook(functools.partial(_pre_backward, hooks))
@@ -326,7 +323,7 @@ def _pre_backward(hooks: UnitHooks, grad: torch.Tensor) -> torch.Tensor:
     assert root is not None
     if not root.callback_queued:
         root.callback_queued = True
-        Variable._execution_engine.queue_callback(functools.partial(finish_backward, root))
+        compat.queue_backward_callback(functools.partial(finish_backward, root))
     if id(unit) in root.pre_backward_done:
         return grad
     root.pre_backward_done.add(id(unit))
