@@ -60,7 +60,9 @@ def test_collectives_use_the_names_chosen_for_this_torch() -> None:
 def test_store_and_timeout_of_a_group() -> None:
     """Both store accessors reach the default group's store; the timeout read back is the one given."""
     assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=77))
+    dist.init_process_group(
+        "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=77)
+    )
     try:
         group = dist.group.WORLD
         compat.group_store(group).set("compat-key", "1")

@@ -43,11 +43,27 @@ LAYERS: dict[str, int] = {
     "fullshard.state": 3,  # state dicts, optimizer state, checkpoints (work from units)
     "fullshard.frontend": 4,  # FSDP1 wrapper, fully_shard, wrap policies, checkpointing, clipping
     "fullshard.plan": 5,  # memory and step-time estimates, the planner, memory measurement
-    "fullshard.jobs": 6,  # launcher, models, data, training commands, estimate/plan commands, benchmark
-    "fullshard": 7,  # the public facade: __init__, api, wrap, checkpoint, train, cli
+    "fullshard": 6,  # the public API: __init__, api, wrap, checkpoint, distributed, planning, ...
+    "fullshard.jobs": 7,  # launcher, models, data, training commands, estimate/plan commands, benchmark
+    "fullshard.cli": 8,  # the `fullshard` command: runs the jobs
+    "fullshard.train": 8,  # `python -m fullshard.train`: the training jobs' entry point
 }
 # Modules that count as a package of their own in the package-level cycle check.
-OWN_PACKAGE = {"fullshard.probes", "fullshard.compat"}
+OWN_PACKAGE = {"fullshard.probes", "fullshard.compat", "fullshard.cli"}  # fullshard.train is a package
+# The training jobs are recipes written against the public API alone (they double as examples):
+# they may import these modules, torch, and the jobs' own modules (models, data, launcher).
+TRAIN_JOBS = "fullshard.jobs.train"
+PUBLIC_MODULES = frozenset(
+    {
+        "fullshard",
+        "fullshard.api",
+        "fullshard.checkpoint",
+        "fullshard.distributed",
+        "fullshard.fully_sharded_data_parallel",
+        "fullshard.planning",
+        "fullshard.wrap",
+    }
+)
 
 
 COMPAT = "fullshard.compat"
@@ -249,6 +265,11 @@ def main(argv: list[str]) -> int:
                 problems.append(f"{name} (layer {layer_of(name)}) imports {dep} (layer {layer_of(dep)}): upward")
     problems.extend("import cycle among: " + ", ".join(c) for c in cycles(graph))
     problems.extend("package import cycle among: " + ", ".join(c) for c in cycles(package_graph(graph, paths)))
+    for name, deps in sorted(graph.items()):
+        if name == TRAIN_JOBS or name.startswith(TRAIN_JOBS + "."):
+            for dep in sorted(deps - PUBLIC_MODULES):
+                if layer_of(dep) < LAYERS["fullshard.jobs"]:
+                    problems.append(f"{name} imports {dep}: a training job uses only fullshard's public API")
     for name, path in paths.items():
         problems.extend(size_problems(path))
         if name != COMPAT:

@@ -125,10 +125,16 @@ def default_group() -> ProcessGroup:
 
 
 def group_size(group: ProcessGroup) -> int:
+    """The number of ranks in ``group``. Raises RuntimeError when no process group is initialized."""
     return dist.get_world_size(group)
 
 
 def group_rank(group: ProcessGroup) -> int:
+    """This process's rank within ``group`` (0 to size - 1; -1 when it is not a member).
+
+    Raises:
+        RuntimeError: no process group is initialized.
+    """
     return dist.get_rank(group)
 
 
@@ -322,7 +328,9 @@ def all_reduce(
 @exposure.blocking("all_reduce_max", _unit)
 @_explained
 def all_reduce_max(tensor: torch.Tensor, group: ProcessGroup) -> None:
-    """Element-wise maximum over ranks, in place, synchronous (staged like :func:`all_reduce`)."""
+    """Element-wise maximum of ``tensor`` (any shape and dtype) over the ranks of ``group``, in
+    place, synchronous (a tensor on a device the backend cannot reduce on goes through a copy, as
+    in :func:`all_reduce`)."""
     entry = _note("all_reduce_max", tensor.dtype, tensor.numel(), tensor.numel() * tensor.element_size(), group)
     staged = _staged(tensor, group)
     work = dist.all_reduce(staged, op=dist.ReduceOp.MAX, group=group, async_op=_asynchronous(False, group))
@@ -344,7 +352,8 @@ def broadcast(tensor: torch.Tensor, src_rank: int, group: ProcessGroup) -> None:
 @exposure.blocking("all_gather_object", _unit)
 @_explained
 def all_gather_object(obj: Any, group: ProcessGroup) -> list[Any]:
-    """Gather one picklable object per rank; returns the list in rank order."""
+    """Gather one picklable object per rank of ``group``; returns the list in group rank order
+    (length: the group's size). Every rank must call it."""
     out: list[Any] = [None] * group_size(group)
     entry = _note("all_gather_object", torch.uint8, 0, 0, group)
     dist.all_gather_object(out, obj, group=group)
@@ -367,6 +376,11 @@ def broadcast_object(obj: Any, src_rank: int, group: ProcessGroup) -> Any:
 @exposure.blocking("barrier", _unit)
 @_explained
 def barrier(group: ProcessGroup) -> None:
+    """Return once every rank of ``group`` has called it (recorded and watched like any collective).
+
+    Raises:
+        fullshard.comm.peers.CollectiveError: a rank failed, diverged or timed out (watchdog on).
+    """
     entry = _note("barrier", torch.uint8, 0, 0, group)
     work = dist.barrier(group=group, async_op=_asynchronous(False, group))
     _finish(work, None, False, entry, sliced=backend(group) == "gloo")

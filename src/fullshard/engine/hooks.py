@@ -105,8 +105,27 @@ def set_fsdp_state(module: nn.Module, state: UnitHooks) -> None:
 
 
 def is_unit(module: nn.Module) -> bool:
-    """Whether ``module`` heads an FSDP unit (a wrapper, or a module given to fully_shard)."""
+    """Whether ``module`` heads an FSDP unit (a wrapper, or a module given to fully_shard).
+
+    Args:
+        module: any module.
+
+    Returns:
+        True for a ``FullyShardedDataParallel`` wrapper or a module ``fully_shard`` was applied to.
+    """
     return _STATE_ATTR in module.__dict__
+
+
+def unit_count(model: nn.Module) -> int:
+    """The number of FSDP units in ``model``'s tree (either front end; ``model`` itself included).
+
+    Args:
+        model: any module, sharded or not (0 when nothing in it is).
+
+    Returns:
+        how many distinct units head a module of ``model.modules()``.
+    """
+    return len({id(state.unit) for m in model.modules() if (state := fsdp_state(m)) is not None})
 
 
 def lazy_init(module: nn.Module) -> UnitHooks:
