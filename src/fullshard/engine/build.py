@@ -206,6 +206,12 @@ def _as_device(device_id: int | str | torch.device) -> torch.device:
 _warned_offload_on_cpu = False
 
 
+def reset_warnings() -> None:
+    """Warn again about what is warned once per process (a test harness's fresh start)."""
+    global _warned_offload_on_cpu
+    _warned_offload_on_cpu = False
+
+
 def _compute_device(module: nn.Module, device_id: Any, offload: bool, ignored: Modules) -> torch.device:
     """Where the unit computes: ``device_id``, else the module's device (a GPU under offload)."""
     global _warned_offload_on_cpu

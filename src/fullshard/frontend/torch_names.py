@@ -158,6 +158,15 @@ def use_in_torch(*, fsdp1: bool = False) -> TorchBinding:
     return TorchBinding(groups)
 
 
+def reset() -> None:
+    """Give torch its functions back, however many :func:`use_in_torch` calls are not undone
+    (a test harness's fresh start in a kept process)."""
+    for group in _GROUPS:
+        if _depth[group]:
+            _depth[group] = 0
+            _rebind(group, _ours(), _originals)
+
+
 def active(group: str = "fsdp2") -> bool:
     """Whether :func:`use_in_torch` is on (``"fsdp1"``: with ``fsdp1=True``)."""
     return _depth[group] > 0
