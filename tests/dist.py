@@ -44,13 +44,15 @@ _SEED = 1234  # every call starts from this default-generator seed (torch seeds 
 _VOLATILE = ("PYTEST_CURRENT_TEST",)  # pytest rewrites it for every test phase: never a reason for fresh ranks
 
 
-# Modules whose attributes tests replace (collectives, tunables): restored after every call.
-PATCHABLE = (
-    "torch.distributed",
-    "torch.distributed.distributed_c10d",
-    "fullshard.comm.collectives",
-    "fullshard.engine.layout",
-)
+# Modules whose attributes tests replace (collectives, tunables), restored after every call: in
+# torch's, only functions and classes (its own globals, such as c10d's count of groups created,
+# move on legitimately); in fullshard's, every attribute (none is rebound at run time).
+PATCHABLE = {
+    "torch.distributed": "callables",
+    "torch.distributed.distributed_c10d": "callables",
+    "fullshard.comm.collectives": "all",
+    "fullshard.engine.layout": "all",
+}
 
 
 @contextlib.contextmanager
@@ -73,7 +75,11 @@ def patched(owner: Any, **values: Any) -> Iterator[None]:
 
 def _snapshot() -> dict[str, dict[str, Any]]:
     """The attributes of the loaded modules in ``PATCHABLE``."""
-    return {name: dict(vars(sys.modules[name])) for name in PATCHABLE if name in sys.modules}
+    return {
+        name: {k: v for k, v in vars(sys.modules[name]).items() if kind == "all" or callable(v)}
+        for name, kind in PATCHABLE.items()
+        if name in sys.modules
+    }
 
 
 def _restore(snapshot: dict[str, dict[str, Any]]) -> None:
