@@ -14,10 +14,8 @@ version, never by switching a feature off. Names needed only by optional feature
 internals, tensor parallelism, dynamo) are resolved when first used, because importing their
 modules costs time in every process (``torch.distributed.tensor``: 0.7 s), and raise the same
 error there. Where torch versions differ in public names, the choice is made here at import,
-by presence, and recorded in a constant (:data:`ALL_GATHER_NAME`, :data:`STORE_ACCESSOR`).
-
-Not in this module: nn.Module's registration dicts are reached through :func:`module_parameters`,
-:func:`module_buffers`, :func:`module_children` here as well, so the whole list is one place.
+by presence, and recorded in a constant (:data:`ALL_GATHER_NAME`, :data:`STORE_ACCESSOR`,
+:data:`STORAGE_SWAP`). nn.Module's registration dicts (``_parameters``, ...) are reached here too.
 """
 
 from __future__ import annotations
@@ -71,9 +69,10 @@ def resolve(path: str) -> Any:
 
 # Every private name used below, as resolve() paths: tests/test_compat.py resolves each one.
 # Those marked "import" are resolved when this module is imported (the engine cannot run without
-# them); the rest when the feature that needs them is first used.
+# them); "use" ones when the feature that needs them is first used; "optional" ones pick between
+# two supported ways by presence (each with a test of both ways).
 PRIVATE_NAMES: dict[str, str] = {
-    "torch:UntypedStorage._swap_data_ptr_": "import",
+    "torch:UntypedStorage._swap_data_ptr_": "optional",  # absent in torch 2.11: see STORAGE_SWAP
     "torch:_C._storage_Use_Count": "import",
     "torch:_C._autograd._unsafe_set_version_counter": "import",
     "torch:_C._current_graph_task_id": "import",
@@ -105,28 +104,35 @@ for _path, _when in PRIVATE_NAMES.items():
     if _when == "import":
         resolve(_path)
 
-# ---- pytree and dispatch modes --------------------------------------------------------------
-# Nested containers of tensors (module inputs and outputs). Public replacement: torch.utils.pytree
-# (announced, not in torch 2.13); optree's would add a dependency.
-# (Imported by name after the check above, so type checkers see their types.)
-# What Module.load_state_dict returns (a named tuple of missing and unexpected keys); fullshard's
-# load_state_dict returns the same type so callers' checks work. No public name for the type.
+# ---- imported by name after the check above (so type checkers see their types) --------------
+# _IncompatibleKeys: what Module.load_state_dict returns; fullshard's returns the same (no public
+# name). TorchDispatchMode: the planner's live-byte tracker (no public base class). pytree: module
+# inputs and outputs (public torch.utils.pytree is announced, not in torch 2.13).
 from torch.nn.modules.module import _IncompatibleKeys as IncompatibleKeys  # noqa: E402
-
-# The planner's live-byte tracker sees every op; torch has no public dispatch-mode base class.
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_flatten, tree_map  # noqa: E402
 
 # ---- storages ------------------------------------------------------------------------------
 # The buffer pool lends memory to a unit's flat buffer by swapping storage data pointers, so every
-# view of the buffer sees the pooled memory. No public API moves memory between storages.
-_swap = resolve("torch:UntypedStorage._swap_data_ptr_")
+# view of the buffer sees the pooled memory. No public API moves memory between storages. torch
+# 2.11 has no swap: there the flat buffer's storage is resized instead (public resize_, what CUDA
+# always does), and CPU memory is not pooled for it. Chosen once, here.
+_swap = getattr(torch.UntypedStorage, "_swap_data_ptr_", None)
+STORAGE_SWAP = _swap is not None
 # Whether a pooled buffer is still used by a view someone kept. No public use count of a storage.
 _use_count = resolve("torch:_C._storage_Use_Count")
 
 
 def swap_storage_memory(a: torch.UntypedStorage, b: torch.UntypedStorage) -> None:
-    """Exchange the memory of storages ``a`` and ``b`` (each keeps its identity and views)."""
+    """Exchange the memory of storages ``a`` and ``b`` (each keeps its identity and views).
+
+    Raises:
+        MissingTorchName: this torch has no swap (check :data:`STORAGE_SWAP` first).
+    """
+    if _swap is None:
+        raise MissingTorchName(
+            f"fullshard needs torch.UntypedStorage._swap_data_ptr_, absent in torch {torch.__version__}"
+        )
     _swap(a, b)
 
 
@@ -175,16 +181,12 @@ def autograd_engine_type() -> type:
     return type(Variable._execution_engine)
 
 
-def install_autograd_engine(engine: Any) -> None:
-    """Make ``engine`` (an instance of a subclass of :func:`autograd_engine_type`) autograd's
-    engine handle, behind ``Tensor.backward`` and ``torch.autograd.grad``. No public API: torch
-    offers no hook around a backward call that sees its errors."""
-    Variable._execution_engine = engine
-
-
-def autograd_engine() -> Any:
-    """Autograd's engine handle now."""
-    return Variable._execution_engine
+def install_autograd_engine(engine_type: type) -> None:
+    """Make an ``engine_type()`` (a subclass of :func:`autograd_engine_type`) autograd's engine
+    handle, behind ``Tensor.backward`` and ``torch.autograd.grad``, unless one is already
+    (idempotent). No public API: torch has no hook around a backward call that sees its errors."""
+    if not isinstance(Variable._execution_engine, engine_type):
+        Variable._execution_engine = engine_type()
 
 
 def profiler_enabled() -> bool:

@@ -95,9 +95,10 @@ def lend(storage: torch.UntypedStorage, numel: int, dtype: torch.dtype, device: 
     On CPU the memory comes from :data:`POOL` by swapping data pointers: ``storage`` keeps its
     identity, so every view of it sees the new memory. Returns the pooled tensor, which now owns
     ``storage``'s former empty allocation and must be passed to :func:`take_back`; elsewhere
-    (CUDA's caching allocator already reuses memory) ``storage`` is resized and None is returned.
+    (CUDA's caching allocator already reuses memory; a torch without the swap,
+    :data:`fullshard.compat.STORAGE_SWAP`) ``storage`` is resized and None is returned.
     """
-    if device.type == "cpu":
+    if compat.STORAGE_SWAP and device.type == "cpu":
         lent = POOL.take(numel, dtype, device)
         compat.swap_storage_memory(storage, lent.untyped_storage())
         return lent

@@ -136,5 +136,4 @@ def install() -> None:
 
     Called when the first unit is built, so importing fullshard alone changes nothing in torch.
     """
-    if not isinstance(compat.autograd_engine(), _ExplainingEngine):
-        compat.install_autograd_engine(_ExplainingEngine())
+    compat.install_autograd_engine(_ExplainingEngine)
