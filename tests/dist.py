@@ -14,25 +14,109 @@ environment differs from the one the kept ranks started with (under ``monkeypatc
 after torch's elastic launcher added its variables) closes them and starts a new set in this
 environment, so variables read at process start hold. ``fresh=True`` runs in new processes
 that leave after the call: for measurements of a whole process such as peak RSS.
+
+A kept rank also undoes what a call left in the process: attributes of the modules in
+``PATCHABLE`` (torch.distributed's collectives, fullshard's collectives) are put back as they
+were before the call, and fullshard's process-wide state is reset (:func:`reset_fullshard`: the
+buffer pool, the flight recorder, the watchdog's settings, the probes, cached group facts,
+use_in_torch bindings, warn-once flags). Tests patch with :func:`patched`, which restores too.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import importlib
 import io
 import multiprocessing as mp
 import os
 import queue
+import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 _SEED = 1234  # every call starts from this default-generator seed (torch seeds new processes at random)
 _VOLATILE = ("PYTEST_CURRENT_TEST",)  # pytest rewrites it for every test phase: never a reason for fresh ranks
+
+
+# Modules whose attributes tests replace (collectives, tunables), restored after every call: in
+# torch's, only functions and classes (its own globals, such as c10d's count of groups created,
+# move on legitimately); in fullshard's, every attribute (none is rebound at run time).
+PATCHABLE = {
+    "torch.distributed": "callables",
+    "torch.distributed.distributed_c10d": "callables",
+    "fullshard.comm.collectives": "all",
+    "fullshard.engine.layout": "all",
+}
+
+
+@contextlib.contextmanager
+def patched(owner: Any, **values: Any) -> Iterator[None]:
+    """Set attributes of ``owner`` (a module, a class) for a ``with`` block; the old values come
+    back when it ends, also when it raises."""
+    missing = object()
+    saved = {name: getattr(owner, name, missing) for name in values}
+    for name, value in values.items():
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for name, old in saved.items():
+            if old is missing:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, old)
+
+
+def _snapshot() -> dict[str, dict[str, Any]]:
+    """The attributes of the loaded modules in ``PATCHABLE``."""
+    return {
+        name: {k: v for k, v in vars(sys.modules[name]).items() if kind == "all" or callable(v)}
+        for name, kind in PATCHABLE.items()
+        if name in sys.modules
+    }
+
+
+def _restore(snapshot: dict[str, dict[str, Any]]) -> None:
+    """Put back the attributes ``snapshot`` saw, where replaced or removed. Names added are left:
+    importing a submodule adds its name to the package, and the import system never adds it again."""
+    for name, before in snapshot.items():
+        namespace = vars(sys.modules[name])
+        for key, value in before.items():
+            if key not in namespace or namespace[key] is not value:
+                namespace[key] = value
+
+
+# fullshard's process-wide state and the function that resets each (module, function name).
+_RESETS = (
+    ("fullshard.comm.buffers", "POOL.clear"),
+    ("fullshard.comm.flight_recorder", "reset"),
+    ("fullshard.comm.watchdog", "reset"),
+    ("fullshard.probes", "reset"),
+    ("fullshard.comm.collectives", "clear_caches"),
+    ("fullshard.frontend.torch_names", "reset"),
+    ("fullshard.engine.build", "reset_warnings"),
+)
+
+
+def reset_fullshard() -> None:
+    """Reset fullshard's process-wide state in this process (modules not loaded are skipped).
+
+    Kept on purpose: the hybrid-sharding groups and device meshes cached per process group (the
+    kept ranks' default group lives across calls, and re-creating groups every call would leak
+    gloo's threads), and the FSDP<Cls> classes fully_shard made.
+    """
+    for module_name, function in _RESETS:
+        if module_name in sys.modules:
+            target: Any = importlib.import_module(module_name)
+            for part in function.split("."):
+                target = getattr(target, part)
+            target()
 
 
 def _environment() -> dict[str, str]:
@@ -56,6 +140,7 @@ def _setup(rank: int, world: int, store_path: str, backend: str) -> None:
 def _call(fn: Callable[..., Any], rank: int, world: int, args: tuple) -> tuple[str, Any]:
     """Run one call from a clean slate; ("ok", pickled result) or ("error", traceback)."""
     env = dict(os.environ)
+    modules = _snapshot()
     torch.manual_seed(_SEED)
     try:
         result = fn(rank, world, *args)
@@ -70,6 +155,8 @@ def _call(fn: Callable[..., Any], rank: int, world: int, args: tuple) -> tuple[s
         torch.set_default_dtype(torch.float32)
         torch.set_grad_enabled(True)
         torch.set_num_threads(1)
+        _restore(modules)
+        reset_fullshard()
 
 
 def _entry(fn: Callable[..., Any], rank: int, world: int, store_path: str, q: Any, args: tuple, backend: str) -> None:
@@ -90,6 +177,8 @@ def _kept(rank: int, world: int, store_path: str, inbox: Any, q: Any) -> None:
     """A kept rank: set up once, then run each ``(fn, args)`` from ``inbox`` until None."""
     try:
         _setup(rank, world, store_path, "gloo")
+        for name in PATCHABLE:  # loaded before the first call, so that each call's snapshot holds them
+            importlib.import_module(name)
     except BaseException:
         q.put((rank, "error", traceback.format_exc()))
         return

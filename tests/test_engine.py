@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from dist import run_ranks
+from dist import patched, run_ranks
 from models import Block, batch, make_stack
 
 from fullshard.engine.hooks import fsdp_state
@@ -182,15 +182,16 @@ def late_body(rank: int, world: int) -> list[str]:
 
     from fullshard.comm import collectives
 
-    saved = (collectives._all_gather_fn, collectives._reduce_scatter_fn, dist.all_to_all_single, dist.all_reduce)
-    collectives._all_gather_fn = _make_late(collectives._all_gather_fn)
-    collectives._reduce_scatter_fn = _make_late(collectives._reduce_scatter_fn)
-    dist.all_to_all_single = _make_late(dist.all_to_all_single)
-    dist.all_reduce = _late_all_reduce(dist.all_reduce)
-    try:
+    late_collectives = patched(
+        collectives,
+        _all_gather_fn=_make_late(collectives._all_gather_fn),
+        _reduce_scatter_fn=_make_late(collectives._reduce_scatter_fn),
+    )
+    late_dist = patched(
+        dist, all_to_all_single=_make_late(dist.all_to_all_single), all_reduce=_late_all_reduce(dist.all_reduce)
+    )
+    with late_collectives, late_dist:  # the kept rank process runs later tests: the real ones come back
         return _late_steps(rank, world)
-    finally:  # the kept rank process runs later tests: put the real collectives back
-        collectives._all_gather_fn, collectives._reduce_scatter_fn, dist.all_to_all_single, dist.all_reduce = saved
 
 
 def _late_steps(rank: int, world: int) -> list[str]:

@@ -13,7 +13,7 @@ import os
 
 import pytest
 import torch
-from dist import run_ranks
+from dist import patched, run_ranks
 from models import TinyLM, tokens
 
 from fullshard import probes
@@ -552,8 +552,7 @@ def reshard_to_smaller_group_body(rank: int, world: int) -> list[int]:
         sizes.append(collectives.group_size(group))
         return real_all_gather(output, input, group, async_op=async_op)
 
-    collectives.all_gather = counting
-    try:
+    with patched(collectives, all_gather=counting):
         for step in range(3):
             x = my_tokens(step, rank, world)
             train_step(ref, ref_opt, x, clip=0)
@@ -565,8 +564,6 @@ def reshard_to_smaller_group_body(rank: int, world: int) -> list[int]:
             assert all(u.partial.kept is None for u in units)
             opt.step()
             opt.zero_grad()
-    finally:
-        collectives.all_gather = real_all_gather
     assert_same_params(ref, ours, "reshard_after_forward=2")
     with pytest.raises(ValueError, match="reshard_after_forward=3 must divide"):
         fs.fully_shard(TinyLM().layers[0], reshard_after_forward=3)

@@ -7,7 +7,7 @@ import functools
 
 import pytest
 import torch
-from dist import run_ranks
+from dist import patched, run_ranks
 from models import Block, batch, local, make_stack
 
 GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4
@@ -32,13 +32,9 @@ def run_grid(
 ) -> list[str]:
     from fullshard.engine import layout
 
-    default_gather_bytes = layout.DIRECT_GATHER_BYTES
-    if direct_gather_bytes is not None:  # restored at the end: ranks are kept between calls
-        layout.DIRECT_GATHER_BYTES = direct_gather_bytes
-    try:
+    gather_bytes = layout.DIRECT_GATHER_BYTES if direct_gather_bytes is None else direct_gather_bytes
+    with patched(layout, DIRECT_GATHER_BYTES=gather_bytes):  # restored at the end: ranks are kept between calls
         return _run_grid(rank, world, grid, direct_gather_bytes)
-    finally:
-        layout.DIRECT_GATHER_BYTES = default_gather_bytes
 
 
 def _run_grid(rank: int, world: int, grid: list[tuple[str, str, str]], direct_gather_bytes: int | None) -> list[str]:

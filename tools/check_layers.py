@@ -14,6 +14,14 @@ its own layer or lower ones, never a higher one, and the graph of imports betwee
 have no cycle. Sizes: files at most ``MAX_FILE_LINES`` lines, functions (and methods) at most
 ``MAX_FUNCTION_LINES`` lines, counted from the ``def`` line to the last line of the body.
 ``--graph`` prints each module's imports.
+
+torch's private names: only ``fullshard/compat.py`` may touch them (see its docstring). Elsewhere
+these are flagged: an import of a torch module path with a ``_private`` part or of a ``_private``
+name from a torch module; an attribute ``_x`` read through a name the file bound to torch (``torch``,
+``dist``, ``from torch.autograd import Variable``, ...); an attribute in ``TORCH_PRIVATE_ATTRS``
+(torch's private attributes met on objects of any name: a DTensor's ``_local_tensor``, a module's
+``_parameters``) read, written or named to ``getattr`` / ``hasattr`` / ``setattr``. Dunder names
+and fullshard's own ``_private`` attributes (``_fullshard_param``) are not torch's and pass.
 """
 
 from __future__ import annotations
@@ -29,16 +37,123 @@ MAX_FUNCTION_LINES = 60
 # Layer of each package (or single module), lowest first. The longest matching prefix decides.
 LAYERS: dict[str, int] = {
     "fullshard.probes": 0,  # opt-in test and benchmark probes: imports nothing of fullshard
+    "fullshard.compat": 0,  # torch's private names and version differences: imports nothing of fullshard
     "fullshard.comm": 1,  # collectives and buffers: the only code that calls torch.distributed
     "fullshard.engine": 2,  # sharded parameter, unit, reduction, hooks, build, configs
     "fullshard.state": 3,  # state dicts, optimizer state, checkpoints (work from units)
     "fullshard.frontend": 4,  # FSDP1 wrapper, fully_shard, wrap policies, checkpointing, clipping
     "fullshard.plan": 5,  # memory and step-time estimates, the planner, memory measurement
-    "fullshard.jobs": 6,  # launcher, models, data, training commands, estimate/plan commands, benchmark
-    "fullshard": 7,  # the public facade: __init__, api, wrap, checkpoint, train, cli
+    "fullshard": 6,  # the public API: __init__, api, wrap, checkpoint, distributed, planning, ...
+    "fullshard.jobs": 7,  # launcher, models, data, training commands, estimate/plan commands, benchmark
+    "fullshard.cli": 8,  # the `fullshard` command: runs the jobs
+    "fullshard.train": 8,  # `python -m fullshard.train`: the training jobs' entry point
 }
 # Modules that count as a package of their own in the package-level cycle check.
-OWN_PACKAGE = {"fullshard.probes"}
+OWN_PACKAGE = {"fullshard.probes", "fullshard.compat", "fullshard.cli"}  # fullshard.train is a package
+# The training jobs are recipes written against the public API alone (they double as examples):
+# they may import these modules, torch, and the jobs' own modules (models, data, launcher).
+TRAIN_JOBS = "fullshard.jobs.train"
+PUBLIC_MODULES = frozenset(
+    {
+        "fullshard",
+        "fullshard.api",
+        "fullshard.checkpoint",
+        "fullshard.distributed",
+        "fullshard.fully_sharded_data_parallel",
+        "fullshard.planning",
+        "fullshard.wrap",
+    }
+)
+
+
+COMPAT = "fullshard.compat"
+# torch's private attributes that fullshard met on objects of any name (not only through a torch
+# module): each is reached through fullshard.compat instead.
+TORCH_PRIVATE_ATTRS = frozenset(
+    {
+        "_apply",
+        "_base",
+        "_buffers",
+        "_cdata",
+        "_concatenate",
+        "_execution_engine",
+        "_forward_hooks",
+        "_forward_pre_hooks",
+        "_forward_pre_hooks_with_kwargs",
+        "_get_backend",
+        "_local_tensor",
+        "_modules",
+        "_non_persistent_buffers_set",
+        "_parameters",
+        "_register_load_state_dict_pre_hook",
+        "_register_state_dict_hook",
+        "_spec",
+        "_swap_data_ptr_",
+        "_timeout",
+        "_version",
+    }
+)
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _torch_path(module: str) -> bool:
+    return module == "torch" or module.startswith("torch.")
+
+
+def private_torch_uses(path: Path, tree: ast.Module) -> list[str]:
+    """Each private torch access in ``path`` (see the module docstring), one line each."""
+    rel = path.relative_to(ROOT.parent)
+    roots: set[str] = set()  # names this file bound to torch modules or torch objects
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if _torch_path(alias.name):
+                    roots.add(alias.asname or alias.name.split(".")[0])
+                    if any(map(_private, alias.name.split("."))):
+                        found.append(f"{rel}:{node.lineno}: imports torch's private {alias.name}")
+        elif isinstance(node, ast.ImportFrom) and not node.level and _torch_path(node.module or ""):
+            module = node.module or ""
+            roots.update(alias.asname or alias.name for alias in node.names)
+            for alias in node.names:
+                if any(map(_private, module.split("."))) or _private(alias.name):
+                    found.append(f"{rel}:{node.lineno}: imports torch's private {module}.{alias.name}")
+    for node in ast.walk(tree):  # aliases: aten = torch.ops.aten
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if isinstance(node.value, ast.Attribute) and isinstance(root, ast.Name) and root.id in roots:
+                roots.add(node.targets[0].id)
+    for node in ast.walk(tree):
+        name = None
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if node.attr in TORCH_PRIVATE_ATTRS or (isinstance(root, ast.Name) and root.id in roots):
+                name = node.attr
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr", "setattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+            and _private(node.args[1].value)
+        ):
+            target = node.args[0]
+            while isinstance(target, ast.Attribute):
+                target = target.value
+            torch_object = isinstance(target, ast.Name) and target.id in roots
+            if node.args[1].value in TORCH_PRIVATE_ATTRS or torch_object:
+                name = node.args[1].value
+        if name is not None:
+            found.append(f"{rel}:{node.lineno}: torch's private {name} outside fullshard.compat")
+    return found
 
 
 def module_name(path: Path) -> str:
@@ -150,8 +265,15 @@ def main(argv: list[str]) -> int:
                 problems.append(f"{name} (layer {layer_of(name)}) imports {dep} (layer {layer_of(dep)}): upward")
     problems.extend("import cycle among: " + ", ".join(c) for c in cycles(graph))
     problems.extend("package import cycle among: " + ", ".join(c) for c in cycles(package_graph(graph, paths)))
-    for path in paths.values():
+    for name, deps in sorted(graph.items()):
+        if name == TRAIN_JOBS or name.startswith(TRAIN_JOBS + "."):
+            for dep in sorted(deps - PUBLIC_MODULES):
+                if layer_of(dep) < LAYERS["fullshard.jobs"]:
+                    problems.append(f"{name} imports {dep}: a training job uses only fullshard's public API")
+    for name, path in paths.items():
         problems.extend(size_problems(path))
+        if name != COMPAT:
+            problems.extend(private_torch_uses(path, ast.parse(path.read_text(), str(path))))
     for p in problems:
         print(p)
     print(f"check_layers: {len(paths)} modules, {sum(map(len, graph.values()))} imports, {len(problems)} problems")

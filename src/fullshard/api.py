@@ -1,6 +1,8 @@
 """``torch.distributed.fsdp.api``'s names, at the path a torch FSDP user imports them from.
 
-The types live in :mod:`fullshard.engine.config`; this module only re-exports them.
+The types live in :mod:`fullshard.engine.config`, ``parse_sharding_strategy`` (a strategy from a
+name, as the jobs' ``--sharding-strategy`` takes it) in :mod:`fullshard.frontend.options`; this
+module only re-exports them.
 """
 
 from fullshard.engine.config import (
@@ -20,6 +22,7 @@ from fullshard.engine.config import (
     StateDictSettings,
     StateDictType,
 )
+from fullshard.frontend.options import parse_sharding_strategy
 
 __all__ = [
     "BackwardPrefetch",
@@ -37,4 +40,5 @@ __all__ = [
     "StateDictConfig",
     "StateDictSettings",
     "StateDictType",
+    "parse_sharding_strategy",
 ]

@@ -95,6 +95,12 @@ class Probes:
 ACTIVE: Probes | None = None
 
 
+def reset() -> None:
+    """Turn the probes off (a test harness's fresh start in a kept process)."""
+    global ACTIVE
+    ACTIVE = None
+
+
 @contextlib.contextmanager
 def enabled(events: bool = False, collective_log: bool = False) -> Iterator[Probes]:
     """Turn the probes on for a ``with`` block; yields the :class:`Probes` being filled.

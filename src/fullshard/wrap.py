@@ -1,8 +1,11 @@
 """``torch.distributed.fsdp.wrap``'s names, at the path torch FSDP users import them from.
 
-The policies live in :mod:`fullshard.frontend.wrap`; this module only re-exports them.
+The policies live in :mod:`fullshard.frontend.wrap`, ``is_unit`` (the "already wrapped" test
+``apply_policy`` takes) and ``unit_count`` in :mod:`fullshard.engine.hooks`; this module only
+re-exports them.
 """
 
+from fullshard.engine.hooks import is_unit, unit_count
 from fullshard.frontend.wrap import (
     ModuleWrapPolicy,
     Policy,
@@ -21,8 +24,10 @@ __all__ = [
     "apply_policy",
     "as_policy",
     "enable_wrap",
+    "is_unit",
     "lambda_auto_wrap_policy",
     "size_based_auto_wrap_policy",
     "transformer_auto_wrap_policy",
+    "unit_count",
     "wrap",
 ]

@@ -26,6 +26,8 @@ from collections.abc import Iterator
 
 import torch
 
+from fullshard import compat
+
 
 class BufferPool:
     """Whole 1-D buffers kept between uses, so the next buffer of the same size skips the allocator.
@@ -44,7 +46,7 @@ class BufferPool:
         return free.pop() if free else torch.empty(numel, dtype=dtype, device=device)
 
     def give(self, t: torch.Tensor) -> None:
-        if t._base is not None or not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        if compat.is_view(t) or not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
             return  # only whole buffers come back
         free = self._free.setdefault((t.numel(), t.dtype, t.device), [])
         if len(free) < self.per_size:
@@ -86,10 +88,6 @@ class BufferPool:
 
 POOL = BufferPool()
 
-# torch 2.11 may lack the swap; there, and on CUDA (whose caching allocator already reuses
-# memory), a lent storage is resized instead.
-_CAN_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
-
 
 def lend(storage: torch.UntypedStorage, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
     """Give the empty ``storage`` the memory of ``numel`` elements of ``dtype`` on ``device``.
@@ -97,11 +95,12 @@ def lend(storage: torch.UntypedStorage, numel: int, dtype: torch.dtype, device: 
     On CPU the memory comes from :data:`POOL` by swapping data pointers: ``storage`` keeps its
     identity, so every view of it sees the new memory. Returns the pooled tensor, which now owns
     ``storage``'s former empty allocation and must be passed to :func:`take_back`; elsewhere
-    ``storage`` is resized and None is returned.
+    (CUDA's caching allocator already reuses memory; a torch without the swap,
+    :data:`fullshard.compat.STORAGE_SWAP`) ``storage`` is resized and None is returned.
     """
-    if _CAN_SWAP and device.type == "cpu":
+    if compat.STORAGE_SWAP and device.type == "cpu":
         lent = POOL.take(numel, dtype, device)
-        storage._swap_data_ptr_(lent.untyped_storage())  # type: ignore[attr-defined]
+        compat.swap_storage_memory(storage, lent.untyped_storage())
         return lent
     storage.resize_(numel * dtype.itemsize)
     return None
@@ -110,28 +109,17 @@ def lend(storage: torch.UntypedStorage, numel: int, dtype: torch.dtype, device: 
 def take_back(storage: torch.UntypedStorage, lent: torch.Tensor | None) -> None:
     """Empty ``storage`` again: its memory back to :data:`POOL` (``lent`` from :func:`lend`), or freed."""
     if lent is not None:
-        storage._swap_data_ptr_(lent.untyped_storage())  # type: ignore[attr-defined]
+        compat.swap_storage_memory(storage, lent.untyped_storage())
         POOL.give(lent)
     else:
         storage.resize_(0)
 
 
-_STORAGE_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)  # some older CPU builds lack it
-
-
-def _use_count(t: torch.Tensor) -> int:
-    assert _STORAGE_USE_COUNT is not None
-    return int(_STORAGE_USE_COUNT(t.untyped_storage()._cdata))
-
-
 # The count of a storage that one tensor alone uses, measured rather than assumed (the Python
 # storage object torch keeps may hold a reference of its own).
-_ALONE_USES = _use_count(torch.empty(1)) if _STORAGE_USE_COUNT is not None else -1
+_ALONE_USES = compat.storage_use_count(torch.empty(1))
 
 
 def sole_owner(t: torch.Tensor) -> bool:
-    """Whether no tensor but ``t`` uses ``t``'s storage (every view handed out is gone).
-
-    False where torch cannot count a storage's users: then nothing is reused.
-    """
-    return _STORAGE_USE_COUNT is not None and _use_count(t) == _ALONE_USES
+    """Whether no tensor but ``t`` uses ``t``'s storage (every view handed out is gone)."""
+    return compat.storage_use_count(t) == _ALONE_USES

@@ -15,7 +15,8 @@ It hides what differs between backends and torch versions:
   output's slices; the bytes on the wire are the same. At two ranks it is one all-to-all with
   the own chunk left out (one gloo operation instead of two).
 - torch 2.13 renamed ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` to
-  ``all_gather_single`` / ``reduce_scatter_single``; torch 2.11 has only the old names.
+  ``all_gather_single`` / ``reduce_scatter_single``; torch 2.11 has only the old names
+  (:mod:`fullshard.compat` picks one at import).
 
 Asynchronous calls return a :class:`~fullshard.comm.handle.Handle`; its ``wait()`` finishes any
 local work (the sum of an emulated reduce-scatter, the division of an average) and is
@@ -38,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fullshard import probes
+from fullshard import compat, probes
 from fullshard.comm import exposure, watchdog
 from fullshard.comm.buffers import POOL
 from fullshard.comm.flight_recorder import RECORDER, Entry
@@ -48,8 +49,8 @@ from fullshard.comm.peers import CollectiveDiverged, CollectiveError, Collective
 
 ProcessGroup = Any  # torch's ProcessGroup type moves between versions
 
-_all_gather_fn: Callable[..., Any] = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_fn: Callable[..., Any] = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_fn: Callable[..., Any] = compat.all_gather_tensor
+_reduce_scatter_fn: Callable[..., Any] = compat.reduce_scatter_tensor
 
 __all__ = ["CollectiveDiverged", "CollectiveError", "CollectiveFailed", "CollectiveTimeout", "Handle"]
 
@@ -74,25 +75,21 @@ def _note(op: str, dtype: torch.dtype, numel: int, nbytes: int, group: ProcessGr
 
 
 def _start_watchdog() -> None:
-    """Start the watchdog on the default process group's store: ``ProcessGroup.get_group_store()``
-    (public), or on a torch without it, the one private accessor."""
+    """Start the watchdog on the default process group's store (:func:`fullshard.compat.group_store`)."""
     world = default_group()
-    get_store = getattr(world, "get_group_store", None)
-    store = get_store() if get_store is not None else dist.distributed_c10d._get_default_store()
+    store = compat.group_store(world)
     watchdog.start(store, dist.get_rank(), dist.get_world_size(), process_group_timeout(world))
 
 
 def process_group_timeout(group: ProcessGroup) -> float:
     """The ``timeout=`` (seconds) that ``group`` was created with.
 
-    torch has no public getter: ``init_process_group`` / ``new_group`` store it in the backend's
-    options (``group._get_backend(device).options._timeout``), the one place read here. When that
-    cannot be read, torch's default (``torch.distributed.constants.default_pg_timeout``).
+    torch has no public getter (:func:`fullshard.compat.backend_timeout` reads the backend's
+    options). For a backend that keeps no options (a third-party one), torch's default
+    (``torch.distributed.constants.default_pg_timeout``).
     """
-    try:
-        return float(group._get_backend(reduction_device(group)).options._timeout.total_seconds())
-    except (AttributeError, RuntimeError):
-        return float(dist.constants.default_pg_timeout.total_seconds())
+    seconds = compat.backend_timeout(group, reduction_device(group))
+    return float(dist.constants.default_pg_timeout.total_seconds()) if seconds is None else seconds
 
 
 def _asynchronous(async_op: bool, group: ProcessGroup) -> bool:
@@ -128,10 +125,16 @@ def default_group() -> ProcessGroup:
 
 
 def group_size(group: ProcessGroup) -> int:
+    """The number of ranks in ``group``. Raises RuntimeError when no process group is initialized."""
     return dist.get_world_size(group)
 
 
 def group_rank(group: ProcessGroup) -> int:
+    """This process's rank within ``group`` (0 to size - 1; -1 when it is not a member).
+
+    Raises:
+        RuntimeError: no process group is initialized.
+    """
     return dist.get_rank(group)
 
 
@@ -325,7 +328,9 @@ def all_reduce(
 @exposure.blocking("all_reduce_max", _unit)
 @_explained
 def all_reduce_max(tensor: torch.Tensor, group: ProcessGroup) -> None:
-    """Element-wise maximum over ranks, in place, synchronous (staged like :func:`all_reduce`)."""
+    """Element-wise maximum of ``tensor`` (any shape and dtype) over the ranks of ``group``, in
+    place, synchronous (a tensor on a device the backend cannot reduce on goes through a copy, as
+    in :func:`all_reduce`)."""
     entry = _note("all_reduce_max", tensor.dtype, tensor.numel(), tensor.numel() * tensor.element_size(), group)
     staged = _staged(tensor, group)
     work = dist.all_reduce(staged, op=dist.ReduceOp.MAX, group=group, async_op=_asynchronous(False, group))
@@ -347,7 +352,8 @@ def broadcast(tensor: torch.Tensor, src_rank: int, group: ProcessGroup) -> None:
 @exposure.blocking("all_gather_object", _unit)
 @_explained
 def all_gather_object(obj: Any, group: ProcessGroup) -> list[Any]:
-    """Gather one picklable object per rank; returns the list in rank order."""
+    """Gather one picklable object per rank of ``group``; returns the list in group rank order
+    (length: the group's size). Every rank must call it."""
     out: list[Any] = [None] * group_size(group)
     entry = _note("all_gather_object", torch.uint8, 0, 0, group)
     dist.all_gather_object(out, obj, group=group)
@@ -370,6 +376,11 @@ def broadcast_object(obj: Any, src_rank: int, group: ProcessGroup) -> Any:
 @exposure.blocking("barrier", _unit)
 @_explained
 def barrier(group: ProcessGroup) -> None:
+    """Return once every rank of ``group`` has called it (recorded and watched like any collective).
+
+    Raises:
+        fullshard.comm.peers.CollectiveError: a rank failed, diverged or timed out (watchdog on).
+    """
     entry = _note("barrier", torch.uint8, 0, 0, group)
     work = dist.barrier(group=group, async_op=_asynchronous(False, group))
     _finish(work, None, False, entry, sliced=backend(group) == "gloo")

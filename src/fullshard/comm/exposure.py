@@ -24,6 +24,8 @@ from typing import Any, TypeVar
 
 import torch.autograd.profiler as autograd_profiler
 
+from fullshard import compat
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 _inside = threading.local()
@@ -38,7 +40,7 @@ def exposed_seconds() -> float:
 
 def profiling() -> bool:
     """Whether torch.profiler (or the autograd profiler) is recording now."""
-    return bool(autograd_profiler._is_profiler_enabled)
+    return compat.profiler_enabled()
 
 
 @contextlib.contextmanager

@@ -149,6 +149,16 @@ def _capacity() -> int:
 RECORDER = FlightRecorder(_capacity())
 
 
+def reset() -> None:
+    """Forget the recorded entries and the context (unit, phase, step): a test harness's fresh
+    start in a process kept between calls. Sequence numbers go on: every rank resets together,
+    and the store's keys of earlier calls never match again."""
+    RECORDER.entries.clear()
+    RECORDER.pending.clear()
+    RECORDER.last_completed = None
+    RECORDER.context = _Context()
+
+
 @contextlib.contextmanager
 def at(unit: str | None = None, phase: str | None = None) -> Iterator[None]:
     """Label the collectives issued inside with ``unit`` and/or ``phase`` (restored after); while

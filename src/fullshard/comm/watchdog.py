@@ -75,6 +75,15 @@ def disable_watchdog() -> None:
     peers.clear_stop()
 
 
+def reset() -> None:
+    """Stop the watchdog and forget :func:`enable_watchdog` / :func:`set_collective_timeout`
+    (``FULLSHARD_WATCHDOG`` decides again): a test harness's fresh start in a kept process."""
+    global _WANTED, _TIMEOUT, _GRACE_S
+    stop()
+    peers.clear_stop()
+    _WANTED, _TIMEOUT, _GRACE_S = None, None, DEFAULT_GRACE_S
+
+
 def wanted() -> bool:
     """Whether the watchdog should run: :func:`enable_watchdog`, else ``FULLSHARD_WATCHDOG=1``."""
     global _WANTED

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fullshard import compat
 from fullshard.comm import collectives, flight_recorder
 from fullshard.engine.extension_param import ExtensionParam, has_extension, make_shard
 from fullshard.engine.layout import ParamEntry, ShardState
@@ -361,11 +362,9 @@ def attach(unit: Unit, mesh: Any, mp_policy: Any) -> None:
 
 
 def _register(sp: ShardedParam, mesh: Any, placements: Sequence[Any], local: torch.Tensor, p: torch.Tensor) -> None:
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-
     shape = sp.spec.orig_shape
     stride = torch.empty(shape, device="meta").stride()
-    sp.dtensor_spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, stride, p.dtype))
+    sp.dtensor_spec = compat.make_dtensor_spec(mesh, tuple(placements), shape, stride, p.dtype)
     sp.register_shard(nn.Parameter(sp.as_registered(local), requires_grad=p.requires_grad))
     p._fullshard_sharded_as = sp.fqn  # type: ignore[attr-defined]  # met again: tied
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fullshard import compat
 from fullshard.comm import collectives
 from fullshard.engine.all_gather_extension import check_plain, unit_class
 from fullshard.engine.config import FrontEnd, MixedPrecision
@@ -205,6 +206,12 @@ def _as_device(device_id: int | str | torch.device) -> torch.device:
 _warned_offload_on_cpu = False
 
 
+def reset_warnings() -> None:
+    """Warn again about what is warned once per process (a test harness's fresh start)."""
+    global _warned_offload_on_cpu
+    _warned_offload_on_cpu = False
+
+
 def _compute_device(module: nn.Module, device_id: Any, offload: bool, ignored: Modules) -> torch.device:
     """Where the unit computes: ``device_id``, else the module's device (a GPU under offload)."""
     global _warned_offload_on_cpu
@@ -255,24 +262,25 @@ def _place(module: nn.Module, device: torch.device, offload: bool, ignored: Modu
     with torch.no_grad():
         for _, m in walk_region(module, ignored):
             if not offload:
-                for p in m._parameters.values():
+                for p in compat.module_parameters(m).values():
                     if p is not None and not is_sharded(p) and p.device != device:
                         grad, p.grad = p.grad, None
                         p.data = p.data.to(device)
                         p.grad = None if grad is None else grad.to(device)
-            for name, b in m._buffers.items():
+            buffers = compat.module_buffers(m)
+            for name, b in buffers.items():
                 if b is not None and b.device != device:
-                    m._buffers[name] = b.to(device)
+                    buffers[name] = b.to(device)
 
 
 def _cast_buffers(module: nn.Module, dtype: torch.dtype, ignored: Modules) -> None:
     """Cast floating-point buffers to ``dtype``, remembering the original for state dicts."""
     for _, m in walk_region(module, ignored):
-        for name, b in m._buffers.items():
+        for name, b in compat.module_buffers(m).items():
             if b is not None and b.is_floating_point() and b.dtype != dtype:
                 originals = m.__dict__.setdefault("_fullshard_buffer_dtypes", {})
                 originals.setdefault(name, b.dtype)
-                m._buffers[name] = b.to(dtype)
+                compat.module_buffers(m)[name] = b.to(dtype)
 
 
 def ignored_modules(
@@ -314,7 +322,7 @@ def walk_region(module: nn.Module, ignored: Modules, prefix: str = "") -> Iterat
 def _check_one_device(module: nn.Module, ignored: Modules) -> None:
     devices: dict[torch.device, str] = {}
     for prefix, m in walk_region(module, ignored):
-        for name, p in m._parameters.items():
+        for name, p in compat.module_parameters(m).items():
             if p is not None and not is_sharded(p):
                 devices.setdefault(p.device, prefix + name)
     if len(devices) > 1:
@@ -329,7 +337,7 @@ def param_holders(module: nn.Module) -> dict[int, set[int]]:
     """id(parameter) -> ids of every module that registers it (tied parameters have several)."""
     holders: dict[int, set[int]] = {}
     for m in module.modules():
-        for p in m._parameters.values():
+        for p in compat.module_parameters(m).values():
             if p is not None:
                 holders.setdefault(id(p), set()).add(id(m))
     return holders
@@ -358,7 +366,7 @@ def owned_params(
     stack: list[tuple[nn.Module, str, bool]] = [(module, "", False)]
     while stack:
         m, prefix, nested = stack.pop()
-        for name, p in m._parameters.items():
+        for name, p in compat.module_parameters(m).items():
             if p is None or id(p) in exclude or hasattr(p, "_fullshard_ignored"):
                 continue
             if is_sharded(p) and nested:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fullshard import compat
 from fullshard.engine.sharded_param import ShardedParam
 
 
@@ -132,7 +133,7 @@ class ExtensionParam:
         """
         spec = self.sp.spec
         slot = self.sp.slots[0]
-        if slot.module._parameters.get(slot.attr) is not self.sp.shard and not self.sp.swapped:
+        if compat.module_parameters(slot.module).get(slot.attr) is not self.sp.shard and not self.sp.swapped:
             raise NotImplementedError(
                 f"{self.sp.fqn}: the registered all-gather extension parameter was replaced (e.g. "
                 "load_state_dict(assign=True)); copy values into it instead (load_state_dict without assign)"

@@ -23,10 +23,8 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
-from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten, tree_map
 
-from fullshard import probes
+from fullshard import compat, probes
 from fullshard.comm import buffers, collectives, exposure, flight_recorder
 from fullshard.engine.config import BackwardPrefetch, FrontEnd, MixedPrecision
 from fullshard.engine.module_wrapper import clean_name
@@ -107,8 +105,27 @@ def set_fsdp_state(module: nn.Module, state: UnitHooks) -> None:
 
 
 def is_unit(module: nn.Module) -> bool:
-    """Whether ``module`` heads an FSDP unit (a wrapper, or a module given to fully_shard)."""
+    """Whether ``module`` heads an FSDP unit (a wrapper, or a module given to fully_shard).
+
+    Args:
+        module: any module.
+
+    Returns:
+        True for a ``FullyShardedDataParallel`` wrapper or a module ``fully_shard`` was applied to.
+    """
     return _STATE_ATTR in module.__dict__
+
+
+def unit_count(model: nn.Module) -> int:
+    """The number of FSDP units in ``model``'s tree (either front end; ``model`` itself included).
+
+    Args:
+        model: any module, sharded or not (0 when nothing in it is).
+
+    Returns:
+        how many distinct units head a module of ``model.modules()``.
+    """
+    return len({id(state.unit) for m in model.modules() if (state := fsdp_state(m)) is not None})
 
 
 def lazy_init(module: nn.Module) -> UnitHooks:
@@ -178,13 +195,12 @@ def prepare_inputs(hooks: UnitHooks, inputs: Any) -> Any:
             t = t.to(dtype)
         return t
 
-    return tree_map(convert, inputs)
+    return compat.tree_map(convert, inputs)
 
 
 def _in_backward() -> bool:
     """Whether the autograd engine is running a backward pass on this thread."""
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return task is not None and task() != -1
+    return compat.in_backward()
 
 
 def root_pre_forward(hooks: UnitHooks) -> None:
@@ -313,7 +329,7 @@ def _complete_unfinished_passes(root: RootState, hooks: UnitHooks, output: Any) 
 def register_pre_backward(hooks: UnitHooks, output: Any) -> Any:
     """Hook every tensor of ``output`` that requires grad, so that the unit is gathered (and
     its prefetches start) when backward reaches it. Returns ``output``."""
-    tensors, _ = tree_flatten(output)
+    tensors, _ = compat.tree_flatten(output)
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.requires_grad:
             t.register_hook(functools.partial(_pre_backward, hooks))
@@ -326,7 +342,7 @@ def _pre_backward(hooks: UnitHooks, grad: torch.Tensor) -> torch.Tensor:
     assert root is not None
     if not root.callback_queued:
         root.callback_queued = True
-        Variable._execution_engine.queue_callback(functools.partial(finish_backward, root))
+        compat.queue_backward_callback(functools.partial(finish_backward, root))
     if id(unit) in root.pre_backward_done:
         return grad
     root.pre_backward_done.add(id(unit))

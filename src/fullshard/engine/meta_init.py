@@ -16,10 +16,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from fullshard import compat
+
 
 def own_tensors(m: nn.Module) -> list[torch.Tensor]:
     """The parameters and buffers ``m`` registers itself (not its children's)."""
-    return [t for t in list(m._parameters.values()) + list(m._buffers.values()) if t is not None]
+    return [
+        t for t in list(compat.module_parameters(m).values()) + list(compat.module_buffers(m).values()) if t is not None
+    ]
 
 
 def is_meta(modules: Iterable[nn.Module]) -> bool:
@@ -57,17 +61,17 @@ def materialize(
     out = []
     with torch.no_grad():
         for name, m in region:
-            for key, b in m._buffers.items():
+            for key, b in compat.module_buffers(m).items():
                 if b is not None and b.is_meta:
-                    m._buffers[key] = torch.empty_like(b, device=device)
+                    compat.module_buffers(m)[key] = torch.empty_like(b, device=device)
                     touched[id(m)] = (name, m)
-            if any(p is not None and p.is_meta for p in m._parameters.values()):
+            if any(p is not None and p.is_meta for p in compat.module_parameters(m).values()):
                 touched[id(m)] = (name, m)
         for fqn, p, slots in owned:
             if p.is_meta:
                 p = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
                 for slot in slots:  # a tied parameter's slots may lie in nested units too
-                    slot.module._parameters[slot.attr] = p
+                    compat.module_parameters(slot.module)[slot.attr] = p
                     touched.setdefault(id(slot.module), (fqn.rpartition(".")[0], slot.module))
             out.append((fqn, p, slots))
         for name, m in touched.values():

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fullshard import compat
+
 FSDP_WRAPPED = "_fsdp_wrapped_module"
 CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module"
 _PREFIXES = (FSDP_WRAPPED + ".", CHECKPOINT_WRAPPED + ".")
@@ -37,7 +39,7 @@ class ModuleWrapper(nn.Module):
     @property
     def module(self) -> nn.Module:
         """The wrapped module."""
-        return self._modules[self.wrapped_key]  # type: ignore[return-value]
+        return compat.module_children(self)[self.wrapped_key]  # type: ignore[return-value]
 
     def __getattr__(self, name: str) -> Any:
         try:

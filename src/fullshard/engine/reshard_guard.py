@@ -22,20 +22,14 @@ import weakref
 from typing import Any, Protocol
 
 import torch
-from torch.autograd.variable import Variable
+
+from fullshard import compat
 
 __all__ = ["STRIDE", "install", "mark_freed", "mark_valid"]
 
 # How far a freed buffer's version counter is raised: far beyond any count of in-place updates a
 # saved tensor could have seen, so the pair of versions in autograd's message identifies it.
 STRIDE = 1 << 24
-
-_set_version_counters = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
-if _set_version_counters is None:  # pragma: no cover - present in torch 2.4 and later
-    raise ImportError(
-        "fullshard needs torch._C._autograd._unsafe_set_version_counter (torch >= 2.4) to keep autograd from "
-        "reading freed full parameters; upgrade torch"
-    )
 
 
 class _Guarded(Protocol):
@@ -51,8 +45,7 @@ _SERIALS = itertools.count()
 
 def _set_versions(tensors: tuple[torch.Tensor, ...], versions: tuple[int, ...]) -> None:
     """Set the autograd version counters of ``tensors`` (shared with their views)."""
-    assert _set_version_counters is not None
-    _set_version_counters(tensors, versions)
+    compat.set_version_counters(tensors, versions)
 
 
 def _raise_of(unit: Any) -> int:
@@ -66,7 +59,7 @@ def _raise_of(unit: Any) -> int:
 
 def mark_freed(unit: _Guarded) -> None:
     """After ``unit``'s full buffer lost its memory: make autograd refuse tensors saved from it."""
-    unit._clean_versions = (unit.full_flat._version, unit.frozen_full._version)
+    unit._clean_versions = (compat.version_counter(unit.full_flat), compat.version_counter(unit.frozen_full))
     up = _raise_of(unit)
     _set_versions((unit.full_flat, unit.frozen_full), tuple(v + up for v in unit._clean_versions))
     _FREED.add(unit)
@@ -125,7 +118,7 @@ def explain(error: RuntimeError) -> RuntimeError | None:
     )
 
 
-class _ExplainingEngine(type(Variable._execution_engine)):  # type: ignore[misc]
+class _ExplainingEngine(compat.autograd_engine_type()):  # type: ignore[misc]
     """Autograd's engine handle; a use of freed full parameters raises an error naming the unit."""
 
     def run_backward(self, *args: Any, **kwargs: Any) -> Any:
@@ -143,5 +136,4 @@ def install() -> None:
 
     Called when the first unit is built, so importing fullshard alone changes nothing in torch.
     """
-    if not isinstance(Variable._execution_engine, _ExplainingEngine):
-        Variable._execution_engine = _ExplainingEngine()
+    compat.install_autograd_engine(_ExplainingEngine)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fullshard import compat
 from fullshard.engine.layout import UnitLayout
 from fullshard.engine.sharded_param import ShardedParam, local_tensor
 
@@ -30,13 +31,11 @@ def register_dtensors(
     ``specs`` (fqn -> DTensorSpec) overrides that for some parameters (tensor-parallel ones,
     placed on the 2-D (dp, tp) mesh).
     """
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-
     for sp in unit.params:
         shape = sp.spec.orig_shape
         stride = torch.empty(shape, device="meta").stride()
-        sp.dtensor_spec = (specs or {}).get(sp.fqn) or DTensorSpec(
-            mesh, tuple(placements), tensor_meta=TensorMeta(shape, stride, unit.dtype)
+        sp.dtensor_spec = (specs or {}).get(sp.fqn) or compat.make_dtensor_spec(
+            mesh, tuple(placements), shape, stride, unit.dtype
         )
         local = unit.local_view(sp)
         sp.register_shard(nn.Parameter(sp.as_registered(local), requires_grad=sp.requires_grad))
@@ -48,7 +47,7 @@ def sync_shards(unit: UnitLayout) -> None:
     (``load_state_dict(assign=True)``): copy its values into the local flat buffer and make
     it a view of that buffer again."""
     for sp in unit.params:
-        registered = sp.slots[0].module._parameters.get(sp.slots[0].attr)
+        registered = compat.module_parameters(sp.slots[0].module).get(sp.slots[0].attr)
         if registered is not None and registered is not sp.shard and not sp.swapped:
             _check_replacement(unit, sp, registered)
             sp.register_shard(registered)  # type: ignore[arg-type]
@@ -64,7 +63,7 @@ def sync_shards(unit: UnitLayout) -> None:
             if local is shard:
                 shard.data = view
             else:
-                shard._local_tensor = view
+                compat.set_dtensor_local(shard, view)
             shard._fullshard_param = sp  # lost by a tensor swap (to_empty)
 
 

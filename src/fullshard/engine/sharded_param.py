@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fullshard import compat
+
 
 @dataclasses.dataclass(frozen=True)
 class ShardSpec:
@@ -158,14 +160,10 @@ class ShardedParam:
         spec = self.dtensor_spec
         if spec is None:
             return local
-        from torch.distributed.tensor import DTensor
-
         if local.dtype != spec.tensor_meta.dtype:  # e.g. optimizer state kept in another dtype
-            from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-
-            meta = TensorMeta(spec.tensor_meta.shape, spec.tensor_meta.stride, local.dtype)
-            spec = DTensorSpec(spec.mesh, spec.placements, tensor_meta=meta)
-        return DTensor(local, spec, requires_grad=False)
+            meta = spec.tensor_meta
+            spec = compat.make_dtensor_spec(spec.mesh, spec.placements, meta.shape, meta.stride, local.dtype)
+        return compat.dtensor_from_spec(local, spec)
 
     def set_grad(self, grad: torch.Tensor) -> None:
         """Make ``grad`` (a plain tensor of the shard's shape) the shard's ``.grad``."""
@@ -178,13 +176,13 @@ class ShardedParam:
         self.shard = shard
         self.swapped = False
         for slot in self.slots:
-            slot.module._parameters[slot.attr] = shard
+            compat.module_parameters(slot.module)[slot.attr] = shard
 
     def swap_registered(self, param: nn.Parameter) -> None:
         """Register ``param`` instead of the shard at every slot (``register_shard`` undoes it)."""
         self.swapped = True
         for slot in self.slots:
-            slot.module._parameters[slot.attr] = param
+            compat.module_parameters(slot.module)[slot.attr] = param
 
     def unsharded(self, full: torch.Tensor) -> torch.Tensor:
         """``full`` (shape ``orig_shape``) as forward sees it: itself, or for a tensor-parallel
@@ -219,7 +217,7 @@ class ShardedParam:
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The plain tensor behind ``t``: a DTensor's local tensor, else ``t`` itself."""
     dtensor = sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor exists (a process saves 0.7 s)
-    return t._local_tensor if dtensor is not None and isinstance(t, dtensor.DTensor) else t
+    return compat.dtensor_local(t) if dtensor is not None and isinstance(t, dtensor.DTensor) else t
 
 
 def unshifted(dtensor: Any) -> Any:
@@ -234,10 +232,10 @@ def unshifted(dtensor: Any) -> Any:
     """
     if dtensor.storage_offset() == 0 or dtensor.requires_grad:
         return dtensor
-    local = dtensor._local_tensor
+    local = compat.dtensor_local(dtensor)
     at_zero = local.detach().as_strided(local.size(), local.stride(), 0)  # same storage, nothing allocated
-    out = type(dtensor)(at_zero, dtensor._spec, requires_grad=False)
-    out._local_tensor = local
+    out = compat.dtensor_from_spec(at_zero, compat.dtensor_spec(dtensor))
+    compat.set_dtensor_local(out, local)
     return out
 
 

@@ -49,8 +49,8 @@ class CheckpointWrapper(ModuleWrapper):
         self.offload_to_cpu = offload_to_cpu
         self.checkpoint_kwargs = dict(checkpoint_kwargs or {})
         self.add_module(WRAPPED, module)
-        self._register_state_dict_hook(_strip_prefix)
-        self._register_load_state_dict_pre_hook(_add_prefix, with_module=True)
+        self.register_state_dict_post_hook(_strip_prefix)
+        self.register_load_state_dict_pre_hook(_add_prefix)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         saving: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from fullshard import compat
 from fullshard.comm import collectives, flight_recorder
 from fullshard.engine.sharded_param import local_tensor
 
@@ -60,7 +61,7 @@ def total_grad_norm(parameters: torch.Tensor | Iterable[torch.Tensor], norm_type
     partial = {key: torch.zeros((), dtype=torch.float64, device=device) for key in [0, *groups]}
     for (key, _, _), grads in buckets.items():
         # One multi-tensor kernel per bucket: the p-norm of each gradient, in float64.
-        norms = torch.stack(torch._foreach_norm(grads, p, dtype=torch.float64)).to(device)
+        norms = torch.stack(compat.foreach_norm(grads, p, dtype=torch.float64)).to(device)
         term = norms.max() if inf else norms.pow(p).sum()
         partial[key] = torch.maximum(partial[key], term) if inf else partial[key] + term
     total = partial.pop(0)
@@ -105,5 +106,5 @@ def clip_grad_norm_(
             grad = local_tensor(q.grad)
             buckets.setdefault((grad.device, grad.dtype), []).append(grad.detach())
     for (device, dtype), grads in buckets.items():
-        torch._foreach_mul_(grads, coef.to(device, dtype))
+        compat.foreach_mul_(grads, coef.to(device, dtype))
     return total

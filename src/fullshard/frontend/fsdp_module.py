@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 
+from fullshard import compat
 from fullshard.engine import hooks
 from fullshard.engine.unit import ShardState, Unit
 
@@ -79,7 +80,7 @@ class FSDPModule(_TorchFSDPModule):
         self = orig.__new__(orig, *args, **kwargs)
         # torch's switch for code that rebuilds modules without running __init__ (dynamo's packages)
         # (read where torch's __new__ reads it; torch versions without the switch always initialize)
-        if getattr(sys.modules[_TorchFSDPModule.__new__.__module__], "_enable_fsdp_module_new_init", True):
+        if compat.fsdp_module_new_inits():
             self.__init__(*args, **kwargs)
         return self
 
@@ -106,7 +107,7 @@ class FSDPModule(_TorchFSDPModule):
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # Module.to() / .float(): torch's FSDPModule._apply works on torch's state; skip it.
-        return super(_TorchFSDPModule, self)._apply(*args, **kwargs)  # type: ignore[misc]
+        return compat.module_apply_after(_TorchFSDPModule, self, *args, **kwargs)
 
     def _units(self, recurse: bool) -> list[Unit]:
         assert isinstance(self, nn.Module)

@@ -30,9 +30,10 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
+from fullshard import compat
 from fullshard.comm import collectives
+from fullshard.compat import tree_map
 from fullshard.engine import all_gather_extension, build, hooks
 from fullshard.engine.config import BackwardPrefetch, FrontEnd, MixedPrecision, ShardingStrategy
 from fullshard.engine.groups import resolve_groups
@@ -329,8 +330,9 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
 
 def _run_pre_hooks(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    for key, hook in module._forward_pre_hooks.items():
-        if key in module._forward_pre_hooks_with_kwargs:
+    pre_hooks, _ = compat.forward_hooks(module)
+    for hook, with_kwargs in pre_hooks:
+        if with_kwargs:
             result = hook(module, args, kwargs)
             if result is not None:
                 args, kwargs = result
@@ -342,7 +344,7 @@ def _run_pre_hooks(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple,
 
 
 def _run_post_hooks(module: nn.Module, args: tuple, output: Any) -> Any:
-    for hook in module._forward_hooks.values():
+    for hook in compat.forward_hooks(module)[1]:
         result = hook(module, args, output)
         if result is not None:
             output = result
@@ -377,7 +379,7 @@ def _register_state_dict_hooks(module: nn.Module, unit: Unit) -> None:
             if value.shape == sp.spec.local_shape:
                 state_dict[prefix + rel] = sp.as_registered(value.to(sp.local.device))
 
-    module._register_load_state_dict_pre_hook(from_full, with_module=True)
+    module.register_load_state_dict_pre_hook(from_full)
 
     def unshift(m: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
         for _, rel in keys:

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fullshard import compat
 from fullshard.engine.sharded_param import ShardedParam
 
 # Per optimizer: what the pre-hook swapped, for the post-hook (and for a step that raised).
@@ -153,14 +154,14 @@ def install() -> None:
 
 
 def _stand_in(param: Any, sp: ShardedParam) -> nn.Parameter:
-    local = param._local_tensor
+    local = compat.dtensor_local(param)
     plain = sp.stand_in
     if plain is None:
         plain = sp.stand_in = nn.Parameter(local, requires_grad=param.requires_grad)
     elif plain.data_ptr() != local.data_ptr() or plain.shape != local.shape:
         plain.data = local  # the shard's storage was replaced (to_empty, assign) and taken back
     grad = param.grad
-    plain.grad = None if grad is None else grad._local_tensor
+    plain.grad = None if grad is None else compat.dtensor_local(grad)
     return plain
 
 
@@ -179,7 +180,7 @@ def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         params = group["params"]
         for i, param in enumerate(params):
             sp = getattr(param, "_fullshard_param", None)
-            if sp is None or not isinstance(param, DTensor) or type(param._local_tensor) is not torch.Tensor:
+            if sp is None or not isinstance(param, DTensor) or type(compat.dtensor_local(param)) is not torch.Tensor:
                 continue  # a tensor-subclass shard (all-gather extension) steps as a DTensor, as in torch
             plain = _stand_in(param, sp)
             params[i] = plain
@@ -188,7 +189,7 @@ def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             if entry is not None:
                 for key, value in entry.items():
                     if isinstance(value, DTensor):
-                        local = value._local_tensor
+                        local = compat.dtensor_local(value)
                         wrappers[id(local)] = value
                         entry[key] = local
                 state[plain] = entry
@@ -215,7 +216,7 @@ def _post_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
             if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
                 continue
             kept = wrappers.get(id(value))
-            if kept is not None and kept._local_tensor is value:
+            if kept is not None and compat.dtensor_local(kept) is value:
                 entry[key] = kept
             elif value.dim() > 0 and value.shape == plain.shape:
                 entry[key] = sp.as_registered(value)

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fullshard import compat
 from fullshard.engine import build
 from fullshard.engine.sharded_param import ShardedParam, is_sharded
 from fullshard.engine.unit import Unit
@@ -48,7 +49,7 @@ def take_tp_params(holder: nn.Module, dp_mesh: Any) -> bool:
     slots: list[tuple[nn.Module, str, str, Any]] = [
         (m, name, prefix + name, p)
         for prefix, m in build.walk_region(holder, frozenset())
-        for name, p in m._parameters.items()
+        for name, p in compat.module_parameters(m).items()
         if isinstance(p, DTensor) and not is_sharded(p) and not hasattr(p, "_fullshard_ignored")
     ]
     for _, _, fqn, p in slots:  # all checked before any is replaced
@@ -56,10 +57,10 @@ def take_tp_params(holder: nn.Module, dp_mesh: Any) -> bool:
     plain: dict[int, nn.Parameter] = {}
     for m, name, _, p in slots:
         if id(p) not in plain:
-            local = nn.Parameter(p._local_tensor.detach(), requires_grad=p.requires_grad)
-            local._fullshard_tp_spec = p._spec  # type: ignore[attr-defined]  # read by the engine's layout
+            local = nn.Parameter(compat.dtensor_local(p).detach(), requires_grad=p.requires_grad)
+            local._fullshard_tp_spec = compat.dtensor_spec(p)  # type: ignore[attr-defined]  # read by the engine's layout
             plain[id(p)] = local
-        m._parameters[name] = plain[id(p)]
+        compat.module_parameters(m)[name] = plain[id(p)]
     return bool(plain)
 
 
@@ -91,18 +92,17 @@ def spmd_specs(unit: Unit, dp_mesh: Any) -> dict[str, Any]:
     of ``unit``: the TP global shape on the (dp, tp) mesh, torch's placements.
 
     Raises:
-        RuntimeError: this torch has no ``DeviceMesh._concatenate`` (needed to build the 2-D mesh).
+        fullshard.compat.MissingTorchName: this torch has no ``DeviceMesh._concatenate`` (needed to
+            build the 2-D mesh).
     """
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-
     specs: dict[str, Any] = {}
     for sp in unit.params:
         tp = sp.tp_spec
         if tp is None:
             continue
-        meta = TensorMeta(tp.shape, tp.stride, unit.dtype)
         mesh = _spmd_mesh(dp_mesh, tp.mesh, sp.fqn)
-        specs[sp.fqn] = DTensorSpec(mesh, (_dp_placement(tp), *tp.placements), tensor_meta=meta)
+        placements = (_dp_placement(tp), *tp.placements)
+        specs[sp.fqn] = compat.make_dtensor_spec(mesh, placements, tp.shape, tp.stride, unit.dtype)
     return specs
 
 
@@ -116,14 +116,7 @@ def _dp_placement(tp: Any) -> Any:
             split *= tp.mesh.size(i)
     if split == 1:
         return Shard(0)
-    try:
-        from torch.distributed.tensor.placement_types import _StridedShard
-    except ImportError as e:  # pragma: no cover - torch without _StridedShard
-        raise RuntimeError(
-            f"fully_shard with tensor parallelism needs torch's _StridedShard placement, absent in torch "
-            f"{torch.__version__}"
-        ) from e
-    return _StridedShard(0, split_factor=split)
+    return compat.strided_shard(0, split)
 
 
 _SPMD_MESHES: dict[tuple[int, int], Any] = {}
@@ -134,18 +127,11 @@ def _spmd_mesh(dp_mesh: Any, tp_mesh: Any, name: str = "") -> Any:
 
     Raises:
         ValueError: the two are not distinct dimensions of one device mesh.
-        RuntimeError: this torch has no ``DeviceMesh._concatenate``.
+        fullshard.compat.MissingTorchName: this torch has no ``DeviceMesh._concatenate``.
     """
     key = (id(dp_mesh), id(tp_mesh))
     if key not in _SPMD_MESHES:
-        from torch.distributed.device_mesh import DeviceMesh
-
-        concatenate = getattr(DeviceMesh, "_concatenate", None)
-        if concatenate is None:
-            raise RuntimeError(
-                "fully_shard with tensor parallelism needs DeviceMesh._concatenate, absent in torch "
-                f"{torch.__version__}: use a torch that has it (2.13 does)"
-            )
+        concatenate = compat.concatenate_meshes_fn()  # outside the try: a torch without it raises MissingTorchName
         try:
             both = concatenate([dp_mesh, tp_mesh])
         except Exception as e:  # torch's own message is an internal invariant
@@ -161,8 +147,6 @@ def _spmd_mesh(dp_mesh: Any, tp_mesh: Any, name: str = "") -> Any:
 def tp_local(sp: ShardedParam, value: torch.Tensor) -> torch.Tensor:
     """This rank's TP-local part of ``value``, a full tensor of the TP parameter's global shape
     (the slice its tp placements give this rank; a view)."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     tp = sp.tp_spec
-    shape, offset = compute_local_shape_and_global_offset(tp.shape, tp.mesh, tp.placements)
+    shape, offset = compat.local_shape_and_offset(tp.shape, tp.mesh, tp.placements)
     return value[tuple(slice(o, o + n) for o, n in zip(offset, shape))]

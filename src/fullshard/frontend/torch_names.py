@@ -20,12 +20,14 @@ from typing import Any
 
 from torch import nn
 
+from fullshard import compat
+
 # Where torch exposes the FSDP2 functions (the private ``_fully_shard`` package, which torch's
 # own code imports from, is left alone).
 TORCH_MODULES = (
     "torch.distributed.fsdp",
-    "torch.distributed._composable.fsdp",
-    "torch.distributed._composable.fsdp.fully_shard",
+    compat.COMPOSABLE_FSDP,
+    f"{compat.COMPOSABLE_FSDP}.fully_shard",
 )
 # Framework modules that bind torch's functions at import time (checked for these versions:
 # torchtune 0.6, transformers 5.24, torchtitan 0.3; Accelerate and Lightning import them inside
@@ -142,7 +144,7 @@ def use_in_torch(*, fsdp1: bool = False) -> TorchBinding:
     Raises:
         ImportError: torch has no ``torch.distributed.fsdp.fully_shard`` (torch < 2.6).
     """
-    import torch.distributed._composable.fsdp  # noqa: F401  (loads every module in TORCH_MODULES)
+    compat.import_composable_fsdp()  # loads every module in TORCH_MODULES
     import torch.distributed.fsdp
     import torch.distributed.fsdp.fully_sharded_data_parallel  # noqa: F401
 
@@ -154,6 +156,15 @@ def use_in_torch(*, fsdp1: bool = False) -> TorchBinding:
             _rebind(group, _originals, _ours())
         _depth[group] += 1
     return TorchBinding(groups)
+
+
+def reset() -> None:
+    """Give torch its functions back, however many :func:`use_in_torch` calls are not undone
+    (a test harness's fresh start in a kept process)."""
+    for group in _GROUPS:
+        if _depth[group]:
+            _depth[group] = 0
+            _rebind(group, _ours(), _originals)
 
 
 def active(group: str = "fsdp2") -> bool:

@@ -16,6 +16,8 @@ from typing import Any
 
 from torch import nn
 
+from fullshard import compat
+
 __all__ = [
     "ModuleWrapPolicy",
     "enable_wrap",
@@ -136,11 +138,11 @@ def apply_policy(
             m = stack.pop()
             if m in ignored or (m is not module and is_wrapped(m)):
                 continue
-            for p in m._parameters.values():
+            for p in compat.module_parameters(m).values():
                 if p is not None and id(p) not in seen:
                     seen.add(id(p))
                     total += p.numel()
-            stack.extend(c for c in m._modules.values() if c is not None)
+            stack.extend(c for c in compat.module_children(m).values() if c is not None)
         return total
 
     def visit(module: nn.Module, only_children: bool) -> tuple[nn.Module, int]:

@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from fullshard.comm import collectives
+from fullshard.compat import tree_map
 from fullshard.plan.meta_trace import traced
 from fullshard.plan.peak import cast_floats
 

@@ -33,6 +33,7 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 
+from fullshard import compat
 from fullshard.plan.moe_trace import patch_experts
 
 _SDPA = F.scaled_dot_product_attention
@@ -69,12 +70,12 @@ def device_attention(device_type: str) -> Any:
             return _SDPA(*args, **kwargs)
         causal, scale = bool(opts.get("is_causal", False)), opts.get("scale")
         if device_type == "cpu":
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)[0]
+            return compat.sdpa_kernels()["flash_cpu"](q, k, v, 0.0, causal, scale=scale)[0]
         half = q.dtype in (torch.float16, torch.bfloat16)
         if half and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256:
-            return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[0]
+            return compat.sdpa_kernels()["flash"](q, k, v, 0.0, causal, False, scale=scale)[0]
         grad = q.requires_grad or k.requires_grad or v.requires_grad
-        return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, grad, 0.0, causal, scale=scale)[0]
+        return compat.sdpa_kernels()["efficient"](q, k, v, None, grad, 0.0, causal, scale=scale)[0]
 
     return attention
 

@@ -14,7 +14,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+
+from fullshard import compat
+from fullshard.compat import tree_flatten
 
 ROOT = "<root>"
 
@@ -26,7 +28,7 @@ def first_grad_tensor(tree: Any) -> torch.Tensor | None:
 
 def in_backward() -> bool:
     """Whether the calling thread runs inside autograd's backward (a recomputation included)."""
-    return torch._C._current_graph_task_id() >= 0
+    return compat.in_backward()
 
 
 class RunningUnit:

@@ -14,8 +14,9 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
+from fullshard import compat
+from fullshard.compat import tree_map
 from fullshard.plan.estimate import owned_params
 from fullshard.plan.meta_trace import traced
 from fullshard.plan.running_unit import RunningUnit
@@ -73,7 +74,7 @@ def trace_step(
         if recording:
             grads = tuple(sum(p.grad.nbytes for p in ps if p.grad is not None) for ps in owners)
             unit = running[0].name if running else "<root>"
-            samples.append((current, grads, torch._C._current_graph_task_id() >= 0, unit))
+            samples.append((current, grads, compat.in_backward(), unit))
 
     with LiveTensorBytes("meta", observe=observe) as live:
         with torch.device("meta"):

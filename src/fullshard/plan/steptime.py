@@ -69,6 +69,19 @@ def calibrate(
     It leaves nothing behind for training to carry: the collectives' scratch buffers it gives
     to :data:`~fullshard.comm.buffers.POOL` are dropped (sizes of its own that training need
     not ask for again), and the blocks, tensors and optimizer it times are freed on return.
+
+    Args:
+        make_model: builds a fresh, unsharded model on ``device``.
+        example: returns one micro-batch (what ``loss_fn`` takes).
+        loss_fn: ``loss_fn(model, batch)`` -> a scalar loss tensor.
+        is_unit: which modules the wrapping may make units (``fullshard.wrap.is_unit`` or a policy's test).
+        device: where the model trains.
+        compute_dtype: the mixed-precision parameter dtype, or None for the model's own.
+        optimizer: "adamw" (or "adam"), "adadelta", else SGD: the step whose time is measured.
+        group: the process group (default: the world).
+
+    Returns:
+        a :class:`Calibration`: collective costs, block times (seconds) by unit, optimizer seconds per parameter.
     """
     held = buffers.POOL.nbytes
     with buffers.POOL.transient():

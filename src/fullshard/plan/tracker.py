@@ -22,8 +22,8 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+from fullshard.compat import TorchDispatchMode, tree_flatten
 
 
 class LiveTensorBytes(TorchDispatchMode):

@@ -11,12 +11,12 @@ Format: ``{"state": {name: {key: value}}, "param_groups": [{hyper-parameters, "p
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Union
 
 import torch
 from torch import nn
 
+from fullshard import compat
 from fullshard.engine.module_wrapper import clean_name
 from fullshard.state.state_dict import _sharded, _unit_of_param, as_dtensor, unit_mesh
 
@@ -186,9 +186,8 @@ def _local(value: Any, sp: Any, current: torch.Tensor) -> torch.Tensor:
 
 def _is_sharded_tensor(value: Any) -> bool:
     # torch FSDP1's sharded optimizer state (what torch.distributed.checkpoint.optimizer's
-    # load_sharded_optimizer_state_dict returns); its module is loaded only when one exists
-    module = sys.modules.get("torch.distributed._shard.sharded_tensor")
-    return module is not None and isinstance(value, module.ShardedTensor)
+    # load_sharded_optimizer_state_dict returns)
+    return compat.is_sharded_tensor(value)
 
 
 def _sharded_tensor_local(value: Any, sp: Any, current: torch.Tensor) -> torch.Tensor:

@@ -19,8 +19,8 @@ from typing import Any, Collection
 
 import torch
 from torch import nn
-from torch.nn.modules.module import _IncompatibleKeys
 
+from fullshard import compat
 from fullshard.comm import collectives
 from fullshard.engine.hooks import fsdp_state
 from fullshard.engine.module_wrapper import ModuleWrapper
@@ -47,13 +47,13 @@ def _entries(root: nn.Module, ignored: Modules) -> Iterator[tuple[str, nn.Module
         if isinstance(module, ModuleWrapper):  # wrappers are transparent in names
             yield from walk(module.module, prefix)
             return
-        for name, p in module._parameters.items():
+        for name, p in compat.module_parameters(module).items():
             if p is not None:
                 yield prefix + name, module, name, True
-        for name, b in module._buffers.items():
-            if b is not None and name not in module._non_persistent_buffers_set:
+        for name, b in compat.module_buffers(module).items():
+            if b is not None and name not in compat.non_persistent_buffers(module):
                 yield prefix + name, module, name, False
-        for name, child in module._modules.items():
+        for name, child in compat.module_children(module).items():
             if child is not None:
                 yield from walk(child, f"{prefix}{name}.")
 
@@ -86,7 +86,7 @@ def full_state_dict(
     if not keep:
         return out
     for name, module, attr, is_param in _entries(root, ignored):
-        t = module._parameters[attr] if is_param else module._buffers[attr]
+        t = compat.module_parameters(module)[attr] if is_param else compat.module_buffers(module)[attr]
         assert t is not None
         owner = _sharded(t)
         if owner is not None:
@@ -101,7 +101,7 @@ def local_state_dict(root: nn.Module, ignored: Modules, offload_to_cpu: bool = F
     """This rank's shards (and the buffers) as plain tensors under the original names."""
     out: OrderedDict[str, torch.Tensor] = OrderedDict()
     for name, module, attr, is_param in _entries(root, ignored):
-        t = module._parameters[attr] if is_param else module._buffers[attr]
+        t = compat.module_parameters(module)[attr] if is_param else compat.module_buffers(module)[attr]
         assert t is not None
         out[name] = t.detach().cpu() if offload_to_cpu else t.detach()
     return out
@@ -113,7 +113,7 @@ def load_full_state_dict(
     strict: bool,
     ignored: Modules,
     shards: Collection[str] = (),
-) -> _IncompatibleKeys:
+) -> compat.IncompatibleKeys:
     """Copy a full state dict into the shards and buffers; validate everything first.
 
     Keys in ``shards`` hold this rank's shard (the shard's shape) instead of the full value.
@@ -129,7 +129,7 @@ def load_full_state_dict(
         if name not in state_dict:
             continue
         value = state_dict[name]
-        target = module._parameters[attr] if is_param else module._buffers[attr]
+        target = compat.module_parameters(module)[attr] if is_param else compat.module_buffers(module)[attr]
         assert target is not None
         sp = _sharded(target)
         is_full = name not in shards
@@ -164,7 +164,7 @@ def load_full_state_dict(
             if value.numel() and value.data_ptr() == target.data_ptr():
                 continue  # loaded in place (a DTensor over this very shard)
             target.copy_(value)
-    return _IncompatibleKeys(missing, unexpected)
+    return compat.IncompatibleKeys(missing, unexpected)
 
 
 def _unwrapped(root: nn.Module) -> nn.Module:
@@ -238,7 +238,7 @@ def sharded_state_dict(root: nn.Module, ignored: Modules) -> OrderedDict[str, An
     units = _unit_of_param(root)
     out: OrderedDict[str, Any] = OrderedDict()
     for name, module, attr, is_param in _entries(root, ignored):
-        t = module._parameters[attr] if is_param else module._buffers[attr]
+        t = compat.module_parameters(module)[attr] if is_param else compat.module_buffers(module)[attr]
         assert t is not None
         out[name] = _sharded_value(t, units)
     return out
@@ -246,7 +246,7 @@ def sharded_state_dict(root: nn.Module, ignored: Modules) -> OrderedDict[str, An
 
 def load_sharded_state_dict(
     root: nn.Module, state_dict: Mapping[str, Any], strict: bool, ignored: Modules
-) -> _IncompatibleKeys:
+) -> compat.IncompatibleKeys:
     """Copy DTensor shards (this rank's layout) or full tensors into the model; validate first.
 
     Raises:

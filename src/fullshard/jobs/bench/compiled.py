@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from fullshard import compat
 from fullshard.comm import collectives
 from fullshard.jobs import launch
 from fullshard.jobs.bench.report import machine_line
@@ -34,9 +35,7 @@ def compile_worker(workload: str, impl: str, backend: str | None, steps: int, wa
         group = collectives.default_group()
         job = build_job(workload, impl, device, collectives.group_rank(group))
         if backend is not None:
-            from torch._dynamo import reset
-
-            reset()
+            compat.dynamo_reset()
             for block in unit_modules(workload, job.model):
                 block.compile(backend=backend)
         times, start = [], time.perf_counter()
@@ -51,9 +50,7 @@ def compile_worker(workload: str, impl: str, backend: str | None, steps: int, wa
             times.append(float(elapsed.item()))
         breaks = 0
         if backend is not None:
-            from torch._dynamo.utils import counters
-
-            breaks = sum(counters["graph_break"].values())
+            breaks = compat.dynamo_graph_breaks()
         if collectives.group_rank(group) != 0:
             return None
         return {"times": times[warmup:], "warmup_s": warm, "graph_breaks": breaks, "device": str(device)}

@@ -23,6 +23,7 @@ import dataclasses
 import random
 from typing import Any
 
+from fullshard import compat
 from fullshard.jobs.planning.families import FAMILIES, Shape
 
 STRATEGIES = ("full_shard", "shard_grad_op", "no_shard")
@@ -138,8 +139,6 @@ def selective_context() -> Any:
         aten.mm.default,
         aten.addmm.default,
         aten.bmm.default,
-        aten._scaled_dot_product_flash_attention_for_cpu.default,
-        aten._scaled_dot_product_flash_attention.default,
-        aten._scaled_dot_product_efficient_attention.default,
+        *(kernel.default for kernel in compat.sdpa_kernels().values()),
     ]
     return create_selective_checkpoint_contexts(saved)

@@ -9,9 +9,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from fullshard.engine import hooks
-from fullshard.engine.config import BackwardPrefetch, ShardingStrategy
-from fullshard.frontend.options import parse_sharding_strategy
+from fullshard import BackwardPrefetch, ShardingStrategy
+from fullshard.api import parse_sharding_strategy
+from fullshard.wrap import is_unit
 
 APIS = ("fsdp1", "fsdp2")
 
@@ -82,11 +82,11 @@ def shard_model(model: nn.Module, cfg: Any, policy: Callable[..., bool], **fsdp1
     ``auto_wrap_policy=policy``, or ``fully_shard`` on each module the same policy selects
     (bottom-up), then on the root. Returns the model to train (the wrapper, or ``model``)."""
     if getattr(cfg, "api", "fsdp1") == "fsdp1":
-        from fullshard.frontend.fsdp1 import FullyShardedDataParallel
+        from fullshard import FullyShardedDataParallel
 
         return FullyShardedDataParallel(model, auto_wrap_policy=policy, **fsdp1_kwargs, **fsdp_kwargs(cfg))
-    from fullshard.frontend.fully_shard import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-    from fullshard.frontend.wrap import apply_policy
+    from fullshard import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from fullshard.wrap import apply_policy
 
     kwargs: dict[str, Any] = {
         "reshard_after_forward": parse_sharding_strategy(cfg.sharding_strategy) is ShardingStrategy.FULL_SHARD,
@@ -102,7 +102,7 @@ def shard_model(model: nn.Module, cfg: Any, policy: Callable[..., bool], **fsdp1
         units.append(fully_shard(m, **kwargs))
         return m
 
-    apply_policy(model, policy, shard, hooks.is_unit, set())
+    apply_policy(model, policy, shard, is_unit, set())
     fully_shard(model, **kwargs)
     sharded: list[Any] = [*units, model]
     if cfg.forward_prefetch:
@@ -117,7 +117,7 @@ def shard_model(model: nn.Module, cfg: Any, policy: Callable[..., bool], **fsdp1
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Clip by the global gradient norm: the wrapper's method, or torch's own function on
     fully_shard's DTensor gradients (what FSDP2 programs call). Returns the norm (a scalar)."""
-    from fullshard.frontend.fsdp1 import FullyShardedDataParallel
+    from fullshard import FullyShardedDataParallel
 
     if isinstance(model, FullyShardedDataParallel):
         return model.clip_grad_norm_(max_norm)
@@ -129,13 +129,12 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The full state dict (collective) on rank 0, in CPU memory; ``{}`` on the other ranks."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from fullshard.comm import collectives
-    from fullshard.frontend.fsdp1 import FullyShardedDataParallel
+    from fullshard import FullyShardedDataParallel, distributed
 
     if isinstance(model, FullyShardedDataParallel):  # full tensors on every rank
         state = model.state_dict()
         return (
-            {k: v.cpu() for k, v in state.items()} if collectives.group_rank(collectives.default_group()) == 0 else {}
+            {k: v.cpu() for k, v in state.items()} if distributed.group_rank(distributed.default_group()) == 0 else {}
         )
     return dict(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))  # type: ignore[arg-type]
 
@@ -143,11 +142,11 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def save_full_model(model: nn.Module, path: str | None) -> None:
     """``--save-model``: gather the full state dict (collective: every rank) and write it to
     ``path`` with torch.save on rank 0; nothing when ``path`` is None."""
-    from fullshard.comm import collectives
+    from fullshard import distributed
 
     if path is None:
         return
     state = full_state_dict(model)
-    if collectives.group_rank(collectives.default_group()) == 0:
+    if distributed.group_rank(distributed.default_group()) == 0:
         torch.save(state, path)
         print(f"saved the full state dict to {path}", flush=True)

@@ -19,10 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fullshard.comm import collectives, flight_recorder
-from fullshard.engine.hooks import fsdp_state
-from fullshard.frontend.activation_checkpointing import apply_activation_checkpointing
-from fullshard.frontend.wrap import transformer_auto_wrap_policy
+from fullshard import apply_activation_checkpointing, distributed, memory_report, model_state_bytes, set_step
 from fullshard.jobs import launch
 from fullshard.jobs.data import text as text_data
 from fullshard.jobs.data.text import ByteCorpus
@@ -30,8 +27,7 @@ from fullshard.jobs.models.gpt import GPT, PRESETS, Block, init_module
 from fullshard.jobs.train import fsdp_options, global_batch, launcher_options, observe, plan_options, resume_options
 from fullshard.jobs.train.report import MetricsFile, mib
 from fullshard.jobs.train.session import Session, open_session
-from fullshard.plan.memory import model_state_bytes
-from fullshard.plan.memory_report import memory_report
+from fullshard.wrap import transformer_auto_wrap_policy, unit_count
 
 
 @dataclasses.dataclass
@@ -195,8 +191,8 @@ def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
     Every rank runs a forward for every batch (FSDP's all-gathers need all ranks), on every
     world-th row of it, possibly none.
     """
-    group = collectives.default_group()
-    rank, world = collectives.group_rank(group), collectives.group_size(group)
+    group = distributed.default_group()
+    rank, world = distributed.group_rank(group), distributed.group_size(group)
     total = torch.zeros(2, dtype=torch.float64, device=device)
     model.eval()
     with torch.no_grad():
@@ -206,7 +202,7 @@ def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
             total[0] += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item() if y.numel() else 0.0
             total[1] += y.numel()
     model.train()
-    collectives.all_reduce(total, group)
+    distributed.all_reduce(total, group)
     return float(total[0] / total[1])
 
 
@@ -228,8 +224,8 @@ def _run(cfg: GPTJobConfig, device: torch.device) -> dict[str, Any] | None:
 
 
 def _start_step(optimizer: torch.optim.Optimizer, step: int, cfg: GPTJobConfig) -> None:
-    """Set the step's learning rate, clear the gradients, label the step's collectives."""
-    flight_recorder.set_step(step + 1)
+    """Set the step's learning rate, clear the gradients, label the step's distributed."""
+    set_step(step + 1)
     for g in optimizer.param_groups:
         g["lr"] = lr_at(step, cfg)
     optimizer.zero_grad(set_to_none=True)
@@ -248,14 +244,14 @@ def train_loop(
     ``plain`` builds the unsharded model (called on the meta device, to count its FLOPs for MFU).
     Returns the last log record on rank 0, None elsewhere.
     """
-    group = collectives.default_group()
-    rank, world = collectives.group_rank(group), collectives.group_size(group)
+    group = distributed.default_group()
+    rank, world = distributed.group_rank(group), distributed.group_size(group)
     split = global_batch.plan(cfg, world)  # raises on every rank where G does not fit the world size
     rows = rows_per_step(cfg, world)
     corpus = ByteCorpus.load(cfg.data)
     val = corpus.val_batches(cfg.eval_batches, cfg.batch_size, cfg.seq_len, cfg.seed)
     if rank == 0:
-        units = len({id(state.unit) for m in model.modules() if (state := fsdp_state(m)) is not None})  # a list: one
+        units = unit_count(model)
         micro = f" ({split.accumulation} micro-batch(es) of {cfg.batch_size} per rank)" if split else ""
         shape = f"{rows} x {cfg.seq_len} bytes per step{micro}"
         print(f"{title}, {units} FSDP units ({cfg.api}), {world} ranks, {shape}", flush=True)
@@ -343,7 +339,7 @@ def _resume(session: Session, model: nn.Module, optimizer: torch.optim.Optimizer
         return 0
     if "rng" in resumed.extra:
         torch.set_rng_state(resumed.extra["rng"])
-    if collectives.group_rank(collectives.default_group()) == 0:
+    if distributed.group_rank(distributed.default_group()) == 0:
         print(f"resumed from {resumed.path} at step {resumed.step}", flush=True)
     return resumed.step
 
@@ -360,10 +356,10 @@ def _log(
 ) -> dict[str, Any]:
     """The record of a log window (collective): losses, grad norm, lr, throughput, MFU, the step
     split into compute and exposed communication, memory per rank."""
-    group = collectives.default_group()
-    world = collectives.group_size(group)
+    group = distributed.default_group()
+    world = distributed.group_size(group)
     norm = window[2].item()  # the same on every rank: read before the sum
-    collectives.all_reduce(window, group)
+    distributed.all_reduce(window, group)
     steps = round(window[1].item() / world)
     sequences = steps * rows_per_step(cfg, world)
     seen = obs.window(seconds, steps, sequences, model_state_bytes(model, optimizer)["total"])

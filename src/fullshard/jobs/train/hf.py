@@ -16,12 +16,12 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from fullshard.frontend.activation_checkpointing import apply_activation_checkpointing
-from fullshard.frontend.fsdp1 import FullyShardedDataParallel as FSDP
-from fullshard.frontend.wrap import transformer_auto_wrap_policy
+from fullshard import FullyShardedDataParallel as FSDP
+from fullshard import apply_activation_checkpointing
 from fullshard.jobs import launch
 from fullshard.jobs.train import fsdp_options, launcher_options, plan_options
 from fullshard.jobs.train.gpt import GPTJobConfig, config_from, make_parser, train_loop
+from fullshard.wrap import transformer_auto_wrap_policy
 
 
 def _llama_tiny() -> nn.Module:

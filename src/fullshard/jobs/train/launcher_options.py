@@ -7,7 +7,7 @@ import argparse
 import os
 from typing import Any
 
-from fullshard.comm import watchdog
+from fullshard import enable_watchdog
 from fullshard.jobs import ray_launcher
 
 
@@ -64,4 +64,4 @@ def watchdog_on() -> None:
     """Turn the watchdog and the divergence check on in a job's worker, unless
     ``FULLSHARD_WATCHDOG=0``: training jobs run with them, library users opt in."""
     if os.environ.get("FULLSHARD_WATCHDOG", "1").strip().lower() not in ("0", "false", "no", "off"):
-        watchdog.enable_watchdog()
+        enable_watchdog()

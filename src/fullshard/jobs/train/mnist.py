@@ -22,16 +22,14 @@ from torch import nn
 from torch.optim.lr_scheduler import StepLR
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-from fullshard.comm import collectives
-from fullshard.frontend.wrap import size_based_auto_wrap_policy
+from fullshard import distributed, memory_report, model_state_bytes
 from fullshard.jobs import launch
 from fullshard.jobs.data import mnist as mnist_data
 from fullshard.jobs.models.net import Net
 from fullshard.jobs.train import fsdp_options, launcher_options, observe, plan_options, resume_options
 from fullshard.jobs.train.report import MetricsFile, mib
 from fullshard.jobs.train.session import Session, open_session
-from fullshard.plan.memory import model_state_bytes
-from fullshard.plan.memory_report import memory_report
+from fullshard.wrap import size_based_auto_wrap_policy
 
 
 @dataclasses.dataclass
@@ -227,8 +225,8 @@ def worker(cfg: MnistConfig) -> dict[str, Any] | None:
 
 
 def _run(cfg: MnistConfig, device: torch.device) -> dict[str, Any] | None:
-    group = collectives.default_group()
-    rank, world = collectives.group_rank(group), collectives.group_size(group)
+    group = distributed.default_group()
+    rank, world = distributed.group_rank(group), distributed.group_size(group)
     torch.manual_seed(cfg.seed)
     train_loader, test_loader, sampler = _loaders(cfg, rank, world)
     model = build_model(cfg, device)
@@ -263,8 +261,8 @@ def _run(cfg: MnistConfig, device: torch.device) -> dict[str, Any] | None:
         scheduler.step()
         seconds = time.perf_counter() - start
         norm = train_stats[2].item()  # the same on every rank: read before the sum
-        collectives.all_reduce(train_stats, group)
-        collectives.all_reduce(test_stats, group)
+        distributed.all_reduce(train_stats, group)
+        distributed.all_reduce(test_stats, group)
         record = {
             "epoch": epoch,
             "train_loss": train_stats[0].item() / train_stats[1].item(),
@@ -302,7 +300,7 @@ def _resume(session: Session, model: nn.Module, optimizer: torch.optim.Optimizer
     extra = dict(resumed.extra)
     scheduler.load_state_dict(extra.pop("scheduler"))
     pos = _Position(**extra)
-    if collectives.group_rank(collectives.default_group()) == 0:
+    if distributed.group_rank(distributed.default_group()) == 0:
         print(f"resumed from {resumed.path} at epoch {pos.epoch}, batch {pos.batch}", flush=True)
     return pos
 

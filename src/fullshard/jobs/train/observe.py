@@ -22,8 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fullshard.comm import collectives, exposure
-from fullshard.plan.memory import peak_rss_bytes
+from fullshard import distributed, peak_rss_bytes
 
 # Dense peak FLOP/s per GPU from the vendors' datasheets (SXM parts; no sparsity).
 _DATASHEET = {
@@ -119,7 +118,7 @@ def peak_flops(device: torch.device, dtype: torch.dtype, tflops: float | None) -
                 return table[dtype], f"{key} datasheet, dense {str(dtype).removeprefix('torch.')}"
     else:
         dtype = torch.float32
-    collectives.barrier(collectives.default_group())
+    distributed.barrier(distributed.default_group())
     a = torch.randn(1024, 1024, device=device, dtype=dtype)
     b = torch.randn(1024, 1024, device=device, dtype=dtype)
     torch.mm(a, b)
@@ -156,13 +155,13 @@ class Observer:
         first_step: int = 0,
         bar: bool = True,
     ) -> None:
-        group = collectives.default_group()
-        self.rank, self.world = collectives.group_rank(group), collectives.group_size(group)
+        group = distributed.default_group()
+        self.rank, self.world = distributed.group_rank(group), distributed.group_size(group)
         self.device, self.flops_per_sample, (self.peak, self.peak_source) = device, flops_per_sample, peak
         self.profile = parse_profile_steps(cfg.profile_steps)
         self.profile_dir = Path(cfg.profile_dir)
         self._profiler: Any = None
-        self._exposed = self._exposed_end = exposure.exposed_seconds()
+        self._exposed = self._exposed_end = distributed.exposed_seconds()
         self.writer = _writer(cfg.tensorboard) if self.rank == 0 else None
         self.bar = _bar(total_steps, first_step) if bar and self.rank == 0 and cfg.progress else None
 
@@ -190,11 +189,11 @@ class Observer:
 
     def start_window(self) -> None:
         """A log window's steps begin now (after the previous window's logging and evaluation)."""
-        self._exposed = exposure.exposed_seconds()
+        self._exposed = distributed.exposed_seconds()
 
     def end_window(self) -> None:
         """A log window's steps ended now: collectives after this (logging, evaluation) are not its."""
-        self._exposed_end = exposure.exposed_seconds()
+        self._exposed_end = distributed.exposed_seconds()
 
     def window(self, seconds: float, steps: int, samples: int, state_bytes: int) -> dict[str, Any]:
         """Metrics of a log window of ``steps`` optimizer steps over ``seconds`` (between
@@ -214,7 +213,7 @@ class Observer:
         if self.device.type == "cuda":
             mine["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
             mine["cuda_max_reserved_bytes"] = torch.cuda.max_memory_reserved(self.device)
-        rows = collectives.all_gather_object(mine, collectives.default_group())
+        rows = distributed.all_gather_object(mine, distributed.default_group())
         per_rank = {k: [r[k] for r in rows] for k in mine}
         step_seconds = seconds / max(steps, 1)
         rate = samples / seconds

@@ -2,7 +2,7 @@
 FSDP configuration (sharding per unit, activation checkpointing, forward prefetch, front end).
 
 At start-up every rank calibrates this machine for a few seconds (collectives at the job's world
-size, each unit at the job's micro-batch, the job's optimizer), rank 0 runs :func:`fullshard.plan.planner.plan`
+size, each unit at the job's micro-batch, the job's optimizer), rank 0 runs :func:`fullshard.planning.plan`
 under the budget, prints the plan and hands it to every rank, and each rank wraps the model as
 planned. When nothing fits, every rank fails with the smallest budget that would.
 """
@@ -46,7 +46,7 @@ def validate(cfg: Any) -> None:
         ValueError: an unknown plan; ``--memory-budget`` missing, malformed or given without
             ``--plan auto``; or an option the plan chooses itself also given, naming it.
     """
-    from fullshard.plan.planner import parse_size
+    from fullshard.planning import parse_size
 
     if cfg.plan not in PLANS:
         raise ValueError(f"--plan {cfg.plan!r}: use none or auto")
@@ -103,23 +103,22 @@ def planned_model(
         ValueError: on every rank when no configuration fits ``cfg.memory_budget``; the message
             gives the budget the smallest configuration needs.
     """
-    from fullshard.comm import collectives
+    from fullshard import distributed
     from fullshard.jobs.train.fsdp_options import PRECISIONS
-    from fullshard.plan.planner import parse_size, plan
-    from fullshard.plan.steptime import calibrate
+    from fullshard.planning import calibrate, parse_size, plan
 
     example, loss_fn = parts if parts is not None else lm_parts(cfg.batch_size, cfg.seq_len)
     dtype = PRECISIONS[cfg.mixed_precision]
     cal = calibrate(make_model, example, loss_fn, is_unit, device, compute_dtype=dtype, optimizer=optimizer)
-    group = collectives.default_group()
+    group = distributed.default_group()
     answer = None
-    if collectives.group_rank(group) == 0:
+    if distributed.group_rank(group) == 0:
         result = plan(cal, make_model, example, loss_fn, is_unit, parse_size(cfg.memory_budget), param_dtype=dtype)
         answer = (result.describe(), result.best.candidate if result.best is not None else None)
-    lines, chosen = collectives.broadcast_object(answer, 0, group)
+    lines, chosen = distributed.broadcast_object(answer, 0, group)
     if chosen is None:
         raise ValueError(f"--plan auto --memory-budget {cfg.memory_budget}: {lines[0]}")
-    if collectives.group_rank(group) == 0:
+    if distributed.group_rank(group) == 0:
         print("--plan auto: " + "\n".join(lines), flush=True)
     cfg.api = "fsdp1" if chosen.no_shard else "fsdp2"
     torch.manual_seed(cfg.seed)  # calibration drew random numbers: the model starts as without a plan

@@ -2,7 +2,7 @@
 
 The training loops call :func:`open_session` once and then ``resume``, ``save`` and ``report``;
 they do not know who launched them. Under torch's launcher or ``torchrun`` checkpoints are
-folders of ``--checkpoint-dir`` (see ``fullshard.state.checkpoint``). Under Ray Train
+folders of ``--checkpoint-dir`` (see ``fullshard.checkpoint``). Under Ray Train
 (``--launcher ray``) each worker saves into its own temporary directory and hands it to
 ``ray.train.report`` as a ``ray.train.Checkpoint``; Ray merges the workers' directories into one
 complete checkpoint in the run's storage, and a restarted worker group resumes from
@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fullshard import checkpoint
 from fullshard.jobs.checkpoint_cli import warnings_as_lines
-from fullshard.state import checkpoint
 
 
 @dataclasses.dataclass
@@ -43,7 +43,7 @@ class Session:
     def resume(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Resumed | None:
         """Load the newest verified checkpoint into ``model`` and ``optimizer`` (collective);
         None when there is none. Newer ones that fail verification are skipped with a warning
-        naming each and why (``fullshard.state.checkpoint.resume``)."""
+        naming each and why (``fullshard.checkpoint.resume``)."""
         if not self.cfg.checkpoint_dir:
             return None
         with warnings_as_lines():  # rank 0's line per checkpoint skipped
