@@ -314,6 +314,7 @@ def test_planner_offloads_on_cuda_when_nothing_else_fits(_scored_once: None) -> 
     """On NCCL every sharded candidate also comes with CPU offload: slower (copies, the
     optimizer on the host), so an ample budget gets none, but a budget below every
     non-offloaded peak gets the fastest offloaded candidate. On gloo offload is no candidate."""
+    from fullshard.plan.peak import NOT_REPLAYED
     from fullshard.plan.planner import candidates, needs, plan
 
     names = [f"blocks.{i}" for i in range(4)]
@@ -329,8 +330,12 @@ def test_planner_offloads_on_cuda_when_nothing_else_fits(_scored_once: None) -> 
     assert tight.best is not None and tight.best.candidate.offload, tight.describe()
     assert tight.best.candidate.describe().endswith(", CPU offload")
     assert f"; on the host {tight.best.peak.host / 2**20:,.1f}" in tight.describe()[1]
+    # NCCL and offload are not replayed as the engine runs: every such prediction says so, and
+    # is never below the additive model's
+    assert all(s.peak.bound.endswith(NOT_REPLAYED["offload" if s.candidate.offload else "nccl"]) for s in ample.scored)
+    assert f"Not exact: {tight.best.peak.bound}." in tight.describe()
     on_gloo = plan(_fake_calibration(1e-6), make, example, loss, is_unit, 2**40)  # the other test's scores
-    assert not any(s.candidate.offload for s in on_gloo.scored)
+    assert not any(s.candidate.offload or s.peak.bound for s in on_gloo.scored)
     from fullshard.plan.steptime import predict_step  # on a CPU device offload moves nothing
 
     gloo = _fake_calibration(1e-9)
