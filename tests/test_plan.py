@@ -267,7 +267,7 @@ def _scored_once(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_planner_picks_the_fastest_that_fits_and_says_when_nothing_does(_scored_once: None) -> None:
-    from fullshard.plan.margin import MARGIN, SWEEP_ERRORS
+    from fullshard.plan.margin import MARGIN, MARGIN_FROM
     from fullshard.plan.planner import candidates, needs, plan
 
     names = [f"blocks.{i}" for i in range(4)]
@@ -297,14 +297,14 @@ def test_planner_picks_the_fastest_that_fits_and_says_when_nothing_does(_scored_
     assert tight.best is not None and needs(tight.best.peak.total) <= budget
     assert tight.best.step.seconds == min(s.step.seconds for s in tight.scored if needs(s.peak.total) <= budget)
     assert tight.best.step.seconds >= slow_net.best.step.seconds
-    assert SWEEP_ERRORS.describe() in tight.describe()
+    assert MARGIN_FROM.describe() in tight.describe()
     smallest = slow_net.smallest.peak.total
     assert plan(_fake_calibration(1e-6), make, example, loss, is_unit, needs(smallest)).best is not None
     none = plan(_fake_calibration(1e-6), make, example, loss, is_unit, needs(smallest) - 1)
     assert none.best is None
     text = "\n".join(none.describe())
     assert f"needs {needs(smallest) / 2**20:,.1f} MiB (its predicted peak {smallest / 2**20:,.1f} MiB" in text
-    assert "Nothing fits" in text and SWEEP_ERRORS.describe() in text
+    assert "Nothing fits" in text and MARGIN_FROM.describe() in text
     assert plan(_fake_calibration(1e-6), make, example, loss, is_unit, smallest, margin=0.0).best is not None
     with pytest.raises(ValueError, match="budget=0"):
         plan(_fake_calibration(1e-6), make, example, loss, is_unit, 0)

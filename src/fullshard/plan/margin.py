@@ -1,20 +1,23 @@
 """The planner's margin: how much larger than predicted a step's peak has been measured.
 
-The estimator's error was measured on a generated sweep run as users run it, real gloo worker
-processes (``fullshard bench estimate --sweep 40 --seed 4242`` at commit 962e9e9, the primary
-table of ``docs/estimate_sweep_seed4242.md``): :data:`SWEEP_ERRORS` holds that table's signed
-errors, (predicted - measured) / measured, of every configuration that was both predicted and
-measured, in the table's order (the one failed run left out). The planner predicts with the
-same model (:func:`fullshard.plan.peak.replayed_peak`), so this is its error too.
+The estimator's error was measured on generated sweeps run as users run them, real gloo worker
+processes (``fullshard bench estimate --sweep 40 --seed S`` at commit 962e9e9, the primary
+table of ``docs/estimate_sweep_seed<S>.md``): :data:`SWEEP_ERRORS` (seed 4242) and
+:data:`SECOND_SEED` (seed 777) hold those tables' signed errors, (predicted - measured) /
+measured, of every configuration that was both predicted and measured, in the table's order
+(failed runs left out). The planner predicts with the same model
+(:func:`fullshard.plan.peak.replayed_peak`), so this is its error too.
 
-How the margin follows: a plan must hold even for the worst under-estimate seen there. The
-table prints errors rounded to 0.1%, so an error printed as ``e`` may be as low as ``e - 0.05%``;
-the worst under-estimate is taken as the lowest printed error less that half step (never above
-zero), ``worst``. A predicted peak ``p`` may then measure ``p / (1 + worst)``, so the planner
-keeps ``1 / (1 + worst) - 1`` of the prediction free (:data:`MARGIN`). No floor is added: the
-second seed (``docs/estimate_sweep_seed777.md``) is the check that a new draw stays within it.
-When the estimator changes and the sweep is run again, this table is replaced by the new run's,
-and the margin follows; ``tests/test_plan_fit.py`` checks that the table is the document's.
+How the margin follows: a plan must hold even for the worst under-estimate seen. The tables
+print errors rounded to 0.1%, so an error printed as ``e`` may be as low as ``e - 0.05%``; a
+sweep's worst under-estimate is taken as its lowest printed error less that half step (never
+above zero), ``worst``. A predicted peak ``p`` may then measure ``p / (1 + worst)``, so the
+planner keeps ``1 / (1 + worst) - 1`` of the prediction free (:data:`MARGIN`). Which seed:
+the worse of the two (:data:`MARGIN_FROM`). Seed 4242 alone gave -0.6% and seed 777 measured
+-1.5%, so a margin from one seed did not cover the other draw; the two seeds' lowest is the
+bound both distributions support, no floor beyond it. When the estimator changes and the
+sweeps are run again, these tables are replaced by the new runs', and the margin follows;
+``tests/test_plan_fit.py`` checks that each table is its document's.
 """
 
 from __future__ import annotations
@@ -55,9 +58,9 @@ class ErrorDistribution:
         return 1.0 / (1.0 + self.worst_under) - 1.0
 
     def describe(self) -> str:
-        """One line, e.g. ``margin 0.3%: the estimator's worst under-estimate on sweep seed 4242
-        (docs/estimate_sweep_seed4242.md, 39 configurations, real gloo workers) was -0.2%
-        (to 0.1%: taken as -0.25%)``."""
+        """One line, e.g. ``margin 0.65%: the estimator's worst under-estimate on sweep seed 4242
+        (docs/estimate_sweep_seed4242.md, 39 configurations, real gloo workers) was -0.6%
+        (to 0.1%: taken as -0.65%)``."""
         return (
             f"margin {100 * self.margin:.2f}%: the estimator's worst under-estimate on sweep seed {self.seed} "
             f"({self.source}, {len(self.errors)} configurations, {self.how}) was {100 * self.worst_printed:+.1f}% "
@@ -75,7 +78,22 @@ _SEED_4242 = (
 )  # fmt: skip
 
 SWEEP_ERRORS = ErrorDistribution(tuple(e / 100 for e in _SEED_4242), "docs/estimate_sweep_seed4242.md", 4242, "962e9e9")
-"""The estimator's measured error distribution the planner's margin comes from."""
+"""The estimator's measured error distribution on seed 4242."""
 
-MARGIN = SWEEP_ERRORS.margin
+# docs/estimate_sweep_seed777.md, the multi-process table's error column, the failed rows left
+# out, in % as printed.
+_SEED_777 = (
+    +0.0, -0.0, -0.5, -0.0, +0.0, +0.0, +0.0, +0.0, +0.0, +0.4,
+    -0.0, -0.0, +0.0, -1.5, +0.0, -0.0, +2.5, -0.0, -0.0, -0.0,
+    +0.0, +0.0, -0.0, -0.0, +0.1, +0.0, +0.1, +0.0, +0.1, +0.0,
+    +0.0, +0.0, +0.0, -0.0, -0.0, +0.0, +0.1, +0.0, +0.0,
+)  # fmt: skip
+
+SECOND_SEED = ErrorDistribution(tuple(e / 100 for e in _SEED_777), "docs/estimate_sweep_seed777.md", 777, "962e9e9")
+"""The estimator's measured error distribution on seed 777, a second draw."""
+
+MARGIN_FROM = min((SWEEP_ERRORS, SECOND_SEED), key=lambda d: d.worst_under)
+"""The sweep whose worst under-estimate sets the margin."""
+
+MARGIN = MARGIN_FROM.margin
 """The share of a candidate's predicted peak the planner keeps free under the budget."""

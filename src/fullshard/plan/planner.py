@@ -39,7 +39,7 @@ from torch import nn
 
 from fullshard.plan.candidate import Candidate, candidates
 from fullshard.plan.estimate import UnitEstimate, estimate_model_state
-from fullshard.plan.margin import MARGIN, SWEEP_ERRORS
+from fullshard.plan.margin import MARGIN, MARGIN_FROM
 from fullshard.plan.peak import PeakEstimate, StepTrace, device_type, offloads, replayed_peak, trace_step
 from fullshard.plan.simulate import StepTime
 from fullshard.plan.steptime import Calibration, predict_step
@@ -75,8 +75,8 @@ class Plan:
 
     def margin_line(self) -> str:
         """Where the margin comes from, in one line."""
-        if self.margin == SWEEP_ERRORS.margin:
-            line = SWEEP_ERRORS.describe()
+        if self.margin == MARGIN:
+            line = MARGIN_FROM.describe()
         else:
             line = f"margin {100 * self.margin:.1f}% (given by the caller)"
         return line + (f"; {self.leftover / 2**20:,.2f} MiB left by calibration" if self.leftover else "")
