@@ -125,3 +125,60 @@ def test_no_shard_in_bf16_gathers_a_compute_copy_of_every_unit() -> None:
     samples[2] = (0, (0, 0, 0), True, "<root>")
     peak = replay(units, samples, [0, 2000, 2000], 0, 2, sharding_strategy="no_shard")
     assert (peak.grads, peak.grad_buffer, peak.gathered, peak.total) == (8000, 2000, 0, 10000), peak
+
+
+# The planner's settings the sweep's configurations never take: units of several blocks, some
+# units kept gathered after forward, forward prefetch (each with AC, bf16 or 4 ranks too).
+BLOCKS = ("blocks.0", "blocks.1", "blocks.2")
+PLANNED = [
+    # (keep_gathered, checkpoint, forward_prefetch, group, bf16, world)
+    ((), (), False, 2, False, 2),
+    (BLOCKS[2:], BLOCKS[:1], False, 2, True, 2),
+    (BLOCKS[2:], (), True, 1, False, 4),
+    ((), BLOCKS[:2], True, 2, True, 2),
+    ((), BLOCKS[:1], False, 3, False, 2),
+]
+
+
+def _measure_candidate(candidate, parts, dtype: torch.dtype | None) -> tuple[int, str]:  # noqa: ANN001
+    """Rank 0's third step under ``candidate`` (peak live tensor bytes, moment), as the sweep measures."""
+    from fullshard.plan.running_unit import RunningUnit
+    from fullshard.plan.tracker import LiveTensorBytes
+
+    make, example, loss_fn, is_unit = parts
+    running: list[RunningUnit] = []
+    with LiveTensorBytes(label=lambda: running[0].moment if running else "building") as live:
+        torch.manual_seed(0)
+        model = make()
+        running.append(RunningUnit(model, is_unit))
+        model = candidate.apply(model, dtype)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        for _ in range(3):
+            x, y = example()
+            batch = (x.random_(0, GPT.vocab), y.random_(0, GPT.vocab))
+            live.reset_peak()
+            loss_fn(model, batch).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return live.peak, str(live.peak_label)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("kept", "ac", "prefetch", "group", "bf16", "world"), PLANNED)
+def test_a_planned_candidates_estimate_is_rank_zeros_third_step(
+    fake_world, kept: tuple, ac: tuple, prefetch: bool, group: int, bf16: bool, world: int
+) -> None:
+    """What the planner predicts for a candidate (:func:`~fullshard.plan.planner.predict_peak`)
+    equals rank 0's measured peak with the candidate applied, to a few bytes; the moment matches."""
+    from fullshard.jobs.planning import families
+    from fullshard.plan.planner import Candidate, predict_peak
+
+    parts = families.parts("gpt", GPT, 3, 24)
+    dtype = torch.bfloat16 if bf16 else None
+    candidate = Candidate(False, kept, ac, prefetch, BLOCKS, group)
+    estimate = predict_peak(candidate, *parts, world, param_dtype=dtype)
+    fake_world(world)
+    measured, moment = _measure_candidate(candidate, parts, dtype)
+    assert not estimate.bound
+    assert abs(estimate.total - measured) <= 64, (candidate.describe(), estimate, measured, moment)
+    assert estimate.moment == moment, (estimate.moment, moment)

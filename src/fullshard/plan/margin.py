@@ -1,35 +1,55 @@
 """The planner's margin: how much larger than predicted a step's peak has been measured.
 
-The estimator's error was measured on a generated sweep (``fullshard bench estimate --sweep 40
---seed 4242``, written down in ``docs/estimate_sweep_seed4242.md``): :data:`SWEEP_ERRORS` holds
-that table's signed errors, (predicted - measured) / measured, of every configuration that was
-both predicted and measured, in the table's order (the one failed run left out). A plan must
-hold even for the worst under-estimate seen there: a predicted peak ``p`` may measure
-``p / (1 + worst)``, so the planner keeps ``1 / (1 + worst) - 1`` of the prediction free
-(:data:`MARGIN`). When the estimator changes and the sweep is run again, this table is replaced
-by the new run's, and the margin follows; ``tests/test_plan_fit.py`` checks that the table is
-the document's.
+The estimator's error was measured on generated sweeps run as users run them, real gloo worker
+processes (``fullshard bench estimate --sweep 40 --seed S`` at commit 962e9e9, the primary
+table of ``docs/estimate_sweep_seed<S>.md``): :data:`SWEEP_ERRORS` (seed 4242) and
+:data:`SECOND_SEED` (seed 777) hold those tables' signed errors, (predicted - measured) /
+measured, of every configuration that was both predicted and measured, in the table's order
+(failed runs left out). The planner predicts with the same model
+(:func:`fullshard.plan.peak.replayed_peak`), so this is its error too.
+
+How the margin follows: a plan must hold even for the worst under-estimate seen. The tables
+print errors rounded to 0.1%, so an error printed as ``e`` may be as low as ``e - 0.05%``; a
+sweep's worst under-estimate is taken as its lowest printed error less that half step (never
+above zero), ``worst``. A predicted peak ``p`` may then measure ``p / (1 + worst)``, so the
+planner keeps ``1 / (1 + worst) - 1`` of the prediction free (:data:`MARGIN`). Which seed:
+the worse of the two (:data:`MARGIN_FROM`). Seed 4242 alone gave -0.6% and seed 777 measured
+-1.5%, so a margin from one seed did not cover the other draw; the two seeds' lowest is the
+bound both distributions support, no floor beyond it. When the estimator changes and the
+sweeps are run again, these tables are replaced by the new runs', and the margin follows;
+``tests/test_plan_fit.py`` checks that each table is its document's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+PRINTED_STEP = 0.001
+"""The sweep table's rounding step of an error (a fraction: 0.1%)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class ErrorDistribution:
-    """Signed errors (fractions, predicted / measured - 1) of one estimator sweep, with where they
-    were measured (``source``: the document, ``seed``: the sweep's seed, ``commit``: the code)."""
+    """Signed errors (fractions, predicted / measured - 1, as printed: to :data:`PRINTED_STEP`) of
+    one estimator sweep, with where they were measured (``source``: the document, ``seed``: the
+    sweep's seed, ``commit``: the code, ``how``: how rank 0 was measured)."""
 
     errors: tuple[float, ...]
     source: str
     seed: int
     commit: str
+    how: str = "real gloo workers"
+
+    @property
+    def worst_printed(self) -> float:
+        """The lowest error as printed (a fraction)."""
+        return min(self.errors)
 
     @property
     def worst_under(self) -> float:
-        """The most negative error (a fraction; 0.0 when nothing was under-estimated)."""
-        return min(0.0, *self.errors)
+        """The worst under-estimate the table allows: its lowest printed error less half the
+        rounding step, never above zero (a fraction)."""
+        return min(0.0, self.worst_printed - PRINTED_STEP / 2)
 
     @property
     def margin(self) -> float:
@@ -38,24 +58,42 @@ class ErrorDistribution:
         return 1.0 / (1.0 + self.worst_under) - 1.0
 
     def describe(self) -> str:
-        """One line, e.g. ``margin 21.7%: the estimator's worst under-estimate on sweep seed 4242
-        (docs/estimate_sweep_seed4242.md, 39 configurations) was -17.8%``."""
+        """One line, e.g. ``margin 0.65%: the estimator's worst under-estimate on sweep seed 4242
+        (docs/estimate_sweep_seed4242.md, 39 configurations, real gloo workers) was -0.6%
+        (to 0.1%: taken as -0.65%)``."""
         return (
-            f"margin {100 * self.margin:.1f}%: the estimator's worst under-estimate on sweep seed {self.seed} "
-            f"({self.source}, {len(self.errors)} configurations) was {100 * self.worst_under:+.1f}%"
+            f"margin {100 * self.margin:.2f}%: the estimator's worst under-estimate on sweep seed {self.seed} "
+            f"({self.source}, {len(self.errors)} configurations, {self.how}) was {100 * self.worst_printed:+.1f}% "
+            f"(to 0.1%: taken as {100 * self.worst_under:+.2f}%)"
         )
 
 
-# docs/estimate_sweep_seed4242.md, the table's error column, rows 0-39 without row 7 (its run failed), in %.
+# docs/estimate_sweep_seed4242.md, the multi-process table's error column, rows 0-39 without row 7
+# (its run failed), in % as printed.
 _SEED_4242 = (
-    -17.1, +29.5, +10.5, +4.1, -10.7, +18.8, +0.0, -1.1, -17.8, -1.4,
-    +5.5, -0.0, +0.3, -0.4, -0.0, -12.0, +0.7, -2.9, -13.1, +0.5,
-    +0.0, +24.7, -1.6, -5.6, -11.9, +6.2, +20.5, +2.6, +8.8, -1.1,
-    +1.0, -3.3, -0.6, -0.4, -0.0, +30.6, +44.3, +7.7, -0.8,
+    +0.0, +0.0, -0.2, +0.0, +0.0, -0.0, +0.0, +0.1, -0.0, -0.0,
+    +0.1, -0.0, -0.6, -0.0, -0.0, -0.0, +0.0, +0.0, +0.0, +0.0,
+    +0.0, +0.0, +0.0, -0.0, -0.0, -0.0, -0.0, -0.0, +0.0, +0.0,
+    +0.0, +0.0, +0.0, +0.0, -0.0, +0.0, +0.0, +0.0, +0.0,
 )  # fmt: skip
 
-SWEEP_ERRORS = ErrorDistribution(tuple(e / 100 for e in _SEED_4242), "docs/estimate_sweep_seed4242.md", 4242, "c5ab931")
-"""The estimator's measured error distribution the planner's margin comes from."""
+SWEEP_ERRORS = ErrorDistribution(tuple(e / 100 for e in _SEED_4242), "docs/estimate_sweep_seed4242.md", 4242, "962e9e9")
+"""The estimator's measured error distribution on seed 4242."""
 
-MARGIN = SWEEP_ERRORS.margin
+# docs/estimate_sweep_seed777.md, the multi-process table's error column, the failed rows left
+# out, in % as printed.
+_SEED_777 = (
+    +0.0, -0.0, -0.5, -0.0, +0.0, +0.0, +0.0, +0.0, +0.0, +0.4,
+    -0.0, -0.0, +0.0, -1.5, +0.0, -0.0, +2.5, -0.0, -0.0, -0.0,
+    +0.0, +0.0, -0.0, -0.0, +0.1, +0.0, +0.1, +0.0, +0.1, +0.0,
+    +0.0, +0.0, +0.0, -0.0, -0.0, +0.0, +0.1, +0.0, +0.0,
+)  # fmt: skip
+
+SECOND_SEED = ErrorDistribution(tuple(e / 100 for e in _SEED_777), "docs/estimate_sweep_seed777.md", 777, "962e9e9")
+"""The estimator's measured error distribution on seed 777, a second draw."""
+
+MARGIN_FROM = min((SWEEP_ERRORS, SECOND_SEED), key=lambda d: d.worst_under)
+"""The sweep whose worst under-estimate sets the margin."""
+
+MARGIN = MARGIN_FROM.margin
 """The share of a candidate's predicted peak the planner keeps free under the budget."""

@@ -6,13 +6,16 @@ gradients already produced at that moment, is what activations, saved tensors an
 take (activation checkpointing applied as the job applies it; under mixed precision the model is
 traced in the compute dtype).
 
-On gloo (CPU) without offload, :func:`estimate_peak` keeps every sample of that trace
-(:func:`trace_step`) and replays the engine's buffers over it, moment by moment
-(:func:`fullshard.plan.schedule.replay`): the peak is the largest sum, at one moment, of the
-activations then, the model state, the gradients as they stand then, and the gathered,
-packed, received and pooled buffers alive then, which depend on the unit running and the phase.
-Elsewhere (NCCL, CPU offload, and the planner's many candidates) :func:`combine` adds the
-following terms to the trace's peak, per rank:
+:func:`estimate_peak`, and the planner for each candidate, keep every sample of that trace
+(:func:`trace_step`) and replay the engine's buffers over it, moment by moment
+(:func:`replayed_peak`, :func:`fullshard.plan.schedule.replay`): the peak is the largest sum,
+at one moment, of the activations then, the model state, the gradients as they stand then,
+and the gathered, packed, received and pooled buffers alive then, which depend on the unit
+running and the phase. That is the engine on gloo (CPU), the model the estimator sweeps
+measure. On NCCL and under CPU offload the engine's buffers differ and no GPU run has checked
+a replay of them: there the estimate is the larger of the replay as on gloo and the older
+additive model, :func:`combine`, and its ``bound`` says so (:data:`NOT_REPLAYED`).
+:func:`combine` adds the following terms to the trace's peak, per rank:
 
 - model state (:func:`~fullshard.plan.estimate.estimate_model_state`): parameter shards and
   optimizer state in full; gradient shards in full on gloo (CPU) at world sizes above 1, where
@@ -43,15 +46,16 @@ full copy. On a CPU device offload changes nothing, as in the engine.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Collection
-from typing import Any, NamedTuple
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
-from fullshard.plan.estimate import UnitEstimate, estimate_model_state
-from fullshard.plan.schedule import model_state, replay, unit_buffers
-from fullshard.plan.step_trace import StepTrace, cast_floats, trace_step
+from fullshard.plan.estimate import UnitEstimate, estimate_model_state, group_units
+from fullshard.plan.schedule import Peak, model_state, replay, unit_buffers
+from fullshard.plan.step_trace import StepTrace, cast_floats, grouped, trace_step
+from fullshard.plan.trace_peak import Trace, trace_activations, trace_activations_at, traces_of
 
 __all__ = [
     "PeakEstimate",
@@ -60,7 +64,9 @@ __all__ = [
     "cast_floats",
     "combine",
     "estimate_peak",
+    "replayed_peak",
     "trace_activations",
+    "trace_activations_at",
     "trace_step",
 ]
 
@@ -93,105 +99,6 @@ class PeakEstimate:
     @property
     def total(self) -> int:
         return self.shards + self.gradients + self.optimizer + self.gathered + self.gradient_buffer + self.activations
-
-
-class Trace(NamedTuple):
-    """What :func:`trace_activations` finds at the step's peak: activation and temporary bytes,
-    the fraction of gradient bytes produced by then, "forward" or "backward", the unit running,
-    and what the trace assumed where it could not know ("": nothing)."""
-
-    activations: int
-    grad_fraction: float
-    phase: str
-    unit: str = "<root>"
-    bound: str = ""
-
-
-def trace_activations(
-    make_model: Callable[[], nn.Module],
-    example: Callable[[], Any],
-    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
-    compute_dtype: torch.dtype | None = None,
-    checkpoint: Callable[[nn.Module], bool] | None = None,
-    grad_scale: float = 1.0,
-    device_type: str = "cpu",
-    is_unit: Callable[[nn.Module], bool] | None = None,
-    *,
-    checkpoint_context: Callable[[], Any] | None = None,
-) -> Trace:
-    """What the step's peak holds besides parameters and gradients, traced on the meta device
-    (see :class:`Trace`; the unit is one of ``is_unit``'s modules, or "<root>").
-
-    The peak is taken of activations plus ``grad_scale`` x the gradients produced so far: the
-    unwrapped model holds full gradients (``grad_scale`` 1), a rank of a sharded one its
-    shards (``1 / world``), so its peak comes earlier in backward, where more activations live.
-    ``device_type``: where the step will run ("cpu" or "cuda"); attention is traced as that
-    device's kernel runs it (:func:`~fullshard.plan.meta_trace.traced`). ``checkpoint_context``:
-    the ``context_fn`` the ``checkpoint`` modules are recomputed under (selective activation
-    checkpointing, e.g. torch's ``create_selective_checkpoint_contexts``), traced as it runs.
-
-    Raises:
-        MetaValueRead: the model reads a tensor value, which the trace cannot give.
-    """
-    traces = trace_activations_at(
-        make_model,
-        example,
-        loss_fn,
-        (grad_scale,),
-        compute_dtype,
-        checkpoint,
-        device_type,
-        is_unit,
-        checkpoint_context=checkpoint_context,
-    )
-    return traces[grad_scale]
-
-
-def trace_activations_at(
-    make_model: Callable[[], nn.Module],
-    example: Callable[[], Any],
-    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
-    grad_scales: Collection[float],
-    compute_dtype: torch.dtype | None = None,
-    checkpoint: Callable[[nn.Module], bool] | None = None,
-    device_type: str = "cpu",
-    is_unit: Callable[[nn.Module], bool] | None = None,
-    *,
-    checkpoint_context: Callable[[], Any] | None = None,
-) -> dict[float, Trace]:
-    """:func:`trace_activations` at each of ``grad_scales`` from one traced step (the bytes
-    alive and gradients produced at every allocation are kept, and each scale's peak taken
-    from them): grad_scale -> Trace.
-
-    Raises:
-        MetaValueRead: as :func:`trace_activations`.
-    """
-    step = trace_step(
-        make_model,
-        example,
-        loss_fn,
-        compute_dtype,
-        checkpoint,
-        device_type,
-        is_unit,
-        checkpoint_context=checkpoint_context,
-    )
-    samples = [(alive, sum(grads), 0 if back else -1, unit) for alive, grads, back, unit in step.samples]
-    total_grads = sum(step.grad_totals) or 1
-    return {
-        scale: _peak_of(samples, scale, step.param_bytes, total_grads)._replace(bound=step.bound)
-        for scale in grad_scales
-    }
-
-
-def _peak_of(samples: list[tuple[int, int, int, str]], scale: float, param_bytes: int, total_grads: int) -> Trace:
-    """The :class:`Trace` at the first sample with the most bytes alive, counting ``scale`` x
-    the gradients produced by then."""
-    best = max(range(len(samples)), key=lambda i: (samples[i][0] - round((1 - scale) * samples[i][1]), -i))
-    alive, produced, task, unit = samples[best]
-    peak = alive - round((1 - scale) * produced)
-    phase = "backward" if task >= 0 else "forward"
-    return Trace(peak - param_bytes - round(scale * produced), produced / total_grads, phase, unit)
 
 
 def estimate_peak(
@@ -229,63 +136,134 @@ def estimate_peak(
         raise ValueError("cpu_offload=True needs a sharded strategy: use full_shard or shard_grad_op")
     with torch.device("meta"):
         plain = make_model()
+    offload = offloads(cpu_offload, backend)
+    mp, strategy = param_dtype, sharding_strategy
     units = estimate_model_state(
-        plain,
-        is_unit,
-        world_size,
-        sharding_strategy=sharding_strategy,
-        param_dtype=param_dtype,
-        optimizer=optimizer,
-        offload=offloads(cpu_offload, backend),
+        plain, is_unit, world_size, sharding_strategy=strategy, param_dtype=mp, optimizer=optimizer, offload=offload
     )
-    no_shard = sharding_strategy == "no_shard"
-    where = device_type(backend)
     context = {"checkpoint_context": checkpoint_context}
-    if backend == "gloo" and not cpu_offload:  # the engine's buffers replayed (fullshard.plan.schedule)
-        step = trace_step(make_model, example, loss_fn, param_dtype, checkpoint, where, is_unit, **context)
-        return _replayed(plain, is_unit, units, step, world_size, sharding_strategy, param_dtype, checkpoint)
-    scale = grad_scale(world_size, no_shard, backend, cpu_offload)
-    traced = trace_activations(make_model, example, loss_fn, param_dtype, checkpoint, scale, where, is_unit, **context)
-    keep = [u.name for u in units] if sharding_strategy == "shard_grad_op" else []
-    return combine(
-        units, traced, world_size, keep_gathered=keep, no_shard=no_shard, backend=backend, offload=cpu_offload
-    )
+    step = trace_step(make_model, example, loss_fn, mp, checkpoint, device_type(backend), is_unit, **context)
+    keep = [u.name for u in units] if strategy == "shard_grad_op" else []
+    return replayed_peak(
+        plain, is_unit, step, units, world_size, sharding_strategy=strategy, param_dtype=mp, checkpoint=checkpoint,
+        keep_gathered=keep, backend=backend, offload=cpu_offload,
+    )  # fmt: skip
 
 
-def _replayed(
+NOT_REPLAYED = {
+    "nccl": (
+        "NCCL is not replayed: the buffers are replayed as on gloo (its reduce-scatter receive "
+        "buffers, pooled buffers kept across steps and resident gradient shards hold at least what "
+        "NCCL's collectives and CUDA's pool hold) or added at the trace's peak where that is larger; "
+        "meant as an upper bound, never checked on a GPU (the CUDA allocator's stream-ordered "
+        "frees are not modelled)"
+    ),
+    "offload": (
+        "CPU offload is not replayed: the device's buffers are replayed as on gloo with shards, "
+        "gradient shards and optimizer state on the host and the largest shard and gradient shard "
+        "staged on the device throughout, or added at the trace's peak where that is larger; "
+        "meant as an upper bound, never checked on a GPU"
+    ),
+}
+"""What :func:`replayed_peak` says (in :attr:`PeakEstimate.bound`) where it cannot replay the
+engine as it runs: every setting but gloo without offload, the one the sweeps measure."""
+
+
+def replayed_peak(
     plain: nn.Module,
     is_unit: Callable[[nn.Module], bool],
-    units: list[UnitEstimate],
     step: StepTrace,
+    units: list[UnitEstimate],
     world_size: int,
-    sharding_strategy: str,
-    param_dtype: torch.dtype | None,
-    checkpoint: Callable[[nn.Module], bool] | None,
+    *,
+    sharding_strategy: str = "full_shard",
+    param_dtype: torch.dtype | None = None,
+    checkpoint: Callable[[nn.Module], bool] | None = None,
+    keep_gathered: Collection[str] = (),
+    groups: Sequence[Sequence[str]] = (),
+    forward_prefetch: bool = False,
+    backend: str = "gloo",
+    offload: bool = False,
 ) -> PeakEstimate:
-    """:func:`estimate_peak` on gloo: the engine's buffers replayed over ``step``."""
-    buffers = unit_buffers(plain, is_unit, world_size, sharding_strategy=sharding_strategy, param_dtype=param_dtype)
-    by_name = {b.name: b for b in buffers}
+    """One configuration's peak: the engine's buffers replayed over ``step`` (see
+    :mod:`fullshard.plan.schedule`), on gloo as the engine runs. On NCCL and under CPU offload
+    it takes the larger of the replay as on gloo (offload: model state on the host, staging on
+    the device) and :func:`combine`, and says so in ``bound`` (:data:`NOT_REPLAYED`).
+
+    Args: ``plain``, the unwrapped model (meta device); ``step``, :func:`trace_step` of it
+    (compute dtype, ``checkpoint`` applied); ``units``, its model state for these settings
+    (:func:`~fullshard.plan.estimate.estimate_model_state`); ``keep_gathered``: FULL_SHARD
+    blocks kept gathered after forward; ``groups``: units of several blocks (``fully_shard`` of
+    a list); ``forward_prefetch``: each unit's pre-forward starts the next one's gather.
+
+    Raises:
+        KeyError: a group or kept unit is not one of the model's units.
+    """
+    off = offloads(offload, backend)
+    buffers = unit_buffers(
+        plain, is_unit, world_size, sharding_strategy=sharding_strategy, param_dtype=param_dtype, groups=groups,
+        offload=off,
+    )  # fmt: skip
+    head = {n: g[0] for g in groups for n in g}
+    merged, state = group_units(units, groups), grouped(step, groups)
+    staged = (max(u.shard_bytes for u in merged), max(u.grad_bytes for u in merged)) if off else (0, 0)
+    assert [b.name for b in buffers] == state.units, (buffers, state.units)  # both in owned_params' order
     peak = replay(
-        [by_name[n] for n in step.units],
-        step.samples,
-        step.grad_totals,
-        step.param_bytes,
+        buffers,
+        state.samples,
+        state.grad_totals,
+        state.param_bytes,
         world_size,
         sharding_strategy=sharding_strategy,
-        state=model_state(units),
-        recomputed=recomputed_units(plain, is_unit, checkpoint),
+        state=sum(staged) if off else model_state(merged),
+        recomputed={head.get(n, n) for n in recomputed_units(plain, is_unit, checkpoint)},
+        kept={head.get(n, n) for n in keep_gathered},
+        groups=groups,
+        forward_prefetch=forward_prefetch,
+        offload=off,
     )
+    replayed = _as_estimate(peak, merged, staged, off, step.bound)
+    if backend == "gloo" and not off:
+        return replayed
+    keep = [u.name for u in merged] if sharding_strategy == "shard_grad_op" else list(keep_gathered)
+    return _bounded(replayed, step, merged, world_size, sharding_strategy == "no_shard", keep, backend, off)
+
+
+def _bounded(
+    replayed: PeakEstimate,
+    step: StepTrace,
+    units: list[UnitEstimate],
+    world: int,
+    no_shard: bool,
+    keep: list[str],
+    backend: str,
+    off: bool,
+) -> PeakEstimate:
+    """Where the replay is not the engine's (NCCL, offload): the larger of ``replayed`` and
+    :func:`combine` at the trace's peak, ``bound`` saying so."""
+    (traced,) = traces_of(step, [grad_scale(world, no_shard, backend, off)]).values()
+    added = combine(units, traced, world, keep_gathered=keep, no_shard=no_shard, backend=backend, offload=off)
+    larger = max(replayed, added, key=lambda e: e.total)
+    why = NOT_REPLAYED["offload" if off else "nccl"]
+    return dataclasses.replace(larger, bound="; ".join(b for b in (step.bound, why) if b))
+
+
+def _as_estimate(peak: Peak, units: list[UnitEstimate], staged: tuple[int, int], off: bool, bound: str) -> PeakEstimate:
+    """The replay's ``peak`` by category; ``off``: model state on the host, ``staged`` (a shard
+    uploaded, a gradient shard to download) on the device."""
+    shards, grads, optim = (sum(getattr(u, f) for u in units) for f in ("shard_bytes", "grad_bytes", "optim_bytes"))
     return PeakEstimate(
-        shards=sum(u.shard_bytes for u in units),
+        shards=0 if off else shards,
         gradients=peak.grads,
-        optimizer=sum(u.optim_bytes for u in units),
-        gathered=peak.gathered,
-        gradient_buffer=peak.grad_buffer,
+        optimizer=0 if off else optim,
+        gathered=peak.gathered + staged[0],
+        gradient_buffer=peak.grad_buffer + staged[1],
         activations=peak.activations,
         phase=peak.phase,
         units=units,
         unit=peak.unit,
-        bound=step.bound,
+        host=shards + grads + optim if off else 0,
+        bound=bound,
     )
 
 
@@ -338,8 +316,8 @@ def combine(
     backend: str = "gloo",
     offload: bool = False,
 ) -> PeakEstimate:
-    """The peak from its parts, added at the trace's peak (NCCL, offload, the planner; gloo
-    steps are replayed instead, see the module docstring): ``units`` from :func:`estimate_model_state`, ``traced`` from
+    """The peak from its parts, added at the trace's peak (the older model, now a second opinion
+    on NCCL and under offload, see the module docstring): ``units`` from :func:`estimate_model_state`, ``traced`` from
     :func:`trace_activations` (with :func:`grad_scale` of the same settings); units named in
     ``keep_gathered`` do not reshard after forward (SHARD_GRAD_OP for them), ``no_shard``
     replicates everything (nothing gathered, gradients all-reduced in place), ``offload`` keeps

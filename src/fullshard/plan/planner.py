@@ -14,9 +14,13 @@ The candidates, per outermost unit in forward order (``n`` of them besides the r
 - on CUDA (nccl), each FULL_SHARD candidate also with CPU offload: shards, gradients and the
   optimizer step on the host, uploads and downloads around every gather and reduce-scatter.
 
-Memory comes from :mod:`fullshard.plan.peak` (one meta-device trace per ``k``, the rest
-arithmetic; a candidate fits when its predicted peak plus :data:`~fullshard.plan.margin.MARGIN`
-does: the estimator's worst measured under-estimate, and what calibration could not free), time from
+Memory comes from :func:`fullshard.plan.peak.replayed_peak`, the model ``fullshard estimate``
+uses and the estimator sweeps measure: one meta-device trace per ``k``, and per candidate the
+engine's buffers replayed over it (its units, the units kept gathered, forward prefetch). On
+NCCL and under CPU offload the replay is not the engine's: each such prediction is the larger of
+the replay as on gloo and the additive model, and says so (the plan's output prints it). A
+candidate fits when its predicted peak plus :data:`~fullshard.plan.margin.MARGIN` does (the
+estimator's worst measured under-estimate) with what calibration could not free. Time comes from
 :mod:`fullshard.plan.steptime` on one calibration. On a CPU device offload is no candidate:
 the shards already live in host memory. The offload candidates' copies and host optimizer step
 are calibrated on the GPU; no GPU has been lent to check their predictions against a run yet.
@@ -34,17 +38,9 @@ import torch
 from torch import nn
 
 from fullshard.plan.candidate import Candidate, candidates
-from fullshard.plan.estimate import UnitEstimate, estimate_model_state, group_units
-from fullshard.plan.margin import MARGIN, SWEEP_ERRORS
-from fullshard.plan.peak import (
-    PeakEstimate,
-    Trace,
-    combine,
-    device_type,
-    grad_scale,
-    offloads,
-    trace_activations_at,
-)
+from fullshard.plan.estimate import UnitEstimate, estimate_model_state
+from fullshard.plan.margin import MARGIN, MARGIN_FROM
+from fullshard.plan.peak import PeakEstimate, StepTrace, device_type, offloads, replayed_peak, trace_step
 from fullshard.plan.simulate import StepTime
 from fullshard.plan.steptime import Calibration, predict_step
 
@@ -79,8 +75,8 @@ class Plan:
 
     def margin_line(self) -> str:
         """Where the margin comes from, in one line."""
-        if self.margin == SWEEP_ERRORS.margin:
-            line = SWEEP_ERRORS.describe()
+        if self.margin == MARGIN:
+            line = MARGIN_FROM.describe()
         else:
             line = f"margin {100 * self.margin:.1f}% (given by the caller)"
         return line + (f"; {self.leftover / 2**20:,.2f} MiB left by calibration" if self.leftover else "")
@@ -106,6 +102,7 @@ class Plan:
             f"gradients {p.gradients / mib:,.1f}, optimizer {p.optimizer / mib:,.1f}, gathered "
             f"{p.gathered / mib:,.1f}, gradient buffer {p.gradient_buffer / mib:,.1f}, activations "
             f"{p.activations / mib:,.1f}" + (f"; on the host {p.host / mib:,.1f}" if p.host else ""),
+            *([f"Not exact: {p.bound}."] if p.bound else []),
             self.margin_line(),
             f"predicted step {1e3 * b.step.seconds:,.1f} ms (compute {1e3 * b.step.compute:,.1f}, exposed "
             f"communication {1e3 * b.step.exposed_comm:,.1f}, optimizer {1e3 * b.step.optimizer:,.1f})",
@@ -198,32 +195,24 @@ def _score_all(
     is_unit: Callable[[nn.Module], bool],
     param_dtype: torch.dtype | None,
 ) -> list[Scored]:
-    """Every candidate with its predicted peak (one meta trace per AC count) and step."""
-    world = cal.comm.world_size
+    """Every candidate with its predicted peak (one meta trace per AC count, the engine's
+    buffers replayed over it per candidate) and step."""
+    world, backend = cal.comm.world_size, cal.comm.backend
     names = [n for n in cal.blocks if n != "<root>"]
-    offload = offloads(True, cal.comm.backend)
+    offload = offloads(True, backend)
     state = _model_states(cal, make_model, is_unit, param_dtype, offload)
-    traces: dict[int, dict[float, Trace]] = {}  # AC count -> gradient scale -> trace
-    scales = {grad_scale(world, ns, cal.comm.backend, off) for ns, off in state}
+    traced: dict[int, tuple[nn.Module, StepTrace]] = {}  # AC count -> the tagged model, its traced step
     scored = []
     for c in candidates(names, offload=offload):
-        if len(c.checkpoint) not in traces:  # one traced step per AC count serves every sharding
+        if len(c.checkpoint) not in traced:  # one traced step per AC count serves every sharding
             make = _tagged(make_model, c.checkpoint)
-            device = device_type(cal.comm.backend)
-            traces[len(c.checkpoint)] = trace_activations_at(
-                make, example, loss_fn, scales, param_dtype, _is_tagged, device, is_unit=is_unit
-            )
-        scale = grad_scale(world, c.no_shard, cal.comm.backend, c.offload)
-        peak = combine(
-            group_units(state[c.no_shard, c.offload], c.groups),
-            traces[len(c.checkpoint)][scale],
-            world,
-            keep_gathered=c.keep_gathered,
-            no_shard=c.no_shard,
-            backend=cal.comm.backend,
-            offload=c.offload,
-        )
-        step = predict_step(
+            with torch.device("meta"):
+                plain = make()
+            step = trace_step(make, example, loss_fn, param_dtype, _is_tagged, device_type(backend), is_unit)
+            traced[len(c.checkpoint)] = (plain, step)
+        plain, step = traced[len(c.checkpoint)]
+        peak = _replayed(c, plain, is_unit, step, state[c.no_shard, c.offload], world, param_dtype, backend)
+        step_time = predict_step(
             cal,
             make_model,
             is_unit,
@@ -236,8 +225,71 @@ def _score_all(
             state=state[c.no_shard, c.offload],
             offload=c.offload,
         )
-        scored.append(Scored(c, peak, step))
+        scored.append(Scored(c, peak, step_time))
     return scored
+
+
+def predict_peak(
+    c: Candidate,
+    make_model: Callable[[], nn.Module],
+    example: Callable[[], Any],
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    is_unit: Callable[[nn.Module], bool],
+    world_size: int,
+    *,
+    param_dtype: torch.dtype | None = None,
+    optimizer: str = "adamw",
+    backend: str = "gloo",
+) -> PeakEstimate:
+    """Candidate ``c``'s predicted peak (bytes per rank), as :func:`plan` scores it: one meta
+    trace of the model with ``c``'s activation checkpointing, the engine's buffers replayed over
+    it (:func:`~fullshard.plan.peak.replayed_peak`). Arguments as :func:`plan`'s.
+
+    Raises:
+        ValueError: as :func:`~fullshard.plan.estimate.estimate_model_state`.
+    """
+    make = _tagged(make_model, c.checkpoint)
+    with torch.device("meta"):
+        plain = make()
+    step = trace_step(make, example, loss_fn, param_dtype, _is_tagged, device_type(backend), is_unit)
+    state = estimate_model_state(
+        plain,
+        is_unit,
+        world_size,
+        sharding_strategy="no_shard" if c.no_shard else "full_shard",
+        param_dtype=param_dtype,
+        optimizer=optimizer,
+        offload=offloads(c.offload, backend),
+    )
+    return _replayed(c, plain, is_unit, step, state, world_size, param_dtype, backend)
+
+
+def _replayed(
+    c: Candidate,
+    plain: nn.Module,
+    is_unit: Callable[[nn.Module], bool],
+    step: StepTrace,
+    state: list[UnitEstimate],
+    world: int,
+    param_dtype: torch.dtype | None,
+    backend: str,
+) -> PeakEstimate:
+    """``c``'s peak: the engine's buffers replayed over ``step`` of ``plain`` (tagged for ``c``'s AC)."""
+    return replayed_peak(
+        plain,
+        is_unit,
+        step,
+        state,
+        world,
+        sharding_strategy="no_shard" if c.no_shard else "full_shard",
+        param_dtype=param_dtype,
+        checkpoint=_is_tagged,
+        keep_gathered=c.keep_gathered,
+        groups=[g for g in c.groups if len(g) > 1],
+        forward_prefetch=c.forward_prefetch,
+        backend=backend,
+        offload=c.offload,
+    )
 
 
 def _model_states(

@@ -13,15 +13,19 @@ of, over every sample and every moment between two samples:
     + the per-parameter gradients of every unit not yet packed (the root's until backward ends)
     + the traced activations at that moment.
 
-What each hook does, as the engine does it (``backward_prefetch=BACKWARD_PRE``, no forward
-prefetch, no CPU offload):
+What each hook does, as the engine does it (``backward_prefetch=BACKWARD_PRE``; the planner's
+settings too: some units kept gathered after forward, units of several blocks, forward
+prefetch):
 
 - pre-forward of a unit: its full parameters are gathered into pooled memory (``buffers.lend``);
   at world > 1, each run of small parameters is all-gathered through a pooled scratch buffer of
   ``world x run`` elements given back when the gather is waited on; the root gathers first and
   keeps its parameters until its own gradients are packed;
+- with forward prefetch, pre-forward then starts the next unit's gather (its scratch held
+  until that unit's pre-forward waits on it);
 - post-forward: FULL_SHARD gives the full parameters back to the pool; SHARD_GRAD_OP and
-  NO_SHARD keep them;
+  NO_SHARD keep them, and so do the units ``kept`` names (the planner's last units kept
+  gathered);
 - pre-backward (a unit's backward starts): it gathers again if it had resharded, and starts the
   gather of the unit before it in forward order (its scratch held until that unit waits on it);
 - the last gradient of a unit: its full parameters go back to the pool and the packed gradient
@@ -39,86 +43,25 @@ prefetch, no CPU offload):
 
 The pool keeps at most two buffers of each (numel, dtype) and keeps them across steps, so the
 replay runs the step twice and measures the second, as the engine's steady state.
+
+A unit of several blocks (``fully_shard`` of a list; :func:`grouped` merges the trace's
+blocks into it) gathers once for all of them and packs one gradient when its last block's
+gradients are in; it counts as recomputed when any of its blocks is.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 
-import torch
-from torch import nn
+from fullshard.plan.estimate import UnitEstimate
+from fullshard.plan.unit_buffers import ROOT, UnitBuffers, grouped_params, unit_buffers
 
-from fullshard.engine.layout import DIRECT_GATHER_BYTES
-from fullshard.engine.sharded_param import ShardSpec
-from fullshard.plan.estimate import UnitEstimate, owned_params
+__all__ = ["POOL_PER_SIZE", "Peak", "UnitBuffers", "grouped_params", "model_state", "replay", "unit_buffers"]
 
 POOL_PER_SIZE = 2  # fullshard.comm.buffers.POOL keeps at most this many buffers per (numel, dtype)
-ROOT = "<root>"
 
 Key = tuple[int, int]  # (numel, itemsize): a pooled buffer's size class
-
-
-@dataclasses.dataclass(frozen=True)
-class UnitBuffers:
-    """The buffers one unit needs on a rank (numels; itemsizes in bytes).
-
-    ``full``: the full flat buffer's numel (0 when it aliases the shards: one rank, no cast);
-    ``scratch``: the all-gather's scratch numels (runs of small parameters, world > 1);
-    ``packed``: the packed gradient's numel (``world x S_t``); ``shard_grad``: ``S_t``;
-    ``compute``/``reduce``/``param``: itemsizes of the compute, reduction and parameter dtypes.
-    """
-
-    name: str
-    full: int
-    scratch: tuple[int, ...]
-    packed: int
-    shard_grad: int
-    compute: int
-    reduce: int
-    param: int
-
-
-def unit_buffers(
-    model: nn.Module,
-    is_unit: Callable[[nn.Module], bool],
-    world_size: int,
-    *,
-    sharding_strategy: str = "full_shard",
-    param_dtype: torch.dtype | None = None,
-) -> list[UnitBuffers]:
-    """Each unit's :class:`UnitBuffers` on rank 0 (gloo; mixed precision reduces in
-    ``param_dtype``), in the order of :func:`~fullshard.plan.estimate.owned_params`."""
-    world = 1 if sharding_strategy == "no_shard" else world_size
-    out = []
-    for name, params in owned_params(model, is_unit).items():
-        dtype = params[0].dtype if params else torch.float32
-        compute = (param_dtype or dtype).itemsize
-        specs = [(ShardSpec(p.shape, world, 0), p) for p in params]
-        shard = sum(s.padded_shard_numel for s, _ in specs)
-        trainable = sum(s.padded_shard_numel for s, p in specs if p.requires_grad)
-        aliased = world == 1 and compute == dtype.itemsize
-        runs: list[int] = []
-        run = 0
-        for s, _ in sorted(specs, key=lambda sp: not sp[1].requires_grad):  # trainable first, as the layout
-            if s.padded_shard_numel * compute >= DIRECT_GATHER_BYTES:
-                runs, run = runs + [run], 0
-            else:
-                run += s.padded_shard_numel
-        scratch = tuple(world * r for r in [*runs, run] if r) if world > 1 and shard else ()
-        out.append(
-            UnitBuffers(
-                name or ROOT,
-                0 if aliased or not shard else world * shard,
-                scratch,
-                world * trainable,
-                trainable,
-                compute,
-                compute,
-                dtype.itemsize,
-            )
-        )
-    return out
 
 
 @dataclasses.dataclass
@@ -171,16 +114,18 @@ class _Replay:
         self,
         units: list[UnitBuffers],
         world: int,
-        reshard_after_forward: bool,
+        kept: Collection[str],
         state: int,
         act: Sequence[int],
         recomputed: Collection[str],
+        offload: bool = False,
     ) -> None:
         self.recomputed = set(recomputed)
         self.units = {u.name: u for u in units}
         self.index = {u.name: i for i, u in enumerate(units)}
         self.world = world
-        self.reshard_after_forward = reshard_after_forward
+        self.kept = set(kept)  # units that keep their full parameters after forward
+        self.offload = offload  # gradient shards live on the host
         self.state = state  # shards and optimizer state, constant
         self.act = act
         self.pool = _Pool()
@@ -188,6 +133,9 @@ class _Replay:
         self.measuring = False
         self.now: tuple[int, int, tuple[str, str]] = (0, 0, ("forward", ROOT))
         self.packing: list[Key] = []  # the packed gradient being filled
+        self.forward_prefetch = False
+        self.unit_of: dict[str, str] = {}  # block -> its unit (units of several blocks)
+        self.closing: set[str] = set()  # each several-block unit's last block
 
     # -------------------------------------------------------------- per step
     def start(self, order: list[str]) -> None:
@@ -196,7 +144,7 @@ class _Replay:
         self.scratch_held: dict[str, list[Key]] = {}
         self.packed: set[str] = set()
         self.grads = 0  # gradient bytes outside the pool: shards' buffers, cast copies
-        if self.world > 1:  # each unit's reduce-scatter output, kept between steps
+        if self.world > 1 and not self.offload:  # each unit's reduce-scatter output, kept between steps
             self.grads = sum(u.shard_grad * u.reduce for u in self.units.values())
         self.in_flight: list[tuple[str, list[Key]]] = []  # the reduction launched last
         self.flight_bytes = 0
@@ -226,6 +174,13 @@ class _Replay:
     def wait(self, name: str) -> None:
         for k in self.scratch_held.pop(name, []):
             self.pool.give(k)
+
+    def post_forward(self, block: str) -> None:
+        """Forward left ``block``: its unit reshards if this was the unit's last block and it
+        is not kept gathered."""
+        name = self.unit_of.get(block, block)
+        if (block not in self.unit_of or block in self.closing) and name not in self.kept:
+            self.reshard(name)
 
     def reshard(self, name: str) -> None:
         if name in self.gathered:
@@ -270,7 +225,7 @@ class _Replay:
             if self.world > 1:
                 for k in keys:
                     self.pool.give(k)
-            if u.reduce != u.param:
+            if u.reduce != u.param and not self.offload:
                 self.grads += u.shard_grad * u.param
                 self.observe()
             if self.world == 1:
@@ -324,13 +279,21 @@ def replay(
     sharding_strategy: str = "full_shard",
     state: int = 0,
     recomputed: Collection[str] = (),
+    kept: Collection[str] = (),
+    groups: Sequence[Sequence[str]] = (),
+    forward_prefetch: bool = False,
+    offload: bool = False,
 ) -> Peak:
     """The step's peak (see the module docstring) from ``samples`` of a traced step: (bytes
-    alive, gradient bytes produced per unit in ``units``' order, in backward?, unit running).
+    alive, gradient bytes produced per unit in ``units``' order, in backward?, block running).
 
     ``grad_totals``: each unit's gradient bytes in the trace (all produced); ``param_bytes``:
-    the traced model's parameter bytes; ``state``: shards and optimizer state (bytes);
-    ``recomputed``: the units activation checkpointing recomputes in backward.
+    the traced model's parameter bytes; ``state``: shards and optimizer state (bytes), or what
+    the device holds of them; ``recomputed``: the units activation checkpointing recomputes in
+    backward; ``kept``: units that keep their full parameters after forward under FULL_SHARD
+    (every unit does under SHARD_GRAD_OP and NO_SHARD); ``groups``: units of several blocks
+    (the samples name blocks, ``units`` the first of each group); ``forward_prefetch``: each
+    unit's pre-forward starts the next one's gather; ``offload``: gradient shards on the host.
 
     Raises:
         ValueError: ``samples`` is empty.
@@ -339,8 +302,13 @@ def replay(
         raise ValueError("replay needs the samples of a traced step")
     world = 1 if sharding_strategy == "no_shard" else world_size
     act = [alive - param_bytes - sum(grads) for alive, grads, _, _ in samples]
-    r = _Replay(units, world, sharding_strategy == "full_shard", state, act, recomputed)
-    order = list(dict.fromkeys(name for _, _, back, name in samples if not back and name in r.units))
+    every = [u.name for u in units] if sharding_strategy != "full_shard" else kept
+    r = _Replay(units, world, every, state, act, recomputed, offload)
+    r.forward_prefetch = forward_prefetch
+    r.unit_of = {n: g[0] for g in groups for n in g}
+    r.closing = {g[-1] for g in groups}  # the block whose post-forward ends its unit's
+    named = [r.unit_of.get(name, name) for _, _, back, name in samples if not back]
+    order = list(dict.fromkeys(n for n in named if n in r.units))
     order = [ROOT] + [n for n in order if n != ROOT] + [n for n in r.units if n not in order and n != ROOT]
     for measuring in (False, True):
         r.measuring = measuring
@@ -360,11 +328,11 @@ def _step(
     """One step of the engine's hooks over ``samples`` (see :func:`replay`), units gathered
     in forward ``order`` (the root first)."""
     idx = r.index
-    prev: tuple[str | None, str | None] = (None, None)
+    prev: tuple[str | None, str | None] = (None, None)  # phase, block
     r.at(0, 0, ("forward", ROOT))
     r.gather(ROOT, wait=True)
-    for i, (_, grads, back, name) in enumerate(samples):
-        phase = "backward" if back else "forward"
+    for i, (_, grads, back, block) in enumerate(samples):
+        phase, name = "backward" if back else "forward", r.unit_of.get(block, block)
         r.at(i, r.unpacked(grads), (phase, name))
         packed = len(r.packed)
         if back:  # units whose last gradient came by now (the root's: at the end); a unit's
@@ -373,19 +341,21 @@ def _step(
             for u in reversed(order[1:]):
                 if u not in r.packed and grad_totals[idx[u]] and grads[idx[u]] >= grad_totals[idx[u]]:
                     r.pack(u, grads)
-        if (phase, name) != prev:
+        if (phase, block) != prev:
             # the moment between the last sample and this one, or after this one's
             # allocation when it brought a unit's last gradient (packed just now)
             before = i if len(r.packed) > packed else max(i - 1, 0)
             r.at(before, r.unpacked(samples[before][1]) if back else 0, (phase, name))
-            if prev[0] == "forward" and prev[1] not in (None, ROOT) and r.reshard_after_forward:
-                r.reshard(prev[1])
+            if prev[0] == "forward" and prev[1] not in (None, ROOT):
+                r.post_forward(prev[1])
             if name != ROOT and name not in r.packed:
                 r.gather(name, wait=True)
                 k = order.index(name)
                 if back and k > 1 and order[k - 1] not in r.packed:  # the unit before it in forward order
                     r.gather(order[k - 1], wait=False)
-            prev = (phase, name)
+                elif not back and r.forward_prefetch and k + 1 < len(order):
+                    r.gather(order[k + 1], wait=False)
+            prev = (phase, block)
         r.at(i, r.unpacked(grads), (phase, name))
         r.observe()
     last = len(samples) - 1

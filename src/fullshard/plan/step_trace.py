@@ -9,7 +9,7 @@ takes the peak of it, and :mod:`fullshard.plan.schedule` replays the engine's bu
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -114,3 +114,28 @@ def _sample_each_gradient(params: list[nn.Parameter], live: LiveTensorBytes) -> 
 
 def _discard(_: Any) -> None:
     """A hook's result that must be None."""
+
+
+def grouped(step: StepTrace, groups: Sequence[Sequence[str]]) -> StepTrace:
+    """``step`` seen with each of ``groups`` (unit names, ``fully_shard`` of a list) as one unit
+    named after its first member: its members' gradient bytes summed, in every sample and in
+    the totals. The samples still name the block running (the replay maps them to units).
+
+    Raises:
+        KeyError: a group names a unit the trace does not have.
+    """
+    head = {n: g[0] for g in groups for n in g}
+    missing = [n for n in head if n not in step.units]
+    if missing:
+        raise KeyError(f"groups name {missing} that are not units ({', '.join(step.units)})")
+    units = list(dict.fromkeys(head.get(n, n) for n in step.units))
+    where = [units.index(head.get(n, n)) for n in step.units]
+
+    def merge(per_unit: Sequence[int]) -> tuple[int, ...]:
+        out = [0] * len(units)
+        for j, v in zip(where, per_unit):
+            out[j] += v
+        return tuple(out)
+
+    samples = [(alive, merge(grads), back, name) for alive, grads, back, name in step.samples]
+    return StepTrace(samples, units, list(merge(step.grad_totals)), step.param_bytes, step.bound)

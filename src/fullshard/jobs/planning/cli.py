@@ -107,7 +107,7 @@ def table(e: PeakEstimate, world: int) -> list[str]:
     largest = f"the largest ({units[0].name}) gathers {units[0].full_bytes / 2**20:,.2f} MiB"
     lines.append(f"\n{len(e.units)} FSDP units; {largest}")
     if e.bound:
-        lines.append(f"The trace could not know every shape: {e.bound}.")
+        lines.append(f"Not exact (an upper bound where it could not know): {e.bound}.")
     return lines
 
 

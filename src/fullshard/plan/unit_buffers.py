@@ -1,0 +1,103 @@
+"""The buffers one FSDP unit needs on a rank (gathered parameters, all-gather scratch, packed
+and sharded gradients), from the unwrapped model's shapes and fullshard's own shard geometry
+and gather layout; :mod:`fullshard.plan.schedule` replays them through a traced step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from fullshard.engine.layout import DIRECT_GATHER_BYTES
+from fullshard.engine.sharded_param import ShardSpec
+from fullshard.plan.estimate import owned_params
+
+ROOT = "<root>"
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitBuffers:
+    """The buffers one unit needs on a rank (numels; itemsizes in bytes).
+
+    ``full``: the full flat buffer's numel (0 when it aliases the shards: one rank, no cast);
+    ``scratch``: the all-gather's scratch numels (runs of small parameters, world > 1);
+    ``packed``: the packed gradient's numel (``world x S_t``); ``shard_grad``: ``S_t``;
+    ``compute``/``reduce``/``param``: itemsizes of the compute, reduction and parameter dtypes.
+    """
+
+    name: str
+    full: int
+    scratch: tuple[int, ...]
+    packed: int
+    shard_grad: int
+    compute: int
+    reduce: int
+    param: int
+
+
+def unit_buffers(
+    model: nn.Module,
+    is_unit: Callable[[nn.Module], bool],
+    world_size: int,
+    *,
+    sharding_strategy: str = "full_shard",
+    param_dtype: torch.dtype | None = None,
+    groups: Sequence[Sequence[str]] = (),
+    offload: bool = False,
+) -> list[UnitBuffers]:
+    """Each unit's :class:`UnitBuffers` on rank 0 (gloo; mixed precision reduces in
+    ``param_dtype``), in the order of :func:`~fullshard.plan.estimate.owned_params`; each of
+    ``groups`` (unit names) is one unit of its members' parameters, named after its first.
+    ``offload``: shards on the host, so even one rank gathers a full copy."""
+    world = 1 if sharding_strategy == "no_shard" else world_size
+    out = []
+    for name, params in grouped_params(owned_params(model, is_unit), groups).items():
+        dtype = params[0].dtype if params else torch.float32
+        compute = (param_dtype or dtype).itemsize
+        specs = [(ShardSpec(p.shape, world, 0), p) for p in params]
+        shard = sum(s.padded_shard_numel for s, _ in specs)
+        trainable = sum(s.padded_shard_numel for s, p in specs if p.requires_grad)
+        aliased = world == 1 and compute == dtype.itemsize and not offload
+        runs: list[int] = []
+        run = 0
+        for s, _ in sorted(specs, key=lambda sp: not sp[1].requires_grad):  # trainable first, as the layout
+            if s.padded_shard_numel * compute >= DIRECT_GATHER_BYTES:
+                runs, run = runs + [run], 0
+            else:
+                run += s.padded_shard_numel
+        scratch = tuple(world * r for r in [*runs, run] if r) if world > 1 and shard else ()
+        out.append(
+            UnitBuffers(
+                name or ROOT,
+                0 if aliased or not shard else world * shard,
+                scratch,
+                world * trainable,
+                trainable,
+                compute,
+                compute,
+                dtype.itemsize,
+            )
+        )
+    return out
+
+
+def grouped_params(
+    owned: dict[str, list[nn.Parameter]], groups: Sequence[Sequence[str]]
+) -> dict[str, list[nn.Parameter]]:
+    """``owned`` (unit name -> parameters, "" the root) with each of ``groups`` merged into its
+    first member, parameters in the members' order (as ``fully_shard`` of a list lays them out).
+
+    Raises:
+        KeyError: a group names a unit ``owned`` does not have.
+    """
+    head = {n: g[0] for g in groups for n in g}
+    missing = [n for n in head if n not in owned]
+    if missing:
+        raise KeyError(f"groups name {missing} that are not units ({', '.join(owned)})")
+    out: dict[str, list[nn.Parameter]] = {}
+    for name, params in owned.items():
+        out.setdefault(head.get(name, name), []).extend(params)
+    return out
