@@ -10,6 +10,7 @@ import pytest
 import torch
 from dist import patched, run_ranks
 from models import Block, batch, make_stack
+from torch import nn
 
 from fullshard.engine.hooks import fsdp_state
 
@@ -317,6 +318,29 @@ def test_no_sync_empty_root_ignored_modules_and_exceptions() -> None:
         "exception",
         "data replaced",
     ]
+
+
+def nested_init_body(rank: int, world: int) -> tuple[int, int, bool]:
+    from fullshard import FSDP
+
+    inits: list[nn.Module] = []
+    real_init = FSDP.__init__
+
+    def counting_init(self, module, *args, **kwargs) -> None:
+        inits.append(module)
+        real_init(self, module, *args, **kwargs)
+
+    with patched(FSDP, __init__=counting_init):
+        _, model = _wrap()
+    wrappers = FSDP.fsdp_modules(model)
+    return len(inits), len(wrappers), all(w.module in inits for w in wrappers)
+
+
+def test_nested_wrappers_run_init() -> None:
+    """Wrappers the policy builds go through ``FullyShardedDataParallel.__init__`` like the root."""
+    inits, wrappers, all_seen = run_ranks(nested_init_body, 2, timeout=100)[0]
+    assert wrappers > 1  # the root and its nested blocks
+    assert (inits, all_seen) == (wrappers, True)
 
 
 def test_buffer_pool_reuses_whole_buffers_only() -> None:
