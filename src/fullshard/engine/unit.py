@@ -66,7 +66,7 @@ class Unit(UnitLayout):
         # reshard_after_forward=M: this rank's 1/M of the full parameters, kept until backward.
         self.partial: PartialShard | None = None
         self.on_reshard: Any = None  # called with the unit after each reshard (e.g. register shards again)
-        self.profile_range: Any = None  # the open torch.profiler range of this unit's backward
+        self.backward_range: Any = None  # the open torch.profiler range of this unit's backward
         reshard_guard.install()
 
     def set_post_forward_group(self, group: collectives.ProcessGroup) -> None:

@@ -168,7 +168,7 @@ class FullyShardedDataParallel(StateDictMethods):
         unit = build.build_wrapper_unit(module, prepared, config, exclude)
         hooks.set_fsdp_state(
             self,
-            hooks.UnitHooks(
+            hooks.FSDPState(
                 unit,
                 FrontEnd.WRAPPER,
                 ignored=config.ignored,
@@ -198,7 +198,7 @@ class FullyShardedDataParallel(StateDictMethods):
     @property
     def unit(self) -> Unit:
         """This instance's FSDP unit (the parameters it owns)."""
-        return self._hook_state.unit
+        return self._unit_state.unit
 
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FullyShardedDataParallel]:
@@ -214,13 +214,13 @@ class FullyShardedDataParallel(StateDictMethods):
 
     @property
     def _is_root(self) -> bool:
-        return self._hook_state.is_root
+        return self._unit_state.is_root
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._lazy_init()
-        args, kwargs = hooks.prepare_inputs(self._hook_state, (args, kwargs))
-        hooks.pre_forward(self._hook_state)
+        args, kwargs = hooks.prepare_inputs(self._unit_state, (args, kwargs))
+        hooks.pre_forward(self._unit_state)
         try:
             output = self.module(*args, **kwargs)
         except BaseException:
@@ -231,7 +231,7 @@ class FullyShardedDataParallel(StateDictMethods):
                 self.unit.reshard()
                 self.unit.training_state = TrainingState.IDLE
             raise
-        return hooks.post_forward(self._hook_state, output)
+        return hooks.post_forward(self._unit_state, output)
 
     # ------------------------------------------------------------------ gradient accumulation
     @contextlib.contextmanager
