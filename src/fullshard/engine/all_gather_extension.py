@@ -129,7 +129,7 @@ class ExtensionUnit(Unit):
             self.wait_unshard()
 
     def _start_gather(self) -> None:
-        n = self.world
+        n = self.shard_size
         inputs = [ep.pre_all_gather(self._mesh, self._mp_policy, self.device) for ep in self.ext]
         for ep, ins in zip(self.ext, inputs):
             ep.prepare_outputs(ins, n, self.device)
@@ -243,25 +243,25 @@ class ExtensionUnit(Unit):
                 f"({sorted(map(str, dtypes))}); FSDP reduces them together and needs one"
             )
         dtype = self._reduce_dtype or dtypes.pop()
-        packed = _pack(items, grads, self.world, dtype)
-        ranks = self.world * self.replicas
+        packed = _pack(items, grads, self.shard_size, dtype)
+        ranks = self.shard_size * self.replicate_size
         pre = predivide_factor(ranks) if dtype in (torch.float16, torch.bfloat16) and self.divide_factor is None else 1
         if pre > 1:
             packed.div_(pre)
         post = (self.divide_factor or ranks) / pre
         out, handle = packed, None
-        if self.world > 1:
-            out = torch.empty(packed.numel() // self.world, dtype=dtype, device=packed.device)
+        if self.shard_size > 1:
+            out = torch.empty(packed.numel() // self.shard_size, dtype=dtype, device=packed.device)
             handle = collectives.reduce_scatter(
-                out, packed, self.shard_group, divide_by=1.0 if self.replicas > 1 else post, async_op=True
+                out, packed, self.shard_group, divide_by=1.0 if self.replicate_size > 1 else post, async_op=True
             )
-        if self.replicas > 1:
+        if self.replicate_size > 1:
             if not self.all_reduce_grads:
                 raise NotImplementedError("set_requires_all_reduce(False) with all-gather extension parameters")
             if handle is not None:
                 handle.wait()
             handle = collectives.all_reduce(out, self.replicate_group, divide_by=post, async_op=True)
-        elif self.world == 1 and post != 1:
+        elif self.shard_size == 1 and post != 1:
             out.div_(post)
         self._reduction = (handle, out, items)
 
@@ -351,7 +351,7 @@ def attach(unit: Unit, mesh: Any, mp_policy: Any) -> None:
     param_dtype, reduce_dtype = unit._mp_policy.param_dtype, unit._mp_policy.reduce_dtype
     unit._reduce_dtype = None if reduce_dtype == param_dtype else reduce_dtype
     for fqn, p, slots in unit._entries:
-        sp = ShardedParam(ShardSpec(p.shape, unit.world, unit.rank), slots, fqn, p.requires_grad)
+        sp = ShardedParam(ShardSpec(p.shape, unit.shard_size, unit.rank), slots, fqn, p.requires_grad)
         sp.shard_group = unit.shard_group
         local = make_shard(p, sp)
         _register(sp, mesh, placements, local, p)

@@ -245,7 +245,7 @@ def check_same_units(root: RootState) -> None:
         RuntimeError: on every rank, naming the first unit that differs on each rank.
     """
     first = root.units[0]
-    group = first.shard_group if first.world > 1 else collectives.default_group()
+    group = first.shard_group if first.shard_size > 1 else collectives.default_group()
     root.units_checked = True
     if collectives.group_size(group) == 1:
         return

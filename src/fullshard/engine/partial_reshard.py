@@ -32,7 +32,7 @@ class PartialShard:
         self.unit = unit
         self.group = group
         self.size = collectives.group_size(group)  # M
-        self.per_param = unit.world // self.size  # q: padded shards kept per parameter
+        self.per_param = unit.shard_size // self.size  # q: padded shards kept per parameter
         self.index = collectives.group_rank(group)  # this rank's index in the subgroup
         self.kept: torch.Tensor | None = None  # (q * S,) in the compute dtype, pooled memory
 

@@ -38,7 +38,7 @@ def pack_grads(unit: UnitLayout, grads: Sequence[torch.Tensor | None]) -> torch.
     of the reduce-scatter input, so the gradient is written once, in place for the
     collective. ``None`` (a parameter forward did not use) packs as zeros.
     """
-    n = unit.world
+    n = unit.shard_size
     ref = next(g for g in grads if g is not None)
     parts = []
     for sp, g in zip(unit.trainable, grads):
@@ -125,7 +125,7 @@ class GradReducer:
             return
         if probes.ACTIVE is not None:
             probes.record_event("reduce", unit.name)
-        ranks = unit.world * unit.replicas
+        ranks = unit.shard_size * unit.replicate_size
         low = unit.reduce_dtype in (torch.float16, torch.bfloat16)
         pre = predivide_factor(ranks) if low and unit.divide_factor is None else 1
         if grad.dtype != unit.reduce_dtype:
@@ -133,11 +133,11 @@ class GradReducer:
         if pre > 1:
             grad.div_(pre)
         post = (unit.divide_factor or ranks) / pre
-        all_reduce = unit.replicas > 1 and unit.all_reduce_grads
-        out = grad if unit.world == 1 else self._output(grad.dtype, grad.device)
+        all_reduce = unit.replicate_size > 1 and unit.all_reduce_grads
+        out = grad if unit.shard_size == 1 else self._output(grad.dtype, grad.device)
         works: list[collectives.Handle] = []
-        if unit.world > 1:
-            divide_by = 1.0 if unit.replicas > 1 else post
+        if unit.shard_size > 1:
+            divide_by = 1.0 if unit.replicate_size > 1 else post
             h = collectives.reduce_scatter(out, grad, unit.shard_group, divide_by=divide_by, async_op=True)
             assert h is not None
             works.append(h)
@@ -150,10 +150,10 @@ class GradReducer:
             h2 = collectives.all_reduce(out, unit.replicate_group, divide_by=post, async_op=True)
             assert h2 is not None
             works.append(h2)
-        elif unit.world == 1 and post != 1 and unit.replicas == 1:
+        elif unit.shard_size == 1 and post != 1 and unit.replicate_size == 1:
             out.div_(post)
-        partial = unit.replicas > 1 and not all_reduce
-        self._pending = _Pending(collectives.Handle(works), out, grad if unit.world > 1 else None, partial)
+        partial = unit.replicate_size > 1 and not all_reduce
+        self._pending = _Pending(collectives.Handle(works), out, grad if unit.shard_size > 1 else None, partial)
 
     def _output(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Where the reduce-scatter writes this rank's gradient shard, shape (S_t,).

@@ -36,16 +36,16 @@ from fullshard import compat
 
 @dataclasses.dataclass(frozen=True)
 class ShardSpec:
-    """Geometry of one parameter sharded over ``world`` ranks; this process is ``rank``.
+    """Geometry of one parameter sharded over ``shard_size`` ranks; this process is ``rank``.
 
     Attributes:
         orig_shape: the full parameter's shape.
-        world: number of ranks in the shard group (N).
+        shard_size: number of ranks in the shard group (N).
         rank: this process's rank in the shard group.
     """
 
     orig_shape: torch.Size
-    world: int
+    shard_size: int
     rank: int
 
     @property
@@ -68,7 +68,7 @@ class ShardSpec:
     @property
     def chunk_rows(self) -> int:
         """Rows per rank before the tail: ceil(d0 / N)."""
-        return -(-self.rows // self.world)
+        return -(-self.rows // self.shard_size)
 
     @property
     def padded_shard_numel(self) -> int:
@@ -78,7 +78,7 @@ class ShardSpec:
     @property
     def padded_numel(self) -> int:
         """Elements of the padded full parameter: N x padded shard size."""
-        return self.world * self.padded_shard_numel
+        return self.shard_size * self.padded_shard_numel
 
     def rows_of(self, rank: int) -> int:
         """Real (unpadded) rows held by ``rank``; 0 for ranks past the end."""

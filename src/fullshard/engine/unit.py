@@ -113,7 +113,7 @@ class Unit(UnitLayout):
             if not async_op:
                 self.wait_unshard()
             return
-        if self.world == 1:
+        if self.shard_size == 1:
             self.full_data.copy_(self.local_flat, non_blocking=True)  # cast and/or upload
             self._mark_full_valid()
             self.shard_state = ShardState.UNSHARDED
@@ -149,7 +149,7 @@ class Unit(UnitLayout):
         tensor); a run of parameters lands rank-major in a scratch buffer from :data:`buffers.POOL`
         (the next unit of the same size reuses it: no fresh pages to fault in) and is copied out.
         """
-        n = self.world
+        n = self.shard_size
         handles: list[collectives.Handle] = []
         copy_outs: list[tuple[torch.Tensor, int]] = []
         for k, (group, start, length) in enumerate(self._pieces):
@@ -187,10 +187,10 @@ class Unit(UnitLayout):
             unit's own buffers and state are untouched.
         """
         src = local.to(self.device)
-        if self.world == 1 or self.shard_numel == 0:
+        if self.shard_size == 1 or self.shard_numel == 0:
             full = src.clone()
         else:
-            full = torch.empty(self.world * self.shard_numel, dtype=src.dtype, device=src.device)
+            full = torch.empty(self.shard_size * self.shard_numel, dtype=src.dtype, device=src.device)
             with flight_recorder.at(self.name):
                 self._gather_into(full, src).wait()
         return [full[sp.full_offset : sp.full_offset + sp.spec.numel].view(sp.spec.orig_shape) for sp in self.params]

@@ -122,7 +122,7 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
         if state is None or id(state.unit) in seen:
             continue
         seen.add(id(state.unit))
-        world = max(world, state.unit.world * state.unit.replicas)
+        world = max(world, state.unit.shard_size * state.unit.replicate_size)
         rows.append(_unit_row(clean_name(name) or "<root>", state.unit, optimizer))
     if not rows:
         raise ValueError(
