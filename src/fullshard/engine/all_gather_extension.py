@@ -339,7 +339,7 @@ def attach(unit: Unit, mesh: Any, mp_policy: Any) -> None:
     from torch.distributed.tensor import Replicate, Shard
 
     placements = [Replicate(), Shard(0)] if mesh.ndim == 2 else [Shard(0)]
-    if unit.partial is not None:
+    if unit.post_forward_shard is not None:
         raise NotImplementedError(
             "fully_shard: reshard_after_forward=<int> with all-gather extension parameters (torch's fully_shard "
             "does not support it either); pass True or False"

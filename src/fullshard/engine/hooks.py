@@ -303,8 +303,8 @@ def post_forward(state: FSDPState, output: Any) -> Any:
     in_recompute = unit.training_state is not TrainingState.FORWARD
     if not in_recompute:
         unit.training_state = TrainingState.IDLE
-        if grad and unit.reshard_after_forward and not state.is_root and unit.partial is not None:
-            unit.reshard_to_partial()  # reshard_after_forward=M: 1/M kept for backward's smaller gather
+        if grad and unit.reshard_after_forward and not state.is_root and unit.post_forward_shard is not None:
+            unit.reshard_post_forward()  # reshard_after_forward=M: 1/M kept for backward's smaller gather
         elif not grad or (unit.reshard_after_forward and not state.is_root):
             unit.reshard()
     if grad and not in_recompute:

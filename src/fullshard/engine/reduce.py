@@ -8,7 +8,7 @@ cannot overflow. The vocabulary (S, S_t, padded shard) is :mod:`.layout`'s and :
 
 :class:`GradReducer` owns a unit's gradient state between backward and the optimizer: the
 reduction in flight, the last output buffer (reused on CPU), the host gradient buffer under
-offload, and the partial sum kept while the replica all-reduce is off.
+offload, and the partial sum kept while the replica all-reduce is off (a partial reduce).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class _Pending:
     handle: collectives.Handle
     out: torch.Tensor
     packed: torch.Tensor | None  # the packed input, given back to the pool when done
-    partial: bool  # ``out`` is a partial sum to keep (the replica all-reduce is off)
+    partial_reduce: bool  # ``out`` is a partial sum to keep (the replica all-reduce is off)
 
 
 class GradReducer:
@@ -152,8 +152,8 @@ class GradReducer:
             works.append(h2)
         elif unit.shard_size == 1 and post != 1 and unit.replicate_size == 1:
             out.div_(post)
-        partial = unit.replicate_size > 1 and not all_reduce
-        self._pending = _Pending(collectives.Handle(works), out, grad if unit.shard_size > 1 else None, partial)
+        partial_reduce = unit.replicate_size > 1 and not all_reduce
+        self._pending = _Pending(collectives.Handle(works), out, grad if unit.shard_size > 1 else None, partial_reduce)
 
     def _output(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Where the reduce-scatter writes this rank's gradient shard, shape (S_t,).
@@ -177,7 +177,7 @@ class GradReducer:
         if pending.packed is not None:
             buffers.POOL.give(pending.packed)  # the next unit of this size packs into it
         out = pending.out
-        if pending.partial:  # set_requires_all_reduce(False): sums kept until an all-reduce takes them
+        if pending.partial_reduce:  # set_requires_all_reduce(False): sums kept until an all-reduce takes them
             if self._partial_sum is None:
                 self._partial_sum = out.clone()
             else:

@@ -25,7 +25,7 @@ from fullshard.engine.layout import (
     UnitConfig,
     UnitLayout,
 )
-from fullshard.engine.partial_reshard import PartialShard
+from fullshard.engine.post_forward_shard import PostForwardShard
 from fullshard.engine.reduce import GradReducer, pack_grads
 
 __all__ = ["ParamEntry", "ShardState", "TrainingState", "Unit", "UnitConfig"]
@@ -64,14 +64,14 @@ class Unit(UnitLayout):
         self.sync_grads = True  # False: gradients accumulate unsharded, no reduction (no_sync)
         self.reshard_after_backward = True  # False: stay gathered after backward (FSDP2's setter)
         # reshard_after_forward=M: this rank's 1/M of the full parameters, kept until backward.
-        self.partial: PartialShard | None = None
+        self.post_forward_shard: PostForwardShard | None = None
         self.on_reshard: Any = None  # called with the unit after each reshard (e.g. register shards again)
         self.backward_range: Any = None  # the open torch.profiler range of this unit's backward
         reshard_guard.install()
 
     def set_post_forward_group(self, group: collectives.ProcessGroup) -> None:
         """Reshard to ``group`` (M consecutive ranks of the shard group) after forward."""
-        self.partial = PartialShard(self, group)
+        self.post_forward_shard = PostForwardShard(self, group)
 
     # ---------------------------------------------------------------- all-gather
     def _check_state(self, expected: TrainingState | tuple[TrainingState, ...], action: str) -> None:
@@ -108,8 +108,9 @@ class Unit(UnitLayout):
             probes.record_event("unshard", self.name)
             probes.ACTIVE.gathered.add(self.full_nbytes)
         self._allocate_full()
-        if self.partial is not None and self.partial.kept is not None:  # resharded to a smaller group
-            self._pending_gather = self.partial.gather()
+        shard = self.post_forward_shard
+        if shard is not None and shard.kept is not None:  # resharded to a smaller group after forward
+            self._pending_gather = shard.gather()
             if not async_op:
                 self.wait_unshard()
             return
@@ -279,8 +280,8 @@ class Unit(UnitLayout):
     def reshard(self) -> None:
         """Free the full parameters (a no-op for the buffer when it aliases the shards), and
         what a reshard to a smaller group kept."""
-        if self.partial is not None:
-            self.partial.drop()
+        if self.post_forward_shard is not None:
+            self.post_forward_shard.drop()
         if self.shard_state is ShardState.SHARDED:
             return
         if self._pending_gather is not None:
@@ -295,13 +296,13 @@ class Unit(UnitLayout):
             probes.ACTIVE.gathered.remove(0 if self.aliased or self.shard_numel == 0 else self.full_nbytes)
         self.shard_state = ShardState.SHARDED
 
-    def reshard_to_partial(self) -> None:
+    def reshard_post_forward(self) -> None:
         """After forward under ``reshard_after_forward=M``: keep this rank's 1/M of the full
         parameters for backward's smaller all-gather, then reshard. Call while UNSHARDED."""
-        assert self.partial is not None, "reshard_to_partial without set_post_forward_group"
-        kept = self.partial.copy_mine()
+        assert self.post_forward_shard is not None, "reshard_post_forward without set_post_forward_group"
+        kept = self.post_forward_shard.copy_mine()
         self.reshard()
-        self.partial.hold(kept)
+        self.post_forward_shard.hold(kept)
 
     def write_back(self, full: list[torch.Tensor]) -> None:
         """Copy this rank's rows of each full tensor (shapes ``orig_shape``) into the shards."""

@@ -1,4 +1,5 @@
-"""Resharding to a smaller group after forward (FSDP2's ``reshard_after_forward=M``).
+"""The post-forward shard: resharding to a smaller group after forward (FSDP2's
+``reshard_after_forward=M``, its ``SHARDED_POST_FORWARD`` state).
 
 Between a unit's forward and its backward, each rank keeps 1/M of every full parameter instead
 of 1/N (M divides N, the shard group's size), so the backward all-gather runs within a group of
@@ -19,7 +20,7 @@ from fullshard.comm import buffers, collectives
 from fullshard.engine.layout import UnitLayout
 
 
-class PartialShard:
+class PostForwardShard:
     """What one unit keeps between forward and backward under ``reshard_after_forward=M``.
 
     Args:
