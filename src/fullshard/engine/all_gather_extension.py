@@ -126,7 +126,7 @@ class ExtensionUnit(Unit):
             self._start_gather()
         super()._unshard(async_op)
         if not async_op:
-            self.wait_unshard()
+            self.wait_for_unshard()
 
     def _start_gather(self) -> None:
         n = self.shard_size
@@ -154,8 +154,8 @@ class ExtensionUnit(Unit):
 
         self._gather = collectives.Handle([handle], copy_out)
 
-    def wait_unshard(self) -> None:
-        super().wait_unshard()
+    def wait_for_unshard(self) -> None:
+        super().wait_for_unshard()
         if not self._gathering:
             return
         if self._gather is not None:
@@ -189,7 +189,7 @@ class ExtensionUnit(Unit):
 
     def reshard(self) -> None:
         if self._gathering:
-            self.wait_unshard()
+            self.wait_for_unshard()
         gathered = self.shard_state is ShardState.UNSHARDED
         super().reshard()
         if gathered:

@@ -96,7 +96,7 @@ class Unit(UnitLayout):
     def _unshard(self, async_op: bool) -> None:
         if self.shard_state is ShardState.UNSHARDED or self._pending_gather is not None:
             if not async_op:
-                self.wait_unshard()
+                self.wait_for_unshard()
             return
         shard_sync.sync_shards(self)
         if self.aliased or self.shard_numel == 0:
@@ -112,7 +112,7 @@ class Unit(UnitLayout):
         if shard is not None and shard.kept is not None:  # resharded to a smaller group after forward
             self._pending_gather = shard.gather()
             if not async_op:
-                self.wait_unshard()
+                self.wait_for_unshard()
             return
         if self.shard_size == 1:
             self.full_data.copy_(self.local_flat, non_blocking=True)  # cast and/or upload
@@ -121,7 +121,7 @@ class Unit(UnitLayout):
             return
         self._pending_gather = self._gather_into(self.full_data, self._gather_input())
         if not async_op:
-            self.wait_unshard()
+            self.wait_for_unshard()
 
     def _allocate_full(self) -> None:
         """Give the full flat buffer's storage its memory (reused memory on CPU, see ``comm.buffers``)."""
@@ -205,8 +205,8 @@ class Unit(UnitLayout):
                 self.local_view(sp, flat).copy_(grad)
         return flat
 
-    def wait_unshard(self) -> None:
-        """Finish a pending all-gather; the full flat buffer then holds the full parameters."""
+    def wait_for_unshard(self) -> None:
+        """Finish a pending all-gather (FSDP2's name); the full flat buffer then holds the full parameters."""
         if self._pending_gather is not None:
             self._pending_gather.wait()
             self._pending_gather = None
@@ -285,7 +285,7 @@ class Unit(UnitLayout):
         if self.shard_state is ShardState.SHARDED:
             return
         if self._pending_gather is not None:
-            self.wait_unshard()
+            self.wait_for_unshard()
         self.uninstall_full_params()
         if self.on_reshard is not None:
             self.on_reshard(self)

@@ -36,7 +36,7 @@ class UnshardHandle(_TorchUnshardHandle):
         self._unit = unit
 
     def wait(self) -> None:
-        self._unit.wait_unshard()
+        self._unit.wait_for_unshard()
         _register_unsharded(self._unit)
 
 
