@@ -347,16 +347,16 @@ def test_buffer_pool_reuses_whole_buffers_only() -> None:
     from fullshard.comm.buffers import BufferPool
 
     pool = BufferPool(per_size=1)
-    a = pool.take(10, torch.float32, torch.device("cpu"))
-    pool.give(a)
-    assert pool.take(10, torch.float32, torch.device("cpu")) is a  # the same buffer comes back
-    assert pool.take(10, torch.float32, torch.device("cpu")) is not a  # and only once
-    pool.give(a)
-    pool.give(torch.empty(10))  # over per_size: dropped
+    a = pool.acquire(10, torch.float32, torch.device("cpu"))
+    pool.release(a)
+    assert pool.acquire(10, torch.float32, torch.device("cpu")) is a  # the same buffer comes back
+    assert pool.acquire(10, torch.float32, torch.device("cpu")) is not a  # and only once
+    pool.release(a)
+    pool.release(torch.empty(10))  # over per_size: dropped
     assert pool.nbytes == 40
-    pool.give(torch.empty(20)[:10])  # a view of a larger buffer is never pooled
-    assert pool.take(10, torch.float64, torch.device("cpu")).dtype == torch.float64  # keyed by dtype too
-    pool.give(torch.empty(10, device="meta"))  # stands in for a GPU buffer
+    pool.release(torch.empty(20)[:10])  # a view of a larger buffer is never pooled
+    assert pool.acquire(10, torch.float64, torch.device("cpu")).dtype == torch.float64  # keyed by dtype too
+    pool.release(torch.empty(10, device="meta"))  # stands in for a GPU buffer
     pool.clear(keep_cpu=True)  # after a backward: CPU memory stays for the next step, the rest goes
     assert [t.device.type for t in pool.buffers()] == ["cpu"]
     pool.clear()

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from fullshard import compat, probes
-from fullshard.comm import buffers, collectives, exposure, flight_recorder
+from fullshard.comm import buffers, collectives, exposed_comm, flight_recorder
 from fullshard.engine.config import BackwardPrefetch, FrontEnd, MixedPrecision
 from fullshard.engine.module_wrapper import clean_name
 from fullshard.engine.unit import ShardState, TrainingState, Unit
@@ -275,8 +275,8 @@ def pre_forward(state: FSDPState) -> None:
     unit._check_state((TrainingState.IDLE, TrainingState.PRE_BACKWARD), "run forward")
     if unit.training_state is TrainingState.IDLE:
         unit.training_state = TrainingState.FORWARD
-    exposure.close_range(state.forward_range)  # a member of a several-module unit run again
-    state.forward_range = exposure.open_range(f"fullshard::unit forward {unit.name}")
+    exposed_comm.close_range(state.forward_range)  # a member of a several-module unit run again
+    state.forward_range = exposed_comm.open_range(f"fullshard::unit forward {unit.name}")
     unit.unshard()
     unit.install_full_params()
     if probes.ACTIVE is not None:
@@ -296,7 +296,7 @@ def post_forward(state: FSDPState, output: Any) -> Any:
     assert root is not None
     if probes.ACTIVE is not None:
         probes.record_event("forward_end", unit.name)
-    exposure.close_range(state.forward_range)
+    exposed_comm.close_range(state.forward_range)
     state.forward_range = None
     unit.uninstall_full_params()
     grad = torch.is_grad_enabled()
@@ -350,7 +350,7 @@ def _pre_backward(state: FSDPState, grad: torch.Tensor) -> torch.Tensor:
     if probes.ACTIVE is not None:
         probes.record_event("backward", unit.name)
     unit.training_state = TrainingState.PRE_BACKWARD
-    unit.backward_range = exposure.open_range(f"fullshard::unit backward {unit.name}")
+    unit.backward_range = exposed_comm.open_range(f"fullshard::unit backward {unit.name}")
     unit.unshard()
     unit.install_full_params(for_recompute=True)  # activation checkpointing may recompute forward on them
     if state.prefetch_in_backward is not None:
@@ -374,7 +374,7 @@ def post_backward(unit: Unit, root: RootState) -> None:
         unit.grads.hold_unsynced()
     if unit.reshard_after_backward:
         unit.reshard()
-    exposure.close_range(unit.backward_range)
+    exposed_comm.close_range(unit.backward_range)
     unit.backward_range = None
     if root.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
         _prefetch(_neighbour(root.forward_order, unit, -1))
@@ -392,7 +392,7 @@ def finish_backward(root: RootState) -> None:
     for unit in root.units:
         if unit.reshard_after_backward:
             unit.reshard()
-        exposure.close_range(unit.backward_range)  # a unit whose parameters got no gradient
+        exposed_comm.close_range(unit.backward_range)  # a unit whose parameters got no gradient
         unit.backward_range = None
         unit.training_state = TrainingState.IDLE
     buffers.POOL.clear(keep_cpu=True)  # CPU memory is kept for the next step; CUDA's allocator caches its own

@@ -16,7 +16,7 @@ A unit keeps two flat buffers (see :mod:`fullshard.engine.sharded_param` for the
   unit's parameters accumulate into one flat gradient, and one post-accumulate-grad hook says
   when the unit's gradient is complete. Its storage is empty (0 bytes) while the unit is
   SHARDED; autograd's saved views keep pointing at it and see the data again after the next
-  unshard refills it (on CPU with memory lent from ``buffers.POOL``, elsewhere by a resize).
+  unshard refills it (on CPU with memory acquired from ``buffers.POOL``, elsewhere by a resize).
   Once the last backward that reads it has run, it is emptied before the gradients are packed,
   and the packed gradient takes the same memory. With one rank, no casting and no offload it
   aliases the local buffer.

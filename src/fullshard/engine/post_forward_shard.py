@@ -46,7 +46,7 @@ class PostForwardShard:
         for sp in unit.params:
             chunk = q * sp.spec.padded_shard_numel
             parts.append(unit.full_data[sp.full_offset + i * chunk : sp.full_offset + (i + 1) * chunk])
-        kept = buffers.POOL.take(q * unit.shard_numel, unit.compute_dtype, unit.device)
+        kept = buffers.POOL.acquire(q * unit.shard_numel, unit.compute_dtype, unit.device)
         torch.cat(parts, out=kept)
         return kept
 
@@ -58,7 +58,7 @@ class PostForwardShard:
     def drop(self) -> None:
         """Give back what is kept (no backward came, or it was used)."""
         if self.kept is not None:
-            buffers.POOL.give(self.kept)
+            buffers.POOL.release(self.kept)
             self.kept = None
 
     def gather(self) -> collectives.Handle:
@@ -67,7 +67,7 @@ class PostForwardShard:
         m, q, kept = self.size, self.per_param, self.kept
         assert kept is not None, "gather without a kept part"
         self.kept = None
-        out = buffers.POOL.take(m * kept.numel(), kept.dtype, kept.device)
+        out = buffers.POOL.acquire(m * kept.numel(), kept.dtype, kept.device)
         handle = collectives.all_gather(out, kept, self.group, async_op=True)
         assert handle is not None
         full, params = self.unit.full_data, self.unit.params
@@ -76,7 +76,7 @@ class PostForwardShard:
 
         def epilogue() -> None:
             torch.split_with_sizes_copy(out.view(m, -1), sizes, dim=1, out=targets)
-            buffers.POOL.give(out)
-            buffers.POOL.give(kept)
+            buffers.POOL.release(out)
+            buffers.POOL.release(kept)
 
         return collectives.Handle([handle], epilogue)

@@ -50,7 +50,7 @@ def pack_grads(unit: UnitLayout, grads: Sequence[torch.Tensor | None]) -> torch.
         if spec.padded_numel != spec.numel:
             rows = torch.nn.functional.pad(rows, (0, 0, 0, n * spec.chunk_rows - spec.rows))
         parts.append(rows.reshape(n, spec.padded_shard_numel))
-    out = buffers.POOL.take(n * unit.grad_numel, ref.dtype, ref.device)
+    out = buffers.POOL.acquire(n * unit.grad_numel, ref.dtype, ref.device)
     torch.cat(parts, dim=1, out=out.view(n, unit.grad_numel))
     return out
 
@@ -175,7 +175,7 @@ class GradReducer:
             return
         pending.handle.wait()
         if pending.packed is not None:
-            buffers.POOL.give(pending.packed)  # the next unit of this size packs into it
+            buffers.POOL.release(pending.packed)  # the next unit of this size packs into it
         out = pending.out
         if pending.partial_reduce:  # set_requires_all_reduce(False): sums kept until an all-reduce takes them
             if self._partial_sum is None:

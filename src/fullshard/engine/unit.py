@@ -54,7 +54,7 @@ class Unit(UnitLayout):
         self.training_state = TrainingState.IDLE
         self.grads = GradReducer(self)
         self._pending_gather: collectives.Handle | None = None
-        self._lent: torch.Tensor | None = None  # while gathered from the pool: holds the empty storage
+        self._pooled_full: torch.Tensor | None = None  # while gathered from the pool: holds the empty storage
         # While the full flat buffer's memory is freed: its aliases' version counters before the
         # bump that makes autograd refuse saved views of it (see _mark_full_freed).
         self._clean_versions: tuple[int, int] | None = None
@@ -126,12 +126,12 @@ class Unit(UnitLayout):
     def _allocate_full(self) -> None:
         """Give the full flat buffer's storage its memory (reused memory on CPU, see ``comm.buffers``)."""
         data = self.full_data
-        self._lent = buffers.lend(data.untyped_storage(), data.numel(), data.dtype, self.device)
+        self._pooled_full = buffers.acquire_storage(data.untyped_storage(), data.numel(), data.dtype, self.device)
 
     def _free_full(self) -> None:
         """Take the full flat buffer's memory away again (0 bytes; a no-op when already freed)."""
-        buffers.take_back(self.full_data.untyped_storage(), self._lent)
-        self._lent = None
+        buffers.release_storage(self.full_data.untyped_storage(), self._pooled_full)
+        self._pooled_full = None
 
     def _mark_full_freed(self) -> None:
         """Make autograd refuse the full parameters while their memory is away: a backward that
@@ -159,7 +159,7 @@ class Unit(UnitLayout):
                 sp = group[0]
                 out = full[sp.full_offset : sp.full_offset + sp.spec.padded_numel]
             else:
-                out = buffers.POOL.take(n * length, local.dtype, local.device)
+                out = buffers.POOL.acquire(n * length, local.dtype, local.device)
                 copy_outs.append((out, k))
             h = collectives.all_gather(out, src, self.shard_group, async_op=True)
             assert h is not None
@@ -173,7 +173,7 @@ class Unit(UnitLayout):
                 else:
                     outs = [full[sp.full_offset : sp.full_offset + sp.spec.padded_numel].view(n, -1) for sp in group]
                 torch.split_with_sizes_copy(gathered.view(n, -1), self._run_sizes[k], dim=1, out=outs)
-                buffers.POOL.give(gathered)
+                buffers.POOL.release(gathered)
 
         return collectives.Handle(handles, epilogue if copy_outs else None)
 

@@ -16,7 +16,7 @@ of, over every sample and every moment between two samples:
 What each hook does, as the engine does it (``backward_prefetch=BACKWARD_PRE``, no forward
 prefetch, no CPU offload):
 
-- pre-forward of a unit: its full parameters are gathered into pooled memory (``buffers.lend``);
+- pre-forward of a unit: its full parameters are gathered into pooled memory (``buffers.acquire_storage``);
   at world > 1, each run of small parameters is all-gathered through a pooled scratch buffer of
   ``world x run`` elements given back when the gather is waited on; the root gathers first and
   keeps its parameters until its own gradients are packed;
@@ -132,14 +132,14 @@ class _Pool:
     def bytes(self) -> int:
         return self.in_use + sum(n * k[0] * k[1] for k, n in self.kept.items())
 
-    def take(self, key: Key) -> None:
+    def acquire(self, key: Key) -> None:
         if key[0] == 0:
             return
         if self.kept.get(key, 0):
             self.kept[key] -= 1
         self.in_use += key[0] * key[1]
 
-    def give(self, key: Key) -> None:
+    def release(self, key: Key) -> None:
         if key[0] == 0:
             return
         self.in_use -= key[0] * key[1]
@@ -214,10 +214,10 @@ class _Replay:
                 self.wait(name)
             return
         self.gathered.add(name)
-        self.pool.take(self.key(u.full, u.compute))
+        self.pool.acquire(self.key(u.full, u.compute))
         keys = [self.key(s, u.compute) for s in u.scratch]
         for k in keys:
-            self.pool.take(k)
+            self.pool.acquire(k)
         self.scratch_held[name] = keys
         self.observe()
         if wait:
@@ -225,14 +225,14 @@ class _Replay:
 
     def wait(self, name: str) -> None:
         for k in self.scratch_held.pop(name, []):
-            self.pool.give(k)
+            self.pool.release(k)
 
     def reshard(self, name: str) -> None:
         if name in self.gathered:
             self.wait(name)
             self.gathered.discard(name)
             u = self.units[name]
-            self.pool.give(self.key(u.full, u.compute))
+            self.pool.release(self.key(u.full, u.compute))
 
     def pack(self, name: str, grads: tuple[int, ...]) -> None:
         """``name``'s last gradient came (``grads``: produced per unit): reshard, pack (observed
@@ -244,7 +244,7 @@ class _Replay:
         if name not in self.recomputed:
             self.reshard(name)
         packed = self.key(u.packed, u.compute)
-        self.pool.take(packed)
+        self.pool.acquire(packed)
         self.at(i, self.unpacked(grads), ("backward", name))
         self.packing = [packed]
         self.observe()
@@ -254,7 +254,7 @@ class _Replay:
         self.finish()
         if self.world > 1:
             received = self.key(u.shard_grad if self.world == 2 else u.packed, u.reduce)
-            self.pool.take(received)
+            self.pool.acquire(received)
             self.in_flight = [(name, [received, packed])]
         else:
             self.in_flight = [(name, [packed])]
@@ -269,7 +269,7 @@ class _Replay:
             u = self.units[name]
             if self.world > 1:
                 for k in keys:
-                    self.pool.give(k)
+                    self.pool.release(k)
             if u.reduce != u.param:
                 self.grads += u.shard_grad * u.param
                 self.observe()
