@@ -137,7 +137,9 @@ class ShardedParam:
         self.full_offset = 0  # element offset in the unit's full flat buffer
         self.dtensor_spec: Any = None  # a DTensorSpec when the shard is registered as a DTensor
         self.swapped = False  # another tensor is registered in the shard's place for now
-        self.stand_in: nn.Parameter | None = None  # plain alias of a DTensor shard for optimizer steps
+        self.local_param: nn.Parameter | None = (
+            None  # a plain Parameter over a DTensor's local shard, for optimizer steps
+        )
         # A tensor-parallel parameter's DTensorSpec on its tp mesh: ``spec`` then describes its
         # local tensor, and forward sees the full (TP-local) value as a DTensor of this spec.
         self.tp_spec: Any = None
