@@ -82,7 +82,7 @@ def test_storage_swap_is_chosen_by_presence() -> None:
 
 
 @pytest.mark.parametrize("swap", [True, False])
-def test_lend_and_take_back_with_and_without_the_swap(swap: bool) -> None:
+def test_acquire_and_release_storage_with_and_without_the_swap(swap: bool) -> None:
     """The pool's way (swap, CPU on a torch that has it) and the resize way (CUDA, torch 2.11)
     both give a storage that keeps its views the memory, and take it away again."""
     from dist import patched
@@ -94,13 +94,13 @@ def test_lend_and_take_back_with_and_without_the_swap(swap: bool) -> None:
     flat = torch.empty(0)
     storage = flat.untyped_storage()
     with patched(compat, STORAGE_SWAP=swap):
-        lent = buffers.lend(storage, 6, torch.float32, torch.device("cpu"))
-        assert (lent is not None) == swap and storage.nbytes() == 6 * 4
+        pooled = buffers.acquire_storage(storage, 6, torch.float32, torch.device("cpu"))
+        assert (pooled is not None) == swap and storage.nbytes() == 6 * 4
         full = torch.empty(0).set_(storage, 0, (6,))
         full.copy_(torch.arange(6.0))
         view = full[2:4]
         assert view.tolist() == [2.0, 3.0]
-        buffers.take_back(storage, lent)
+        buffers.release_storage(storage, pooled)
         assert storage.nbytes() == 0
     buffers.POOL.clear()
 

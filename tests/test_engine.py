@@ -10,6 +10,7 @@ import pytest
 import torch
 from dist import patched, run_ranks
 from models import Block, batch, make_stack
+from torch import nn
 
 from fullshard.engine.hooks import fsdp_state
 
@@ -319,20 +320,43 @@ def test_no_sync_empty_root_ignored_modules_and_exceptions() -> None:
     ]
 
 
+def nested_init_body(rank: int, world: int) -> tuple[int, int, bool]:
+    from fullshard import FSDP
+
+    inits: list[nn.Module] = []
+    real_init = FSDP.__init__
+
+    def counting_init(self, module, *args, **kwargs) -> None:
+        inits.append(module)
+        real_init(self, module, *args, **kwargs)
+
+    with patched(FSDP, __init__=counting_init):
+        _, model = _wrap()
+    wrappers = FSDP.fsdp_modules(model)
+    return len(inits), len(wrappers), all(w.module in inits for w in wrappers)
+
+
+def test_nested_wrappers_run_init() -> None:
+    """Wrappers the policy builds go through ``FullyShardedDataParallel.__init__`` like the root."""
+    inits, wrappers, all_seen = run_ranks(nested_init_body, 2, timeout=100)[0]
+    assert wrappers > 1  # the root and its nested blocks
+    assert (inits, all_seen) == (wrappers, True)
+
+
 def test_buffer_pool_reuses_whole_buffers_only() -> None:
     from fullshard.comm.buffers import BufferPool
 
     pool = BufferPool(per_size=1)
-    a = pool.take(10, torch.float32, torch.device("cpu"))
-    pool.give(a)
-    assert pool.take(10, torch.float32, torch.device("cpu")) is a  # the same buffer comes back
-    assert pool.take(10, torch.float32, torch.device("cpu")) is not a  # and only once
-    pool.give(a)
-    pool.give(torch.empty(10))  # over per_size: dropped
+    a = pool.acquire(10, torch.float32, torch.device("cpu"))
+    pool.release(a)
+    assert pool.acquire(10, torch.float32, torch.device("cpu")) is a  # the same buffer comes back
+    assert pool.acquire(10, torch.float32, torch.device("cpu")) is not a  # and only once
+    pool.release(a)
+    pool.release(torch.empty(10))  # over per_size: dropped
     assert pool.nbytes == 40
-    pool.give(torch.empty(20)[:10])  # a view of a larger buffer is never pooled
-    assert pool.take(10, torch.float64, torch.device("cpu")).dtype == torch.float64  # keyed by dtype too
-    pool.give(torch.empty(10, device="meta"))  # stands in for a GPU buffer
+    pool.release(torch.empty(20)[:10])  # a view of a larger buffer is never pooled
+    assert pool.acquire(10, torch.float64, torch.device("cpu")).dtype == torch.float64  # keyed by dtype too
+    pool.release(torch.empty(10, device="meta"))  # stands in for a GPU buffer
     pool.clear(keep_cpu=True)  # after a backward: CPU memory stays for the next step, the rest goes
     assert [t.device.type for t in pool.buffers()] == ["cpu"]
     pool.clear()

@@ -95,7 +95,7 @@ def _unit_checks(rank: int, world: int) -> list[str]:
     head = seq[0:2]
     assert type(head) is nn.Sequential and fsdp_state(head) is None and head[0] is seq[0]
     done.append("slice")
-    # copy.copy keeps the FSDP class and the hook state (no call of Sequential's constructor).
+    # copy.copy keeps the FSDP class and the FSDP state (no call of Sequential's constructor).
     shallow = copy.copy(seq)
     assert type(shallow) is type(seq) and fsdp_state(shallow) is fsdp_state(seq)
     for module in (seq, nn.Sequential(seq)):  # a unit cannot be deep-copied (nor can torch's): say so

@@ -558,10 +558,10 @@ def reshard_to_smaller_group_body(rank: int, world: int) -> list[int]:
             train_step(ref, ref_opt, x, clip=0)
             loss = ours(x).logsumexp(-1).mean()
             units = [fsdp_state(layer).unit for layer in ours.layers]
-            assert all(u.shard_state is ShardState.SHARDED and u.partial.kept is not None for u in units)
-            assert all(u.partial.kept.numel() * 2 == u.shard_numel * world for u in units)
+            assert all(u.shard_state is ShardState.SHARDED and u.post_forward_shard.kept is not None for u in units)
+            assert all(u.post_forward_shard.kept.numel() * 2 == u.shard_numel * world for u in units)
             loss.backward()
-            assert all(u.partial.kept is None for u in units)
+            assert all(u.post_forward_shard.kept is None for u in units)
             opt.step()
             opt.zero_grad()
     assert_same_params(ref, ours, "reshard_after_forward=2")

@@ -23,7 +23,7 @@ def _leave_a_mess(rank: int, world: int) -> int:
     dist.all_reduce = broken
     collectives._all_gather_fn = broken
     collectives.backend = broken
-    buffers.POOL.give(torch.empty(1000))
+    buffers.POOL.release(torch.empty(1000))
     flight_recorder.RECORDER.context.unit = "leaked-unit"
     flight_recorder.RECORDER.entries.append(object())  # type: ignore[arg-type]
     enable_watchdog()

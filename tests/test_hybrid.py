@@ -34,7 +34,7 @@ def hybrid_body(rank: int, world: int) -> list[str]:
                 copy.deepcopy(ref), sharding_strategy=strategy, auto_wrap_policy=ModuleWrapPolicy({Block}), **kwargs
             )
             units = [m.unit for m in model.fsdp_modules(model)]
-            assert all(u.world == 2 and u.replicas == 2 for u in units)
+            assert all(u.shard_size == 2 and u.replicate_size == 2 for u in units)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
             ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
             for step in range(4):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from fullshard.comm import exposure
+from fullshard.comm import exposed_comm
 from fullshard.jobs.train import observe
 
 
@@ -30,23 +30,23 @@ def test_model_flops_allocates_nothing() -> None:
 
 def test_exposed_time_counts_nested_blocking_regions_once(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = iter([10.0, 11.0, 13.0, 20.0])  # outer enter, (inner enter/exit not read), outer exit
-    monkeypatch.setattr(exposure.time, "perf_counter", lambda: next(clock))
-    before = exposure.exposed_seconds()
-    with exposure.blocked(lambda: "outer"):
-        with exposure.blocked(lambda: "inner"):
+    monkeypatch.setattr(exposed_comm.time, "perf_counter", lambda: next(clock))
+    before = exposed_comm.exposed_seconds()
+    with exposed_comm.blocked(lambda: "outer"):
+        with exposed_comm.blocked(lambda: "inner"):
             pass
-    assert exposure.exposed_seconds() - before == 1.0  # 11.0 - 10.0: the inner region read no clock
-    with exposure.blocked(lambda: "next"):
+    assert exposed_comm.exposed_seconds() - before == 1.0  # 11.0 - 10.0: the inner region read no clock
+    with exposed_comm.blocked(lambda: "next"):
         pass
-    assert exposure.exposed_seconds() - before == 8.0
+    assert exposed_comm.exposed_seconds() - before == 8.0
 
 
 def test_profiler_ranges_only_while_profiling() -> None:
-    assert exposure.open_range("fullshard::unit forward x") is None
+    assert exposed_comm.open_range("fullshard::unit forward x") is None
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        token = exposure.open_range("fullshard::unit forward x")
+        token = exposed_comm.open_range("fullshard::unit forward x")
         torch.ones(3).sum()
-        exposure.close_range(token)
+        exposed_comm.close_range(token)
     assert "fullshard::unit forward x" in {e.name for e in prof.events()}
 
 

@@ -22,17 +22,17 @@ def test_a_transient_block_drops_only_the_buffers_it_added() -> None:
 
     pool = BufferPool()
     kept = torch.empty(8)
-    pool.give(kept)
+    pool.release(kept)
     with pool.transient():
-        again = pool.take(8, torch.float32, torch.device("cpu"))
+        again = pool.acquire(8, torch.float32, torch.device("cpu"))
         assert again is kept
-        pool.give(again)  # held before the block: stays
-        pool.give(torch.empty(16))  # new: dropped at the end
-        pool.give(torch.empty(8))
+        pool.release(again)  # held before the block: stays
+        pool.release(torch.empty(16))  # new: dropped at the end
+        pool.release(torch.empty(8))
         assert pool.nbytes == 4 * (8 + 16 + 8)
     assert pool.buffers() == [kept]
     with pytest.raises(RuntimeError, match="inside"), pool.transient():
-        pool.give(torch.empty(4))
+        pool.release(torch.empty(4))
         raise RuntimeError("inside")
     assert pool.buffers() == [kept]
 

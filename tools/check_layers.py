@@ -11,9 +11,10 @@ is a cycle even when no two modules import each other).
 Every import in ``src/fullshard`` counts: module level, inside functions, and under
 ``if TYPE_CHECKING:``. Each module belongs to a layer (below); a module may import modules of
 its own layer or lower ones, never a higher one, and the graph of imports between modules must
-have no cycle. Sizes: files at most ``MAX_FILE_LINES`` lines, functions (and methods) at most
-``MAX_FUNCTION_LINES`` lines, counted from the ``def`` line to the last line of the body.
-``--graph`` prints each module's imports.
+have no cycle. Sizes are a smell detector, not a gate: a file over ``WARN_FILE_LINES`` lines or a
+function (or method) over ``WARN_FUNCTION_LINES`` lines, counted from the ``def`` line to the last
+line of the body, is printed as a warning and does not fail the check (split it by job, never by
+line count). ``--graph`` prints each module's imports.
 
 torch's private names: only ``fullshard/compat.py`` may touch them (see its docstring). Elsewhere
 these are flagged: an import of a torch module path with a ``_private`` part or of a ``_private``
@@ -31,8 +32,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "src"
-MAX_FILE_LINES = 400
-MAX_FUNCTION_LINES = 60
+WARN_FILE_LINES = 500  # above: a warning (printed), not a failure
+WARN_FUNCTION_LINES = 80
 
 # Layer of each package (or single module), lowest first. The longest matching prefix decides.
 LAYERS: dict[str, int] = {
@@ -237,26 +238,28 @@ def package_graph(graph: dict[str, set[str]], paths: dict[str, Path]) -> dict[st
     return packages
 
 
-def size_problems(path: Path) -> list[str]:
+def size_warnings(path: Path) -> list[str]:
+    """One line per file or function of ``path`` over the size at which it is worth a look."""
     text = path.read_text()
     rel = path.relative_to(ROOT.parent)
-    problems = []
-    if (n := len(text.splitlines())) > MAX_FILE_LINES:
-        problems.append(f"{rel}: {n} lines (limit {MAX_FILE_LINES})")
+    warnings = []
+    if (n := len(text.splitlines())) > WARN_FILE_LINES:
+        warnings.append(f"{rel}: {n} lines (warn above {WARN_FILE_LINES})")
     for node in ast.walk(ast.parse(text)):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             length = (node.end_lineno or node.lineno) - node.lineno + 1
-            if length > MAX_FUNCTION_LINES:
-                problems.append(
-                    f"{rel}:{node.lineno}: function {node.name} is {length} lines (limit {MAX_FUNCTION_LINES})"
+            if length > WARN_FUNCTION_LINES:
+                warnings.append(
+                    f"{rel}:{node.lineno}: function {node.name} is {length} lines (warn above {WARN_FUNCTION_LINES})"
                 )
-    return problems
+    return warnings
 
 
 def main(argv: list[str]) -> int:
     paths = {module_name(p): p for p in sorted((ROOT / "fullshard").rglob("*.py"))}
     graph = {name: imports_of(path, name, set(paths)) for name, path in paths.items()}
     problems: list[str] = []
+    warnings: list[str] = []
     for name, deps in sorted(graph.items()):
         if "--graph" in argv:
             print(f"{name} (layer {layer_of(name)}) -> {', '.join(sorted(deps)) or '-'}")
@@ -271,12 +274,17 @@ def main(argv: list[str]) -> int:
                 if layer_of(dep) < LAYERS["fullshard.jobs"]:
                     problems.append(f"{name} imports {dep}: a training job uses only fullshard's public API")
     for name, path in paths.items():
-        problems.extend(size_problems(path))
+        warnings.extend(size_warnings(path))
         if name != COMPAT:
             problems.extend(private_torch_uses(path, ast.parse(path.read_text(), str(path))))
+    for w in warnings:
+        print("warning:", w)
     for p in problems:
         print(p)
-    print(f"check_layers: {len(paths)} modules, {sum(map(len, graph.values()))} imports, {len(problems)} problems")
+    print(
+        f"check_layers: {len(paths)} modules, {sum(map(len, graph.values()))} imports, "
+        f"{len(problems)} problems, {len(warnings)} size warnings"
+    )
     return 1 if problems else 0
 
 

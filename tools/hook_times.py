@@ -42,7 +42,7 @@ for n in ("pre_forward", "post_forward", "_pre_backward", "post_backward", "fini
     timed(hooks, n)
 for n in (
     "unshard",
-    "wait_unshard",
+    "wait_for_unshard",
     "reduce_grads",
     "finish_reduce",
     "pack_grads",

@@ -113,7 +113,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_flatten, tree_map  # noqa: E402
 
 # ---- storages ------------------------------------------------------------------------------
-# The buffer pool lends memory to a unit's flat buffer by swapping storage data pointers, so every
+# The buffer pool gives memory to a unit's flat buffer by swapping storage data pointers, so every
 # view of the buffer sees the pooled memory. No public API moves memory between storages. torch
 # 2.11 has no swap: there the flat buffer's storage is resized instead (public resize_, what CUDA
 # always does), and CPU memory is not pooled for it. Chosen once, here.

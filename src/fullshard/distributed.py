@@ -5,7 +5,7 @@ the flight recorder, counted in the exposed communication time, and watched by t
 like the gradient reductions: a rank stuck in an ``all_reduce`` of a loss is named as such.
 Every function takes the process group explicitly; :func:`default_group` is the world.
 
-The functions live in :mod:`fullshard.comm.collectives` and :mod:`fullshard.comm.exposure`;
+The functions live in :mod:`fullshard.comm.collectives` and :mod:`fullshard.comm.exposed_comm`;
 this module only re-exports them.
 """
 
@@ -19,7 +19,7 @@ from fullshard.comm.collectives import (
     group_rank,
     group_size,
 )
-from fullshard.comm.exposure import exposed_seconds
+from fullshard.comm.exposed_comm import exposed_seconds
 
 __all__ = [
     "all_gather_object",

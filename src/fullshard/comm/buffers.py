@@ -12,9 +12,11 @@ the gradient shards. So fullshard keeps them:
   one backward (across steps CUDA's caching allocator reuses memory itself). A unit's full flat
   buffer and its packed gradient have the same size, so the memory one gives back serves the
   other.
-- :func:`lend` and :func:`take_back` move a pooled buffer's memory into a storage that must keep
-  its identity (a unit's full flat buffer, whose storage autograd's saved views hold), by
-  swapping data pointers, and back into the pool.
+- :meth:`BufferPool.acquire` hands out a buffer (a kept one when there is one), and
+  :meth:`BufferPool.release` returns it to be kept.
+- :func:`acquire_storage` and :func:`release_storage` move a pooled buffer's memory into a
+  storage that must keep its identity (a unit's full flat buffer, whose storage autograd's saved
+  views hold), by swapping data pointers, and back into the pool.
 - :func:`sole_owner` says whether a buffer handed out as views (gradient shards) is free again.
 """
 
@@ -41,11 +43,13 @@ class BufferPool:
         self.per_size = per_size
         self._free: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
 
-    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def acquire(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A buffer of ``numel`` elements of ``dtype`` on ``device``: a kept one, or a new empty one."""
         free = self._free.get((numel, dtype, device))
         return free.pop() if free else torch.empty(numel, dtype=dtype, device=device)
 
-    def give(self, t: torch.Tensor) -> None:
+    def release(self, t: torch.Tensor) -> None:
+        """Return ``t`` to be kept (up to ``per_size`` of its key); views and partial buffers are dropped."""
         if compat.is_view(t) or not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
             return  # only whole buffers come back
         free = self._free.setdefault((t.numel(), t.dtype, t.device), [])
@@ -89,28 +93,31 @@ class BufferPool:
 POOL = BufferPool()
 
 
-def lend(storage: torch.UntypedStorage, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+def acquire_storage(
+    storage: torch.UntypedStorage, numel: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor | None:
     """Give the empty ``storage`` the memory of ``numel`` elements of ``dtype`` on ``device``.
 
     On CPU the memory comes from :data:`POOL` by swapping data pointers: ``storage`` keeps its
     identity, so every view of it sees the new memory. Returns the pooled tensor, which now owns
-    ``storage``'s former empty allocation and must be passed to :func:`take_back`; elsewhere
+    ``storage``'s former empty allocation and must be passed to :func:`release_storage`; elsewhere
     (CUDA's caching allocator already reuses memory; a torch without the swap,
     :data:`fullshard.compat.STORAGE_SWAP`) ``storage`` is resized and None is returned.
     """
     if compat.STORAGE_SWAP and device.type == "cpu":
-        lent = POOL.take(numel, dtype, device)
-        compat.swap_storage_memory(storage, lent.untyped_storage())
-        return lent
+        pooled = POOL.acquire(numel, dtype, device)
+        compat.swap_storage_memory(storage, pooled.untyped_storage())
+        return pooled
     storage.resize_(numel * dtype.itemsize)
     return None
 
 
-def take_back(storage: torch.UntypedStorage, lent: torch.Tensor | None) -> None:
-    """Empty ``storage`` again: its memory back to :data:`POOL` (``lent`` from :func:`lend`), or freed."""
-    if lent is not None:
-        compat.swap_storage_memory(storage, lent.untyped_storage())
-        POOL.give(lent)
+def release_storage(storage: torch.UntypedStorage, pooled: torch.Tensor | None) -> None:
+    """Empty ``storage`` again: its memory back to :data:`POOL` (``pooled`` from
+    :func:`acquire_storage`), or freed."""
+    if pooled is not None:
+        compat.swap_storage_memory(storage, pooled.untyped_storage())
+        POOL.release(pooled)
     else:
         storage.resize_(0)
 

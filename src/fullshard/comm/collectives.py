@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from fullshard import compat, probes
-from fullshard.comm import exposure, watchdog
+from fullshard.comm import exposed_comm, watchdog
 from fullshard.comm.buffers import POOL
 from fullshard.comm.flight_recorder import RECORDER, Entry
 from fullshard.comm.handle import Handle
@@ -175,7 +175,7 @@ def reduction_device(group: ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
-@exposure.blocking("all_gather", _unit)
+@exposed_comm.blocking("all_gather", _unit)
 @_explained
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup, async_op: bool = False) -> Handle | None:
     """All-gather ``input`` (shape (S,)) from every rank into ``output`` (shape (N*S,)).
@@ -227,7 +227,7 @@ def _global_ranks(group: ProcessGroup) -> list[int]:
     return _facts(group).ranks
 
 
-@exposure.blocking("reduce_scatter", _unit)
+@exposed_comm.blocking("reduce_scatter", _unit)
 @_explained
 def reduce_scatter(
     output: torch.Tensor,
@@ -255,7 +255,7 @@ def reduce_scatter(
             # Send only the other rank's chunk and add the one that arrives to our own: no local
             # copy of our chunk, and a receive buffer of one chunk instead of two.
             me = group_rank(group)
-            received = POOL.take(output.numel(), input.dtype, input.device)
+            received = POOL.acquire(output.numel(), input.dtype, input.device)
             splits = [0, 0]
             splits[1 - me] = output.numel()
             work = dist.all_to_all_single(
@@ -264,17 +264,17 @@ def reduce_scatter(
 
             def epilogue() -> None:
                 torch.add(chunks[me], received, out=output)
-                POOL.give(received)
+                POOL.release(received)
                 if divide_by != 1.0:
                     output.div_(divide_by)
 
             return _finish(work, epilogue, async_op, entry, sliced=True)
-        received = POOL.take(input.numel(), input.dtype, input.device)
+        received = POOL.acquire(input.numel(), input.dtype, input.device)
         work = dist.all_to_all_single(received, input, group=group, async_op=_asynchronous(async_op, group))
 
         def epilogue_n() -> None:
             torch.sum(received.view(n, -1), dim=0, out=output)
-            POOL.give(received)
+            POOL.release(received)
             if divide_by != 1.0:
                 output.div_(divide_by)
 
@@ -305,7 +305,7 @@ def _copy_back(
     return epilogue
 
 
-@exposure.blocking("all_reduce", _unit)
+@exposed_comm.blocking("all_reduce", _unit)
 @_explained
 def all_reduce(
     tensor: torch.Tensor, group: ProcessGroup, divide_by: float = 1.0, async_op: bool = False
@@ -325,7 +325,7 @@ def all_reduce(
     return _finish(work, _copy_back(staged, tensor, divide), async_op, entry, sliced=gloo)
 
 
-@exposure.blocking("all_reduce_max", _unit)
+@exposed_comm.blocking("all_reduce_max", _unit)
 @_explained
 def all_reduce_max(tensor: torch.Tensor, group: ProcessGroup) -> None:
     """Element-wise maximum of ``tensor`` (any shape and dtype) over the ranks of ``group``, in
@@ -337,7 +337,7 @@ def all_reduce_max(tensor: torch.Tensor, group: ProcessGroup) -> None:
     _finish(work, _copy_back(staged, tensor), False, entry, sliced=backend(group) == "gloo")
 
 
-@exposure.blocking("broadcast", _unit)
+@exposed_comm.blocking("broadcast", _unit)
 @_explained
 def broadcast(tensor: torch.Tensor, src_rank: int, group: ProcessGroup) -> None:
     """Copy ``tensor`` from group rank ``src_rank`` to every rank, in place, synchronous (staged
@@ -349,7 +349,7 @@ def broadcast(tensor: torch.Tensor, src_rank: int, group: ProcessGroup) -> None:
     _finish(work, _copy_back(staged, tensor), False, entry, sliced=backend(group) == "gloo")
 
 
-@exposure.blocking("all_gather_object", _unit)
+@exposed_comm.blocking("all_gather_object", _unit)
 @_explained
 def all_gather_object(obj: Any, group: ProcessGroup) -> list[Any]:
     """Gather one picklable object per rank of ``group``; returns the list in group rank order
@@ -361,7 +361,7 @@ def all_gather_object(obj: Any, group: ProcessGroup) -> list[Any]:
     return out
 
 
-@exposure.blocking("broadcast_object", _unit)
+@exposed_comm.blocking("broadcast_object", _unit)
 @_explained
 def broadcast_object(obj: Any, src_rank: int, group: ProcessGroup) -> Any:
     """Send a picklable object from group rank ``src_rank`` to every rank; returns it on all
@@ -373,7 +373,7 @@ def broadcast_object(obj: Any, src_rank: int, group: ProcessGroup) -> Any:
     return box[0]
 
 
-@exposure.blocking("barrier", _unit)
+@exposed_comm.blocking("barrier", _unit)
 @_explained
 def barrier(group: ProcessGroup) -> None:
     """Return once every rank of ``group`` has called it (recorded and watched like any collective).

@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from fullshard.comm import exposure
+from fullshard.comm import exposed_comm
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -169,11 +169,11 @@ def at(unit: str | None = None, phase: str | None = None) -> Iterator[None]:
         c.unit = unit
     if phase is not None:
         c.phase = phase
-    token = exposure.open_range(f"fullshard::{c.phase} {c.unit or ''}".rstrip())
+    token = exposed_comm.open_range(f"fullshard::{c.phase} {c.unit or ''}".rstrip())
     try:
         yield
     finally:
-        exposure.close_range(token)
+        exposed_comm.close_range(token)
         c.unit, c.phase = old
 
 

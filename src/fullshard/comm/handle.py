@@ -16,7 +16,7 @@ import os
 from collections.abc import Callable
 from typing import Any, NoReturn, TypeVar
 
-from fullshard.comm import diagnosis, exposure, peers, watchdog
+from fullshard.comm import diagnosis, exposed_comm, peers, watchdog
 from fullshard.comm.flight_recorder import RECORDER, Entry
 from fullshard.comm.peers import CollectiveError, CollectiveFailed
 
@@ -42,7 +42,7 @@ class Handle:
             entry.probe = self.is_completed
 
     def wait(self) -> None:
-        with exposure.blocked(self._label):
+        with exposed_comm.blocked(self._label):
             try:
                 self._wait()
             except RuntimeError as e:

@@ -126,10 +126,10 @@ class ExtensionUnit(Unit):
             self._start_gather()
         super()._unshard(async_op)
         if not async_op:
-            self.wait_unshard()
+            self.wait_for_unshard()
 
     def _start_gather(self) -> None:
-        n = self.world
+        n = self.shard_size
         inputs = [ep.pre_all_gather(self._mesh, self._mp_policy, self.device) for ep in self.ext]
         for ep, ins in zip(self.ext, inputs):
             ep.prepare_outputs(ins, n, self.device)
@@ -154,8 +154,8 @@ class ExtensionUnit(Unit):
 
         self._gather = collectives.Handle([handle], copy_out)
 
-    def wait_unshard(self) -> None:
-        super().wait_unshard()
+    def wait_for_unshard(self) -> None:
+        super().wait_for_unshard()
         if not self._gathering:
             return
         if self._gather is not None:
@@ -189,7 +189,7 @@ class ExtensionUnit(Unit):
 
     def reshard(self) -> None:
         if self._gathering:
-            self.wait_unshard()
+            self.wait_for_unshard()
         gathered = self.shard_state is ShardState.UNSHARDED
         super().reshard()
         if gathered:
@@ -243,25 +243,25 @@ class ExtensionUnit(Unit):
                 f"({sorted(map(str, dtypes))}); FSDP reduces them together and needs one"
             )
         dtype = self._reduce_dtype or dtypes.pop()
-        packed = _pack(items, grads, self.world, dtype)
-        ranks = self.world * self.replicas
+        packed = _pack(items, grads, self.shard_size, dtype)
+        ranks = self.shard_size * self.replicate_size
         pre = predivide_factor(ranks) if dtype in (torch.float16, torch.bfloat16) and self.divide_factor is None else 1
         if pre > 1:
             packed.div_(pre)
         post = (self.divide_factor or ranks) / pre
         out, handle = packed, None
-        if self.world > 1:
-            out = torch.empty(packed.numel() // self.world, dtype=dtype, device=packed.device)
+        if self.shard_size > 1:
+            out = torch.empty(packed.numel() // self.shard_size, dtype=dtype, device=packed.device)
             handle = collectives.reduce_scatter(
-                out, packed, self.shard_group, divide_by=1.0 if self.replicas > 1 else post, async_op=True
+                out, packed, self.shard_group, divide_by=1.0 if self.replicate_size > 1 else post, async_op=True
             )
-        if self.replicas > 1:
+        if self.replicate_size > 1:
             if not self.all_reduce_grads:
                 raise NotImplementedError("set_requires_all_reduce(False) with all-gather extension parameters")
             if handle is not None:
                 handle.wait()
             handle = collectives.all_reduce(out, self.replicate_group, divide_by=post, async_op=True)
-        elif self.world == 1 and post != 1:
+        elif self.shard_size == 1 and post != 1:
             out.div_(post)
         self._reduction = (handle, out, items)
 
@@ -339,7 +339,7 @@ def attach(unit: Unit, mesh: Any, mp_policy: Any) -> None:
     from torch.distributed.tensor import Replicate, Shard
 
     placements = [Replicate(), Shard(0)] if mesh.ndim == 2 else [Shard(0)]
-    if unit.partial is not None:
+    if unit.post_forward_shard is not None:
         raise NotImplementedError(
             "fully_shard: reshard_after_forward=<int> with all-gather extension parameters (torch's fully_shard "
             "does not support it either); pass True or False"
@@ -351,7 +351,7 @@ def attach(unit: Unit, mesh: Any, mp_policy: Any) -> None:
     param_dtype, reduce_dtype = unit._mp_policy.param_dtype, unit._mp_policy.reduce_dtype
     unit._reduce_dtype = None if reduce_dtype == param_dtype else reduce_dtype
     for fqn, p, slots in unit._entries:
-        sp = ShardedParam(ShardSpec(p.shape, unit.world, unit.rank), slots, fqn, p.requires_grad)
+        sp = ShardedParam(ShardSpec(p.shape, unit.shard_size, unit.rank), slots, fqn, p.requires_grad)
         sp.shard_group = unit.shard_group
         local = make_shard(p, sp)
         _register(sp, mesh, placements, local, p)

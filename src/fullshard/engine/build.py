@@ -3,7 +3,7 @@
 Both front ends (``FullyShardedDataParallel`` and ``fully_shard``) call :func:`prepare` on the
 module before wrapping its children, then :func:`build_unit` for the parameters that are left
 (the wrapper through :func:`build_wrapper_unit`, which reads its :class:`WrapperConfig`).
-A module that already heads a unit carries its hook state (:func:`~fullshard.engine.hooks.fsdp_state`),
+A module that already heads a unit carries its FSDP state (:func:`~fullshard.engine.hooks.fsdp_state`),
 so the walks here stop at nested units of either front end.
 """
 
@@ -60,7 +60,7 @@ def check_not_sharded_elsewhere(module: nn.Module, front_end: FrontEnd) -> None:
         where = f"submodule {clean_name(name)!r} ({type(m).__name__})" if name else f"module ({type(m).__name__})"
         state = fsdp_state(m)
         # fullshard's units pass torch's isinstance checks (FSDPModule always, FullyShardedDataParallel
-        # under use_in_torch(fsdp1=True)); torch's carry no fullshard hook state
+        # under use_in_torch(fsdp1=True)); torch's carry no fullshard FSDP state
         if torch_fsdp is not None and isinstance(m, torch_fsdp.FullyShardedDataParallel) and state is None:
             raise ValueError(
                 f"{where} is already wrapped by torch.distributed.fsdp.FullyShardedDataParallel, so "

@@ -44,7 +44,7 @@ class BackwardPrefetch(enum.Enum):
 
 
 class FrontEnd(enum.Enum):
-    """Which front end made a module head its unit (``engine.hooks.UnitHooks.front_end``).
+    """Which front end made a module head its unit (``engine.hooks.FSDPState.front_end``).
 
     WRAPPER: ``FullyShardedDataParallel`` (torch FSDP1's wrapper API).
     FULLY_SHARD: ``fully_shard`` (torch FSDP2's composable API).

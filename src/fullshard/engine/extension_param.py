@@ -149,7 +149,8 @@ class ExtensionParam:
             padded = torch.Size((spec.chunk_rows, *spec.row_shape))
             if local.size() != padded and any(t.size() != padded for t in inputs):
                 raise RuntimeError(
-                    f"{self.sp.fqn}: unevenly sharded (shape {tuple(spec.orig_shape)} over {spec.world} ranks), so "
+                    f"{self.sp.fqn}: unevenly sharded (shape {tuple(spec.orig_shape)} over {spec.shard_size} "
+                    "ranks), so "
                     f"{type(local).__name__}.fsdp_pre_all_gather must return all-gather inputs of the padded "
                     f"shard size {tuple(padded)}, got {[tuple(t.size()) for t in inputs]}"
                 )

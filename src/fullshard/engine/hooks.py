@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from fullshard import compat, probes
-from fullshard.comm import buffers, collectives, exposure, flight_recorder
+from fullshard.comm import buffers, collectives, exposed_comm, flight_recorder
 from fullshard.engine.config import BackwardPrefetch, FrontEnd, MixedPrecision
 from fullshard.engine.module_wrapper import clean_name
 from fullshard.engine.unit import ShardState, TrainingState, Unit
@@ -50,7 +50,7 @@ class RootState:
     """What the units of one FSDP tree share; owned by the root unit."""
 
     units: list[Unit]
-    states: list[UnitHooks]  # the hook state of each unit, in ``units``' order
+    states: list[FSDPState]  # the state of each unit, in ``units``' order
     backward_prefetch: BackwardPrefetch | None
     forward_prefetch: bool
     forward_order: list[Unit] = dataclasses.field(default_factory=list)
@@ -63,10 +63,11 @@ class RootState:
 
 
 @dataclasses.dataclass
-class UnitHooks:
-    """Per-unit hook state: the unit, the front end that built it, whether it is the root, and
-    its tree's shared state. ``ignored``: the modules the unit's front end leaves alone
-    (FullyShardedDataParallel's ``ignored_modules``), for the state-dict code."""
+class FSDPState:
+    """The FSDP state of a module that heads a unit (FSDP2's ``FSDPState``): the unit, the front
+    end that built it, whether it is the root, and its tree's shared state. ``ignored``: the
+    modules the unit's front end leaves alone (FullyShardedDataParallel's ``ignored_modules``),
+    for the state-dict code."""
 
     unit: Unit
     front_end: FrontEnd
@@ -80,7 +81,7 @@ class UnitHooks:
     # this unit's forward / backward starts, instead of the neighbour in the recorded order.
     prefetch_in_forward: list[Unit] | None = None
     prefetch_in_backward: list[Unit] | None = None
-    profile_range: Any = None  # the open torch.profiler range of this unit's forward
+    forward_range: Any = None  # the open torch.profiler range of this unit's forward
     # fully_shard of several modules: the ids of those still to run forward in this pass over
     # the unit (torch's ``modules_to_run``); the unit's post-forward runs when it empties, or
     # at the end of the root's forward for a pass that some member never joined.
@@ -90,8 +91,8 @@ class UnitHooks:
 _STATE_ATTR = "_fsdp_state"
 
 
-def fsdp_state(module: nn.Module) -> UnitHooks | None:
-    """The FSDP hook state of ``module`` when it heads a unit (either front end), else None.
+def fsdp_state(module: nn.Module) -> FSDPState | None:
+    """The FSDP state of ``module`` when it heads a unit (either front end), else None.
 
     The one accessor for it: the state lives in the module's ``__dict__`` under one private
     attribute, so ``nn.Module.__getattr__`` and user attributes never see or shadow it.
@@ -99,8 +100,8 @@ def fsdp_state(module: nn.Module) -> UnitHooks | None:
     return module.__dict__.get(_STATE_ATTR)
 
 
-def set_fsdp_state(module: nn.Module, state: UnitHooks) -> None:
-    """Make ``module`` head the unit whose hook state is ``state``."""
+def set_fsdp_state(module: nn.Module, state: FSDPState) -> None:
+    """Make ``module`` head the unit whose FSDP state is ``state``."""
     module.__dict__[_STATE_ATTR] = state
 
 
@@ -128,17 +129,17 @@ def unit_count(model: nn.Module) -> int:
     return len({id(state.unit) for m in model.modules() if (state := fsdp_state(m)) is not None})
 
 
-def lazy_init(module: nn.Module) -> UnitHooks:
+def lazy_init(module: nn.Module) -> FSDPState:
     """At the first forward, make ``module`` the root of every unit in its tree (once).
 
     Names each unit after its module, shares one RootState, and connects the units'
-    gradient-ready hooks. Returns ``module``'s hook state.
+    gradient-ready hooks. Returns ``module``'s FSDP state.
     """
     state = fsdp_state(module)
     assert state is not None, "lazy_init on a module that heads no unit"
     if state.root is not None:
         return state
-    members: dict[int, tuple[str, UnitHooks]] = {}  # one entry per unit (fully_shard of a list shares one)
+    members: dict[int, tuple[str, FSDPState]] = {}  # one entry per unit (fully_shard of a list shares one)
     for n, m in module.named_modules():
         if (h := fsdp_state(m)) is not None:
             members.setdefault(id(h), (clean_name(n) or "<root>", h))
@@ -170,19 +171,19 @@ def _prefetch(unit: Unit | None) -> None:
             unit.unshard(async_op=True)
 
 
-def prepare_inputs(hooks: UnitHooks, inputs: Any) -> Any:
+def prepare_inputs(state: FSDPState, inputs: Any) -> Any:
     """The root moves forward inputs to the compute device; mixed precision casts them.
 
     Floating-point tensors are cast to ``param_dtype`` at the root when
     ``cast_root_forward_inputs``, and at every unit when ``cast_forward_inputs``.
     """
-    device = hooks.unit.device
-    mp = hooks.mixed_precision
+    device = state.unit.device
+    mp = state.mixed_precision
     dtype = None
     if mp is not None and mp.param_dtype is not None:
-        if mp.cast_forward_inputs or (hooks.is_root and mp.cast_root_forward_inputs):
+        if mp.cast_forward_inputs or (state.is_root and mp.cast_root_forward_inputs):
             dtype = mp.param_dtype
-    move = hooks.is_root and device.type != "cpu"
+    move = state.is_root and device.type != "cpu"
     if dtype is None and not move:
         return inputs
 
@@ -203,14 +204,14 @@ def _in_backward() -> bool:
     return compat.in_backward()
 
 
-def root_pre_forward(hooks: UnitHooks) -> None:
+def root_pre_forward(state: FSDPState) -> None:
     """Start of an iteration at the root: tidy up what the last iteration left behind.
 
     A forward with grad enabled and no backward leaves units gathered (the next forward would
     use stale parameters after an optimizer step); a backward that raised leaves its callback
     unrun. Outside a backward, finish both so every unit starts SHARDED and IDLE.
     """
-    root = hooks.root
+    root = state.root
     assert root is not None
     if _in_backward():
         return  # a recomputation (activation checkpointing of the root)
@@ -225,7 +226,7 @@ def root_pre_forward(hooks: UnitHooks) -> None:
         torch.cuda.current_stream().wait_event(root.post_optim_event)
         root.post_optim_event = None
     for h in root.states:  # a pass left open by the last iteration (a chunked loss's head)
-        if h is not hooks:  # the root's own pass has just begun
+        if h is not state:  # the root's own pass has just begun
             h.modules_to_run.clear()
     if not root.units_checked:
         check_same_units(root)
@@ -244,7 +245,7 @@ def check_same_units(root: RootState) -> None:
         RuntimeError: on every rank, naming the first unit that differs on each rank.
     """
     first = root.units[0]
-    group = first.shard_group if first.world > 1 else collectives.default_group()
+    group = first.shard_group if first.shard_size > 1 else collectives.default_group()
     root.units_checked = True
     if collectives.group_size(group) == 1:
         return
@@ -266,16 +267,16 @@ def check_same_units(root: RootState) -> None:
     )
 
 
-def pre_forward(hooks: UnitHooks) -> None:
-    unit, root = hooks.unit, hooks.root
+def pre_forward(state: FSDPState) -> None:
+    unit, root = state.unit, state.root
     assert root is not None
-    if hooks.is_root:
-        root_pre_forward(hooks)
+    if state.is_root:
+        root_pre_forward(state)
     unit._check_state((TrainingState.IDLE, TrainingState.PRE_BACKWARD), "run forward")
     if unit.training_state is TrainingState.IDLE:
         unit.training_state = TrainingState.FORWARD
-    exposure.close_range(hooks.profile_range)  # a member of a several-module unit run again
-    hooks.profile_range = exposure.open_range(f"fullshard::unit forward {unit.name}")
+    exposed_comm.close_range(state.forward_range)  # a member of a several-module unit run again
+    state.forward_range = exposed_comm.open_range(f"fullshard::unit forward {unit.name}")
     unit.unshard()
     unit.install_full_params()
     if probes.ACTIVE is not None:
@@ -283,62 +284,62 @@ def pre_forward(hooks: UnitHooks) -> None:
     if torch.is_grad_enabled() and unit not in root.forward_order:
         root.forward_order.append(unit)
     if unit.training_state is TrainingState.FORWARD:  # not in recomputation
-        if hooks.prefetch_in_forward is not None:
-            for other in hooks.prefetch_in_forward:
+        if state.prefetch_in_forward is not None:
+            for other in state.prefetch_in_forward:
                 _prefetch(other)
         elif root.forward_prefetch:
             _prefetch(_neighbour(root.last_forward_order, unit, +1))
 
 
-def post_forward(hooks: UnitHooks, output: Any) -> Any:
-    unit, root = hooks.unit, hooks.root
+def post_forward(state: FSDPState, output: Any) -> Any:
+    unit, root = state.unit, state.root
     assert root is not None
     if probes.ACTIVE is not None:
         probes.record_event("forward_end", unit.name)
-    exposure.close_range(hooks.profile_range)
-    hooks.profile_range = None
+    exposed_comm.close_range(state.forward_range)
+    state.forward_range = None
     unit.uninstall_full_params()
     grad = torch.is_grad_enabled()
     in_recompute = unit.training_state is not TrainingState.FORWARD
     if not in_recompute:
         unit.training_state = TrainingState.IDLE
-        if grad and unit.reshard_after_forward and not hooks.is_root and unit.partial is not None:
-            unit.reshard_to_partial()  # reshard_after_forward=M: 1/M kept for backward's smaller gather
-        elif not grad or (unit.reshard_after_forward and not hooks.is_root):
+        if grad and unit.reshard_after_forward and not state.is_root and unit.post_forward_shard is not None:
+            unit.reshard_post_forward()  # reshard_after_forward=M: 1/M kept for backward's smaller gather
+        elif not grad or (unit.reshard_after_forward and not state.is_root):
             unit.reshard()
     if grad and not in_recompute:
-        register_pre_backward(hooks, output)
-        if hooks.is_root:
-            output = _complete_unfinished_passes(root, hooks, output)
+        register_pre_backward(state, output)
+        if state.is_root:
+            output = _complete_unfinished_passes(root, state, output)
     return output
 
 
-def _complete_unfinished_passes(root: RootState, hooks: UnitHooks, output: Any) -> Any:
+def _complete_unfinished_passes(root: RootState, state: FSDPState, output: Any) -> Any:
     """At the end of the root's forward, finish each several-module unit whose members did not
     all run (torchtitan's chunked loss: the model's forward stops at the norm of a
     ``[norm, output]`` unit and the loss runs the head later): reshard it as its own post-forward
     would, and hook the root's outputs so backward gathers it again before it reads its
     parameters."""
     for other in root.states:
-        if other is not hooks and other.modules_to_run:
+        if other is not state and other.modules_to_run:
             other.modules_to_run.clear()
             output = post_forward(other, output)
     return output
 
 
-def register_pre_backward(hooks: UnitHooks, output: Any) -> Any:
+def register_pre_backward(state: FSDPState, output: Any) -> Any:
     """Hook every tensor of ``output`` that requires grad, so that the unit is gathered (and
     its prefetches start) when backward reaches it. Returns ``output``."""
     tensors, _ = compat.tree_flatten(output)
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.requires_grad:
-            t.register_hook(functools.partial(_pre_backward, hooks))
+            t.register_hook(functools.partial(_pre_backward, state))
     return output
 
 
 @outside_dynamo
-def _pre_backward(hooks: UnitHooks, grad: torch.Tensor) -> torch.Tensor:
-    unit, root = hooks.unit, hooks.root
+def _pre_backward(state: FSDPState, grad: torch.Tensor) -> torch.Tensor:
+    unit, root = state.unit, state.root
     assert root is not None
     if not root.callback_queued:
         root.callback_queued = True
@@ -349,11 +350,11 @@ def _pre_backward(hooks: UnitHooks, grad: torch.Tensor) -> torch.Tensor:
     if probes.ACTIVE is not None:
         probes.record_event("backward", unit.name)
     unit.training_state = TrainingState.PRE_BACKWARD
-    unit.profile_range = exposure.open_range(f"fullshard::unit backward {unit.name}")
+    unit.backward_range = exposed_comm.open_range(f"fullshard::unit backward {unit.name}")
     unit.unshard()
     unit.install_full_params(for_recompute=True)  # activation checkpointing may recompute forward on them
-    if hooks.prefetch_in_backward is not None:
-        for other in hooks.prefetch_in_backward:
+    if state.prefetch_in_backward is not None:
+        for other in state.prefetch_in_backward:
             _prefetch(other)
     elif root.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
         _prefetch(_neighbour(root.forward_order, unit, -1))
@@ -373,8 +374,8 @@ def post_backward(unit: Unit, root: RootState) -> None:
         unit.grads.hold_unsynced()
     if unit.reshard_after_backward:
         unit.reshard()
-    exposure.close_range(unit.profile_range)
-    unit.profile_range = None
+    exposed_comm.close_range(unit.backward_range)
+    unit.backward_range = None
     if root.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
         _prefetch(_neighbour(root.forward_order, unit, -1))
 
@@ -391,8 +392,8 @@ def finish_backward(root: RootState) -> None:
     for unit in root.units:
         if unit.reshard_after_backward:
             unit.reshard()
-        exposure.close_range(unit.profile_range)  # a unit whose parameters got no gradient
-        unit.profile_range = None
+        exposed_comm.close_range(unit.backward_range)  # a unit whose parameters got no gradient
+        unit.backward_range = None
         unit.training_state = TrainingState.IDLE
     buffers.POOL.clear(keep_cpu=True)  # CPU memory is kept for the next step; CUDA's allocator caches its own
     root.last_reduced = None

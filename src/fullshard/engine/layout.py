@@ -16,7 +16,7 @@ A unit keeps two flat buffers (see :mod:`fullshard.engine.sharded_param` for the
   unit's parameters accumulate into one flat gradient, and one post-accumulate-grad hook says
   when the unit's gradient is complete. Its storage is empty (0 bytes) while the unit is
   SHARDED; autograd's saved views keep pointing at it and see the data again after the next
-  unshard refills it (on CPU with memory lent from ``buffers.POOL``, elsewhere by a resize).
+  unshard refills it (on CPU with memory acquired from ``buffers.POOL``, elsewhere by a resize).
   Once the last backward that reads it has run, it is emptied before the gradients are packed,
   and the packed gradient takes the same memory. With one rank, no casting and no offload it
   aliases the local buffer.
@@ -107,9 +107,11 @@ class UnitLayout:
         name: a label for error messages (the wrapped module's qualified name).
         params: (fqn, original parameter, slots) for each parameter the unit owns; all of one
             dtype and device.
-        shard_group: process group the parameters are sharded over (N ranks), or None for one.
+        shard_group: process group the parameters are sharded over (``shard_size`` = N ranks),
+            or None for one.
         replicate_group: optional group over which gradients are all-reduced after the
-            reduce-scatter (NO_SHARD uses a shard group of one rank and the world here).
+            reduce-scatter (``replicate_size`` ranks; NO_SHARD uses a shard group of one rank
+            and the world here).
         config: compute device, dtypes, offload and resharding.
 
     Raises:
@@ -128,9 +130,9 @@ class UnitLayout:
         self.config = config
         self.shard_group = shard_group
         self.replicate_group = replicate_group
-        self.world = collectives.group_size(shard_group) if shard_group is not None else 1
+        self.shard_size = collectives.group_size(shard_group) if shard_group is not None else 1
         self.rank = collectives.group_rank(shard_group) if shard_group is not None else 0
-        self.replicas = collectives.group_size(replicate_group) if replicate_group is not None else 1
+        self.replicate_size = collectives.group_size(replicate_group) if replicate_group is not None else 1
         self.params: list[ShardedParam] = []
         self.dtype = self._common_dtype(params)
         self.device = config.compute_device
@@ -161,7 +163,7 @@ class UnitLayout:
         params = [e for e in params if e[1].requires_grad] + [e for e in params if not e[1].requires_grad]
         local_off = full_off = 0
         for fqn, p, slots in params:
-            spec = ShardSpec(p.shape, self.world, self.rank)
+            spec = ShardSpec(p.shape, self.shard_size, self.rank)
             sp = ShardedParam(spec, slots, fqn, p.requires_grad)
             sp.tp_spec = getattr(p, "_fullshard_tp_spec", None)  # set by fully_shard for a TP DTensor
             sp.local_offset, sp.full_offset = local_off, full_off
@@ -195,7 +197,7 @@ class UnitLayout:
         self._pieces = self._plan_pieces()
         self._run_sizes = [[sp.spec.padded_shard_numel for sp in group] for group, _, _ in self._pieces]
         # With one rank, no cast and no offload the full buffer is the local buffer itself.
-        self.aliased = self.world == 1 and self.compute_dtype == self.dtype and not self.config.offload
+        self.aliased = self.shard_size == 1 and self.compute_dtype == self.dtype and not self.config.offload
         self.shard_ptrs = [self.local_view(sp).data_ptr() for sp in self.params]
         if not self.meta:
             self._allocate_buffers()
@@ -212,18 +214,18 @@ class UnitLayout:
         full = (
             _alias(self.local_flat)
             if self.aliased
-            else torch.empty(self.world * self.shard_numel, dtype=self.compute_dtype, device=self.device)
+            else torch.empty(self.shard_size * self.shard_numel, dtype=self.compute_dtype, device=self.device)
         )
         self.full_data = _alias(full)  # writes here leave autograd's version counter alone
         # The autograd leaf (trainable prefix) and the frozen rest: aliases of one storage.
-        split = self.world * self.grad_numel
+        split = self.shard_size * self.grad_numel
         self.full_flat = _alias(full[:split]).requires_grad_(bool(self.trainable))
         self.frozen_full = _alias(full[split:])
         # Per run piece, its copy-out targets: views of the full buffer, built once (they stay
         # valid across resize_, which keeps the storage object).
         self._run_targets = [
             [
-                self.full_data[sp.full_offset : sp.full_offset + sp.spec.padded_numel].view(self.world, -1)
+                self.full_data[sp.full_offset : sp.full_offset + sp.spec.padded_numel].view(self.shard_size, -1)
                 for sp in group
             ]
             for group, _, _ in self._pieces
@@ -272,7 +274,7 @@ class UnitLayout:
     @property
     def full_nbytes(self) -> int:
         """Bytes of the full flat buffer while gathered (0 when it aliases the shards)."""
-        return 0 if self.aliased else self.world * self.shard_numel * self.compute_dtype.itemsize
+        return 0 if self.aliased else self.shard_size * self.shard_numel * self.compute_dtype.itemsize
 
     @property
     def sharded_nbytes(self) -> int:

@@ -8,7 +8,7 @@ cannot overflow. The vocabulary (S, S_t, padded shard) is :mod:`.layout`'s and :
 
 :class:`GradReducer` owns a unit's gradient state between backward and the optimizer: the
 reduction in flight, the last output buffer (reused on CPU), the host gradient buffer under
-offload, and the partial sum kept while the replica all-reduce is off.
+offload, and the partial sum kept while the replica all-reduce is off (a partial reduce).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def pack_grads(unit: UnitLayout, grads: Sequence[torch.Tensor | None]) -> torch.
     of the reduce-scatter input, so the gradient is written once, in place for the
     collective. ``None`` (a parameter forward did not use) packs as zeros.
     """
-    n = unit.world
+    n = unit.shard_size
     ref = next(g for g in grads if g is not None)
     parts = []
     for sp, g in zip(unit.trainable, grads):
@@ -50,7 +50,7 @@ def pack_grads(unit: UnitLayout, grads: Sequence[torch.Tensor | None]) -> torch.
         if spec.padded_numel != spec.numel:
             rows = torch.nn.functional.pad(rows, (0, 0, 0, n * spec.chunk_rows - spec.rows))
         parts.append(rows.reshape(n, spec.padded_shard_numel))
-    out = buffers.POOL.take(n * unit.grad_numel, ref.dtype, ref.device)
+    out = buffers.POOL.acquire(n * unit.grad_numel, ref.dtype, ref.device)
     torch.cat(parts, dim=1, out=out.view(n, unit.grad_numel))
     return out
 
@@ -62,7 +62,7 @@ class _Pending:
     handle: collectives.Handle
     out: torch.Tensor
     packed: torch.Tensor | None  # the packed input, given back to the pool when done
-    partial: bool  # ``out`` is a partial sum to keep (the replica all-reduce is off)
+    partial_reduce: bool  # ``out`` is a partial sum to keep (the replica all-reduce is off)
 
 
 class GradReducer:
@@ -125,7 +125,7 @@ class GradReducer:
             return
         if probes.ACTIVE is not None:
             probes.record_event("reduce", unit.name)
-        ranks = unit.world * unit.replicas
+        ranks = unit.shard_size * unit.replicate_size
         low = unit.reduce_dtype in (torch.float16, torch.bfloat16)
         pre = predivide_factor(ranks) if low and unit.divide_factor is None else 1
         if grad.dtype != unit.reduce_dtype:
@@ -133,11 +133,11 @@ class GradReducer:
         if pre > 1:
             grad.div_(pre)
         post = (unit.divide_factor or ranks) / pre
-        all_reduce = unit.replicas > 1 and unit.all_reduce_grads
-        out = grad if unit.world == 1 else self._output(grad.dtype, grad.device)
+        all_reduce = unit.replicate_size > 1 and unit.all_reduce_grads
+        out = grad if unit.shard_size == 1 else self._output(grad.dtype, grad.device)
         works: list[collectives.Handle] = []
-        if unit.world > 1:
-            divide_by = 1.0 if unit.replicas > 1 else post
+        if unit.shard_size > 1:
+            divide_by = 1.0 if unit.replicate_size > 1 else post
             h = collectives.reduce_scatter(out, grad, unit.shard_group, divide_by=divide_by, async_op=True)
             assert h is not None
             works.append(h)
@@ -150,10 +150,10 @@ class GradReducer:
             h2 = collectives.all_reduce(out, unit.replicate_group, divide_by=post, async_op=True)
             assert h2 is not None
             works.append(h2)
-        elif unit.world == 1 and post != 1 and unit.replicas == 1:
+        elif unit.shard_size == 1 and post != 1 and unit.replicate_size == 1:
             out.div_(post)
-        partial = unit.replicas > 1 and not all_reduce
-        self._pending = _Pending(collectives.Handle(works), out, grad if unit.world > 1 else None, partial)
+        partial_reduce = unit.replicate_size > 1 and not all_reduce
+        self._pending = _Pending(collectives.Handle(works), out, grad if unit.shard_size > 1 else None, partial_reduce)
 
     def _output(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Where the reduce-scatter writes this rank's gradient shard, shape (S_t,).
@@ -175,9 +175,9 @@ class GradReducer:
             return
         pending.handle.wait()
         if pending.packed is not None:
-            buffers.POOL.give(pending.packed)  # the next unit of this size packs into it
+            buffers.POOL.release(pending.packed)  # the next unit of this size packs into it
         out = pending.out
-        if pending.partial:  # set_requires_all_reduce(False): sums kept until an all-reduce takes them
+        if pending.partial_reduce:  # set_requires_all_reduce(False): sums kept until an all-reduce takes them
             if self._partial_sum is None:
                 self._partial_sum = out.clone()
             else:

@@ -36,16 +36,16 @@ from fullshard import compat
 
 @dataclasses.dataclass(frozen=True)
 class ShardSpec:
-    """Geometry of one parameter sharded over ``world`` ranks; this process is ``rank``.
+    """Geometry of one parameter sharded over ``shard_size`` ranks; this process is ``rank``.
 
     Attributes:
         orig_shape: the full parameter's shape.
-        world: number of ranks in the shard group (N).
+        shard_size: number of ranks in the shard group (N).
         rank: this process's rank in the shard group.
     """
 
     orig_shape: torch.Size
-    world: int
+    shard_size: int
     rank: int
 
     @property
@@ -68,7 +68,7 @@ class ShardSpec:
     @property
     def chunk_rows(self) -> int:
         """Rows per rank before the tail: ceil(d0 / N)."""
-        return -(-self.rows // self.world)
+        return -(-self.rows // self.shard_size)
 
     @property
     def padded_shard_numel(self) -> int:
@@ -78,7 +78,7 @@ class ShardSpec:
     @property
     def padded_numel(self) -> int:
         """Elements of the padded full parameter: N x padded shard size."""
-        return self.world * self.padded_shard_numel
+        return self.shard_size * self.padded_shard_numel
 
     def rows_of(self, rank: int) -> int:
         """Real (unpadded) rows held by ``rank``; 0 for ranks past the end."""
@@ -137,7 +137,9 @@ class ShardedParam:
         self.full_offset = 0  # element offset in the unit's full flat buffer
         self.dtensor_spec: Any = None  # a DTensorSpec when the shard is registered as a DTensor
         self.swapped = False  # another tensor is registered in the shard's place for now
-        self.stand_in: nn.Parameter | None = None  # plain alias of a DTensor shard for optimizer steps
+        self.local_param: nn.Parameter | None = (
+            None  # a plain Parameter over a DTensor's local shard, for optimizer steps
+        )
         # A tensor-parallel parameter's DTensorSpec on its tp mesh: ``spec`` then describes its
         # local tensor, and forward sees the full (TP-local) value as a DTensor of this spec.
         self.tp_spec: Any = None

@@ -25,7 +25,7 @@ from fullshard.engine.layout import (
     UnitConfig,
     UnitLayout,
 )
-from fullshard.engine.partial_reshard import PartialShard
+from fullshard.engine.post_forward_shard import PostForwardShard
 from fullshard.engine.reduce import GradReducer, pack_grads
 
 __all__ = ["ParamEntry", "ShardState", "TrainingState", "Unit", "UnitConfig"]
@@ -54,7 +54,7 @@ class Unit(UnitLayout):
         self.training_state = TrainingState.IDLE
         self.grads = GradReducer(self)
         self._pending_gather: collectives.Handle | None = None
-        self._lent: torch.Tensor | None = None  # while gathered from the pool: holds the empty storage
+        self._pooled_full: torch.Tensor | None = None  # while gathered from the pool: holds the empty storage
         # While the full flat buffer's memory is freed: its aliases' version counters before the
         # bump that makes autograd refuse saved views of it (see _mark_full_freed).
         self._clean_versions: tuple[int, int] | None = None
@@ -64,14 +64,14 @@ class Unit(UnitLayout):
         self.sync_grads = True  # False: gradients accumulate unsharded, no reduction (no_sync)
         self.reshard_after_backward = True  # False: stay gathered after backward (FSDP2's setter)
         # reshard_after_forward=M: this rank's 1/M of the full parameters, kept until backward.
-        self.partial: PartialShard | None = None
+        self.post_forward_shard: PostForwardShard | None = None
         self.on_reshard: Any = None  # called with the unit after each reshard (e.g. register shards again)
-        self.profile_range: Any = None  # the open torch.profiler range of this unit's backward
+        self.backward_range: Any = None  # the open torch.profiler range of this unit's backward
         reshard_guard.install()
 
     def set_post_forward_group(self, group: collectives.ProcessGroup) -> None:
         """Reshard to ``group`` (M consecutive ranks of the shard group) after forward."""
-        self.partial = PartialShard(self, group)
+        self.post_forward_shard = PostForwardShard(self, group)
 
     # ---------------------------------------------------------------- all-gather
     def _check_state(self, expected: TrainingState | tuple[TrainingState, ...], action: str) -> None:
@@ -96,7 +96,7 @@ class Unit(UnitLayout):
     def _unshard(self, async_op: bool) -> None:
         if self.shard_state is ShardState.UNSHARDED or self._pending_gather is not None:
             if not async_op:
-                self.wait_unshard()
+                self.wait_for_unshard()
             return
         shard_sync.sync_shards(self)
         if self.aliased or self.shard_numel == 0:
@@ -108,29 +108,30 @@ class Unit(UnitLayout):
             probes.record_event("unshard", self.name)
             probes.ACTIVE.gathered.add(self.full_nbytes)
         self._allocate_full()
-        if self.partial is not None and self.partial.kept is not None:  # resharded to a smaller group
-            self._pending_gather = self.partial.gather()
+        shard = self.post_forward_shard
+        if shard is not None and shard.kept is not None:  # resharded to a smaller group after forward
+            self._pending_gather = shard.gather()
             if not async_op:
-                self.wait_unshard()
+                self.wait_for_unshard()
             return
-        if self.world == 1:
+        if self.shard_size == 1:
             self.full_data.copy_(self.local_flat, non_blocking=True)  # cast and/or upload
             self._mark_full_valid()
             self.shard_state = ShardState.UNSHARDED
             return
         self._pending_gather = self._gather_into(self.full_data, self._gather_input())
         if not async_op:
-            self.wait_unshard()
+            self.wait_for_unshard()
 
     def _allocate_full(self) -> None:
         """Give the full flat buffer's storage its memory (reused memory on CPU, see ``comm.buffers``)."""
         data = self.full_data
-        self._lent = buffers.lend(data.untyped_storage(), data.numel(), data.dtype, self.device)
+        self._pooled_full = buffers.acquire_storage(data.untyped_storage(), data.numel(), data.dtype, self.device)
 
     def _free_full(self) -> None:
         """Take the full flat buffer's memory away again (0 bytes; a no-op when already freed)."""
-        buffers.take_back(self.full_data.untyped_storage(), self._lent)
-        self._lent = None
+        buffers.release_storage(self.full_data.untyped_storage(), self._pooled_full)
+        self._pooled_full = None
 
     def _mark_full_freed(self) -> None:
         """Make autograd refuse the full parameters while their memory is away: a backward that
@@ -149,7 +150,7 @@ class Unit(UnitLayout):
         tensor); a run of parameters lands rank-major in a scratch buffer from :data:`buffers.POOL`
         (the next unit of the same size reuses it: no fresh pages to fault in) and is copied out.
         """
-        n = self.world
+        n = self.shard_size
         handles: list[collectives.Handle] = []
         copy_outs: list[tuple[torch.Tensor, int]] = []
         for k, (group, start, length) in enumerate(self._pieces):
@@ -158,7 +159,7 @@ class Unit(UnitLayout):
                 sp = group[0]
                 out = full[sp.full_offset : sp.full_offset + sp.spec.padded_numel]
             else:
-                out = buffers.POOL.take(n * length, local.dtype, local.device)
+                out = buffers.POOL.acquire(n * length, local.dtype, local.device)
                 copy_outs.append((out, k))
             h = collectives.all_gather(out, src, self.shard_group, async_op=True)
             assert h is not None
@@ -172,7 +173,7 @@ class Unit(UnitLayout):
                 else:
                     outs = [full[sp.full_offset : sp.full_offset + sp.spec.padded_numel].view(n, -1) for sp in group]
                 torch.split_with_sizes_copy(gathered.view(n, -1), self._run_sizes[k], dim=1, out=outs)
-                buffers.POOL.give(gathered)
+                buffers.POOL.release(gathered)
 
         return collectives.Handle(handles, epilogue if copy_outs else None)
 
@@ -187,10 +188,10 @@ class Unit(UnitLayout):
             unit's own buffers and state are untouched.
         """
         src = local.to(self.device)
-        if self.world == 1 or self.shard_numel == 0:
+        if self.shard_size == 1 or self.shard_numel == 0:
             full = src.clone()
         else:
-            full = torch.empty(self.world * self.shard_numel, dtype=src.dtype, device=src.device)
+            full = torch.empty(self.shard_size * self.shard_numel, dtype=src.dtype, device=src.device)
             with flight_recorder.at(self.name):
                 self._gather_into(full, src).wait()
         return [full[sp.full_offset : sp.full_offset + sp.spec.numel].view(sp.spec.orig_shape) for sp in self.params]
@@ -204,8 +205,8 @@ class Unit(UnitLayout):
                 self.local_view(sp, flat).copy_(grad)
         return flat
 
-    def wait_unshard(self) -> None:
-        """Finish a pending all-gather; the full flat buffer then holds the full parameters."""
+    def wait_for_unshard(self) -> None:
+        """Finish a pending all-gather (FSDP2's name); the full flat buffer then holds the full parameters."""
         if self._pending_gather is not None:
             self._pending_gather.wait()
             self._pending_gather = None
@@ -279,12 +280,12 @@ class Unit(UnitLayout):
     def reshard(self) -> None:
         """Free the full parameters (a no-op for the buffer when it aliases the shards), and
         what a reshard to a smaller group kept."""
-        if self.partial is not None:
-            self.partial.drop()
+        if self.post_forward_shard is not None:
+            self.post_forward_shard.drop()
         if self.shard_state is ShardState.SHARDED:
             return
         if self._pending_gather is not None:
-            self.wait_unshard()
+            self.wait_for_unshard()
         self.uninstall_full_params()
         if self.on_reshard is not None:
             self.on_reshard(self)
@@ -295,13 +296,13 @@ class Unit(UnitLayout):
             probes.ACTIVE.gathered.remove(0 if self.aliased or self.shard_numel == 0 else self.full_nbytes)
         self.shard_state = ShardState.SHARDED
 
-    def reshard_to_partial(self) -> None:
+    def reshard_post_forward(self) -> None:
         """After forward under ``reshard_after_forward=M``: keep this rank's 1/M of the full
         parameters for backward's smaller all-gather, then reshard. Call while UNSHARDED."""
-        assert self.partial is not None, "reshard_to_partial without set_post_forward_group"
-        kept = self.partial.copy_mine()
+        assert self.post_forward_shard is not None, "reshard_post_forward without set_post_forward_group"
+        kept = self.post_forward_shard.copy_mine()
         self.reshard()
-        self.partial.hold(kept)
+        self.post_forward_shard.hold(kept)
 
     def write_back(self, full: list[torch.Tensor]) -> None:
         """Copy this rank's rows of each full tensor (shapes ``orig_shape``) into the shards."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Set as AbstractSet
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
@@ -35,6 +35,13 @@ from fullshard.frontend.wrap import apply_policy
 
 if TYPE_CHECKING:  # torch's option types, accepted as well as fullshard's
     from torch.distributed import fsdp as torch_fsdp
+
+
+class _Nested(NamedTuple):
+    """What a wrapper built by an enclosing wrapper's wrap policy is given instead of options."""
+
+    config: WrapperConfig  # the enclosing wrapper's finished config (for_nested)
+    exclude: AbstractSet[int]  # ids of parameters shared beyond the module: the enclosing wrapper owns them
 
 
 class FullyShardedDataParallel(StateDictMethods):
@@ -104,9 +111,14 @@ class FullyShardedDataParallel(StateDictMethods):
         use_orig_params: bool | None = None,
         ignored_states: Iterable[Any] | None = None,
         device_mesh: Any | None = None,
+        *,
+        _nested: _Nested | None = None,
         **deprecated: Any,
     ) -> None:
         super().__init__()
+        if _nested is not None:  # built by an enclosing wrapper's policy: its config is already checked
+            self._shard(module, _nested.config, _nested.exclude)
+            return
         auto_wrap_policy = take_deprecated(deprecated, auto_wrap_policy)
         if isinstance(module, FullyShardedDataParallel):
             raise ValueError(
@@ -136,14 +148,6 @@ class FullyShardedDataParallel(StateDictMethods):
         )
         self._shard(module, config, frozenset())
 
-    @classmethod
-    def _nested(cls, module: nn.Module, config: WrapperConfig, exclude: AbstractSet[int]) -> FullyShardedDataParallel:
-        """A wrapper the wrap policy creates inside another: it takes the finished config as it is."""
-        wrapper = cls.__new__(cls)
-        StateDictMethods.__init__(wrapper)
-        wrapper._shard(module, config, exclude)
-        return wrapper
-
     def _shard(self, module: nn.Module, config: WrapperConfig, exclude: AbstractSet[int]) -> None:
         """Wrap the policy's submodules, then make ``module``'s remaining parameters this wrapper's unit.
 
@@ -156,7 +160,7 @@ class FullyShardedDataParallel(StateDictMethods):
             apply_policy(
                 module,
                 config.auto_wrap_policy,
-                wrap=lambda m: FullyShardedDataParallel._nested(m, nested, build.shared_outside(m, holders)),
+                wrap=lambda m: FullyShardedDataParallel(m, _nested=_Nested(nested, build.shared_outside(m, holders))),
                 is_wrapped=lambda m: isinstance(m, FullyShardedDataParallel),
                 ignored=config.ignored,
             )
@@ -164,7 +168,7 @@ class FullyShardedDataParallel(StateDictMethods):
         unit = build.build_wrapper_unit(module, prepared, config, exclude)
         hooks.set_fsdp_state(
             self,
-            hooks.UnitHooks(
+            hooks.FSDPState(
                 unit,
                 FrontEnd.WRAPPER,
                 ignored=config.ignored,
@@ -194,7 +198,7 @@ class FullyShardedDataParallel(StateDictMethods):
     @property
     def unit(self) -> Unit:
         """This instance's FSDP unit (the parameters it owns)."""
-        return self._hook_state.unit
+        return self._unit_state.unit
 
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FullyShardedDataParallel]:
@@ -210,13 +214,13 @@ class FullyShardedDataParallel(StateDictMethods):
 
     @property
     def _is_root(self) -> bool:
-        return self._hook_state.is_root
+        return self._unit_state.is_root
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._lazy_init()
-        args, kwargs = hooks.prepare_inputs(self._hook_state, (args, kwargs))
-        hooks.pre_forward(self._hook_state)
+        args, kwargs = hooks.prepare_inputs(self._unit_state, (args, kwargs))
+        hooks.pre_forward(self._unit_state)
         try:
             output = self.module(*args, **kwargs)
         except BaseException:
@@ -227,7 +231,7 @@ class FullyShardedDataParallel(StateDictMethods):
                 self.unit.reshard()
                 self.unit.training_state = TrainingState.IDLE
             raise
-        return hooks.post_forward(self._hook_state, output)
+        return hooks.post_forward(self._unit_state, output)
 
     # ------------------------------------------------------------------ gradient accumulation
     @contextlib.contextmanager

@@ -55,7 +55,7 @@ class StateDictMethods(ModuleWrapper):
     """The state-dict methods of ``FullyShardedDataParallel`` (its base class)."""
 
     @property
-    def _hook_state(self) -> hooks.UnitHooks:
+    def _unit_state(self) -> hooks.FSDPState:
         state = hooks.fsdp_state(self)
         assert state is not None, "a FullyShardedDataParallel always heads a unit"
         return state
@@ -78,7 +78,7 @@ class StateDictMethods(ModuleWrapper):
             warn_unused("state_dict(keep_vars=True)", "FSDP state dicts hold detached tensors, never Parameters", 2)
         settings = self._settings()
         offload = settings.state_dict_config.offload_to_cpu
-        ignored = self._hook_state.ignored
+        ignored = self._unit_state.ignored
         if settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
             fsdp1_optim.warn_sharded_offload(self, offload, "state_dict_config", stacklevel=2)
             out = sharded_state_dict(self, ignored)
@@ -108,7 +108,7 @@ class StateDictMethods(ModuleWrapper):
         if assign:
             raise NotImplementedError("load_state_dict(assign=True) is not supported by fullshard")
         kind = self._settings().state_dict_type
-        ignored = self._hook_state.ignored
+        ignored = self._unit_state.ignored
         if kind is StateDictType.SHARDED_STATE_DICT:
             return load_sharded_state_dict(self, state_dict, strict, ignored)
         shards = set(state_dict) if kind is StateDictType.LOCAL_STATE_DICT else ()

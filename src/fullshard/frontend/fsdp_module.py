@@ -1,7 +1,7 @@
 """``FSDPModule``: the methods a module gains from ``fully_shard``, torch FSDP2's API on units.
 
 ``fully_shard`` makes a module's class ``FSDP<Cls>``, a subclass of :class:`FSDPModule` and of
-its own class ``Cls``; these methods reach the module's unit through its hook state
+its own class ``Cls``; these methods reach the module's unit through its FSDP state
 (:func:`~fullshard.engine.hooks.fsdp_state`): gradient sync and resharding toggles, explicit
 prefetching, and ``unshard`` / ``reshard`` by hand (:class:`UnshardHandle` for an async one).
 
@@ -36,11 +36,11 @@ class UnshardHandle(_TorchUnshardHandle):
         self._unit = unit
 
     def wait(self) -> None:
-        self._unit.wait_unshard()
+        self._unit.wait_for_unshard()
         _register_unsharded(self._unit)
 
 
-def _state(module: nn.Module) -> hooks.UnitHooks:
+def _state(module: nn.Module) -> hooks.FSDPState:
     state = hooks.fsdp_state(module)
     assert state is not None, "an FSDPModule always heads a unit"
     return state
@@ -67,7 +67,7 @@ class FSDPModule(_TorchFSDPModule):
 
     A subclass of torch's ``FSDPModule`` (see the module's note); ``isinstance(m,
     torch.distributed.fsdp.FSDPModule)`` is True for fullshard's units, and fullshard tells its
-    own units from torch's by their hook state.
+    own units from torch's by their FSDP state.
     """
 
     # In FSDP<Cls>'s MRO (FSDP<Cls>, this class, torch's FSDPModule, Cls, ...), Cls is at 3.

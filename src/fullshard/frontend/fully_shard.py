@@ -163,8 +163,8 @@ def _check_fresh(modules: list[nn.Module], mesh: Any) -> None:
 def _make_units(
     modules: list[nn.Module], unit: Unit, mp: Optional[MixedPrecision], output_dtype: Optional[torch.dtype]
 ) -> None:
-    """Give ``modules`` the unit's hook state, forward and state-dict hooks, and FSDPModule's methods."""
-    state = hooks.UnitHooks(
+    """Give ``modules`` the unit's FSDP state, forward and state-dict hooks, and FSDPModule's methods."""
+    state = hooks.FSDPState(
         unit, FrontEnd.FULLY_SHARD, mixed_precision=mp, backward_prefetch=BackwardPrefetch.BACKWARD_PRE
     )
     _register_forward_hooks(modules, state, output_dtype)
@@ -253,7 +253,7 @@ def _check_params(module: nn.Module, shard_placement_fn: Optional[Callable[[nn.P
 
 
 def _register_forward_hooks(
-    modules: list[nn.Module], state: hooks.UnitHooks, output_dtype: Optional[torch.dtype]
+    modules: list[nn.Module], state: hooks.FSDPState, output_dtype: Optional[torch.dtype]
 ) -> None:
     """Gather before the first of ``modules`` runs forward and free after the last one has.
 

@@ -5,9 +5,9 @@ and a new DTensor per result): AdamW on the bench's compute-bound GPT took 37 ms
 DTensor parameters against 12 ms on plain shards. A Shard(0) parameter's update is elementwise on
 its local tensor, so fullshard runs the step there and gives back the same bits:
 
-- a global optimizer step pre-hook puts, in every parameter group, a plain stand-in (a Parameter
+- a global optimizer step pre-hook puts, in every parameter group, a plain local parameter (a Parameter
   sharing the local tensor's storage, ``.grad`` the local gradient) in place of each fullshard
-  DTensor parameter, and moves its optimizer state to the stand-in with DTensor values replaced
+  DTensor parameter, and moves its optimizer state to the local parameter with DTensor values replaced
   by their local tensors;
 - the post-hook puts the DTensor parameters back and their state with it, wrapping state tensors
   of the local shape that the step created (the first step's moments, SGD's momentum buffer) as
@@ -153,11 +153,12 @@ def install() -> None:
         _registered = True
 
 
-def _stand_in(param: Any, sp: ShardedParam) -> nn.Parameter:
+def _local_param(param: Any, sp: ShardedParam) -> nn.Parameter:
+    """The plain Parameter standing for the DTensor ``param`` during a step (kept on ``sp``, refreshed)."""
     local = compat.dtensor_local(param)
-    plain = sp.stand_in
+    plain = sp.local_param
     if plain is None:
-        plain = sp.stand_in = nn.Parameter(local, requires_grad=param.requires_grad)
+        plain = sp.local_param = nn.Parameter(local, requires_grad=param.requires_grad)
     elif plain.data_ptr() != local.data_ptr() or plain.shape != local.shape:
         plain.data = local  # the shard's storage was replaced (to_empty, assign) and taken back
     grad = param.grad
@@ -182,7 +183,7 @@ def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             sp = getattr(param, "_fullshard_param", None)
             if sp is None or not isinstance(param, DTensor) or type(compat.dtensor_local(param)) is not torch.Tensor:
                 continue  # a tensor-subclass shard (all-gather extension) steps as a DTensor, as in torch
-            plain = _stand_in(param, sp)
+            plain = _local_param(param, sp)
             params[i] = plain
             wrappers: dict[int, DTensor] = {}
             entry = state.pop(param, None)

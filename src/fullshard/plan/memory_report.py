@@ -118,12 +118,12 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
     rows, world = [], 1
     seen: set[int] = set()
     for name, module in model.named_modules():
-        hooks = fsdp_state(module)
-        if hooks is None or id(hooks.unit) in seen:
+        state = fsdp_state(module)
+        if state is None or id(state.unit) in seen:
             continue
-        seen.add(id(hooks.unit))
-        world = max(world, hooks.unit.world * hooks.unit.replicas)
-        rows.append(_unit_row(clean_name(name) or "<root>", hooks.unit, optimizer))
+        seen.add(id(state.unit))
+        world = max(world, state.unit.shard_size * state.unit.replicate_size)
+        rows.append(_unit_row(clean_name(name) or "<root>", state.unit, optimizer))
     if not rows:
         raise ValueError(
             "memory_report: the model has no fullshard FSDP unit; wrap it with fullshard's "

@@ -17,7 +17,7 @@ What each hook does, as the engine does it (``backward_prefetch=BACKWARD_PRE``; 
 settings too: some units kept gathered after forward, units of several blocks, forward
 prefetch):
 
-- pre-forward of a unit: its full parameters are gathered into pooled memory (``buffers.lend``);
+- pre-forward of a unit: its full parameters are gathered into pooled memory (``buffers.acquire_storage``);
   at world > 1, each run of small parameters is all-gathered through a pooled scratch buffer of
   ``world x run`` elements given back when the gather is waited on; the root gathers first and
   keeps its parameters until its own gradients are packed;
@@ -75,14 +75,14 @@ class _Pool:
     def bytes(self) -> int:
         return self.in_use + sum(n * k[0] * k[1] for k, n in self.kept.items())
 
-    def take(self, key: Key) -> None:
+    def acquire(self, key: Key) -> None:
         if key[0] == 0:
             return
         if self.kept.get(key, 0):
             self.kept[key] -= 1
         self.in_use += key[0] * key[1]
 
-    def give(self, key: Key) -> None:
+    def release(self, key: Key) -> None:
         if key[0] == 0:
             return
         self.in_use -= key[0] * key[1]
@@ -162,10 +162,10 @@ class _Replay:
                 self.wait(name)
             return
         self.gathered.add(name)
-        self.pool.take(self.key(u.full, u.compute))
+        self.pool.acquire(self.key(u.full, u.compute))
         keys = [self.key(s, u.compute) for s in u.scratch]
         for k in keys:
-            self.pool.take(k)
+            self.pool.acquire(k)
         self.scratch_held[name] = keys
         self.observe()
         if wait:
@@ -173,7 +173,7 @@ class _Replay:
 
     def wait(self, name: str) -> None:
         for k in self.scratch_held.pop(name, []):
-            self.pool.give(k)
+            self.pool.release(k)
 
     def post_forward(self, block: str) -> None:
         """Forward left ``block``: its unit reshards if this was the unit's last block and it
@@ -187,7 +187,7 @@ class _Replay:
             self.wait(name)
             self.gathered.discard(name)
             u = self.units[name]
-            self.pool.give(self.key(u.full, u.compute))
+            self.pool.release(self.key(u.full, u.compute))
 
     def pack(self, name: str, grads: tuple[int, ...]) -> None:
         """``name``'s last gradient came (``grads``: produced per unit): reshard, pack (observed
@@ -199,7 +199,7 @@ class _Replay:
         if name not in self.recomputed:
             self.reshard(name)
         packed = self.key(u.packed, u.compute)
-        self.pool.take(packed)
+        self.pool.acquire(packed)
         self.at(i, self.unpacked(grads), ("backward", name))
         self.packing = [packed]
         self.observe()
@@ -209,7 +209,7 @@ class _Replay:
         self.finish()
         if self.world > 1:
             received = self.key(u.shard_grad if self.world == 2 else u.packed, u.reduce)
-            self.pool.take(received)
+            self.pool.acquire(received)
             self.in_flight = [(name, [received, packed])]
         else:
             self.in_flight = [(name, [packed])]
@@ -224,7 +224,7 @@ class _Replay:
             u = self.units[name]
             if self.world > 1:
                 for k in keys:
-                    self.pool.give(k)
+                    self.pool.release(k)
             if u.reduce != u.param and not self.offload:
                 self.grads += u.shard_grad * u.param
                 self.observe()

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from fullshard.engine.config import FrontEnd
-from fullshard.engine.hooks import UnitHooks, fsdp_state
+from fullshard.engine.hooks import FSDPState, fsdp_state
 from fullshard.state.checkpoint_errors import CheckpointMismatch
 from fullshard.state.optim_state import init_state, load_sharded_optim_state_dict, sharded_optim_state_dict
 from fullshard.state.state_dict import load_sharded_state_dict, sharded_state_dict
@@ -32,22 +32,22 @@ def sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[s
     Raises:
         TypeError: ``model`` heads no unit of either front end.
     """
-    hooks = hook_state(model)
-    if hooks.front_end is FrontEnd.FULLY_SHARD:
+    fsdp = fsdp_state_of(model)
+    if fsdp.front_end is FrontEnd.FULLY_SHARD:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         state: dict[str, Any] = {"model": get_model_state_dict(model)}
         if optimizer is not None:
             state["optim"] = get_optimizer_state_dict(model, optimizer)
         return state
-    state = {"model": sharded_state_dict(model, hooks.ignored)}
+    state = {"model": sharded_state_dict(model, fsdp.ignored)}
     if optimizer is not None:
         state["optim"] = sharded_optim_state_dict(model, optimizer)
     return state
 
 
-def hook_state(model: nn.Module) -> UnitHooks:
-    """The hook state of the unit ``model`` heads (which front end built it, what it ignores).
+def fsdp_state_of(model: nn.Module) -> FSDPState:
+    """The FSDP state of the unit ``model`` heads (which front end built it, what it ignores).
 
     Raises:
         TypeError: ``model`` heads no unit.
@@ -80,15 +80,15 @@ def forget_state(optimizer: torch.optim.Optimizer | None, created: list[torch.Te
 
 def apply(model: nn.Module, optimizer: torch.optim.Optimizer | None, target: dict[str, Any]) -> None:
     """Copy the loaded sharded state into the model and optimizer."""
-    hooks = hook_state(model)
-    if hooks.front_end is FrontEnd.FULLY_SHARD:
+    fsdp = fsdp_state_of(model)
+    if fsdp.front_end is FrontEnd.FULLY_SHARD:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
         set_model_state_dict(model, target["model"])
         if optimizer is not None:
             set_optimizer_state_dict(model, optimizer, target["optim"])
         return
-    load_sharded_state_dict(model, target["model"], True, hooks.ignored)
+    load_sharded_state_dict(model, target["model"], True, fsdp.ignored)
     if optimizer is not None:
         load_sharded_optim_state_dict(model, optimizer, target["optim"])
 

@@ -6,7 +6,7 @@ loading one copies each rank's rows into its shards. Both are collective when a 
 than one rank: every rank of the group must call them.
 
 Every function here takes the root module of an FSDP tree (a ``FullyShardedDataParallel``, or
-any module whose tree holds units) and finds the units through their hook state
+any module whose tree holds units) and finds the units through their FSDP state
 (:func:`~fullshard.engine.hooks.fsdp_state`), never through a front end's class.
 """
 

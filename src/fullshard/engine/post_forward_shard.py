@@ -1,4 +1,5 @@
-"""Resharding to a smaller group after forward (FSDP2's ``reshard_after_forward=M``).
+"""The post-forward shard: resharding to a smaller group after forward (FSDP2's
+``reshard_after_forward=M``, its ``SHARDED_POST_FORWARD`` state).
 
 Between a unit's forward and its backward, each rank keeps 1/M of every full parameter instead
 of 1/N (M divides N, the shard group's size), so the backward all-gather runs within a group of
@@ -19,7 +20,7 @@ from fullshard.comm import buffers, collectives
 from fullshard.engine.layout import UnitLayout
 
 
-class PartialShard:
+class PostForwardShard:
     """What one unit keeps between forward and backward under ``reshard_after_forward=M``.
 
     Args:
@@ -32,7 +33,7 @@ class PartialShard:
         self.unit = unit
         self.group = group
         self.size = collectives.group_size(group)  # M
-        self.per_param = unit.world // self.size  # q: padded shards kept per parameter
+        self.per_param = unit.shard_size // self.size  # q: padded shards kept per parameter
         self.index = collectives.group_rank(group)  # this rank's index in the subgroup
         self.kept: torch.Tensor | None = None  # (q * S,) in the compute dtype, pooled memory
 
@@ -45,7 +46,7 @@ class PartialShard:
         for sp in unit.params:
             chunk = q * sp.spec.padded_shard_numel
             parts.append(unit.full_data[sp.full_offset + i * chunk : sp.full_offset + (i + 1) * chunk])
-        kept = buffers.POOL.take(q * unit.shard_numel, unit.compute_dtype, unit.device)
+        kept = buffers.POOL.acquire(q * unit.shard_numel, unit.compute_dtype, unit.device)
         torch.cat(parts, out=kept)
         return kept
 
@@ -57,7 +58,7 @@ class PartialShard:
     def drop(self) -> None:
         """Give back what is kept (no backward came, or it was used)."""
         if self.kept is not None:
-            buffers.POOL.give(self.kept)
+            buffers.POOL.release(self.kept)
             self.kept = None
 
     def gather(self) -> collectives.Handle:
@@ -66,7 +67,7 @@ class PartialShard:
         m, q, kept = self.size, self.per_param, self.kept
         assert kept is not None, "gather without a kept part"
         self.kept = None
-        out = buffers.POOL.take(m * kept.numel(), kept.dtype, kept.device)
+        out = buffers.POOL.acquire(m * kept.numel(), kept.dtype, kept.device)
         handle = collectives.all_gather(out, kept, self.group, async_op=True)
         assert handle is not None
         full, params = self.unit.full_data, self.unit.params
@@ -75,7 +76,7 @@ class PartialShard:
 
         def epilogue() -> None:
             torch.split_with_sizes_copy(out.view(m, -1), sizes, dim=1, out=targets)
-            buffers.POOL.give(out)
-            buffers.POOL.give(kept)
+            buffers.POOL.release(out)
+            buffers.POOL.release(kept)
 
         return collectives.Handle([handle], epilogue)
