@@ -161,11 +161,22 @@ def _start_method(env: dict[str, str] | None, fn: Callable[..., Any]) -> str:
 
 
 def _failed(error: Any, log: Path) -> WorkerFailed:
-    """The WorkerFailed for torch's ChildFailedError: the worker killed by a signal if any (its
-    peers' collectives then fail after it, often within the same second, which torch's
-    one-second timestamps cannot order), else the first failure; and the job's log."""
-    killed = sorted(r for r, f in error.failures.items() if f.exitcode is not None and f.exitcode < 0)
-    rank, failure = (killed[0], error.failures[killed[0]]) if killed else error.get_first_failure()
+    """The WorkerFailed for torch's ChildFailedError, naming the failure that caused the others;
+    and the job's log.
+
+    When one worker fails, its peers' collectives fail after it, often within the same second,
+    which torch's one-second timestamps cannot order. So the cause is taken to be, in this
+    order: a worker killed by a signal; a worker that raised something other than a failed or
+    timed-out collective; then the earliest failure (lowest rank on a tie).
+    """
+
+    def cause_first(item: tuple[int, Any]) -> tuple[int, int, int]:
+        rank, f = item
+        message = f.message.get("message", "") if isinstance(f.message, dict) else str(f.message)
+        consequence = message.startswith(("CollectiveFailed", "CollectiveTimeout"))
+        return (0 if f.exitcode is not None and f.exitcode < 0 else 2 if consequence else 1, f.timestamp, rank)
+
+    rank, failure = min(error.failures.items(), key=cause_first)
     raised = isinstance(failure.message, dict)  # an exception's record: the worker printed its line
     message = failure.message.get("message", "") if isinstance(failure.message, dict) else str(failure.message)
     return WorkerFailed(
