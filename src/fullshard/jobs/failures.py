@@ -21,12 +21,16 @@ import logging
 import os
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from fullshard.comm.peers import CollectiveFailed, CollectiveTimeout
 from fullshard.state.checkpoint_errors import CheckpointError, one_line
+
+_CONSEQUENCE_DELAY_S = 0.5  # how long a worker whose collective failed waits before it exits
 
 # torch's loggers that print a worker's failure (with its traceback) in the launching process
 _AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
@@ -126,6 +130,10 @@ class Guarded:
             return self.fn(*args)
         except Exception as e:
             report(e, self.log, int(os.environ.get("RANK", "0")))
+            if isinstance(e, (CollectiveFailed, CollectiveTimeout)):
+                # A consequence of a peer's failure: leave after it, so that the launcher (which
+                # names the first exit it sees, polling every 0.1 s) names the peer.
+                time.sleep(_CONSEQUENCE_DELAY_S)
             raise
 
 
