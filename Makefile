@@ -6,15 +6,19 @@ STAMP := $(VENV)/.installed
 
 .PHONY: venv demo test typecheck clean
 
+# Bytecode is written as modules are first imported, so only what runs gets compiled, once: pip's
+# byte-compiling of every installed file took 166 s here (19,000 files, on one core), compileall
+# on both cores 49 s, while a run imports a fraction of them. Where the environment sets
+# PYTHONDONTWRITEBYTECODE, every process would compile its imports again (torch's alone take
+# seconds), so it is not passed on to this Makefile's commands.
+unexport PYTHONDONTWRITEBYTECODE
+
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --no-compile torch==2.13.0
 	$(VPY) -m pip install -q --no-compile -e '.[dev]'
-	@# pip byte-compiles on one core (166 s for both installs here); compileall on all cores
-	@# (84 s + 49 s). Some packages ship files that never compile (templates): ignored.
-	-$(VPY) -m compileall -q -j 0 $(VENV)/lib > /dev/null 2>&1
 	touch $(STAMP)
 
 demo: venv
@@ -22,9 +26,6 @@ demo: venv
 
 test: venv
 	$(VPY) tools/check_layers.py
-	@# bytecode for the package and tests, which every worker process imports (where
-	@# PYTHONDONTWRITEBYTECODE is set, nothing else writes it and each process compiles again)
-	$(VPY) -m compileall -q -j 0 src tests > /dev/null
 	$(VPY) -m ruff check src tests tools examples
 	$(VPY) -m ruff format --check src tests tools examples
 	@# mypy (a minute from a cold cache, one core) runs beside the suite, whose workers often

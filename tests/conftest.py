@@ -13,6 +13,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+# The suite runs in the benchmarks' environment (huge pages for large CPU tensors), set before
+# anything starts a forkserver: benchmark code the tests call then forks its workers from the
+# test process's forkserver instead of spawning fresh interpreters (see launch._start_method).
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 RAY_LOCK = os.path.join(tempfile.gettempdir(), "fullshard-tests-ray.lock")
 

@@ -24,6 +24,12 @@ def environment_probe(name: str) -> tuple[str | None, str | None, int]:
     return os.environ.get(name), os.environ.get("RANK"), torch.get_num_threads()
 
 
+def parent_command() -> str:
+    """The command line of this worker's parent process (a forkserver's, or the launcher's)."""
+    with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode()
+
+
 def world_sum() -> float:
     from fullshard.comm import collectives
     from fullshard.jobs import launch

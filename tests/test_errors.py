@@ -194,6 +194,20 @@ def test_launched_workers_take_each_launchs_environment(monkeypatch: pytest.Monk
 
 
 @pytest.mark.timeout(120)
+def test_launches_with_an_environment_fork_only_where_the_server_started_with_it() -> None:
+    """Benchmark launches (``env=BENCH_ENV``, a variable torch reads when it starts) fork from
+    the forkserver when it started with the same value (the suite sets it first, as ``fullshard
+    bench`` does); a launch asking for a value the server lacks gets a fresh interpreter."""
+    import jobs
+
+    from fullshard.jobs.launch import BENCH_ENV, launch
+
+    assert "forkserver" in launch(jobs.parent_command, (), nproc=1, env=BENCH_ENV)[0]
+    spawned = launch(jobs.parent_command, (), nproc=1, env={"FULLSHARD_TEST_READ_AT_START": "1"})[0]
+    assert "forkserver" not in spawned and "spawn_main" not in spawned, spawned  # the launcher itself
+
+
+@pytest.mark.timeout(120)
 def test_launch_runs_every_rank() -> None:
     import jobs
 

@@ -49,6 +49,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command == "bench":
         from fullshard.jobs.bench.main import main as bench_main
 
+        if argv is None:  # the command itself: its own process, whose launches fork with the bench environment
+            from fullshard.jobs.launch import use_bench_environment
+
+            use_bench_environment()
+
         return bench_main(rest)
     print(f"fullshard: unknown command {command!r}\n{USAGE}", file=sys.stderr, end="")
     return 2

@@ -106,7 +106,10 @@ def launch(
     if max_restarts < 0:
         raise ValueError(f"--max-restarts must be 0 or more, got {max_restarts}")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    start_method = _start_method(env, fn)
+    # For the workers only (they take them as they start); the caller's environment is restored.
+    wanted = {**worker_environment(nproc), **(env or {})}
+    added = {k: v for k, v in wanted.items() if k not in os.environ}
+    start_method = _start_method(env, fn, {**os.environ, **added})
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -119,9 +122,6 @@ def launch(
         monitor_interval=0.1,
         start_method=start_method,
     )
-    # For the workers only (they take them as they start); the caller's environment is restored.
-    wanted = {**worker_environment(nproc), **(env or {})}
-    added = {k: v for k, v in wanted.items() if k not in os.environ}
     os.environ.update(added)
     log = failures.log_path(config.run_id)
     try:
@@ -138,8 +138,13 @@ FORKSERVER_PRELOAD = ("torch", "torch.distributed", "fullshard", "fullshard.jobs
 """What the forkserver imports once, before it forks any worker."""
 
 
-def _start_method(env: dict[str, str] | None, fn: Callable[..., Any]) -> str:
-    """How ``launch`` starts its workers: ``forkserver``, unless ``env`` is given.
+# The environment this process's forkserver started with (None until a launch starts it).
+_SERVER_ENVIRON: dict[str, str] | None = None
+
+
+def _start_method(env: dict[str, str] | None, fn: Callable[..., Any], environ: dict[str, str]) -> str:
+    """How ``launch`` starts its workers: ``forkserver``, or ``spawn`` where the server's
+    environment disagrees with ``env``.
 
     A forkserver imports torch and fullshard once per launching process (see
     :data:`FORKSERVER_PRELOAD`, plus ``fn``'s module) and forks each worker from that state:
@@ -147,17 +152,33 @@ def _start_method(env: dict[str, str] | None, fn: Callable[..., Any]) -> str:
     from a running server (10 s for the first, which starts the server), under load.
     Workers take the launcher's environment of their launch as they start
     (:func:`failures.adopt_environment`), but a variable read when a library initializes (the
-    allocator's ``THP_MEM_ALLOC_ENABLE`` in :data:`BENCH_ENV`) would keep the server's value:
-    launches with ``env`` are spawned, so their workers start from a fresh interpreter.
+    allocator's ``THP_MEM_ALLOC_ENABLE`` in :data:`BENCH_ENV`) keeps the server's value. So a
+    launch with ``env`` forks only where the server started (or starts now) with the same
+    values of ``env``'s variables as this launch's workers get (``environ``: the launcher's
+    environment with this launch's additions); otherwise its workers are spawned, from a fresh
+    interpreter. ``fullshard bench`` sets :data:`BENCH_ENV` in its own environment first, so
+    its launches fork.
     """
-    if env:
+    global _SERVER_ENVIRON
+    server = _SERVER_ENVIRON if _SERVER_ENVIRON is not None else environ  # None: this launch starts it
+    if env and any(server.get(k) != environ.get(k) for k in env):
         return "spawn"
     import multiprocessing
 
     module = getattr(fn, "__module__", None)
     extra = (module,) if module and module != "__main__" else ()
     multiprocessing.set_forkserver_preload([*FORKSERVER_PRELOAD, *extra])  # used when the server starts
+    if _SERVER_ENVIRON is None:
+        _SERVER_ENVIRON = dict(environ)
     return "forkserver"
+
+
+def use_bench_environment() -> None:
+    """Put :data:`BENCH_ENV` into this process's environment (each variable unless already set),
+    before any launch: the forkserver then starts with it, and benchmark launches fork from it
+    instead of spawning (see :func:`_start_method`)."""
+    for k, v in BENCH_ENV.items():
+        os.environ.setdefault(k, v)
 
 
 def _failed(error: Any, log: Path) -> WorkerFailed:
