@@ -20,6 +20,9 @@ needs 2-3 minutes of C++ compilation for one tiny block on this machine.
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -183,3 +186,56 @@ def test_bench_compile_refuses_a_warmup_that_would_time_compilation() -> None:
 
     with pytest.raises(ValueError, match="--warmup 1 would time compilation"):
         compiled.run("tiny", "eager", steps=1, warmup=1, rounds=1, nproc=2)
+
+
+_LATE_COMPILE = """
+import copy, socket, sys
+import torch, torch.distributed as dist
+import fullshard
+from fullshard.wrap import ModuleWrapPolicy
+from models import TinyLM, tokens
+
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+torch.manual_seed(0)
+base = TinyLM(layers=2)
+wrapped = fullshard.FSDP(copy.deepcopy(base), auto_wrap_policy=ModuleWrapPolicy({type(base.layers[0])}))
+wrapped(tokens(0, 2)).logsumexp(-1).mean().backward()
+print("dynamo imported by FSDP1 training:", "torch._dynamo" in sys.modules)
+for compile_blocks in (False, True):
+    model = copy.deepcopy(base)
+    for block in model.layers:
+        fullshard.fully_shard(block)
+    fullshard.fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(2):
+        if step == 1 and compile_blocks:  # dynamo is imported by now (DTensor's constructor imports it)
+            for block in model.layers:
+                block.compile(fullgraph=True, backend="aot_eager")
+        loss = model(tokens(step, 2)).logsumexp(-1).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        print("compiled" if compile_blocks else "eager", step, repr(loss.item()))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_model_sharded_before_dynamo_is_imported_compiles_whole_blocks() -> None:
+    """Importing fullshard and training with the FSDP1 wrapper never import dynamo (2.6 s per
+    process; DTensor's constructor imports it for fully_shard); hooks made before dynamo was
+    imported still run outside the graph of a block compiled with fullgraph=True (which raises
+    at any graph break), and the block trains as the eager one does."""
+    tests = Path(__file__).parent
+    r = subprocess.run([sys.executable, "-c", _LATE_COMPILE], cwd=tests, capture_output=True, text=True, timeout=280)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    assert "dynamo imported by FSDP1 training: False" in lines, r.stdout
+    words = [line.split() for line in lines]
+    losses = {(w[0], w[1]): float(w[2]) for w in words if w[0] in ("eager", "compiled")}
+    assert len(losses) == 4, r.stdout
+    assert losses["compiled", "0"] == losses["eager", "0"]
+    assert losses["compiled", "1"] == pytest.approx(losses["eager", "1"], rel=1e-6)

@@ -21,6 +21,8 @@ by presence, and recorded in a constant (:data:`ALL_GATHER_NAME`, :data:`STORE_A
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -98,6 +100,8 @@ PRIVATE_NAMES: dict[str, str] = {
     "torch:ops.aten._scaled_dot_product_flash_attention": "use",
     "torch:ops.aten._scaled_dot_product_efficient_attention": "use",
     "torch._dynamo:reset": "use",
+    "torch._dynamo:disable": "use",  # when dynamo is imported (see after_import)
+    "torch._dynamo.eval_frame:skip_code": "use",
     "torch._dynamo.utils:counters": "use",
 }
 for _path, _when in PRIVATE_NAMES.items():
@@ -375,6 +379,63 @@ def is_sharded_tensor(value: Any) -> bool:
 
 
 # ---- dynamo and aten (benchmarks and the planner) --------------------------------------------
+
+
+DYNAMO = "torch._dynamo"
+"""dynamo's module (private: torch has no public module for it); importing it takes 2.6 s here."""
+
+
+def dynamo_disable(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` wrapped so that it and everything it calls run eagerly, never traced by dynamo
+    (``torch._dynamo.disable``, recursive; the public ``torch.compiler.disable`` is the same
+    wrapper, but importing this module is what costs: call it only once dynamo is imported)."""
+    return resolve("torch._dynamo:disable")(fn, recursive=True, reason="fullshard's FSDP hooks run eagerly")
+
+
+def dynamo_skip_frames_of(code: Any) -> None:
+    """Make dynamo run every frame of ``code`` (a code object) as it is, never compiling it; the
+    frames it calls are still dynamo's to decide (``torch._dynamo.eval_frame.skip_code``; no
+    public equivalent: ``torch.compiler.disable`` marks one function object, not a code object
+    that many closures share)."""
+    resolve("torch._dynamo.eval_frame:skip_code")(code)
+
+
+def after_import(module_name: str, callback: Callable[[], None]) -> None:
+    """Run ``callback()`` once ``module_name`` is imported: now if it already is, else right after
+    its module body runs, the first time anything imports it (an import-system finder,
+    PEP 451, that removes itself once used). An error in ``callback`` fails that import.
+
+    Used to defer work that needs an expensive module (dynamo: 2.6 s per process here) until a
+    program imports it anyway.
+    """
+    if module_name in sys.modules:
+        callback()
+        return
+    sys.meta_path.insert(0, _AfterImport(module_name, callback))
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """The finder of :func:`after_import`: finds ``name``'s spec with the other finders and
+    wraps its loader's ``exec_module`` so ``callback`` runs after the module body."""
+
+    def __init__(self, name: str, callback: Callable[[], None]) -> None:
+        self.name, self.callback = name, callback
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        run_body, callback = spec.loader.exec_module, self.callback
+
+        def exec_module(module: Any) -> None:
+            run_body(module)
+            callback()
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
 
 
 def dynamo_reset() -> None:

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from fullshard import compat
 from fullshard.comm import collectives, process_groups
 from fullshard.jobs import failures
 
@@ -134,8 +135,10 @@ def launch(
             os.environ.pop(k, None)
 
 
-FORKSERVER_PRELOAD = ("torch", "torch.distributed", "fullshard", "fullshard.jobs.launch")
-"""What the forkserver imports once, before it forks any worker."""
+FORKSERVER_PRELOAD = ("torch", "torch.distributed", compat.DYNAMO, "fullshard", "fullshard.jobs.launch")
+"""What the forkserver imports once, before it forks any worker. fullshard itself does not import
+dynamo (2.6 s), but most workers do: DTensor's constructor and torch's meta-device kernels
+(meta initialization) import it on first use."""
 
 
 # The environment this process's forkserver started with (None until a launch starts it).
