@@ -57,7 +57,11 @@ def _spans(numel: int, block_size: int) -> list[tuple[int, int]]:
 
 
 def quantize_into(
-    x: torch.Tensor, row: torch.Tensor, block_size: int, generator: torch.Generator | None = None
+    x: torch.Tensor,
+    row: torch.Tensor,
+    block_size: int,
+    generator: torch.Generator | None = None,
+    residual: torch.Tensor | None = None,
 ) -> None:
     """Quantize the row ``x`` into the packed row ``row``.
 
@@ -79,15 +83,22 @@ def quantize_into(
         b = min(block_size, stop - start)
         first = start // block_size
         count = (stop - start) // b
+        res = residual[start:stop].view(-1, b) if residual is not None else None
         _quantize_blocks(
-            x[start:stop].view(-1, b), scales[first : first + count], values[start:stop].view(-1, b), generator
+            x[start:stop].view(-1, b), scales[first : first + count], values[start:stop].view(-1, b), generator, res
         )
 
 
 def _quantize_blocks(
-    x: torch.Tensor, scales: torch.Tensor, values: torch.Tensor, generator: torch.Generator | None
+    x: torch.Tensor,
+    scales: torch.Tensor,
+    values: torch.Tensor,
+    generator: torch.Generator | None,
+    residual: torch.Tensor | None = None,
 ) -> None:
     """Quantize whole blocks ``x`` (k, b) into ``scales`` (k,) and ``values`` (k, b) int8."""
+    if residual is not None:  # EXPERIMENT (error feedback): quantize x + residual, keep the new error
+        x = x + residual
     amax = x.detach().abs().amax(dim=1).float()
     torch.div(amax, INT8_MAX, out=scales)
     inverse = torch.where(amax > 0, INT8_MAX / amax, 0.0)  # a block of zeros: scale 0, values 0
@@ -97,6 +108,8 @@ def _quantize_blocks(
     else:
         t.add_(_dither(t.numel(), generator, t.device).view(t.shape), alpha=1 / 256).add_(1 / 512).floor_()
     values.copy_(t.clamp_(-INT8_MAX, INT8_MAX))
+    if residual is not None:
+        torch.sub(x, t.mul_(scales[:, None]), out=residual)
 
 
 def _dither(numel: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:

@@ -75,6 +75,7 @@ def reduce_scatter_quantized(
     divide_by: float = 1.0,
     generator: torch.Generator | None = None,
     async_op: bool = False,
+    residual: torch.Tensor | None = None,
 ) -> Handle | None:
     """Reduce ``input`` over ranks, sending int8 blocks or bf16, and keep chunk r on rank r.
 
@@ -109,7 +110,8 @@ def reduce_scatter_quantized(
         row = packed_bytes(chunk, block_size)
         send = POOL.acquire((n - 1) * row, torch.uint8, input.device)
         for j, r in enumerate(others):
-            quantize_into(chunks[r], send[j * row : (j + 1) * row], block_size, generator)
+            res = residual.view(n - 1, chunk)[j] if residual is not None else None
+            quantize_into(chunks[r], send[j * row : (j + 1) * row], block_size, generator, res)
     else:
         row = chunk
         send = POOL.acquire((n - 1) * row, torch.bfloat16, input.device)

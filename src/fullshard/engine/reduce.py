@@ -14,6 +14,7 @@ offload, and the partial sum kept while the replica all-reduce is off (a partial
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 
 import torch
@@ -21,6 +22,9 @@ import torch
 from fullshard import probes
 from fullshard.comm import buffers, collectives, quantized
 from fullshard.engine.layout import UnitLayout
+
+
+_ROUNDING = os.environ.get("FULLSHARD_GRAD_ROUNDING", "stochastic")  # EXPERIMENT: stochastic, feedback, nearest
 
 
 def predivide_factor(ranks: int) -> int:
@@ -150,8 +154,11 @@ class GradReducer:
                     wire,
                     quant.block_size,
                     divide_by=divide_by,
-                    generator=quantized.rounding_generator(grad.device) if wire == "int8" else None,
+                    generator=quantized.rounding_generator(grad.device)
+                    if wire == "int8" and _ROUNDING == "stochastic"
+                    else None,
                     async_op=True,
+                    residual=self._feedback(grad) if wire == "int8" and _ROUNDING == "feedback" else None,
                 )
             else:
                 h = collectives.reduce_scatter(out, grad, unit.shard_group, divide_by=divide_by, async_op=True)
@@ -170,6 +177,13 @@ class GradReducer:
             out.div_(post)
         partial_reduce = unit.replicate_size > 1 and not all_reduce
         self._pending = _Pending(collectives.Handle(works), out, grad if unit.shard_size > 1 else None, partial_reduce)
+
+    def _feedback(self, grad: torch.Tensor) -> torch.Tensor:
+        """EXPERIMENT: the error-feedback residual, ((N-1) * S_t,) float32, zeros at first."""
+        n = self.unit.shard_size
+        if getattr(self, "_residual", None) is None:
+            self._residual = torch.zeros((n - 1) * self.unit.grad_numel, dtype=torch.float32, device=grad.device)
+        return self._residual
 
     def _output(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Where the reduce-scatter writes this rank's gradient shard, shape (S_t,).
