@@ -308,3 +308,40 @@ def off_body(rank: int, world: int) -> list[str]:
 @pytest.mark.timeout(200)
 def test_quantization_off_takes_the_exact_path() -> None:
     assert run_ranks(off_body, 2, timeout=180)[0] == ["fsdp1", "fsdp2"]
+
+
+def test_bench_compare_quantized_row_and_targets() -> None:
+    from fullshard.jobs.bench.compare import compare_table, row_order, target_lines
+    from fullshard.jobs.bench.workloads import FLOOR, FULLY_SHARD, QUANTIZED
+
+    def figures(step: float, sent: int) -> dict:
+        return {
+            "step_s": step,
+            "cpu_s": step,
+            "items_per_s": 16 / step,
+            "peak_rss": 2**30,
+            "state_bytes": 2**28,
+            "gathered_bytes": 0,
+            "bytes_sent": sent,
+            "params": 10**6,
+            "world": 2,
+            "device": "cpu",
+            "largest_unit_bytes": 2**20,
+        }
+
+    results = {
+        "fullshard": figures(1.4, 1000),
+        FULLY_SHARD: figures(1.4, 1000),
+        "torch FSDP2": figures(2.7, 1500),
+        "DDP": figures(2.0, 800),
+        FLOOR: figures(1.1, 0),
+        QUANTIZED: {**figures(1.1, 300), "comm_quant": "on"},
+    }
+    assert row_order(results) == ["fullshard", QUANTIZED, FULLY_SHARD, "torch FSDP2", "DDP", FLOOR]
+    table = compare_table("memory", results)
+    assert "| fullshard quantized | 1.100" in table and "`--comm-quant on`" in table
+    lines = target_lines("memory", results)
+    assert "- issue 33: quantized bytes sent vs fullshard's: 0.30x (target at most 0.35x): met" in lines
+    assert "- issue 33: quantized step vs DDP: 0.55x (target at most 0.6x): met" in lines
+    del results[QUANTIZED]
+    assert not any("issue 33" in line for line in target_lines("memory", results))
