@@ -17,6 +17,8 @@ vocabulary (row, block, scale, packed row) is :mod:`fullshard.comm.quantize`'s.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from fullshard.comm import collectives
@@ -30,7 +32,12 @@ _GENERATORS: dict[str, torch.Generator] = {}
 
 
 def all_gather_int8(
-    output: torch.Tensor, input: torch.Tensor, group: ProcessGroup, block_size: int, async_op: bool = False
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: ProcessGroup,
+    block_size: int,
+    async_op: bool = False,
+    segments: Sequence[int] | None = None,
 ) -> Handle | None:
     """All-gather ``input`` as int8 blocks and dequantize every rank's row into ``output``.
 
@@ -41,6 +48,8 @@ def all_gather_int8(
         group: the process group (N ranks).
         block_size: elements per block (one float32 scale each).
         async_op: return a Handle whose ``wait()`` also dequantizes, instead of waiting.
+        segments: lengths of the parts of the row that blocks do not cross (one per parameter;
+            see :func:`~fullshard.comm.quantize.quantize_into`), None for one.
 
     Returns:
         A Handle when ``async_op``, else None after completion.
@@ -52,14 +61,14 @@ def all_gather_int8(
     numel = input.numel()
     if output.numel() != n * numel:
         raise ValueError(f"all_gather_int8: output has {output.numel()} elements, expected {n} x {numel}")
-    row = packed_bytes(numel, block_size)
+    row = packed_bytes(numel, block_size, segments)
     send = POOL.acquire(row, torch.uint8, input.device)
-    quantize_into(input, send, block_size)
+    quantize_into(input, send, block_size, segments=segments)
     received = POOL.acquire(n * row, torch.uint8, input.device)
     work = collectives.all_gather(received, send, group, async_op=True)
 
     def epilogue() -> None:
-        dequantize_into(received.view(n, row), output.view(n, numel), block_size)
+        dequantize_into(received.view(n, row), output.view(n, numel), block_size, segments)
         POOL.release(send)
         POOL.release(received)
 
@@ -76,6 +85,7 @@ def reduce_scatter_quantized(
     generator: torch.Generator | None = None,
     async_op: bool = False,
     residual: torch.Tensor | None = None,
+    segments: Sequence[int] | None = None,
 ) -> Handle | None:
     """Reduce ``input`` over ranks, sending int8 blocks or bf16, and keep chunk r on rank r.
 
@@ -90,6 +100,8 @@ def reduce_scatter_quantized(
         divide_by: the divisor (N for a mean).
         generator: for "int8", round stochastically with it (None: to nearest).
         async_op: return a Handle whose ``wait()`` also sums, instead of waiting.
+        segments: for "int8", the lengths of the parts of a chunk that blocks do not cross (one
+            per parameter), None for one.
 
     Returns:
         A Handle when ``async_op``, else None after completion.
@@ -107,11 +119,11 @@ def reduce_scatter_quantized(
     chunks = input.view(n, chunk)
     others = [r for r in range(n) if r != me]
     if wire == "int8":
-        row = packed_bytes(chunk, block_size)
+        row = packed_bytes(chunk, block_size, segments)
         send = POOL.acquire((n - 1) * row, torch.uint8, input.device)
         for j, r in enumerate(others):
             res = residual.view(n - 1, chunk)[j] if residual is not None else None
-            quantize_into(chunks[r], send[j * row : (j + 1) * row], block_size, generator, res)
+            quantize_into(chunks[r], send[j * row : (j + 1) * row], block_size, generator, res, segments)
     else:
         row = chunk
         send = POOL.acquire((n - 1) * row, torch.bfloat16, input.device)
@@ -123,7 +135,7 @@ def reduce_scatter_quantized(
     def epilogue() -> None:
         rows = received.view(n - 1, row)
         if wire == "int8":
-            dequantize_sum_into(rows, chunks[me], output, block_size, divide_by)
+            dequantize_sum_into(rows, chunks[me], output, block_size, divide_by, segments)
         else:
             sum_into(rows, chunks[me], output, divide_by)
         POOL.release(send)

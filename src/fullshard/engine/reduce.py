@@ -23,7 +23,6 @@ from fullshard import probes
 from fullshard.comm import buffers, collectives, quantized
 from fullshard.engine.layout import UnitLayout
 
-
 _ROUNDING = os.environ.get("FULLSHARD_GRAD_ROUNDING", "stochastic")  # EXPERIMENT: stochastic, feedback, nearest
 
 
@@ -159,6 +158,7 @@ class GradReducer:
                     else None,
                     async_op=True,
                     residual=self._feedback(grad) if wire == "int8" and _ROUNDING == "feedback" else None,
+                    segments=[sp.spec.padded_shard_numel for sp in unit.trainable],
                 )
             else:
                 h = collectives.reduce_scatter(out, grad, unit.shard_group, divide_by=divide_by, async_op=True)

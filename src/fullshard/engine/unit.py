@@ -9,9 +9,8 @@ gradients go back through its :class:`~fullshard.engine.reduce.GradReducer`. Sta
 
 from __future__ import annotations
 
-import functools
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -123,9 +122,8 @@ class Unit(UnitLayout):
         quant = self.config.comm_quantization
         if quant is not None and quant.params is not None:
             # The shards themselves are quantized (no cast first); dequantized in the compute dtype.
-            gather = functools.partial(quantized.all_gather_int8, block_size=quant.block_size)
             local = self.local_flat.to(self.device, non_blocking=True)
-            self._pending_gather = self._gather_into(self.full_data, local, gather)
+            self._pending_gather = self._gather_into(self.full_data, local, quant.block_size)
         else:
             self._pending_gather = self._gather_into(self.full_data, self._gather_input())
         if not async_op:
@@ -151,7 +149,7 @@ class Unit(UnitLayout):
         reshard_guard.mark_valid(self)
 
     def _gather_into(
-        self, full: torch.Tensor, local: torch.Tensor, gather: Callable[..., Any] = collectives.all_gather
+        self, full: torch.Tensor, local: torch.Tensor, int8_block: int | None = None
     ) -> collectives.Handle:
         """Start all-gathering ``local`` (S,) of every rank into the param-major ``full`` (N*S,).
 
@@ -159,9 +157,9 @@ class Unit(UnitLayout):
         region of ``full`` directly (its N padded shards back to back are its padded full
         tensor); a run of parameters lands rank-major in a scratch buffer from :data:`buffers.POOL`
         (the next unit of the same size reuses it: no fresh pages to fault in) and is copied out.
-        ``gather``: the collective, called as ``gather(out, src, group, async_op=True)``
-        (:func:`~fullshard.comm.quantized.all_gather_int8` for a quantized all-gather, which
-        takes ``local`` in its own dtype and writes ``full``'s).
+        ``int8_block``: all-gather int8 blocks of this many elements instead
+        (:func:`~fullshard.comm.quantized.all_gather_int8`, each parameter's shard its own
+        segment): ``local`` is then quantized from its own dtype and dequantized into ``full``'s.
         """
         n = self.shard_size
         handles: list[collectives.Handle] = []
@@ -174,7 +172,11 @@ class Unit(UnitLayout):
             else:
                 out = buffers.POOL.acquire(n * length, full.dtype, full.device)
                 copy_outs.append((out, k))
-            h = gather(out, src, self.shard_group, async_op=True)
+            if int8_block is None:
+                h = collectives.all_gather(out, src, self.shard_group, async_op=True)
+            else:
+                segments = self._run_sizes[k]
+                h = quantized.all_gather_int8(out, src, self.shard_group, int8_block, True, segments)
             assert h is not None
             handles.append(h)
 
