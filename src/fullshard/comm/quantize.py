@@ -194,14 +194,25 @@ def dequantize_sum_into(
     """
     numel = out.numel()
     scales, values = _parts(rows, numel, blocks(numel, block_size, segments))
-    for start, stop, first, b in _spans(numel, block_size, segments):
-        acc = own[start:stop].to(torch.float32, copy=True).view(-1, b)
+    spans = _spans(numel, block_size, segments)
+    scratch = None if out.dtype == torch.float32 else torch.empty(max((b - a for a, b, _, _ in spans), default=0))
+    for start, stop, first, b in spans:
+        # float32 output: summed in place, two passes over the chunk; else in a float32 scratch
+        acc = out[start:stop].view(-1, b) if scratch is None else scratch[: stop - start].view(-1, b)
+        mine = own[start:stop].view(-1, b)
+        if rows.shape[0] == 0:
+            acc.copy_(mine)
         for r in range(rows.shape[0]):
-            s = scales[r, first : first + (stop - start) // b]
-            acc.addcmul_(values[r, start:stop].view(-1, b), s[:, None])
+            s = scales[r, first : first + (stop - start) // b][:, None]
+            q = values[r, start:stop].view(-1, b)
+            if r == 0:
+                torch.addcmul(mine, q, s, out=acc)
+            else:
+                acc.addcmul_(q, s)
         if divide_by != 1.0:
             acc.div_(divide_by)
-        out[start:stop].view(-1, b).copy_(acc)
+        if scratch is not None:
+            out[start:stop].view(-1, b).copy_(acc)
 
 
 def sum_into(rows: torch.Tensor, own: torch.Tensor, out: torch.Tensor, divide_by: float = 1.0) -> None:
@@ -215,11 +226,19 @@ def sum_into(rows: torch.Tensor, own: torch.Tensor, out: torch.Tensor, divide_by
         divide_by: the divisor.
     """
     numel = out.numel()
+    scratch = None if out.dtype == torch.float32 else torch.empty(min(CHUNK, numel))
     for start in range(0, numel, CHUNK):
         stop = min(start + CHUNK, numel)
-        acc = own[start:stop].to(torch.float32, copy=True)
-        for r in range(rows.shape[0]):
+        acc = out[start:stop] if scratch is None else scratch[: stop - start]
+        mine = own[start:stop]
+        fused = mine.dtype == torch.float32 and rows.shape[0] > 0  # a bf16 + bf16 sum would round in bf16
+        if fused:
+            torch.add(mine, rows[0, start:stop], out=acc)
+        else:
+            acc.copy_(mine)
+        for r in range(1 if fused else 0, rows.shape[0]):
             acc.add_(rows[r, start:stop])
         if divide_by != 1.0:
             acc.div_(divide_by)
-        out[start:stop].copy_(acc)
+        if scratch is not None:
+            out[start:stop].copy_(acc)
