@@ -99,6 +99,7 @@ _RESETS = (
     ("fullshard.comm.watchdog", "reset"),
     ("fullshard.probes", "reset"),
     ("fullshard.comm.collectives", "clear_caches"),
+    ("fullshard.comm.quantized", "reset_generators"),
     ("fullshard.frontend.torch_names", "reset"),
     ("fullshard.engine.build", "reset_warnings"),
 )

@@ -3,11 +3,14 @@ seconds (all threads) and minor page faults, for one `fullshard bench compare` w
 
     python tools/step_phases.py compute "fullshard,DDP,no communication,torch FSDP2" 12
     FS_KW='{"forward_prefetch": true}' python tools/step_phases.py compute fullshard 12
+    FS_QUANT=int8 python tools/step_phases.py memory "fullshard,fullshard quantized" 6
 
 FS_KW: extra FSDP keyword arguments for fullshard (backward_prefetch by name or null).
+FS_QUANT: the "fullshard quantized" implementation's --comm-quant spec (default: on).
 Columns are medians over the timed steps, in ms.
 """
 
+import os
 import resource
 import statistics
 import sys
@@ -27,7 +30,6 @@ def ru():
 
 def worker(workload, impl, steps, warmup):
     import json
-    import os
 
     kw = json.loads(os.environ.get("FS_KW", "{}"))
     if kw:
@@ -40,9 +42,9 @@ def worker(workload, impl, steps, warmup):
             )
         orig = workloads.wrap
 
-        def _wrap(impl, model, units, device):
+        def _wrap(impl, model, units, device, comm_quant=None):
             if impl != "fullshard":
-                return orig(impl, model, units, device)
+                return orig(impl, model, units, device, comm_quant)
             chosen = {id(u) for u in units}
             return FSDP(
                 model, auto_wrap_policy=lambda module, recurse, nonwrapped_numel: recurse or id(module) in chosen, **kw
@@ -53,7 +55,7 @@ def worker(workload, impl, steps, warmup):
     torch.set_num_threads(1)
     try:
         g = collectives.default_group()
-        job = workloads.build_job(workload, impl, dev, collectives.group_rank(g))
+        job = workloads.build_job(workload, impl, dev, collectives.group_rank(g), os.environ.get("FS_QUANT"))
         rows = []
         for i in range(warmup + steps):
             collectives.barrier(g)

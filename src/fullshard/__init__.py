@@ -9,6 +9,7 @@ from fullshard.comm.flight_recorder import set_step
 from fullshard.comm.watchdog import disable_watchdog, enable_watchdog, set_collective_timeout
 from fullshard.engine.config import (
     BackwardPrefetch,
+    CommQuantization,
     CPUOffload,
     FullOptimStateDictConfig,
     FullStateDictConfig,
@@ -53,6 +54,7 @@ __all__ = [
     "set_step",
     "FSDP",
     "BackwardPrefetch",
+    "CommQuantization",
     "CPUOffload",
     "CheckpointWrapper",
     "CPUOffloadPolicy",

@@ -7,6 +7,7 @@ module only re-exports them.
 
 from fullshard.engine.config import (
     BackwardPrefetch,
+    CommQuantization,
     CPUOffload,
     FullOptimStateDictConfig,
     FullStateDictConfig,
@@ -26,6 +27,7 @@ from fullshard.frontend.options import parse_sharding_strategy
 
 __all__ = [
     "BackwardPrefetch",
+    "CommQuantization",
     "CPUOffload",
     "FullOptimStateDictConfig",
     "FullStateDictConfig",

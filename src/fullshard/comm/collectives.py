@@ -14,6 +14,9 @@ It hides what differs between backends and torch versions:
   an all-gather on gloo is N concurrent broadcasts, one rooted at each rank, straight into the
   output's slices; the bytes on the wire are the same. At two ranks it is one all-to-all with
   the own chunk left out (one gloo operation instead of two).
+- :func:`all_to_all` exchanges equal parts with the other ranks (the own part stays home): the
+  quantized collectives of :mod:`fullshard.comm.quantized` send int8 blocks through it and sum
+  them locally, since an int8 sum on the wire would overflow.
 - torch 2.13 renamed ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` to
   ``all_gather_single`` / ``reduce_scatter_single``; torch 2.11 has only the old names
   (:mod:`fullshard.compat` picks one at import).
@@ -281,6 +284,40 @@ def reduce_scatter(
         return _finish(work, epilogue_n, async_op, entry, sliced=True)
     work = _reduce_scatter_fn(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
     return _finish(work, (lambda: output.div_(divide_by)) if divide_by != 1.0 else None, async_op, entry)
+
+
+@exposed_comm.blocking("all_to_all", _unit)
+@_explained
+def all_to_all(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup, async_op: bool = False) -> Handle | None:
+    """Exchange equal parts with every other rank: the own part never goes on the wire.
+
+    Args:
+        output: shape ((N-1)*K,), receives the part each other rank sent us, in rank order
+            (this rank skipped).
+        input: shape ((N-1)*K,), holds the part for each other rank, in rank order (this rank
+            skipped); same dtype and device as ``output``, both contiguous.
+        group: the process group (N ranks).
+        async_op: return a Handle instead of waiting.
+
+    Returns:
+        A Handle when ``async_op``, else None after completion.
+
+    Raises:
+        ValueError: sizes that are not (N-1) equal parts of one size.
+    """
+    n = group_size(group)
+    if output.numel() != input.numel() or (n > 1 and input.numel() % (n - 1)) or (n == 1 and input.numel()):
+        raise ValueError(
+            f"all_to_all: input has {input.numel()} and output {output.numel()} elements; both must be "
+            f"{n - 1} (world size - 1) equal parts"
+        )
+    entry = _note("all_to_all", input.dtype, input.numel(), input.numel() * input.element_size(), group)
+    if n == 1:
+        return _finish(None, None, async_op, entry)
+    splits = [input.numel() // (n - 1)] * n
+    splits[group_rank(group)] = 0
+    work = dist.all_to_all_single(output, input, splits, splits, group=group, async_op=_asynchronous(async_op, group))
+    return _finish(work, None, async_op, entry, sliced=backend(group) == "gloo")
 
 
 def _staged(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:

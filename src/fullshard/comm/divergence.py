@@ -35,6 +35,7 @@ _MAX_LINKS = 1 << 16  # predictions kept per rank
 _OP_NAMES = {
     "all_gather": "all-gather",
     "reduce_scatter": "reduce-scatter",
+    "all_to_all": "all-to-all",
     "all_reduce": "all-reduce",
     "all_reduce_max": "max all-reduce",
     "broadcast": "broadcast",

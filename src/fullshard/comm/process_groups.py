@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fullshard.comm import collectives, peers, watchdog
+from fullshard.comm import collectives, peers, quantized, watchdog
 from fullshard.comm.buffers import POOL
 from fullshard.comm.collectives import ProcessGroup, default_group, group_size, is_initialized
 
@@ -107,6 +107,7 @@ def destroy_process_group() -> None:
     # never issued it), so destroying the group can block until gloo's timeout. The watchdog keeps
     # running until exit (atexit), and ends the process after its grace period if it is still here.
     collectives.clear_caches()
+    quantized.reset_generators()
     _HYBRID_CACHE.clear()
     POOL.clear()
     if is_initialized():

@@ -22,7 +22,7 @@ from torch import nn
 from fullshard import compat
 from fullshard.comm import collectives
 from fullshard.engine.all_gather_extension import check_plain, unit_class
-from fullshard.engine.config import FrontEnd, MixedPrecision
+from fullshard.engine.config import CommQuantization, FrontEnd, MixedPrecision
 from fullshard.engine.groups import Groups
 from fullshard.engine.hooks import fsdp_state, is_unit
 from fullshard.engine.meta_init import is_meta, materialize, own_tensors
@@ -122,6 +122,7 @@ def build_wrapper_unit(module: nn.Module, prepared: Prepared, config: WrapperCon
         config.mixed_precision,
         config.offload_params,
         keep_param_objects=True,
+        comm_quantization=config.comm_quantization,
     )
     return build_unit(
         module,
@@ -170,6 +171,8 @@ def build_unit(
     if config.keep_param_objects:  # the FSDP1 wrapper registers plain tensors
         check_plain(params, "FullyShardedDataParallel")
     unit = unit_class(params)(type(module).__name__, params, groups.shard, groups.replicate, config)
+    if config.comm_quantization is not None and unit.shard_size == 1:
+        _warn_quantization_unused(unit.name)
     if buffer_dtype is not None:
         _cast_buffers(module, buffer_dtype, ignored)
     return unit
@@ -181,6 +184,7 @@ def unit_config(
     mp: MixedPrecision | None,
     offload: bool,
     keep_param_objects: bool = False,
+    comm_quantization: CommQuantization | None = None,
 ) -> UnitConfig:
     """A UnitConfig from the front ends' settings (offload only means something on a GPU)."""
     return UnitConfig(
@@ -191,6 +195,7 @@ def unit_config(
         keep_low_precision_grads=bool(mp and mp.keep_low_precision_grads),
         offload=offload and device.type != "cpu",
         keep_param_objects=keep_param_objects,
+        comm_quantization=comm_quantization,
     )
 
 
@@ -204,12 +209,28 @@ def _as_device(device_id: int | str | torch.device) -> torch.device:
 
 
 _warned_offload_on_cpu = False
+_warned_quantization_unused = False
 
 
 def reset_warnings() -> None:
     """Warn again about what is warned once per process (a test harness's fresh start)."""
-    global _warned_offload_on_cpu
-    _warned_offload_on_cpu = False
+    global _warned_offload_on_cpu, _warned_quantization_unused
+    _warned_offload_on_cpu = _warned_quantization_unused = False
+
+
+def _warn_quantization_unused(name: str) -> None:
+    """Warn (once per process) that a unit sharded over one rank has nothing to quantize."""
+    global _warned_quantization_unused
+    if _warned_quantization_unused:
+        return
+    _warned_quantization_unused = True
+    warnings.warn(
+        f"comm_quantization has no effect on FSDP unit {name!r}: it is sharded over one rank (world size 1 "
+        "or NO_SHARD), so it gathers nothing and its gradients are only all-reduced, exactly; pass "
+        "comm_quantization=None to silence this",
+        UserWarning,
+        stacklevel=5,
+    )
 
 
 def _compute_device(module: nn.Module, device_id: Any, offload: bool, ignored: Modules) -> torch.device:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Any
 
 import torch
 
@@ -174,3 +175,107 @@ class StateDictSettings:
     state_dict_type: StateDictType
     state_dict_config: StateDictConfig
     optim_state_dict_config: OptimStateDictConfig
+
+
+COMM_QUANT_PARAMS = (None, "int8")
+COMM_QUANT_GRADS = (None, "bf16", "int8")
+
+
+@dataclasses.dataclass(frozen=True)
+class CommQuantization:
+    """Fewer bytes on the wire: parameters all-gathered and gradients reduce-scattered quantized.
+
+    Opt-in (``comm_quantization=`` of ``FullyShardedDataParallel`` and ``fully_shard``; the
+    jobs' ``--comm-quant``); None, the default, communicates exactly as without it. Only the
+    collectives within a unit's shard group change: a hybrid unit's replica all-reduce, a
+    NO_SHARD unit (nothing to gather) and state dicts (always exact) are left as they are.
+
+    Args:
+        params: "int8": each rank quantizes its shards block-wise (``block_size`` elements per
+            float32 scale, the block's largest magnitude / 127, rounded to nearest: error at
+            most scale / 2) and the int8 blocks and scales are all-gathered, about 1.02 bytes
+            per element instead of 4, then dequantized into the full parameters in the compute
+            dtype (``param_dtype`` under mixed precision). The shards stay full precision and
+            are what the optimizer updates, so the error does not accumulate in the weights.
+            None: gathered exactly.
+        grads: "bf16": each rank sends the other ranks' gradient chunks as bfloat16 (rounded to
+            nearest; 2 bytes per element) and sums what it receives in float32. "int8": the
+            chunks go as int8 blocks with float32 scales, rounded *stochastically* (unbiased:
+            the expected value is the gradient), and are summed in float32. Stochastic rounding
+            was chosen over error feedback by measurement (docs/comm_quantization.md): the same
+            loss at no memory cost, where error feedback keeps a float32 residual of (N-1)/N of
+            every gradient on each rank. None: reduced exactly as without quantization (in
+            ``reduce_dtype``).
+        block_size: elements per block (one float32 scale each, 4 / block_size bytes per
+            element); smaller blocks follow the values more closely and send more scales.
+
+    Raises:
+        ValueError: an unknown ``params`` or ``grads``, both None, or ``block_size`` out of
+            [16, 65536].
+        TypeError: ``block_size`` not an int.
+    """
+
+    params: str | None = "int8"
+    grads: str | None = "bf16"
+    block_size: int = 256
+
+    def __post_init__(self) -> None:
+        if self.params not in COMM_QUANT_PARAMS:
+            raise ValueError(
+                f"CommQuantization(params={self.params!r}): use 'int8' (block-quantized all-gather) or "
+                "None (exact all-gather)"
+            )
+        if self.grads not in COMM_QUANT_GRADS:
+            raise ValueError(
+                f"CommQuantization(grads={self.grads!r}): use 'bf16', 'int8' or None (exact reduce-scatter)"
+            )
+        if self.params is None and self.grads is None:
+            raise ValueError(
+                "CommQuantization(params=None, grads=None) quantizes nothing; pass comm_quantization=None "
+                "for exact communication, or set params='int8' and/or grads='bf16' / 'int8'"
+            )
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int):
+            raise TypeError(
+                f"CommQuantization(block_size={self.block_size!r}): pass an int (elements per scale, e.g. 256)"
+            )
+        if not 16 <= self.block_size <= 65536:
+            raise ValueError(
+                f"CommQuantization(block_size={self.block_size}): use 16 to 65536 elements per scale "
+                "(the scales cost 4 / block_size bytes per element; 256 is the default)"
+            )
+
+    @classmethod
+    def from_spec(cls, spec: str) -> CommQuantization:
+        """Parse a command-line spec (the jobs' ``--comm-quant``).
+
+        Args:
+            spec: a preset, "on" (the defaults: params int8, grads bf16) or "int8" (params and
+                grads int8), or comma-separated ``key=value`` pairs over ``params``, ``grads``
+                and ``block_size``, e.g. "params=int8,grads=bf16,block_size=128" ("none" as a
+                value means None). Keys left out take the defaults.
+
+        Raises:
+            ValueError: an unknown preset, key or value, naming it and what is accepted.
+        """
+        text = spec.strip().lower()
+        if text in _COMM_QUANT_PRESETS:
+            return cls(**_COMM_QUANT_PRESETS[text])
+        fields: dict[str, Any] = {}
+        for part in text.split(","):
+            key, eq, value = (s.strip() for s in part.partition("="))
+            if not eq or key not in ("params", "grads", "block_size"):
+                raise ValueError(
+                    f"comm quantization spec {spec!r}: {part.strip()!r} is not key=value over params, grads, "
+                    f"block_size, and the spec is not a preset ({', '.join(_COMM_QUANT_PRESETS)}); "
+                    "e.g. 'params=int8,grads=bf16'"
+                )
+            if key == "block_size":
+                if not value.isdigit():
+                    raise ValueError(f"comm quantization spec {spec!r}: block_size={value!r} is not a whole number")
+                fields[key] = int(value)
+            else:
+                fields[key] = None if value == "none" else value
+        return cls(**fields)
+
+
+_COMM_QUANT_PRESETS: dict[str, dict[str, Any]] = {"on": {}, "int8": {"params": "int8", "grads": "int8"}}

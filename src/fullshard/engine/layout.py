@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from fullshard.comm import collectives
+from fullshard.engine.config import CommQuantization
 from fullshard.engine.sharded_param import ParamSlot, ShardedParam, ShardSpec
 
 ParamEntry = tuple[str, nn.Parameter, list[ParamSlot]]
@@ -82,6 +83,7 @@ class UnitConfig:
         keep_param_objects: register the original Parameter objects, their ``.data`` now the
             shard (torch FSDP1's ``use_orig_params``: an optimizer built before wrapping trains
             them); otherwise new Parameters.
+        comm_quantization: gather parameters and/or reduce gradients quantized (None: exactly).
     """
 
     compute_device: torch.device
@@ -91,6 +93,7 @@ class UnitConfig:
     keep_low_precision_grads: bool = False
     offload: bool = False
     keep_param_objects: bool = False
+    comm_quantization: CommQuantization | None = None
 
 
 def _alias(t: torch.Tensor) -> torch.Tensor:

@@ -14,13 +14,16 @@ offload, and the partial sum kept while the replica all-reduce is off (a partial
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 
 import torch
 
 from fullshard import probes
-from fullshard.comm import buffers, collectives
+from fullshard.comm import buffers, collectives, quantized
 from fullshard.engine.layout import UnitLayout
+
+_ROUNDING = os.environ.get("FULLSHARD_GRAD_ROUNDING", "stochastic")  # EXPERIMENT: stochastic, feedback, nearest
 
 
 def predivide_factor(ranks: int) -> int:
@@ -126,19 +129,39 @@ class GradReducer:
         if probes.ACTIVE is not None:
             probes.record_event("reduce", unit.name)
         ranks = unit.shard_size * unit.replicate_size
+        quant = unit.config.comm_quantization
+        wire = quant.grads if quant is not None and unit.shard_size > 1 else None
         low = unit.reduce_dtype in (torch.float16, torch.bfloat16)
-        pre = predivide_factor(ranks) if low and unit.divide_factor is None else 1
-        if grad.dtype != unit.reduce_dtype:
+        # A quantized reduce-scatter sums in float32: no overflow to guard against by predividing.
+        pre = predivide_factor(ranks) if low and unit.divide_factor is None and wire is None else 1
+        if grad.dtype != unit.reduce_dtype and wire is None:
             grad = grad.to(unit.reduce_dtype)
         if pre > 1:
             grad.div_(pre)
         post = (unit.divide_factor or ranks) / pre
         all_reduce = unit.replicate_size > 1 and unit.all_reduce_grads
-        out = grad if unit.shard_size == 1 else self._output(grad.dtype, grad.device)
+        out = grad if unit.shard_size == 1 else self._output(unit.reduce_dtype if wire else grad.dtype, grad.device)
         works: list[collectives.Handle] = []
         if unit.shard_size > 1:
             divide_by = 1.0 if unit.replicate_size > 1 else post
-            h = collectives.reduce_scatter(out, grad, unit.shard_group, divide_by=divide_by, async_op=True)
+            if wire is not None:
+                assert quant is not None
+                h = quantized.reduce_scatter_quantized(
+                    out,
+                    grad,
+                    unit.shard_group,
+                    wire,
+                    quant.block_size,
+                    divide_by=divide_by,
+                    generator=quantized.rounding_generator(grad.device)
+                    if wire == "int8" and _ROUNDING == "stochastic"
+                    else None,
+                    async_op=True,
+                    residual=self._feedback(grad) if wire == "int8" and _ROUNDING == "feedback" else None,
+                    segments=[sp.spec.padded_shard_numel for sp in unit.trainable],
+                )
+            else:
+                h = collectives.reduce_scatter(out, grad, unit.shard_group, divide_by=divide_by, async_op=True)
             assert h is not None
             works.append(h)
         if all_reduce:
@@ -154,6 +177,13 @@ class GradReducer:
             out.div_(post)
         partial_reduce = unit.replicate_size > 1 and not all_reduce
         self._pending = _Pending(collectives.Handle(works), out, grad if unit.shard_size > 1 else None, partial_reduce)
+
+    def _feedback(self, grad: torch.Tensor) -> torch.Tensor:
+        """EXPERIMENT: the error-feedback residual, ((N-1) * S_t,) float32, zeros at first."""
+        n = self.unit.shard_size
+        if getattr(self, "_residual", None) is None:
+            self._residual = torch.zeros((n - 1) * self.unit.grad_numel, dtype=torch.float32, device=grad.device)
+        return self._residual
 
     def _output(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Where the reduce-scatter writes this rank's gradient shard, shape (S_t,).

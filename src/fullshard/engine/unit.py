@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from fullshard import probes
-from fullshard.comm import buffers, collectives, flight_recorder
+from fullshard.comm import buffers, collectives, flight_recorder, quantized
 from fullshard.engine import reshard_guard, shard_sync
 from fullshard.engine.layout import (
     ParamEntry,
@@ -119,7 +119,13 @@ class Unit(UnitLayout):
             self._mark_full_valid()
             self.shard_state = ShardState.UNSHARDED
             return
-        self._pending_gather = self._gather_into(self.full_data, self._gather_input())
+        quant = self.config.comm_quantization
+        if quant is not None and quant.params is not None:
+            # The shards themselves are quantized (no cast first); dequantized in the compute dtype.
+            local = self.local_flat.to(self.device, non_blocking=True)
+            self._pending_gather = self._gather_into(self.full_data, local, quant.block_size)
+        else:
+            self._pending_gather = self._gather_into(self.full_data, self._gather_input())
         if not async_op:
             self.wait_for_unshard()
 
@@ -142,13 +148,18 @@ class Unit(UnitLayout):
     def _mark_full_valid(self) -> None:
         reshard_guard.mark_valid(self)
 
-    def _gather_into(self, full: torch.Tensor, local: torch.Tensor) -> collectives.Handle:
+    def _gather_into(
+        self, full: torch.Tensor, local: torch.Tensor, int8_block: int | None = None
+    ) -> collectives.Handle:
         """Start all-gathering ``local`` (S,) of every rank into the param-major ``full`` (N*S,).
 
         Each piece of :attr:`_pieces` is one all-gather: a lone parameter lands in its own
         region of ``full`` directly (its N padded shards back to back are its padded full
         tensor); a run of parameters lands rank-major in a scratch buffer from :data:`buffers.POOL`
         (the next unit of the same size reuses it: no fresh pages to fault in) and is copied out.
+        ``int8_block``: all-gather int8 blocks of this many elements instead
+        (:func:`~fullshard.comm.quantized.all_gather_int8`, each parameter's shard its own
+        segment): ``local`` is then quantized from its own dtype and dequantized into ``full``'s.
         """
         n = self.shard_size
         handles: list[collectives.Handle] = []
@@ -159,9 +170,13 @@ class Unit(UnitLayout):
                 sp = group[0]
                 out = full[sp.full_offset : sp.full_offset + sp.spec.padded_numel]
             else:
-                out = buffers.POOL.acquire(n * length, local.dtype, local.device)
+                out = buffers.POOL.acquire(n * length, full.dtype, full.device)
                 copy_outs.append((out, k))
-            h = collectives.all_gather(out, src, self.shard_group, async_op=True)
+            if int8_block is None:
+                h = collectives.all_gather(out, src, self.shard_group, async_op=True)
+            else:
+                segments = self._run_sizes[k]
+                h = quantized.all_gather_int8(out, src, self.shard_group, int8_block, True, segments)
             assert h is not None
             handles.append(h)
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fullshard.engine.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from fullshard.engine.config import BackwardPrefetch, CommQuantization, CPUOffload, MixedPrecision, ShardingStrategy
 from fullshard.engine.groups import Groups
 
 _RESHARD_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
@@ -41,6 +41,7 @@ class WrapperConfig:
             the wrappers nested under the root get the device the root chose (see
             :meth:`for_nested`).
         sync_module_states: broadcast rank 0's parameters and buffers before sharding.
+        comm_quantization: gather parameters and/or reduce gradients quantized (None: exactly).
 
     Raises:
         TypeError: a field of the wrong type, naming the constructor argument it comes from.
@@ -57,12 +58,19 @@ class WrapperConfig:
     param_init_fn: Callable[[nn.Module], None] | None = None
     device_id: int | str | torch.device | None = None
     sync_module_states: bool = False
+    comm_quantization: CommQuantization | None = None
 
     def __post_init__(self) -> None:
         _check(self.groups, Groups, "process_group/device_mesh", "resolve them with engine.groups.resolve_groups")
         _check(self.sharding_strategy, ShardingStrategy, "sharding_strategy", "pass a ShardingStrategy member")
         _check(self.mixed_precision, (MixedPrecision, type(None)), "mixed_precision", "pass a MixedPrecision or None")
         _check(self.cpu_offload, CPUOffload, "cpu_offload", "pass a CPUOffload")
+        _check(
+            self.comm_quantization,
+            (CommQuantization, type(None)),
+            "comm_quantization",
+            "pass a fullshard.CommQuantization (e.g. CommQuantization(params='int8', grads='bf16')) or None",
+        )
         _check(self.backward_prefetch, (BackwardPrefetch, type(None)), "backward_prefetch", "pass one or None")
         for name in ("forward_prefetch", "sync_module_states"):
             _check(getattr(self, name), bool, name, "pass True or False")

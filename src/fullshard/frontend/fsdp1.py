@@ -19,6 +19,7 @@ from fullshard.comm import collectives
 from fullshard.engine import build, hooks
 from fullshard.engine.config import (
     BackwardPrefetch,
+    CommQuantization,
     CPUOffload,
     FrontEnd,
     MixedPrecision,
@@ -79,6 +80,9 @@ class FullyShardedDataParallel(StateDictMethods):
             this rank's shard), so an optimizer built before wrapping trains the model.
         ignored_states: parameters or modules to ignore (like ``ignored_modules``).
         device_mesh: a 1-D DeviceMesh whose group to shard over.
+        comm_quantization: keyword only, fullshard's own: a :class:`~fullshard.CommQuantization`
+            to all-gather parameters as int8 blocks and/or reduce-scatter gradients in bf16 or
+            int8 (None: exact communication, as torch's).
 
     Raises:
         RuntimeError: no process group is initialized and none is given.
@@ -112,6 +116,7 @@ class FullyShardedDataParallel(StateDictMethods):
         ignored_states: Iterable[Any] | None = None,
         device_mesh: Any | None = None,
         *,
+        comm_quantization: CommQuantization | None = None,
         _nested: _Nested | None = None,
         **deprecated: Any,
     ) -> None:
@@ -145,6 +150,7 @@ class FullyShardedDataParallel(StateDictMethods):
             use_orig_params=use_orig_params,
             ignored_states=ignored_states,
             device_mesh=device_mesh,
+            comm_quantization=comm_quantization,
         )
         self._shard(module, config, frozenset())
 
@@ -194,6 +200,11 @@ class FullyShardedDataParallel(StateDictMethods):
     def cpu_offload(self) -> CPUOffload:
         """Whether shards and their gradients live in CPU memory."""
         return self._config.cpu_offload
+
+    @property
+    def comm_quantization(self) -> CommQuantization | None:
+        """The quantized communication in force (None: exact)."""
+        return self._config.comm_quantization
 
     @property
     def unit(self) -> Unit:

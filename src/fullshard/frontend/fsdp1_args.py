@@ -23,6 +23,7 @@ from fullshard.engine.wrapper_config import WrapperConfig
 from fullshard.frontend.meshes import check_mesh
 from fullshard.frontend.options import (
     as_backward_prefetch,
+    as_comm_quantization,
     as_cpu_offload,
     as_mixed_precision,
     parse_sharding_strategy,
@@ -49,6 +50,7 @@ def wrapper_config(
     use_orig_params: bool | None,
     ignored_states: Iterable[Any] | None,
     device_mesh: Any,
+    comm_quantization: Any = None,
 ) -> WrapperConfig:
     """The WrapperConfig for ``FullyShardedDataParallel(module, ...)``'s arguments (see its docstring).
 
@@ -72,6 +74,7 @@ def wrapper_config(
         param_init_fn=param_init_fn,
         device_id=device_id,
         sync_module_states=sync_module_states,
+        comm_quantization=as_comm_quantization(comm_quantization, "FullyShardedDataParallel"),
     )
     _warn_no_effect(module, config, limit_all_gathers, use_orig_params)
     return config

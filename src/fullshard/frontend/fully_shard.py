@@ -35,14 +35,14 @@ from fullshard import compat
 from fullshard.comm import collectives
 from fullshard.compat import tree_map
 from fullshard.engine import all_gather_extension, build, hooks
-from fullshard.engine.config import BackwardPrefetch, FrontEnd, MixedPrecision, ShardingStrategy
+from fullshard.engine.config import BackwardPrefetch, CommQuantization, FrontEnd, MixedPrecision, ShardingStrategy
 from fullshard.engine.groups import resolve_groups
 from fullshard.engine.shard_sync import register_dtensors
 from fullshard.engine.sharded_param import unshifted
 from fullshard.engine.unit import TrainingState, Unit
 from fullshard.frontend import meshes, optim_local, tensor_parallel
 from fullshard.frontend.fsdp_module import FSDPModule
-from fullshard.frontend.options import as_mp_policy, as_offload_policy
+from fullshard.frontend.options import as_comm_quantization, as_mp_policy, as_offload_policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +85,7 @@ def fully_shard(
     mp_policy: Optional[MixedPrecisionPolicy] = None,
     offload_policy: Optional[OffloadPolicy] = None,
     ignored_params: Optional[Iterable[nn.Parameter]] = None,
+    comm_quantization: Optional[CommQuantization] = None,
 ) -> Any:
     """Shard ``module``'s parameters (those no earlier ``fully_shard`` took) over ``mesh``.
 
@@ -107,6 +108,10 @@ def fully_shard(
         offload_policy: CPUOffloadPolicy() to keep shards in CPU memory (GPU runs); fullshard's
             or torch.distributed.fsdp's.
         ignored_params: parameters to leave unsharded, unreduced and where they are.
+        comm_quantization: fullshard's own: a :class:`~fullshard.CommQuantization` to
+            all-gather this unit's parameters as int8 blocks and/or reduce-scatter its gradients
+            in bf16 or int8 (None: exact communication, as torch's). Each call sets its own
+            unit's; pass the same to every call for the whole model.
 
     Returns:
         ``module``, now also an FSDPModule (the list, for a list).
@@ -122,6 +127,7 @@ def fully_shard(
         RuntimeError: no process group is initialized.
     """
     modules = _modules(module)
+    quant = as_comm_quantization(comm_quantization, "fully_shard")
     mp_policy = as_mp_policy(mp_policy, MixedPrecisionPolicy)
     offload_policy = as_offload_policy(offload_policy, OffloadPolicy, CPUOffloadPolicy)
     _check_fresh(modules, mesh)
@@ -131,7 +137,7 @@ def fully_shard(
         mesh = meshes.default_mesh("cuda" if torch.cuda.is_available() else "cpu")
     mp = _engine_mp(mp_policy)
     holder = modules[0] if len(modules) == 1 else _ModuleGroup(modules)
-    unit = _build(holder, mesh, mp, offload_policy, reshard_after_forward, shard_placement_fn)
+    unit = _build(holder, mesh, mp, offload_policy, reshard_after_forward, shard_placement_fn, quant)
     all_gather_extension.attach(unit, mesh, mp_policy)  # tensor subclasses with fsdp_pre_all_gather
     optim_local.install()  # optimizer steps run on the local tensors (same bits, no DTensor dispatch)
     _make_units(modules, unit, mp, mp_policy.output_dtype if mp_policy else None)
@@ -195,6 +201,7 @@ def _build(
     offload_policy: Optional[OffloadPolicy],
     reshard_after_forward: Union[bool, int, None],
     shard_placement_fn: Optional[Callable[[nn.Parameter], Any]],
+    comm_quantization: Optional[CommQuantization] = None,
 ) -> Unit:
     """The unit of ``holder`` over ``mesh``, its parameters registered as DTensors."""
     from torch.distributed.tensor import Replicate, Shard
@@ -214,7 +221,7 @@ def _build(
     _check_params(holder, shard_placement_fn)
     shard_size = collectives.group_size(groups.shard) if groups.shard is not None else 1
     reshard, post_forward_size = meshes.as_reshard_after_forward(reshard_after_forward, shard_size)
-    config = build.unit_config(prepared.device, reshard, mp, offload)
+    config = build.unit_config(prepared.device, reshard, mp, offload, comm_quantization=comm_quantization)
     unit = build.build_unit(holder, prepared, groups, config, materialize_meta=False)
     unit.grads.upcast_unsynced = True  # torch FSDP2 sums unsynced gradients in the reduce dtype
     if post_forward_size is not None:

@@ -20,6 +20,7 @@ import torch
 
 from fullshard.engine.config import (
     BackwardPrefetch,
+    CommQuantization,
     CPUOffload,
     FullOptimStateDictConfig,
     FullStateDictConfig,
@@ -118,6 +119,21 @@ def as_mixed_precision(value: Any) -> MixedPrecision | None:
     raise TypeError(
         f"mixed_precision must be a MixedPrecision (fullshard's or torch.distributed.fsdp's) or a "
         f"torch.dtype such as torch.bfloat16, got {type(value).__name__}"
+    )
+
+
+def as_comm_quantization(value: Any, caller: str) -> CommQuantization | None:
+    """Check ``comm_quantization``: None (exact communication) or a CommQuantization.
+
+    Raises:
+        TypeError: another type, naming ``caller``'s argument and what to pass.
+    """
+    if value is None or isinstance(value, CommQuantization):
+        return value
+    raise TypeError(
+        f"{caller}: comm_quantization={value!r} ({type(value).__name__}); pass "
+        "fullshard.CommQuantization(params='int8', grads='bf16' or 'int8' or None, block_size=256), "
+        "or None for exact communication"
     )
 
 

@@ -2,8 +2,9 @@
 JSON-lines metrics files (``--metrics-file``), drawn with matplotlib.
 
 Three panels: train and validation loss against the step (MNIST: the epoch), several runs
-overlaid; throughput (tokens/s, or samples/s for MNIST); peak RSS per rank (MiB). A run that
-restarted logs some steps twice: the last record of each step is drawn, as the run ended up.
+overlaid; throughput (tokens/s, or samples/s for MNIST); peak RSS per rank (MiB). Runs that log
+a test accuracy (MNIST) get a fourth panel for it. A run that restarted logs some steps twice: the
+last record of each step is drawn, as the run ended up.
 """
 
 from __future__ import annotations
@@ -46,7 +47,12 @@ def draw(runs: dict[str, list[dict[str, Any]]], out: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (loss, speed, mem) = plt.subplots(1, 3, figsize=(15, 4.2))
+    accuracy = any("test_accuracy" in r for recs in runs.values() for r in recs)
+    fig, axes = plt.subplots(1, 4 if accuracy else 3, figsize=(20 if accuracy else 15, 4.2))
+    loss, speed, mem = axes[:3]
+    panels = [(loss, "loss (nats)"), (speed, "throughput"), (mem, "peak RSS per rank (MiB)")]
+    if accuracy:
+        panels.append((axes[3], "test accuracy"))
     for label, recs in runs.items():
         xs = [_x(r) for r in recs]
         for key, style in (("train_loss", "-"), ("val_loss", "--")):
@@ -61,8 +67,10 @@ def draw(runs: dict[str, list[dict[str, Any]]], out: str | Path) -> Path:
         for rank in range(ranks):
             ys = [r["peak_rss_bytes"][rank] / 2**20 if rank < len(r.get("peak_rss_bytes", [])) else None for r in recs]
             mem.plot(xs, ys, label=f"{label} rank {rank}")
+        if accuracy:
+            axes[3].plot(xs, [r.get("test_accuracy") for r in recs], "o-", label=label)
     unit = "step" if any("step" in r for recs in runs.values() for r in recs) else "epoch"
-    for ax, title in ((loss, "loss (nats)"), (speed, "throughput"), (mem, "peak RSS per rank (MiB)")):
+    for ax, title in panels:
         ax.set_xlabel(unit)
         ax.set_title(title)
         ax.grid(alpha=0.3)

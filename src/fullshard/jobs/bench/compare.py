@@ -26,34 +26,39 @@ from fullshard.jobs.bench.workloads import (
     FLOOR,
     FULLY_SHARD,
     IMPLEMENTATIONS,
+    QUANTIZED,
     Job,
     build_job,
     step,
 )
 
 
-def compare_worker(workload: str, impl: str, steps: int, warmup: int) -> dict[str, Any] | None:
+def compare_worker(
+    workload: str, impl: str, steps: int, warmup: int, comm_quant: str | None = None
+) -> dict[str, Any] | None:
     """One rank, one implementation: build it from the seed, run ``warmup`` untimed and ``steps``
     timed steps; rank 0 returns the step times, the CPU seconds per step (user + system, all
     threads, mean over ranks), the peak RSS (or peak GPU memory) over ranks, the
-    model-state bytes and the bytes sent per step.
+    model-state bytes and the bytes sent per step. ``comm_quant``: the spec of :data:`QUANTIZED`.
     """
     device = launch.init_process_group()
     torch.set_num_threads(1)
     try:
-        result = _compare_turn(workload, impl, steps, warmup, device)
+        result = _compare_turn(workload, impl, steps, warmup, device, comm_quant)
         return result if collectives.group_rank(collectives.default_group()) == 0 else None
     finally:
         launch.destroy_process_group()  # the job is out of scope here: its groups end now
 
 
-def _compare_turn(workload: str, impl: str, steps: int, warmup: int, device: torch.device) -> dict[str, Any]:
+def _compare_turn(
+    workload: str, impl: str, steps: int, warmup: int, device: torch.device, comm_quant: str | None = None
+) -> dict[str, Any]:
     """Build the job, measure it, and gather this rank's figures (see :func:`compare_worker`)."""
     from fullshard.plan.memory import model_state_bytes, peak_rss_bytes
 
     group = collectives.default_group()
     rank, world = collectives.group_rank(group), collectives.group_size(group)
-    job = build_job(workload, impl, device, rank)
+    job = build_job(workload, impl, device, rank, comm_quant)
     times, cpu, sent, gathered = _measure(job, steps, warmup, device)
     state = model_state_bytes(job.model, job.optimizer)
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else peak_rss_bytes()
@@ -173,7 +178,7 @@ def compare_table(workload: str, results: dict[str, dict[str, Any]]) -> str:
     ]
     for r in results.values():
         r["model_state"] = r["state_bytes"] + r["gathered_bytes"]
-    for impl in (*IMPLEMENTATIONS, FLOOR):
+    for impl in row_order(results):
         r = results[impl]
         state = r["model_state"]
         lines.append(
@@ -183,7 +188,16 @@ def compare_table(workload: str, results: dict[str, dict[str, Any]]) -> str:
             f"({ratio(impl, 'model_state')}) | "
             f"{r['gathered_bytes'] / 2**20:,.1f} | {r['bytes_sent'] / 2**20:,.1f} |"
         )
+    quant = results.get(QUANTIZED)
+    if quant is not None:
+        lines += ["", f"`{QUANTIZED}`: the FSDP1 wrapper with `--comm-quant {quant['comm_quant']}`."]
     return "\n".join(lines)
+
+
+def row_order(results: dict[str, Any]) -> list[str]:
+    """The implementations of ``results`` in table order (the quantized row after fullshard's)."""
+    order = ("fullshard", QUANTIZED, *IMPLEMENTATIONS[1:], FLOOR)
+    return [impl for impl in order if impl in results]
 
 
 def target_lines(workload: str, results: dict[str, dict[str, Any]]) -> list[str]:
@@ -205,6 +219,11 @@ def target_lines(workload: str, results: dict[str, dict[str, Any]]) -> list[str]
         if workload == "memory":
             checks.append(("fully_shard step vs torch FSDP2", two["step_s"] / fsdp2["step_s"], 0.6))
         checks.append(("fully_shard step vs the FSDP1 wrapper's", two["step_s"] / fs["step_s"], 1.05))
+    quant = results.get(QUANTIZED)
+    if quant is not None:  # issue 33
+        checks.append(("issue 33: quantized bytes sent vs fullshard's", quant["bytes_sent"] / fs["bytes_sent"], 0.35))
+        if workload == "memory":
+            checks.append(("issue 33: quantized step vs DDP", quant["step_s"] / ddp["step_s"], 0.6))
     bound = 16 * fs["params"] / fs["world"] + fs["largest_unit_bytes"]
     if workload != "mnist":  # Adadelta keeps two state tensors too, but the bound is stated for AdamW
         checks.append(
@@ -219,7 +238,7 @@ def target_lines(workload: str, results: dict[str, dict[str, Any]]) -> list[str]
 
 
 def run_compare(
-    workloads: Sequence[str], steps: int, warmup: int, rounds: int, nproc: int
+    workloads: Sequence[str], steps: int, warmup: int, rounds: int, nproc: int, comm_quant: str | None = None
 ) -> tuple[str, dict[str, Any]]:
     """Run every workload; return the markdown section and the results per workload.
 
@@ -228,11 +247,13 @@ def run_compare(
         steps, warmup: timed and untimed steps per turn.
         rounds: turns per implementation.
         nproc: ranks (worker processes) per turn.
+        comm_quant: a quantization spec (as the jobs' ``--comm-quant``): adds the row
+            :data:`~fullshard.jobs.bench.workloads.QUANTIZED`; None: no such row.
     """
     all_results: dict[str, dict[str, Any]] = {}
     parts = []
     for workload in workloads:
-        res = _run_workload(workload, steps, warmup, rounds, nproc)
+        res = _run_workload(workload, steps, warmup, rounds, nproc, comm_quant)
         all_results[workload] = res
         parts += [compare_table(workload, res), "", "Against issue 6's targets:", *target_lines(workload, res), ""]
     device = next(iter(all_results.values()))["fullshard"]["device"]
@@ -247,19 +268,24 @@ def run_compare(
     return "\n".join(head + parts), all_results
 
 
-def _run_workload(workload: str, steps: int, warmup: int, rounds: int, nproc: int) -> dict[str, dict[str, Any]]:
+def _run_workload(
+    workload: str, steps: int, warmup: int, rounds: int, nproc: int, comm_quant: str | None = None
+) -> dict[str, dict[str, Any]]:
     """Every implementation's figures on ``workload``, its step and CPU times as medians.
 
     Each turn (one implementation) runs in freshly started worker processes, so its peak RSS is
     its own and no allocator state carries over; ``rounds`` turns per implementation, the order
     reversed every other round, so drift in the machine's speed hits all of them alike.
     """
-    impls = (*IMPLEMENTATIONS, FLOOR)
+    impls = (*IMPLEMENTATIONS, FLOOR) + ((QUANTIZED,) if comm_quant is not None else ())
     res: dict[str, dict[str, Any]] = {}
     for r in range(rounds):
         for impl in impls if r % 2 == 0 else impls[::-1]:
-            turn = launch.launch(compare_worker, (workload, impl, steps, warmup), nproc, env=launch.BENCH_ENV)[0]
+            args = (workload, impl, steps, warmup, comm_quant if impl == QUANTIZED else None)
+            turn = launch.launch(compare_worker, args, nproc, env=launch.BENCH_ENV)[0]
             assert turn is not None
+            if impl == QUANTIZED:
+                turn["comm_quant"] = comm_quant
             if impl in res:
                 res[impl]["times"] += turn["times"]
                 res[impl]["cpu_times"] += turn["cpu_times"]

@@ -41,8 +41,9 @@ from collections.abc import Sequence
 
 import torch
 
+from fullshard.engine.config import CommQuantization
 from fullshard.jobs.bench import compare, compiled, gpu, micro, report
-from fullshard.jobs.bench.workloads import COMPARE_WORKLOADS, FLOOR, IMPLEMENTATIONS
+from fullshard.jobs.bench.workloads import COMPARE_WORKLOADS
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -107,6 +108,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--write", metavar="MARKDOWN", help="compare: write the tables into this file's generated section")
     p.add_argument("--chart", metavar="PNG", help="compare: write a chart of step time and memory (needs matplotlib)")
+    p.add_argument(
+        "--comm-quant",
+        default=None,
+        metavar="SPEC",
+        help="compare: add a row for the FSDP1 wrapper with quantized communication (SPEC as the training jobs' "
+        "--comm-quant: on, int8, or params=int8,grads=bf16,...)",
+    )
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--steps", type=int, default=20)
@@ -185,12 +193,19 @@ def _plan_main(args: argparse.Namespace) -> int:
 def _compare_main(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """``fullshard bench compare``: run, print the section, then write the chart and markdown."""
     workloads = args.workloads or [args.compare]
-    section, all_results = compare.run_compare(workloads, args.steps, args.warmup, args.rounds, args.nproc)
+    if args.comm_quant is not None:
+        try:
+            CommQuantization.from_spec(args.comm_quant)
+        except (TypeError, ValueError) as e:
+            raise SystemExit(f"fullshard bench compare: --comm-quant {args.comm_quant!r}: {e}") from None
+    section, all_results = compare.run_compare(
+        workloads, args.steps, args.warmup, args.rounds, args.nproc, args.comm_quant
+    )
     command = "fullshard bench " + " ".join(argv)
     section = f"`{command}`\n\n{section}"
     print(section)
     if args.chart:
-        report.write_chart(args.chart, all_results, (*IMPLEMENTATIONS, FLOOR))
+        report.write_chart(args.chart, all_results, compare.row_order(next(iter(all_results.values()))))
         section += f"\n![step time and peak memory per implementation]({args.chart})\n"
     if args.write:
         report.write_markdown(args.write, section, report.COMPARE_BEGIN_MARK, report.COMPARE_END_MARK)

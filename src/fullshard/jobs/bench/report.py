@@ -20,6 +20,7 @@ COMPARE_END_MARK = "<!-- fullshard bench compare: end -->"
 GPU_BEGIN_MARK = "<!-- fullshard bench gpu: begin -->"
 GPU_END_MARK = "<!-- fullshard bench gpu: end -->"
 _CHART_COLORS = ["tab:blue", "tab:cyan", "tab:orange", "tab:green", "tab:gray"]
+_QUANTIZED_COLOR = "tab:purple"  # the quantized row's bar, wherever it stands
 
 
 def machine_line(device: str) -> str:
@@ -67,7 +68,7 @@ def write_chart(path: str, all_results: dict[str, dict[str, dict[str, Any]]], na
         path: the PNG to write.
         all_results: per workload, per implementation, its figures: "step_s" (seconds),
             "peak_rss" (bytes) and, for "fullshard", "params".
-        names: the implementations to draw, in order (at most five).
+        names: the implementations to draw, in order (at most five, and "fullshard quantized").
 
     Raises:
         SystemExit: matplotlib is not installed.
@@ -85,7 +86,9 @@ def write_chart(path: str, all_results: dict[str, dict[str, dict[str, Any]]], na
             (("step_s", "step (s)", 1.0), ("peak_rss", "peak memory per rank (MiB)", 2**-20))
         ):
             ax = axes[row][col]
-            ax.bar(range(len(names)), [res[n][key] * scale for n in names], color=_CHART_COLORS[: len(names)])
+            palette = iter(_CHART_COLORS)
+            colors = [_QUANTIZED_COLOR if n == "fullshard quantized" else next(palette) for n in names]
+            ax.bar(range(len(names)), [res[n][key] * scale for n in names], color=colors)
             ax.set_xticks(range(len(names)), [n.replace(" ", "\n") for n in names], fontsize=8)
             ax.set_ylabel(label)
             if row == 0:

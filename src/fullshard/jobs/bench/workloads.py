@@ -3,7 +3,8 @@
 A workload is a model, its optimizer and one batch per rank, built from a fixed seed, so every
 implementation trains the same thing. The implementations: fullshard's FSDP1 wrapper
 ("fullshard"), its fully_shard front end (:data:`FULLY_SHARD`), torch FSDP2, DDP, and
-:data:`FLOOR`, each rank training its own replica. Each FSDP implementation wraps the same
+:data:`FLOOR`, each rank training its own replica; on request, the FSDP1 wrapper with quantized
+communication (:data:`QUANTIZED`). Each FSDP implementation wraps the same
 modules as units (:func:`units`).
 """
 
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fullshard.engine.config import CommQuantization
 from fullshard.frontend.fsdp1 import FullyShardedDataParallel as FSDP
 
 # The workloads of the comparison (issue "benchmarks against torch FSDP2 and DDP").
@@ -36,6 +38,9 @@ COMPARE_WORKLOADS: dict[str, dict[str, Any]] = {
 }
 FULLY_SHARD = "fullshard fully_shard"  # the FSDP2 front end: DTensor parameters, torch's optimizer on them
 IMPLEMENTATIONS = ("fullshard", FULLY_SHARD, "torch FSDP2", "DDP")
+# The FSDP1 wrapper with quantized communication: a row of its own when `bench compare
+# --comm-quant SPEC` names one (SPEC as the training jobs' --comm-quant).
+QUANTIZED = "fullshard quantized"
 FLOOR = "no communication"  # each rank trains its own replica: the compute and optimizer floor
 _Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets)
 _Loss = Callable[[nn.Module, _Batch], torch.Tensor]
@@ -61,14 +66,16 @@ def unit_modules(workload: str, model: nn.Module) -> list[nn.Module]:
     return list(model.blocks)  # type: ignore[arg-type]
 
 
-def build_job(workload: str, impl: str, device: torch.device, rank: int) -> Job:
+def build_job(workload: str, impl: str, device: torch.device, rank: int, comm_quant: str | None = None) -> Job:
     """Build the model, wrap it for ``impl``, and make its optimizer and this rank's batch.
 
     Args:
         workload: a key of :data:`COMPARE_WORKLOADS`.
-        impl: one of :data:`IMPLEMENTATIONS` or :data:`FLOOR`.
+        impl: one of :data:`IMPLEMENTATIONS`, :data:`QUANTIZED` or :data:`FLOOR`.
         device: where the model and batch live.
         rank: this rank; seeds its batch (the model's seed is the same on every rank).
+        comm_quant: for :data:`QUANTIZED`, the quantization spec
+            (:meth:`fullshard.CommQuantization.from_spec`).
     """
     w = COMPARE_WORKLOADS[workload]
     torch.manual_seed(0)
@@ -82,7 +89,7 @@ def build_job(workload: str, impl: str, device: torch.device, rank: int) -> Job:
     unit_bytes = [sum(p.numel() * p.element_size() for p in u.parameters()) for u in units]
     root_bytes = params * 4 - sum(unit_bytes)
     largest = max(unit_bytes + [root_bytes])
-    model = wrap(impl, model, units, device)
+    model = wrap(impl, model, units, device, comm_quant)
     if workload == "mnist":
         optimizer: torch.optim.Optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
     else:
@@ -127,11 +134,19 @@ def _gpt(w: dict[str, Any], device: torch.device, g: torch.Generator) -> tuple[n
     return model, (tokens[:, :-1], tokens[:, 1:]), loss, w["batch"] * w["seq"]
 
 
-def wrap(impl: str, model: nn.Module, units: list[nn.Module], device: torch.device) -> nn.Module:
-    """``model`` wrapped for ``impl``, with ``units`` as the FSDP units below the root."""
-    if impl == "fullshard":
+def wrap(
+    impl: str, model: nn.Module, units: list[nn.Module], device: torch.device, comm_quant: str | None = None
+) -> nn.Module:
+    """``model`` wrapped for ``impl``, with ``units`` as the FSDP units below the root (for
+    :data:`QUANTIZED`, communicating as the spec ``comm_quant`` says)."""
+    if impl in ("fullshard", QUANTIZED):
         chosen = {id(u) for u in units}
-        return FSDP(model, auto_wrap_policy=lambda module, recurse, nonwrapped_numel: recurse or id(module) in chosen)
+        quant = CommQuantization.from_spec(comm_quant or "on") if impl == QUANTIZED else None
+        return FSDP(
+            model,
+            auto_wrap_policy=lambda module, recurse, nonwrapped_numel: recurse or id(module) in chosen,
+            comm_quantization=quant,
+        )
     if impl in ("torch FSDP2", FULLY_SHARD):
         if impl == FULLY_SHARD:
             from fullshard.frontend.fully_shard import fully_shard

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fullshard import BackwardPrefetch, ShardingStrategy
+from fullshard import BackwardPrefetch, CommQuantization, ShardingStrategy
 from fullshard.api import parse_sharding_strategy
 from fullshard.wrap import is_unit
 
@@ -29,6 +29,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backward-prefetch", default="pre", help="pre, post or none")
     p.add_argument("--forward-prefetch", action="store_true", help="gather the next unit during forward")
     p.add_argument(
+        "--comm-quant",
+        default="none",
+        metavar="SPEC",
+        help="quantized communication: none (exact, the default); on (parameters all-gathered as int8 "
+        "blocks, gradients reduce-scattered in bf16); int8 (both int8, gradients rounded stochastically); "
+        "or key=value pairs such as params=int8,grads=bf16,block_size=256 (params: int8 or none; grads: "
+        "bf16, int8 or none). See docs/comm_quantization.md",
+    )
+    p.add_argument(
         "--api",
         default="fsdp1",
         choices=APIS,
@@ -47,6 +56,7 @@ def validate(cfg: Any) -> None:
         raise ValueError(f"--mixed-precision {cfg.mixed_precision!r}: use one of {', '.join(PRECISIONS)}")
     if cfg.backward_prefetch not in PREFETCH:
         raise ValueError(f"--backward-prefetch {cfg.backward_prefetch!r}: use one of {', '.join(PREFETCH)}")
+    comm_quantization(cfg)
     api = getattr(cfg, "api", "fsdp1")
     if api not in APIS:
         raise ValueError(f"--api {api!r}: use fsdp1 or fsdp2")
@@ -66,6 +76,21 @@ def validate(cfg: Any) -> None:
             )
 
 
+def comm_quantization(cfg: Any) -> CommQuantization | None:
+    """The CommQuantization that ``cfg.comm_quant`` names (None for "none" or a config without it).
+
+    Raises:
+        ValueError: a spec that is neither a preset nor valid key=value pairs, naming --comm-quant.
+    """
+    spec = getattr(cfg, "comm_quant", "none")
+    if spec.strip().lower() == "none":
+        return None
+    try:
+        return CommQuantization.from_spec(spec)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"--comm-quant {spec!r}: {e}") from None
+
+
 def fsdp_kwargs(cfg: Any) -> dict[str, Any]:
     """FullyShardedDataParallel keyword arguments from a job config's FSDP fields."""
     return dict(
@@ -74,6 +99,7 @@ def fsdp_kwargs(cfg: Any) -> dict[str, Any]:
         cpu_offload=cfg.cpu_offload,
         backward_prefetch=PREFETCH[cfg.backward_prefetch],
         forward_prefetch=cfg.forward_prefetch,
+        comm_quantization=comm_quantization(cfg),
     )
 
 
@@ -96,6 +122,9 @@ def shard_model(model: nn.Module, cfg: Any, policy: Callable[..., bool], **fsdp1
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
     if cfg.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
+    quant = comm_quantization(cfg)
+    if quant is not None:
+        kwargs["comm_quantization"] = quant
     units: list[nn.Module] = []
 
     def shard(m: nn.Module) -> nn.Module:

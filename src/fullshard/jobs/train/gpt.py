@@ -55,6 +55,7 @@ class GPTJobConfig:
     cpu_offload: bool = False
     backward_prefetch: str = "pre"
     forward_prefetch: bool = False
+    comm_quant: str = "none"
     api: str = "fsdp1"
     plan: str = "none"
     memory_budget: str | None = None

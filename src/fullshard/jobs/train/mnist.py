@@ -57,6 +57,7 @@ class MnistConfig:
     cpu_offload: bool = False
     backward_prefetch: str = "pre"
     forward_prefetch: bool = False
+    comm_quant: str = "none"
     api: str = "fsdp1"
     launcher: str = "torch"
     num_workers: str | None = None

@@ -60,6 +60,10 @@ def validate(cfg: Any) -> None:
         parse_size(cfg.memory_budget)
     except ValueError as e:
         raise ValueError(f"--memory-budget: {e}") from None
+    if getattr(cfg, "comm_quant", "none").strip().lower() != "none":
+        raise ValueError(
+            "--plan auto with --comm-quant: the planner times and applies exact collectives only; drop one of them"
+        )
     given = [flag for flag, is_set in _CHOSEN_BY_THE_PLAN if is_set(cfg)]
     if given:
         raise ValueError(f"--plan auto chooses the FSDP configuration itself: drop {', '.join(given)}")
