@@ -35,8 +35,9 @@ prefetch):
   ``Unit.reshard_for_packing`` waits for the post-backward hook). Then the previous unit's
   reduction is finished: its packed gradient and receive buffer go back to the pool, and
   gradient shards of another dtype than the reduction's get a fresh buffer. Then this unit's
-  reduce-scatter starts: its receive buffer (one shard at 2 ranks, the whole input beyond) is
-  taken from the pool, its output is the unit's gradient-shard buffer, kept between steps. At
+  reduce-scatter starts: its receive buffer (the whole input, above 2 ranks; at 2 ranks the
+  other rank's chunk arrives straight in the output) is taken from the pool, its output is the
+  unit's gradient-shard buffer, kept between steps. At
   one rank (and under NO_SHARD) the packed gradient is the gradient: it is never given back;
   cast to the parameter dtype, it is freed once the cast copy is made;
 - end of backward: every reduction finished, every unit resharded.
@@ -207,11 +208,11 @@ class _Replay:
         self.packed.add(name)
         self.at(i, self.unpacked(grads), ("backward", name))
         self.finish()
-        if self.world > 1:
-            received = self.key(u.shard_grad if self.world == 2 else u.packed, u.reduce)
+        if self.world > 2:
+            received = self.key(u.packed, u.reduce)
             self.pool.acquire(received)
             self.in_flight = [(name, [received, packed])]
-        else:
+        else:  # at 2 ranks the other rank's chunk arrives straight in the gradient-shard buffer
             self.in_flight = [(name, [packed])]
         self.reshard(name)  # post-backward (a recomputed unit's only now, see the module docstring)
 
