@@ -162,3 +162,23 @@ def test_two_rank_reduce_scatter_receives_into_its_output() -> None:
     for r in run_ranks(two_rank_reduce_scatter_body, 2):
         assert r["pool"] == (0, 0), r
         assert r["equal"], r
+
+
+def test_a_buffer_lent_to_a_reduction_counts_against_the_pools_cap() -> None:
+    """The pool keeps at most ``per_size`` buffers of a size, counting one lent to a reduction in
+    flight: a surplus is freed when it is given back, before the lent one returns (issue 33)."""
+    from fullshard.comm.buffers import BufferPool
+
+    pool = BufferPool(per_size=2)
+    a, b, packed = (pool.acquire(100, torch.float32, torch.device("cpu")) for _ in range(3))
+    pool.lend(packed)
+    pool.release(a)
+    pool.release(b)  # two kept plus one lent would be three: b is freed now
+    assert [t is a for t in pool.buffers()] == [True]
+    pool.release(packed, lent=True)
+    assert len(pool.buffers()) == 2 and pool.buffers()[1] is packed
+    pool.lend(pool.acquire(100, torch.float32, torch.device("cpu"))[:50])  # a view is never kept: not counted
+    pool.release(b)
+    assert len(pool.buffers()) == 2
+    pool.clear()
+    assert pool.nbytes == 0
