@@ -136,3 +136,49 @@ def test_full_parameters_are_freed_before_packing_only_when_nothing_reads_them_l
         sizes = dict(r["full_at_pack"][:5])
         assert sizes["blocks.1"] > 0, sizes  # shares its buffer with a frozen parameter
         assert sizes["blocks.0"] == 0 and sizes["blocks.2"] == 0, sizes
+
+
+def two_rank_reduce_scatter_body(rank: int, world: int) -> dict:
+    from fullshard.comm import buffers, collectives
+
+    group = collectives.default_group()
+    inputs = [torch.randn(2 * 1000, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    buffers.POOL.clear()
+    out = torch.empty(1000)
+    handle = collectives.reduce_scatter(out, inputs[rank], group, divide_by=3.0, async_op=True)
+    assert handle is not None
+    pool_during = buffers.POOL.nbytes
+    handle.wait()
+    chunk = slice(rank * 1000, (rank + 1) * 1000)
+    # The previous order of the sum (own chunk + the one received), bit for bit.
+    expect = torch.add(inputs[rank][chunk], inputs[1 - rank][chunk]).div_(3.0)
+    return {"pool": (pool_during, buffers.POOL.nbytes), "equal": torch.equal(out, expect)}
+
+
+def test_two_rank_reduce_scatter_receives_into_its_output() -> None:
+    """At two ranks gloo's reduce-scatter needs no receive buffer (issue 33: 149 MiB per rank of
+    pooled receive buffers on the 167M GPT): the other rank's chunk lands in the output and the
+    own chunk is added there, the same bits as the own chunk plus the received one."""
+    for r in run_ranks(two_rank_reduce_scatter_body, 2):
+        assert r["pool"] == (0, 0), r
+        assert r["equal"], r
+
+
+def test_a_buffer_lent_to_a_reduction_counts_against_the_pools_cap() -> None:
+    """The pool keeps at most ``per_size`` buffers of a size, counting one lent to a reduction in
+    flight: a surplus is freed when it is given back, before the lent one returns (issue 33)."""
+    from fullshard.comm.buffers import BufferPool
+
+    pool = BufferPool(per_size=2)
+    a, b, packed = (pool.acquire(100, torch.float32, torch.device("cpu")) for _ in range(3))
+    pool.lend(packed)
+    pool.release(a)
+    pool.release(b)  # two kept plus one lent would be three: b is freed now
+    assert [t is a for t in pool.buffers()] == [True]
+    pool.release(packed, lent=True)
+    assert len(pool.buffers()) == 2 and pool.buffers()[1] is packed
+    pool.lend(pool.acquire(100, torch.float32, torch.device("cpu"))[:50])  # a view is never kept: not counted
+    pool.release(b)
+    assert len(pool.buffers()) == 2
+    pool.clear()
+    assert pool.nbytes == 0

@@ -13,7 +13,12 @@ the gradient shards. So fullshard keeps them:
   buffer and its packed gradient have the same size, so the memory one gives back serves the
   other.
 - :meth:`BufferPool.acquire` hands out a buffer (a kept one when there is one), and
-  :meth:`BufferPool.release` returns it to be kept.
+  :meth:`BufferPool.release` returns it to be kept. A buffer lent to a collective in flight
+  (:meth:`BufferPool.lend`: a packed gradient being reduce-scattered) counts against
+  ``per_size`` until it comes back, so the pool does not keep a buffer idle beside it that it
+  would have to drop when the lent one returns: a surplus buffer is freed when it is given back,
+  not a unit later (issue 33: at the end of backward that frees one unit's buffer before the
+  root's embedding gradients are allocated, 48 MiB off the 167M GPT's peak).
 - :func:`acquire_storage` and :func:`release_storage` move a pooled buffer's memory into a
   storage that must keep its identity (a unit's full flat buffer, whose storage autograd's saved
   views hold), by swapping data pointers, and back into the pool.
@@ -42,19 +47,32 @@ class BufferPool:
     def __init__(self, per_size: int = 2) -> None:
         self.per_size = per_size
         self._free: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
+        self._lent: dict[tuple[int, torch.dtype, torch.device], int] = {}
 
     def acquire(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A buffer of ``numel`` elements of ``dtype`` on ``device``: a kept one, or a new empty one."""
         free = self._free.get((numel, dtype, device))
         return free.pop() if free else torch.empty(numel, dtype=dtype, device=device)
 
-    def release(self, t: torch.Tensor) -> None:
-        """Return ``t`` to be kept (up to ``per_size`` of its key); views and partial buffers are dropped."""
-        if compat.is_view(t) or not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+    def release(self, t: torch.Tensor, lent: bool = False) -> None:
+        """Return ``t`` to be kept (up to ``per_size`` of its key, counting those lent out);
+        views and partial buffers are dropped. ``lent``: ``t`` was passed to :meth:`lend`."""
+        key = (t.numel(), t.dtype, t.device)
+        if lent and self._lent.get(key, 0) > 0:
+            self._lent[key] -= 1
+        if not _whole(t):
             return  # only whole buffers come back
-        free = self._free.setdefault((t.numel(), t.dtype, t.device), [])
-        if len(free) < self.per_size:
+        free = self._free.setdefault(key, [])
+        if len(free) + self._lent.get(key, 0) < self.per_size:
             free.append(t)
+
+    def lend(self, t: torch.Tensor) -> None:
+        """Note that ``t`` is in use by a collective in flight and comes back with
+        ``release(t, lent=True)`` when it is waited on: until then it counts against its key's
+        ``per_size``. A view or partial buffer (which would not be kept) is not counted."""
+        if _whole(t):
+            key = (t.numel(), t.dtype, t.device)
+            self._lent[key] = self._lent.get(key, 0) + 1
 
     @property
     def nbytes(self) -> int:
@@ -83,11 +101,18 @@ class BufferPool:
             self._free = {key: kept for key, ts in self._free.items() if (kept := [t for t in ts if held_before(t)])}
 
     def clear(self, keep_cpu: bool = False) -> None:
-        """Drop the buffers held (with ``keep_cpu``, only those not in CPU memory)."""
+        """Drop the buffers held (with ``keep_cpu``, only those not in CPU memory); without
+        ``keep_cpu`` also forget the buffers lent out (a fresh start)."""
         if keep_cpu:
             self._free = {key: ts for key, ts in self._free.items() if key[2].type == "cpu"}
         else:
             self._free.clear()
+            self._lent.clear()
+
+
+def _whole(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a whole buffer: no view, contiguous, its storage exactly its elements."""
+    return not compat.is_view(t) and t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
 POOL = BufferPool()

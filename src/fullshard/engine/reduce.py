@@ -176,7 +176,10 @@ class GradReducer:
         elif unit.shard_size == 1 and post != 1 and unit.replicate_size == 1:
             out.div_(post)
         partial_reduce = unit.replicate_size > 1 and not all_reduce
-        self._pending = _Pending(collectives.Handle(works), out, grad if unit.shard_size > 1 else None, partial_reduce)
+        packed = grad if unit.shard_size > 1 else None
+        if packed is not None:
+            buffers.POOL.lend(packed)  # comes back in finish()
+        self._pending = _Pending(collectives.Handle(works), out, packed, partial_reduce)
 
     def _feedback(self, grad: torch.Tensor) -> torch.Tensor:
         """EXPERIMENT: the error-feedback residual, ((N-1) * S_t,) float32, zeros at first."""
@@ -205,7 +208,7 @@ class GradReducer:
             return
         pending.handle.wait()
         if pending.packed is not None:
-            buffers.POOL.release(pending.packed)  # the next unit of this size packs into it
+            buffers.POOL.release(pending.packed, lent=True)  # the next unit of this size packs into it
         out = pending.out
         if pending.partial_reduce:  # set_requires_all_reduce(False): sums kept until an all-reduce takes them
             if self._partial_sum is None:

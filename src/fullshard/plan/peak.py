@@ -26,9 +26,10 @@ additive model, :func:`combine`, and its ``bound`` says so (:data:`NOT_REPLAYED`
   between units, so the set is counted whole (SHARD_GRAD_OP: every unit, none reshards after
   forward);
 - when the peak falls in backward, one full flat gradient of the largest unit (the
-  reduce-scatter's input) and, on gloo with two units or more, the receive buffer of the
-  reduce-scatter in flight during the next unit's backward (one shard at 2 ranks, the whole
-  input beyond; measured at the peak of a 4-unit GPT, absent from a 1-unit MNIST Net's).
+  reduce-scatter's input) and, on gloo above 2 ranks with two units or more, the receive buffer
+  of the reduce-scatter in flight during the next unit's backward (the whole input; measured at
+  the peak of a 4-unit GPT, absent from a 1-unit MNIST Net's; at 2 ranks the reduce-scatter
+  receives straight into the gradient shards).
 
 Since a rank holds gradient shards rather than full gradients, its peak is not the unwrapped
 model's: the trace takes the peak of activations plus the gradients as this rank holds them
@@ -336,10 +337,11 @@ def combine(
     offloaded = offloads(offload, backend)
     if phase == "backward" and (world_size > 1 or offloaded) and not no_shard:
         grad_buffer = largest
-        if backend == "gloo" and sum(u.name != "<root>" for u in units) >= 2:
+        if backend == "gloo" and world_size > 2 and sum(u.name != "<root>" for u in units) >= 2:
             # a reduce-scatter in flight (its all-to-all's receive buffer) while the next unit's
-            # backward runs; with one unit it only overlaps the root's, after the peak
-            grad_buffer += largest // world_size if world_size == 2 else largest
+            # backward runs; with one unit it only overlaps the root's, after the peak. At 2
+            # ranks it receives straight into the gradient shards: no receive buffer.
+            grad_buffer += largest
     resident = _resident_grads(world_size, no_shard, backend)
     shards, optimizer = sum(u.shard_bytes for u in units), sum(u.optim_bytes for u in units)
     gradients = round((1.0 if resident else grad_fraction) * sum(u.grad_bytes for u in units))

@@ -35,14 +35,16 @@ prefetch):
   ``Unit.reshard_for_packing`` waits for the post-backward hook). Then the previous unit's
   reduction is finished: its packed gradient and receive buffer go back to the pool, and
   gradient shards of another dtype than the reduction's get a fresh buffer. Then this unit's
-  reduce-scatter starts: its receive buffer (one shard at 2 ranks, the whole input beyond) is
-  taken from the pool, its output is the unit's gradient-shard buffer, kept between steps. At
+  reduce-scatter starts: its receive buffer (the whole input, above 2 ranks; at 2 ranks the
+  other rank's chunk arrives straight in the output) is taken from the pool, its output is the
+  unit's gradient-shard buffer, kept between steps. At
   one rank (and under NO_SHARD) the packed gradient is the gradient: it is never given back;
   cast to the parameter dtype, it is freed once the cast copy is made;
 - end of backward: every reduction finished, every unit resharded.
 
-The pool keeps at most two buffers of each (numel, dtype) and keeps them across steps, so the
-replay runs the step twice and measures the second, as the engine's steady state.
+The pool keeps at most two buffers of each (numel, dtype), counting a packed gradient lent to
+the reduction in flight, and keeps them across steps, so the replay runs the step twice and
+measures the second, as the engine's steady state.
 
 A unit of several blocks (``fully_shard`` of a list; :func:`grouped` merges the trace's
 blocks into it) gathers once for all of them and packs one gradient when its last block's
@@ -70,6 +72,7 @@ class _Pool:
 
     in_use: int = 0
     kept: dict[Key, int] = dataclasses.field(default_factory=dict)
+    lent: dict[Key, int] = dataclasses.field(default_factory=dict)  # in use by a reduction in flight
 
     @property
     def bytes(self) -> int:
@@ -82,12 +85,19 @@ class _Pool:
             self.kept[key] -= 1
         self.in_use += key[0] * key[1]
 
-    def release(self, key: Key) -> None:
+    def release(self, key: Key, lent: bool = False) -> None:
         if key[0] == 0:
             return
         self.in_use -= key[0] * key[1]
-        if self.kept.get(key, 0) < POOL_PER_SIZE:
+        if lent:
+            self.lent[key] -= 1
+        if self.kept.get(key, 0) + self.lent.get(key, 0) < POOL_PER_SIZE:
             self.kept[key] = self.kept.get(key, 0) + 1
+
+    def lend(self, key: Key) -> None:
+        """A buffer in use goes to a reduction in flight: it counts against the pool's cap."""
+        if key[0]:
+            self.lent[key] = self.lent.get(key, 0) + 1
 
     def drop(self, key: Key) -> None:
         """A buffer taken from the pool and freed, never given back."""
@@ -208,10 +218,12 @@ class _Replay:
         self.at(i, self.unpacked(grads), ("backward", name))
         self.finish()
         if self.world > 1:
-            received = self.key(u.shard_grad if self.world == 2 else u.packed, u.reduce)
+            self.pool.lend(packed)
+        if self.world > 2:
+            received = self.key(u.packed, u.reduce)
             self.pool.acquire(received)
             self.in_flight = [(name, [received, packed])]
-        else:
+        else:  # at 2 ranks the other rank's chunk arrives straight in the gradient-shard buffer
             self.in_flight = [(name, [packed])]
         self.reshard(name)  # post-backward (a recomputed unit's only now, see the module docstring)
 
@@ -223,8 +235,9 @@ class _Replay:
         for name, keys in self.in_flight:
             u = self.units[name]
             if self.world > 1:
-                for k in keys:
+                for k in keys[:-1]:
                     self.pool.release(k)
+                self.pool.release(keys[-1], lent=True)  # the packed gradient
             if u.reduce != u.param and not self.offload:
                 self.grads += u.shard_grad * u.param
                 self.observe()
