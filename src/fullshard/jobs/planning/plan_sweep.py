@@ -14,8 +14,9 @@ Each model: :data:`WORLD` fresh processes calibrate, rank 0 scores every candida
 plans each budget (:func:`~fullshard.plan.planner.choose`), then the plans and the six hand
 configurations (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, each without and with activation
 checkpointing on every block) are measured as ``fullshard bench plan`` measures its own
-(:func:`~fullshard.jobs.planning.plan_bench.measure_all`: the fastest of ``rounds`` median steps,
-rank 0's third-step peak of live tensor bytes), training with fused AdamW on random batches.
+(:func:`~fullshard.jobs.planning.plan_bench.measure_all`: all built at once, taking turns step
+by step, the median of ``rounds`` x 10 steps; rank 0's third-step peak of live tensor bytes),
+training with fused AdamW on random batches.
 Reported per pair: the plan, its predicted and measured peak, whether it fits its budget, and
 its step over the fastest hand configuration that fits the budget measured.
 """
