@@ -1,7 +1,8 @@
 """Calibration for the step-time model: what collectives and blocks cost on this machine.
 
 - :func:`calibrate_comm` times all-gather, reduce-scatter and all-reduce of a few sizes in the
-  process group (every rank at once, the slowest rank's time counts) and fits
+  process group (every rank at once, the slowest rank's time counts, the fastest of a few
+  repeats) and fits
   ``seconds = latency + bytes x seconds_per_byte`` per collective, ``bytes`` being the full
   (gathered, or pre-reduction) tensor's; the process CPU time they take per second is kept too.
 - :func:`time_units` times the forward and the backward of each distinct FSDP unit (one module
@@ -86,8 +87,11 @@ def _fit(points: list[tuple[int, float]]) -> Link:
 
 
 def _time_op(run: Callable[[], None], repeats: int, group: Any) -> tuple[float, float]:
-    """(median wall seconds, median process CPU seconds) of ``run`` over ``repeats``, each the
-    slowest rank's (a collective call)."""
+    """(least wall seconds, median process CPU seconds) of ``run`` over ``repeats``, each the
+    slowest rank's (a collective call). The least wall time: on a shared machine a repeat is
+    slower whenever another process holds a core one rank waits for (medians of one collective
+    varied several-fold between minutes under other sessions' load); the fastest repeat is the
+    collective's own cost, as the block timings (CPU time) are the blocks' own."""
     run()  # warm-up: first use of a size allocates gloo's buffers
     times, cpu = [], []
     for _ in range(repeats):
@@ -96,13 +100,13 @@ def _time_op(run: Callable[[], None], repeats: int, group: Any) -> tuple[float, 
         run()
         times.append(time.perf_counter() - start)
         cpu.append(time.process_time() - cpu_start)
-    t = torch.tensor([statistics.median(times), statistics.median(cpu)], dtype=torch.float64)
+    t = torch.tensor([min(times), statistics.median(cpu)], dtype=torch.float64)
     collectives.all_reduce_max(t, group)
     return float(t[0]), float(t[1])
 
 
 def calibrate_comm(
-    group: Any = None, sizes: tuple[int, ...] = (1 << 14, 1 << 18, 1 << 21, 1 << 23), repeats: int = 5
+    group: Any = None, sizes: tuple[int, ...] = (1 << 14, 1 << 18, 1 << 21, 1 << 23), repeats: int = 7
 ) -> CommModel:
     """Time the three collectives at each full-tensor size in ``sizes`` (bytes, float32) and fit
     each; collective: every rank of ``group`` (default: the world) must call it. A world of one

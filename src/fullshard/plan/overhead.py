@@ -3,11 +3,10 @@
 The step-time model charges a unit its blocks' calibrated compute and its collectives' fitted
 costs (:mod:`fullshard.plan.simulate`). The engine's own work is in neither: its hooks, the
 views and copies between parameters and flat buffers, state changes, a collective's issue and
-wait, and on a shared CPU the wait for the peer rank to be scheduled at each collective.
-Measured on this project's 2-core machine it was about 1 ms of CPU time per unit and step even
-at one rank, and several ms per unit of wall time at two ranks, as much as the collectives
-themselves: a model without it ranks configurations with more units (FULL_SHARD per block
-against one unit of all blocks, NO_SHARD against SHARD_GRAD_OP) as faster than they run.
+wait. Measured on this project's 2-core machine it was about 1 ms of CPU time per unit and step
+at one rank (no collective at all), as much as a small collective costs: a model without it
+ranks configurations with more units (FULL_SHARD per block against one unit of all blocks,
+NO_SHARD against SHARD_GRAD_OP) as faster than they run.
 
 :func:`calibrate_overhead` measures it per kind of unit the planner chooses between
 (:class:`Overhead`: NO_SHARD through the FSDP1 wrapper, FULL_SHARD and SHARD_GRAD_OP through
@@ -16,8 +15,11 @@ against one unit of all blocks, NO_SHARD against SHARD_GRAD_OP) as faster than t
 :data:`MOST_PARAMS`), a root with the root's, every parameter a small vector that the forward
 adds to the activations (nothing to compute, every parameter with a gradient). Its step (forward,
 backward, the optimizer) is timed unwrapped and wrapped each way, the four taking turns step by
-step; a kind's overhead per unit is its step less the unwrapped one less what the model
-predicts for the stand-in's collectives, over its units (the root counted), never below zero.
+step, in the process's CPU time on a CPU device (the engine's thread and gloo's: what other
+processes on a shared machine do not change; its wall time per unit varied 2-40 ms between
+minutes under other sessions' load), wall time on a GPU. A kind's overhead per unit is its step
+less the unwrapped one less the CPU time of its collectives as the model has them
+(``cpu_share`` of their seconds), over its units (the root counted), never below zero.
 """
 
 from __future__ import annotations
@@ -98,14 +100,14 @@ def calibrate_overhead(
     compute_dtype: torch.dtype | None = None,
     optimizer: str = "adamw",
     group: Any = None,
-    repeats: int = 9,
+    repeats: int = 15,
 ) -> Overhead:
     """Measure the engine's own seconds per unit and step of each kind (see the module note) on
     a stand-in of ``units`` units of ``params_per_unit`` parameters and a root of
     ``root_params``; collective: every rank of ``group`` (default: the world) calls it. Each
     time is the slowest rank's median of ``repeats`` steps after two warm-up steps; ``comm``
-    (this machine's fitted collectives) gives the collectives' part to subtract. One rank
-    measures nothing (NO_SHARD and one rank are the same).
+    (this machine's fitted collectives) gives the collectives' CPU time to subtract (on a GPU,
+    their seconds). One rank measures nothing (NO_SHARD and one rank are the same).
 
     Raises:
         ValueError: ``units`` or ``params_per_unit`` below 0, or ``repeats`` below 1.
@@ -135,7 +137,8 @@ def calibrate_overhead(
     per_kind = {}
     for (kind, cand), seconds in zip(list(wrappings.items())[1:], wrapped):
         assert cand is not None
-        modelled = _collectives(comm, n, p, root_params, cand.no_shard, cand.keep_gathered, compute_dtype)
+        busy = _collectives(comm, n, p, root_params, cand.no_shard, cand.keep_gathered, compute_dtype)
+        modelled = busy * (comm.cpu_share if device.type == "cpu" else 1.0)
         per_kind[kind] = max(0.0, (seconds - plain - modelled) / (n + 1))
     return Overhead(**per_kind)
 
@@ -149,7 +152,7 @@ def _time_steps(
     repeats: int,
 ) -> list[float]:
     """Median seconds of a training step of ``make()`` under each wrapping (None: unwrapped),
-    the models taking turns step by step."""
+    the models taking turns step by step: process CPU seconds on a CPU device, else wall."""
     built = []
     for cand in wrappings.values():
         with torch.device(device):
@@ -158,16 +161,17 @@ def _time_steps(
         built.append((model, make_optimizer(optimizer, model.parameters())))
     x = torch.ones(4, WIDTH, device=device, dtype=dtype or torch.float32)
     times: list[list[float]] = [[] for _ in built]
+    clock = time.process_time if device.type == "cpu" else time.perf_counter
     for i in range(repeats + 2):  # two warm-ups: lazy initialization, first allocations
         for (model, opt), kept in zip(built, times):
             _sync(device)
-            start = time.perf_counter()
+            start = clock()
             model(x).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             _sync(device)
             if i >= 2:
-                kept.append(time.perf_counter() - start)
+                kept.append(clock() - start)
     return [statistics.median(t) for t in times]
 
 
@@ -180,7 +184,7 @@ def _collectives(
     keep_gathered: tuple[str, ...],
     dtype: torch.dtype | None,
 ) -> float:
-    """The model's seconds for the stand-in's collectives (its compute taken as nothing)."""
+    """The model's seconds of the stand-in's collectives, one after another (``communication``)."""
     size = (dtype or torch.float32).itemsize  # gathers and reductions in the compute dtype
 
     def cost(name: str, count: int) -> UnitCost:
@@ -190,7 +194,7 @@ def _collectives(
 
     root = cost("<root>", max(1, root_params))
     rest = [cost(f"units.{i}", params) for i in range(units)]
-    return simulate_step(root, rest, comm, no_shard=no_shard).seconds
+    return simulate_step(root, rest, comm, no_shard=no_shard).communication
 
 
 def _sync(device: torch.device) -> None:
