@@ -56,18 +56,50 @@ def test_schedule_without_prefetch_waits_for_every_gather() -> None:
     assert t.exposed_comm == pytest.approx(t.seconds - t.compute)
 
 
-def test_prefetch_and_kept_units_hide_gathers_and_checkpointing_adds_a_forward() -> None:
+def test_prefetch_and_kept_units_hide_gathers_and_a_checkpointed_unit_costs_its_calibrated_times() -> None:
     root = _unit("<root>", 2, 4, 1)
     plain = [_unit("a", 10, 20, 3), _unit("b", 10, 20, 3)]
     base = simulate_step(root, plain, COMM, backward_prefetch=None)
     pre = simulate_step(root, plain, COMM, backward_prefetch="pre", forward_prefetch=True)
     kept = simulate_step(root, [_unit("a", 10, 20, 3), _unit("b", 10, 20, 3, reshard_after_forward=False)], COMM)
-    ckpt = simulate_step(root, [_unit("a", 10, 20, 3, checkpoint=True), _unit("b", 10, 20, 3)], COMM)
+    # a checkpointed unit's times are as checkpointing runs it (calibrated so): its backward
+    # holds the recomputation, nothing is added to them
+    ckpt = simulate_step(root, [_unit("a", 12, 35, 3, checkpoint=True), _unit("b", 10, 20, 3)], COMM)
     assert pre.seconds < base.seconds and pre.exposed_comm < base.exposed_comm
     assert kept.seconds <= simulate_step(root, plain, COMM).seconds
-    assert ckpt.compute == pytest.approx(simulate_step(root, plain, COMM).compute + 10 * MS)
+    assert ckpt.compute == pytest.approx(simulate_step(root, plain, COMM).compute + (2 + 15) * MS)
     no_shard = simulate_step(root, plain, COMM, no_shard=True)
     assert no_shard.compute == base.compute and no_shard.exposed_comm < base.exposed_comm
+
+
+def test_a_checkpointed_unit_without_calibrated_times_recomputes_its_forward() -> None:
+    from fullshard.plan.steptime import Calibration, _checkpointed
+
+    cal = Calibration(COMM, {"a": BlockTime(0.01, 0.02)}, 0.0, "adamw", {"b": BlockTime(0.5, 0.7)})
+    assert _checkpointed(cal, "a") == BlockTime(0.01, 0.03)
+    assert _checkpointed(cal, "b") == BlockTime(0.5, 0.7)
+
+
+def test_the_engines_overhead_is_charged_once_per_unit_and_reported_apart() -> None:
+    """Each unit's own engine time falls on the compute clock, half in each pass; a group of
+    blocks is one unit and pays one unit's; the step reports it as ``engine``, not compute."""
+    import dataclasses
+
+    from fullshard.plan.overhead import Overhead
+
+    root = _unit("<root>", 2, 4, 1)
+    plain = [_unit("a", 10, 20, 3), _unit("b", 10, 20, 3)]
+    base = simulate_step(root, plain, COMM, backward_prefetch=None)
+    costly = [dataclasses.replace(u, overhead=2 * MS) for u in [root, *plain]]
+    t = simulate_step(costly[0], costly[1:], COMM, backward_prefetch=None)
+    assert t.engine == pytest.approx(6 * MS) and t.compute == pytest.approx(base.compute)
+    assert t.seconds >= base.seconds + 3 * MS  # at least the forward halves, on the critical path
+    assert merge_costs(costly[1:], 2)[0].overhead == pytest.approx(2 * MS)
+    contended = dataclasses.replace(COMM, contended=True, cpu_share=0.5)
+    serial = simulate_step(costly[0], costly[1:], contended)
+    assert serial.seconds == pytest.approx(serial.compute + 6 * MS + 1.5 * serial.communication)
+    kinds = Overhead(no_shard=1.0, full_shard=2.0, shard_grad_op=3.0)
+    assert [kinds.per_unit(True, True), kinds.per_unit(False, True), kinds.per_unit(False, False)] == [1.0, 2.0, 3.0]
 
 
 def test_offloaded_units_copy_before_each_gather_and_after_each_reduction() -> None:
@@ -113,7 +145,8 @@ class _Counted(nn.Linear):
 
 
 def test_time_blocks_runs_a_kind_once_per_unit_of_it_and_times_per_unit() -> None:
-    from fullshard.plan.calibrate import time_blocks
+    from fullshard.frontend.activation_checkpointing import CheckpointWrapper
+    from fullshard.plan.calibrate import time_blocks, time_units
 
     def make() -> nn.Module:
         return nn.Sequential(_Counted(4, 8), _Counted(8, 8), _Counted(8, 8), _Counted(8, 8))
@@ -130,10 +163,22 @@ def test_time_blocks_runs_a_kind_once_per_unit_of_it_and_times_per_unit() -> Non
     assert _Counted.calls == {8: 3 + 3 * 3, 4: 1 + 3 * 1}
     assert all(times[n].forward > 0 and times[n].backward > 0 for n in "0123")
     _Counted.calls.clear()
-    time_blocks(
-        make, example, lambda m, b: m(b[0]).sum(), lambda m: isinstance(m, _Counted), cpu, repeats=1, held=False
-    )
-    assert _Counted.calls == {8: 3 + 3, 4: 1 + 3}  # checkpointed units: one copy's activations at a time
+    wrapped: list[nn.Module] = []
+    real_init = CheckpointWrapper.__init__
+
+    def spy(self: CheckpointWrapper, module: nn.Module, *args: object, **kw: object) -> None:
+        wrapped.append(module)
+        real_init(self, module, *args, **kw)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(CheckpointWrapper, "__init__", spy)
+        both = time_units(make, example, lambda m, b: m(b[0]).sum(), lambda m: isinstance(m, _Counted), cpu, repeats=1)
+    # checkpointed, a unit runs once per repeat (one unit's activations at a time) in the
+    # frontend's wrapper, its forward again in backward: 2 calls per repeat beside the plain ones
+    assert _Counted.calls == {8: 3 + 3 * 3 + 3 * 2, 4: 1 + 3 * 1 + 3 * 2}
+    assert [type(m).__name__ for m in wrapped] == ["_Counted", "_Counted"]  # one per kind
+    assert set(both.checkpointed) == {"0", "1", "2", "3"} and set(both.blocks) == set(times)
+    assert both.checkpointed["1"] == both.checkpointed["3"] and both.checkpointed["1"].backward > 0
     # The first unit fed the raw input (no gradient to compute for it) is another kind than the
     # same layer fed activations: 8 -> 8 units throughout, timed as two kinds.
     _Counted.calls.clear()
@@ -189,7 +234,7 @@ def test_time_blocks_replays_a_transformers_layers_keyword_inputs() -> None:
     assert all(t.forward > 0 and t.backward > 0 for t in times.values())
 
 
-def test_grouped_units_gather_once_and_carry_their_members_recomputation() -> None:
+def test_grouped_units_gather_once_and_carry_their_members_times() -> None:
     from fullshard.plan.estimate import UnitEstimate, group_units
     from fullshard.plan.simulate import merge_costs
 
@@ -202,7 +247,7 @@ def test_grouped_units_gather_once_and_carry_their_members_recomputation() -> No
         ("a", 6, 6, False),
         ("c", 6, 6, False),
     ]
-    assert merged[0].time == BlockTime(20 * MS, 50 * MS)  # b's recomputed forward in the group's backward
+    assert merged[0].time == BlockTime(20 * MS, 40 * MS)  # b's backward (its recomputation in it) in the group's
     per_block = simulate_step(root, blocks, comm, backward_prefetch=None)
     grouped = simulate_step(root, merged, comm, backward_prefetch=None)
     assert grouped.compute == pytest.approx(per_block.compute)
@@ -444,30 +489,38 @@ def test_plan_cli(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--memory-budget: 'lots' is not a size" in capsys.readouterr().err
 
 
-def slowest_rank_body(rank: int, world: int) -> tuple[dict, float, dict]:
-    """calibrate() with rank 1's blocks and optimizer made 3x slower than rank 0's."""
+def slowest_rank_body(rank: int, world: int) -> tuple[dict, float, dict, object]:
+    """calibrate() with rank 1's blocks, optimizer and engine overhead made 3x slower than rank 0's."""
     from unittest import mock
 
-    from fullshard.plan import steptime
+    from fullshard.plan import overhead, steptime
+    from fullshard.plan.calibrate import UnitTimes
 
     make, example, loss, is_unit = _gpt_parts()
-    real_blocks, real_optim = steptime.time_blocks, steptime.time_optimizer
+    real = steptime.time_units, steptime.time_optimizer, overhead._time_steps
     slow = 3.0 if rank == 1 else 1.0
     fake_blocks = {"<root>": BlockTime(0.01, 0.02), "blocks.0": BlockTime(0.1, 0.2)}
 
-    def blocks(*args: object, held: bool = True, **kwargs: object) -> dict:
-        alone = 1.0 if held else 0.5  # a checkpointed block's times, timed apart, halved here
-        return {n: BlockTime(t.forward * slow * alone, t.backward * slow * alone) for n, t in fake_blocks.items()}
+    def units(*args: object, **kwargs: object) -> UnitTimes:
+        blocks = {n: BlockTime(t.forward * slow, t.backward * slow) for n, t in fake_blocks.items()}
+        # a checkpointed block's times, timed apart: here the forward half, the backward twice
+        return UnitTimes(blocks, {"blocks.0": BlockTime(0.05 * slow, 0.4 * slow)})
+
+    def steps(wrappings: dict, *args: object) -> list[float]:  # unwrapped, NO_SHARD, FULL_SHARD, SHARD_GRAD_OP
+        assert list(wrappings) == ["plain", "no_shard", "full_shard", "shard_grad_op"]
+        return [s * slow for s in (0.01, 1.01, 2.01, 3.01)]
 
     with (
-        mock.patch.object(steptime, "time_blocks", blocks),
+        mock.patch.object(steptime, "time_units", units),
         mock.patch.object(steptime, "time_optimizer", lambda numel, *a: 1e-9 * numel * slow),
+        mock.patch.object(overhead, "_time_steps", steps),
     ):
         cal = steptime.calibrate(make, example, loss, is_unit, torch.device("cpu"))
-    assert (real_blocks, real_optim) == (steptime.time_blocks, steptime.time_optimizer)
+    assert real == (steptime.time_units, steptime.time_optimizer, overhead._time_steps)
     assert 0.0 < cal.comm.cpu_share < 4.0  # gloo's threads spend CPU time on every collective
     checkpointed = {n: (t.forward, t.backward) for n, t in cal.checkpointed.items()}
-    return {n: (t.forward, t.backward) for n, t in cal.blocks.items()}, cal.optimizer_seconds_per_param, checkpointed
+    times = {n: (t.forward, t.backward) for n, t in cal.blocks.items()}
+    return times, cal.optimizer_seconds_per_param, checkpointed, cal.overhead
 
 
 @pytest.mark.timeout(200)
@@ -477,7 +530,13 @@ def test_calibration_keeps_the_slowest_ranks_times() -> None:
     assert a == b
     assert a[0] == {"<root>": pytest.approx((0.03, 0.06)), "blocks.0": pytest.approx((0.3, 0.6))}
     assert a[1] == pytest.approx(3e-9)
-    assert a[2] == {"<root>": pytest.approx((0.015, 0.03)), "blocks.0": pytest.approx((0.15, 0.3))}
+    assert a[2] == {"blocks.0": pytest.approx((0.15, 1.2))}
+    # the stand-in has the calibrated units (one block, as the fake timing says) and the root: 2
+    # units; each kind's step less the unwrapped one (3 s, 6 s, 9 s on the slow rank) less a
+    # few ms of modelled collectives, per unit
+    per_unit = (a[3].no_shard, a[3].full_shard, a[3].shard_grad_op)
+    assert per_unit == pytest.approx((3 / 2, 6 / 2, 9 / 2), abs=0.02)
+    assert a[3].no_shard < 3 / 2 and a[3].full_shard < 6 / 2  # the collectives' part was taken off
 
 
 @pytest.mark.timeout(300)

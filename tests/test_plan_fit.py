@@ -41,6 +41,7 @@ def calibration_leftovers_body(rank: int, world: int) -> dict[str, int]:
     """Live tensor bytes and pooled bytes before and after :func:`calibrate` on this rank, and
     what timing the collectives alone (no release) leaves in the pool: the control."""
     from fullshard.comm import buffers
+    from fullshard.frontend.meshes import default_mesh
     from fullshard.jobs.planning import families
     from fullshard.plan.calibrate import calibrate_comm
     from fullshard.plan.steptime import calibrate
@@ -48,6 +49,9 @@ def calibration_leftovers_body(rank: int, world: int) -> dict[str, int]:
 
     make, example, loss, is_unit = families.parts("gpt", SMALL_GPT, 2, 32)
     buffers.POOL.clear()
+    # fully_shard's default mesh is made once per process and kept (a training job after the
+    # calibration makes it anyway); calibration's stand-ins would make it first
+    default_mesh("cpu")
     with LiveTensorBytes() as live:
         out = {"live_before": live.measure(), "pool_before": buffers.POOL.nbytes}
         cal = calibrate(make, example, loss, is_unit, torch.device("cpu"), optimizer="adamw")
@@ -205,7 +209,11 @@ def test_plan_sweep_report_counts_fits_ratios_refusals_and_failures(monkeypatch:
             },
             {"kind": "drawn", "budget": 5 * mib, "plan": None, "smallest_needs": 11 * mib, "measured": None},
         ]
-        return [{"rows": rows[:2] if len(calls) == 1 else [rows[0], rows[2]], "hands": hands}, None]
+        predicted = {"FULL_SHARD": 0.099, "SHARD_GRAD_OP": 0.07, "NO_SHARD": 0.06}
+        return [
+            {"rows": rows[:2] if len(calls) == 1 else [rows[0], rows[2]], "hands": hands, "hands_predicted": predicted},
+            None,
+        ]
 
     monkeypatch.setattr(launch, "launch", fake)
     lines = list(plan_sweep.report(5, 6, rounds=1))
@@ -216,3 +224,20 @@ def test_plan_sweep_report_counts_fits_ratios_refusals_and_failures(monkeypatch:
     assert "max 1.12, median 1.04, min 1.04; within 5% (or faster) in 2 of 3." in text
     assert "Refused (nothing fits under the margin): 1" in text and "Failed models: 1" in text
     assert "| **NO** |" in text and plan_sweep.MARGIN_FROM.describe() in text
+    # steps predicted / measured: the plan's and the fastest fitting hand's
+    assert "| yes | 100.0 / 104.0 | FULL_SHARD 99.0 / 100.0 | 1.04 |" in text
+
+
+def test_every_hand_configuration_the_sweeps_compare_against_is_a_candidate() -> None:
+    """The planner can choose each of the six hand configurations (FULL_SHARD, SHARD_GRAD_OP,
+    NO_SHARD, with and without AC on every block), so a budget one of them fits under the
+    margin is never refused for want of it."""
+    from fullshard.jobs.planning.plan_bench import hand_configurations
+    from fullshard.plan.candidate import candidates
+
+    for n in range(1, 6):
+        names = tuple(f"layers.{i}" for i in range(n))
+        hands = hand_configurations(names)
+        assert len(set(hands.values())) == 6
+        assert set(hands.values()) <= set(candidates(list(names))), n
+        assert set(hands.values()) <= set(candidates(list(names), prefetch=False, grouping=False)), n

@@ -1,14 +1,16 @@
 """Calibration for the step-time model: what collectives and blocks cost on this machine.
 
 - :func:`calibrate_comm` times all-gather, reduce-scatter and all-reduce of a few sizes in the
-  process group (every rank at once, the slowest rank's time counts) and fits
+  process group (every rank at once, the slowest rank's time counts, the fastest of a few
+  repeats) and fits
   ``seconds = latency + bytes x seconds_per_byte`` per collective, ``bytes`` being the full
   (gathered, or pre-reduction) tensor's; the process CPU time they take per second is kept too.
-- :func:`time_blocks` times the forward and the backward of each distinct FSDP unit (one module
+- :func:`time_units` times the forward and the backward of each distinct FSDP unit (one module
   of each kind at the input shape a meta-device trace of the real batch gives it, on the real
-  device, one kind at a time, run once per unit of that kind, or once for a checkpointed unit)
-  and of the root's own layers (the model with every unit replaced by a stand-in that costs
-  nothing), so no more than one block is ever materialized with the root.
+  device, one kind at a time, run once per unit of that kind) and of the root's own layers (the
+  model with every unit replaced by a stand-in that costs nothing), so no more than one block
+  is ever materialized with the root; and each unit as activation checkpointing runs it (its
+  backward recomputing the forward), in turns with its plain runs.
 - :func:`calibrate_copies` fits host-to-device and device-to-host copies of pinned memory
   (CPU offload's uploads of shards and downloads of gradient shards), on CUDA only.
 - :func:`time_optimizer` times an optimizer step over a rank's shard.
@@ -24,7 +26,7 @@ import dataclasses
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -85,8 +87,11 @@ def _fit(points: list[tuple[int, float]]) -> Link:
 
 
 def _time_op(run: Callable[[], None], repeats: int, group: Any) -> tuple[float, float]:
-    """(median wall seconds, median process CPU seconds) of ``run`` over ``repeats``, each the
-    slowest rank's (a collective call)."""
+    """(least wall seconds, median process CPU seconds) of ``run`` over ``repeats``, each the
+    slowest rank's (a collective call). The least wall time: on a shared machine a repeat is
+    slower whenever another process holds a core one rank waits for (medians of one collective
+    varied several-fold between minutes under other sessions' load); the fastest repeat is the
+    collective's own cost, as the block timings (CPU time) are the blocks' own."""
     run()  # warm-up: first use of a size allocates gloo's buffers
     times, cpu = [], []
     for _ in range(repeats):
@@ -95,13 +100,13 @@ def _time_op(run: Callable[[], None], repeats: int, group: Any) -> tuple[float, 
         run()
         times.append(time.perf_counter() - start)
         cpu.append(time.process_time() - cpu_start)
-    t = torch.tensor([statistics.median(times), statistics.median(cpu)], dtype=torch.float64)
+    t = torch.tensor([min(times), statistics.median(cpu)], dtype=torch.float64)
     collectives.all_reduce_max(t, group)
     return float(t[0]), float(t[1])
 
 
 def calibrate_comm(
-    group: Any = None, sizes: tuple[int, ...] = (1 << 14, 1 << 18, 1 << 21, 1 << 23), repeats: int = 5
+    group: Any = None, sizes: tuple[int, ...] = (1 << 14, 1 << 18, 1 << 21, 1 << 23), repeats: int = 7
 ) -> CommModel:
     """Time the three collectives at each full-tensor size in ``sizes`` (bytes, float32) and fit
     each; collective: every rank of ``group`` (default: the world) must call it. A world of one
@@ -216,30 +221,55 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def compute_clock(device: torch.device) -> Callable[[], float]:
+    """The clock that times compute on ``device``: on a CPU computing on one thread (each rank's
+    share of the cores, as ``launch`` sets it on this project's 2-core machine), the calling
+    thread's CPU time, which other processes' work on a shared machine does not change (measured
+    under a load average of 9 on 2 cores: a block's wall times varied 1.4-2.2x between runs,
+    its CPU times 0.9-1.1x); on a GPU, or on several CPU threads, wall time."""
+    if device.type == "cpu" and torch.get_num_threads() == 1:
+        return time.thread_time
+    return time.perf_counter
+
+
 def _time_fb(forward: Callable[[], torch.Tensor], device: torch.device, repeats: int, copies: int = 1) -> BlockTime:
-    """Median seconds of one forward and one backward of ``forward()``, run ``copies`` times per
-    repeat with every output's graph alive until one backward through all of them (the saved
+    """Median seconds of one forward and one backward of ``forward()`` (see :func:`_time_each`)."""
+    return _time_each([(forward, copies)], device, repeats)[0]
+
+
+def _time_each(
+    runs: list[tuple[Callable[[], torch.Tensor], int]], device: torch.device, repeats: int
+) -> list[BlockTime]:
+    """Median seconds of one forward and one backward of each ``(forward, copies)`` in ``runs``,
+    the runs taking turns within every repeat (so that a slow moment of a shared machine falls
+    on all of them, not on one). Each run's ``forward()`` is called ``copies`` times per repeat
+    with every output's graph alive until one backward through all of them (the saved
     activations of ``copies`` units at once, as in the model: on CPU their fresh pages cost time
-    that one block's, reused from the last repeat, would not); the times are per copy."""
-    fwd, bwd = [], []
-    grad: torch.Tensor | None = None  # the output's gradient, made once outside the timed region
+    that one block's, reused from the last repeat, would not); the times are per copy, by
+    :func:`compute_clock`."""
+    clock = compute_clock(device)
+    fwd: list[list[float]] = [[] for _ in runs]
+    bwd: list[list[float]] = [[] for _ in runs]
+    grads: list[torch.Tensor | None] = [None for _ in runs]  # each output's gradient, made once untimed
     for i in range(repeats + 2):  # the first two are warm-ups (allocations, kernel selection)
-        _sync(device)
-        t0 = time.perf_counter()
-        outs = [forward() for _ in range(copies)]
-        _sync(device)
-        if grad is None and outs[0].dim() > 0:
-            grad = torch.randn_like(outs[0])
+        for j, (forward, copies) in enumerate(runs):
             _sync(device)
-        t1 = time.perf_counter()
-        if outs[0].requires_grad:  # else nothing to differentiate (a root with no parameters)
-            torch.autograd.backward(outs, None if grad is None else [grad] * copies)
-        _sync(device)
-        del outs
-        if i >= 2:
-            fwd.append((t1 - t0) / copies)
-            bwd.append((time.perf_counter() - t1) / copies)
-    return BlockTime(statistics.median(fwd), statistics.median(bwd))
+            t0 = clock()
+            outs = [forward() for _ in range(copies)]
+            _sync(device)
+            if grads[j] is None and outs[0].dim() > 0:
+                grads[j] = torch.randn_like(outs[0])
+                _sync(device)
+            t1 = clock()
+            if outs[0].requires_grad:  # else nothing to differentiate (a root with no parameters)
+                grad = grads[j]
+                torch.autograd.backward(outs, None if grad is None else [grad] * copies)
+            _sync(device)
+            del outs
+            if i >= 2:
+                fwd[j].append((t1 - t0) / copies)
+                bwd[j].append((clock() - t1) / copies)
+    return [BlockTime(statistics.median(f), statistics.median(b)) for f, b in zip(fwd, bwd)]
 
 
 def _kind(name: str, m: nn.Module, args: tuple, kwargs: dict[str, Any], result: Any) -> tuple:
@@ -252,6 +282,17 @@ def _kind(name: str, m: nn.Module, args: tuple, kwargs: dict[str, Any], result: 
     return (type(m).__qualname__, shapes, repr(inputs))
 
 
+@dataclasses.dataclass(frozen=True)
+class UnitTimes:
+    """What :func:`time_units` measured: ``blocks``, each unit's (and ``"<root>"``'s) forward and
+    backward as they run unwrapped; ``checkpointed``, each unit's as activation checkpointing
+    runs it (the forward keeping only its inputs, the backward recomputing the forward first:
+    its time includes the recomputation). Seconds, by unit name."""
+
+    blocks: dict[str, BlockTime]
+    checkpointed: dict[str, BlockTime]
+
+
 def time_blocks(
     make_model: Callable[[], nn.Module],
     example: Callable[[], Any],
@@ -260,17 +301,35 @@ def time_blocks(
     device: torch.device,
     compute_dtype: torch.dtype | None = None,
     repeats: int = 5,
-    held: bool = True,
 ) -> dict[str, BlockTime]:
-    """Forward and backward seconds per outermost unit (by name) and of ``"<root>"``'s own layers
-    (with the loss), at the batch ``example()`` builds, timed on ``device``.
+    """:func:`time_units`' ``blocks`` alone (no unit timed under activation checkpointing)."""
+    return time_units(make_model, example, loss_fn, is_unit, device, compute_dtype, repeats, checkpointed=False).blocks
 
-    Units of one kind (same class, parameter and input shapes) are timed once. With ``held``,
-    one module runs as many times per forward as the model has units of that kind, its outputs
-    holding as much activation memory as the model's; without, once (a checkpointed unit's
-    case). A unit's first argument and its output must be tensors; its other arguments,
-    positional or keyword (a transformers decoder layer's rotary tables and mask), are replayed
-    as the trace saw them: tensors of their shapes, anything else as it was.
+
+def time_units(
+    make_model: Callable[[], nn.Module],
+    example: Callable[[], Any],
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    is_unit: Callable[[nn.Module], bool],
+    device: torch.device,
+    compute_dtype: torch.dtype | None = None,
+    repeats: int = 5,
+    *,
+    checkpointed: bool = True,
+) -> UnitTimes:
+    """Forward and backward seconds per outermost unit (by name) and of ``"<root>"``'s own layers
+    (with the loss), at the batch ``example()`` builds, timed on ``device``; with
+    ``checkpointed``, each unit also as activation checkpointing runs it (in the frontend's
+    :class:`~fullshard.frontend.activation_checkpointing.CheckpointWrapper`, as a plan applies
+    it), taking turns with its plain runs.
+
+    Units of one kind (same class, parameter and input shapes) are timed once. Unwrapped, one
+    module runs as many times per forward as the model has units of that kind, its outputs
+    holding as much activation memory as the model's; checkpointed, once (one unit's
+    activations are alive at a time, in its recomputation). A unit's first argument and its
+    output must be tensors; its other arguments, positional or keyword (a transformers decoder
+    layer's rotary tables and mask), are replayed as the trace saw them: tensors of their
+    shapes, anything else as it was.
 
     Raises:
         TypeError: a unit's output is not a tensor.
@@ -285,14 +344,17 @@ def time_blocks(
     units = _units(model, is_unit)
     seen = _unit_calls(model, batch, loss_fn, units, device)
     out: dict[str, BlockTime] = {}
-    kinds: dict[tuple, BlockTime] = {}
+    recomputed: dict[str, BlockTime] = {}
+    kinds: dict[tuple, tuple[BlockTime, BlockTime | None]] = {}
     kind_of = {name: _kind(name, m, *seen[name]) for name, m in units.items()}
     count = collections.Counter(kind_of.values())
     for name, m in units.items():
-        if kind_of[name] not in kinds:
-            copies = count[kind_of[name]] if held else 1
-            kinds[kind_of[name]] = _time_unit(m, seen[name][:2], device, repeats, copies)
-        out[name] = kinds[kind_of[name]]
+        kind = kind_of[name]
+        if kind not in kinds:
+            kinds[kind] = _time_unit(m, seen[name][:2], device, repeats, count[kind], checkpointed)
+        out[name], ckpt = kinds[kind]
+        if ckpt is not None:
+            recomputed[name] = ckpt
     for name, m in units.items():
         parent, _, leaf = name.rpartition(".")
         result = seen[name][2]
@@ -303,7 +365,7 @@ def time_blocks(
             tree_map(lambda t: t.zero_() if isinstance(t, torch.Tensor) else t, example()), compute_dtype
         )
     out["<root>"] = _time_fb(lambda: loss_fn(root, real_batch), device, repeats)
-    return out
+    return UnitTimes(out, recomputed)
 
 
 def _unit_calls(
@@ -333,39 +395,56 @@ def _unit_calls(
 
 
 def _time_unit(
-    m: nn.Module, inputs: tuple[tuple, dict[str, Any]], device: torch.device, repeats: int, copies: int
-) -> BlockTime:
-    """:func:`_time_fb` of a materialized copy of unit ``m`` on (args, kwargs) shaped like
-    ``inputs``; when ``copies`` outputs at once do not fit the device (CUDA out of memory), one
-    at a time."""
+    m: nn.Module,
+    inputs: tuple[tuple, dict[str, Any]],
+    device: torch.device,
+    repeats: int,
+    copies: int,
+    checkpointed: bool,
+) -> tuple[BlockTime, BlockTime | None]:
+    """:func:`_time_each` of a materialized copy of unit ``m`` on (args, kwargs) shaped like
+    ``inputs``, ``copies`` at once, and (``checkpointed``) of it under activation checkpointing,
+    once, in turns; when ``copies`` outputs at once do not fit the device (CUDA out of memory),
+    one at a time. Returns (plain, checkpointed or None)."""
+    from fullshard.frontend.activation_checkpointing import checkpoint_wrapper
+
     real = _materialize(copy.deepcopy(m), device)
     args, kwargs = tree_map(lambda t: _like(t, device), inputs)
-    try:
-        return _time_fb(lambda: real(*args, **kwargs), device, repeats, copies)
-    except torch.OutOfMemoryError:
-        if copies == 1:
-            raise
-        torch.cuda.empty_cache()
-        return _time_fb(lambda: real(*args, **kwargs), device, repeats, 1)
+    wrapped = checkpoint_wrapper(real) if checkpointed else None
+    while True:
+        runs = [(lambda: real(*args, **kwargs), copies)]
+        if wrapped is not None:
+            runs.append((lambda: wrapped(*args, **kwargs), 1))
+        try:
+            times = _time_each(runs, device, repeats)
+            return times[0], (times[1] if wrapped is not None else None)
+        except torch.OutOfMemoryError:
+            if copies == 1:
+                raise
+            torch.cuda.empty_cache()
+            copies = 1
+
+
+def make_optimizer(name: str, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """The optimizer named ``name`` ("adamw" or "adam": fused AdamW, "adadelta", else SGD) over ``params``."""
+    if name in ("adamw", "adam"):
+        return torch.optim.AdamW(params, lr=1e-3, fused=True)
+    if name == "adadelta":
+        return torch.optim.Adadelta(params, lr=1.0)
+    return torch.optim.SGD(params, lr=1e-3)
 
 
 def time_optimizer(numel: int, device: torch.device, optimizer: str = "adamw", repeats: int = 3) -> float:
     """Seconds of one ``optimizer`` step over ``numel`` float32 parameters (a rank's shard)."""
     p = nn.Parameter(torch.zeros(max(1, numel), device=device))
     p.grad = torch.randn_like(p)
-    opt: torch.optim.Optimizer
-    if optimizer in ("adamw", "adam"):
-        opt = torch.optim.AdamW([p], lr=1e-3, fused=True)
-    elif optimizer == "adadelta":
-        opt = torch.optim.Adadelta([p], lr=1.0)
-    else:
-        opt = torch.optim.SGD([p], lr=1e-3)
-    times = []
+    opt = make_optimizer(optimizer, [p])
+    clock, times = compute_clock(device), []
     for i in range(repeats + 1):
         _sync(device)
-        t0 = time.perf_counter()
+        t0 = clock()
         opt.step()
         _sync(device)
         if i:
-            times.append(time.perf_counter() - t0)
+            times.append(clock() - t0)
     return statistics.median(times)

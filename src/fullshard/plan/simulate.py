@@ -9,9 +9,14 @@ process group's collectives, one at a time, in issue order). The schedule is the
   parameters are there;
 - backward, units in reverse: a unit that resharded after forward gathers again (with
   BACKWARD_PRE the next unit's gather is issued at this one's pre-backward, with BACKWARD_POST
-  after its backward), recomputes its forward under activation checkpointing, computes its
-  backward, then waits for the previous unit's reduce-scatter (one in flight) and issues its own;
+  after its backward), computes its backward (under activation checkpointing the recomputed
+  forward first: a checkpointed unit's calibrated backward includes it), then waits for the
+  previous unit's reduce-scatter (one in flight) and issues its own;
 - the step ends when the last reduction is done, then the optimizer steps on the shards.
+
+Each unit's own engine time (``UnitCost.overhead``, :mod:`fullshard.plan.overhead`: hooks,
+copies, a collective's issue and wait beyond its fitted cost) runs on the compute clock, half
+in forward and half in backward, and is reported as ``StepTime.engine``.
 
 NO_SHARD gathers nothing and all-reduces gradients instead of reduce-scattering them. Under CPU
 offload a unit's shard is uploaded before each of its gathers and its gradient shard downloaded
@@ -41,9 +46,10 @@ class UnitCost:
     gather_bytes: int  # full parameters in the compute dtype (0: nothing to gather)
     reduce_bytes: int  # full flat gradient in the reduce dtype
     reshard_after_forward: bool = True
-    checkpoint: bool = False
+    checkpoint: bool = False  # recomputed in backward: ``time`` as checkpointing runs it, recomputation included
     h2d_bytes: int = 0  # CPU offload: the shard uploaded before each gather
     d2h_bytes: int = 0  # CPU offload: the gradient shard downloaded after the reduce-scatter
+    overhead: float = 0.0  # the engine's own seconds per step (fullshard.plan.overhead), half in each pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +61,7 @@ class StepTime:
     exposed_comm: float
     optimizer: float
     communication: float = 0.0  # every collective's own seconds, summed (hidden or not)
+    engine: float = 0.0  # the engine's own work (hooks, copies, waits; fullshard.plan.overhead), not in compute
 
 
 class _Clock:
@@ -85,8 +92,8 @@ class _Clock:
 def merge_costs(units: list[UnitCost], size: int) -> list[UnitCost]:
     """``units`` (forward order) grouped ``size`` consecutive ones to a unit (the last group may
     be smaller), as ``fully_shard`` of a list of modules makes them: one gather and one
-    reduction of the summed bytes, compute summed (a member's recomputation under activation
-    checkpointing goes into the group's backward), resharding as the group's first member.
+    reduction of the summed bytes, compute summed (a checkpointed member's backward, its
+    recomputation included, goes into the group's backward), resharding as the group's first member.
 
     Raises:
         ValueError: ``size`` is below 1.
@@ -100,7 +107,7 @@ def merge_costs(units: list[UnitCost], size: int) -> list[UnitCost]:
             out.append(chunk[0])
             continue
         forward = sum(u.time.forward for u in chunk)
-        backward = sum(u.time.backward + (u.time.forward if u.checkpoint else 0.0) for u in chunk)
+        backward = sum(u.time.backward for u in chunk)
         out.append(
             UnitCost(
                 chunk[0].name,
@@ -110,6 +117,7 @@ def merge_costs(units: list[UnitCost], size: int) -> list[UnitCost]:
                 chunk[0].reshard_after_forward,
                 h2d_bytes=sum(u.h2d_bytes for u in chunk),
                 d2h_bytes=sum(u.d2h_bytes for u in chunk),
+                overhead=chunk[0].overhead,  # one unit's: the engine's work is per unit
             )
         )
     return out
@@ -144,14 +152,14 @@ def simulate_step(
         raise ValueError(f"backward_prefetch={backward_prefetch!r}: use 'pre', 'post' or None")
     net = _Clock(comm, no_shard)
     gather, reduction = net.gather, net.reduction
-    now = gather(root, 0.0) + root.time.forward * root_split
+    now = gather(root, 0.0) + root.time.forward * root_split + root.overhead / 2
     ahead: dict[int, float] = {}
     for i, u in enumerate(units):
         ready = ahead.pop(i) if i in ahead else gather(u, now)
         now = max(now, ready)
         if forward_prefetch and i + 1 < len(units):
             ahead[i + 1] = gather(units[i + 1], now)
-        now += u.time.forward
+        now += u.time.forward + u.overhead / 2
     now += root.time.forward * (1 - root_split) + root.time.backward * (1 - root_split)
     ahead, in_flight = {}, 0.0
     for i in reversed(range(len(units))):
@@ -162,15 +170,17 @@ def simulate_step(
         prev = units[i - 1] if i else None
         if backward_prefetch == "pre" and prev is not None and prev.reshard_after_forward:
             ahead[i - 1] = gather(prev, now)
-        now += u.time.backward + (u.time.forward if u.checkpoint else 0.0)
+        now += u.time.backward + u.overhead / 2
         if backward_prefetch == "post" and prev is not None and prev.reshard_after_forward:
             ahead[i - 1] = gather(prev, now)
         now = max(now, in_flight)
         in_flight = reduction(u, now)
-    now += root.time.backward * root_split
+    now += root.time.backward * root_split + root.overhead / 2
     now = max(now, in_flight)
     now = max(now, reduction(root, now))
-    compute = sum(u.time.forward * (2 if u.checkpoint else 1) + u.time.backward for u in [root, *units])
+    compute = sum(u.time.forward + u.time.backward for u in [root, *units])
+    engine = sum(u.overhead for u in [root, *units])
     if comm.contended:  # nothing overlaps: every collective's wall time plus its CPU time
-        now = compute + net.busy * (1 + comm.cpu_share)
-    return StepTime(now + optimizer_seconds, compute, now - compute, optimizer_seconds, net.busy)
+        now = compute + engine + net.busy * (1 + comm.cpu_share)
+    exposed = now - compute - engine
+    return StepTime(now + optimizer_seconds, compute, exposed, optimizer_seconds, net.busy, engine)

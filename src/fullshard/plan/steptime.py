@@ -1,11 +1,14 @@
 """Step-time prediction: calibrate once on this machine, then predict any configuration.
 
 :func:`calibrate` (collective, a few seconds) measures the collectives of this backend and
-world size, each distinct block's forward and backward at the real batch shape, and the
-optimizer's seconds per parameter; :func:`predict_step` turns a configuration (per-unit
-resharding, activation checkpointing, mixed precision, NO_SHARD) into unit costs and replays
-fullshard's schedule (:func:`~fullshard.plan.simulate.simulate_step`). Every rank
-calibrates at once; each time is the slowest rank's, as a step waits for the slowest rank.
+world size, each distinct block's forward and backward at the real batch shape, plain and as
+activation checkpointing runs it (the recomputation and the checkpointing's own work in its
+backward), the optimizer's seconds per parameter, and the engine's own time per unit of each
+kind (:mod:`fullshard.plan.overhead`); :func:`predict_step` turns a configuration (per-unit
+resharding, activation checkpointing, mixed precision, NO_SHARD, units of several blocks) into
+unit costs and replays fullshard's schedule (:func:`~fullshard.plan.simulate.simulate_step`).
+Every rank calibrates at once; each time is the slowest rank's, as a step waits for the slowest
+rank.
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ from fullshard.plan.calibrate import (
     CommModel,
     calibrate_comm,
     calibrate_copies,
-    time_blocks,
     time_optimizer,
+    time_units,
 )
-from fullshard.plan.estimate import UnitEstimate, estimate_model_state
+from fullshard.plan.estimate import UnitEstimate, estimate_model_state, owned_params
+from fullshard.plan.overhead import NONE, Overhead, calibrate_overhead
 from fullshard.plan.peak import offloads
 from fullshard.plan.simulate import StepTime, UnitCost, merge_costs, simulate_step
 
@@ -43,9 +47,13 @@ class Calibration:
     optimizer_seconds_per_param: float
     optimizer: str
     checkpointed: dict[str, BlockTime] = dataclasses.field(default_factory=dict)
-    """Block times with only one unit's activations live (a checkpointed unit's); ``blocks`` where absent."""
+    """Each unit's times as activation checkpointing runs it, its backward including the
+    recomputed forward; where absent, ``blocks``' with one more forward in the backward."""
     host_optimizer_seconds_per_param: float = 0.0
     """The optimizer step on the CPU (CPU offload), measured on CUDA; 0 where not (a CPU device)."""
+    overhead: Overhead = NONE
+    """The engine's own seconds per unit and step beyond compute and collectives, by kind of unit
+    (:func:`~fullshard.plan.overhead.calibrate_overhead`); none where not measured."""
     leftover_bytes: int = 0
     """Bytes calibration left in the buffer pool (the planner counts them on top of every
     prediction); 0 when it released everything, as :func:`calibrate` does."""
@@ -62,13 +70,15 @@ def calibrate(
     optimizer: str = "adamw",
     group: Any = None,
 ) -> Calibration:
-    """Measure this machine for the model (collective: every rank of ``group`` calls it). On
-    CUDA it also measures what CPU offload costs: pinned copies each way and the optimizer
-    step on the CPU.
+    """Measure this machine for the model (collective: every rank of ``group`` calls it): the
+    collectives, the blocks (plain and checkpointed), the optimizer, the engine's own time per
+    unit (on a stand-in model of as many units). On CUDA it also measures what CPU offload
+    costs: pinned copies each way and the optimizer step on the CPU.
 
     It leaves nothing behind for training to carry: the collectives' scratch buffers it gives
     to :data:`~fullshard.comm.buffers.POOL` are dropped (sizes of its own that training need
-    not ask for again), and the blocks, tensors and optimizer it times are freed on return.
+    not ask for again), and the blocks, stand-ins, tensors and optimizers it times are freed on
+    return (``fully_shard``'s default device mesh, made once per process, stays).
 
     Args:
         make_model: builds a fresh, unsharded model on ``device``.
@@ -81,7 +91,8 @@ def calibrate(
         group: the process group (default: the world).
 
     Returns:
-        a :class:`Calibration`: collective costs, block times (seconds) by unit, optimizer seconds per parameter.
+        a :class:`Calibration`: collective costs, block times (seconds) by unit, plain and
+        checkpointed, optimizer seconds per parameter, the engine's seconds per unit.
     """
     held = buffers.POOL.nbytes
     with buffers.POOL.transient():
@@ -103,10 +114,11 @@ def _calibrate(
     comm = calibrate_comm(group)
     h2d, d2h = calibrate_copies(device)
     comm = dataclasses.replace(comm, h2d=h2d, d2h=d2h)
-    blocks = time_blocks(make_model, example, loss_fn, is_unit, device, compute_dtype)
-    alone = time_blocks(make_model, example, loss_fn, is_unit, device, compute_dtype, held=False)
+    timed = time_units(make_model, example, loss_fn, is_unit, device, compute_dtype)
+    blocks, alone = timed.blocks, timed.checkpointed
     with torch.device("meta"):
-        numel = sum(p.numel() for p in make_model().parameters())
+        meta = make_model()
+    numel = sum(p.numel() for p in meta.parameters())
     # an optimizer step's time is linear in its elements: time at most 2**24 (a whole shard of a
     # large model would take its parameters, gradients and state once more, on each rank at once)
     shard = max(1, min(numel // collectives.group_size(group), OPTIMIZER_TIMING_NUMEL))
@@ -115,16 +127,46 @@ def _calibrate(
     host_per_param = time_optimizer(shard, cpu, optimizer) / shard if device.type == "cuda" else 0.0
     # A step runs at the pace of the slowest rank (every collective waits for it): keep each
     # time's maximum over the ranks, which time the same blocks at the same moment.
-    names = list(blocks)
-    times = [t for d in (blocks, alone) for n in names for t in (d[n].forward, d[n].backward)]
+    names, checkpointed = list(blocks), list(alone)
+    times = [t for d, ns in ((blocks, names), (alone, checkpointed)) for n in ns for t in (d[n].forward, d[n].backward)]
     times += [per_param, host_per_param]
     slowest = torch.tensor(times, dtype=torch.float64, device=collectives.reduction_device(group))
     collectives.all_reduce_max(slowest, group)
     values = slowest.tolist()
-    blocks, alone = (
-        {n: BlockTime(values[2 * i], values[2 * i + 1]) for i, n in enumerate(names, k)} for k in (0, len(names))
+    pairs = [BlockTime(values[2 * i], values[2 * i + 1]) for i in range(len(names) + len(checkpointed))]
+    blocks = dict(zip(names, pairs))
+    alone = dict(zip(checkpointed, pairs[len(names) :]))
+    overhead = _overhead(
+        comm, meta, is_unit, [n for n in names if n != "<root>"], device, compute_dtype, optimizer, group
     )
-    return Calibration(comm, blocks, values[-2], optimizer, alone, values[-1])
+    return Calibration(comm, blocks, values[-2], optimizer, alone, values[-1], overhead)
+
+
+def _overhead(
+    comm: CommModel,
+    meta: nn.Module,
+    is_unit: Callable[[nn.Module], bool],
+    units: list[str],
+    device: torch.device,
+    compute_dtype: torch.dtype | None,
+    optimizer: str,
+    group: Any,
+) -> Overhead:
+    """:func:`~fullshard.plan.overhead.calibrate_overhead` on a stand-in shaped as ``meta``: its
+    timed units' count, their median parameter count, the root's."""
+    owned = owned_params(meta, is_unit)
+    counts = sorted(len(owned.get(n, [])) for n in units)
+    per_unit = counts[len(counts) // 2] if counts else 0
+    return calibrate_overhead(
+        comm,
+        len(units),
+        per_unit,
+        len(owned[""]),
+        device,
+        compute_dtype=compute_dtype,
+        optimizer=optimizer,
+        group=group,
+    )
 
 
 def predict_step(
@@ -171,6 +213,9 @@ def predict_step(
         )
     costs = _unit_costs(cal, units, world, keep_gathered, checkpoint, param_dtype, offload)
     root, rest = costs[0], merge_costs(costs[1:], group)
+    root, *rest = (  # the engine's own work, per unit (a group of blocks is one unit)
+        dataclasses.replace(u, overhead=cal.overhead.per_unit(no_shard, u.reshard_after_forward)) for u in [root, *rest]
+    )
     local = sum(u.numel for u in units) if no_shard else sum(u.numel for u in units) // world
     per_param = cal.host_optimizer_seconds_per_param if offload else cal.optimizer_seconds_per_param
     return simulate_step(
@@ -198,7 +243,7 @@ def _unit_costs(
     return [
         UnitCost(
             u.name,
-            cal.checkpointed.get(u.name, cal.blocks[u.name]) if u.name in checkpoint else cal.blocks[u.name],
+            _checkpointed(cal, u.name) if u.name in checkpoint else cal.blocks[u.name],
             gather_bytes=u.full_bytes if world > 1 else 0,
             reduce_bytes=u.numel * reduce_size if world > 1 else 0,
             reshard_after_forward=u.name not in keep_gathered,
@@ -209,3 +254,12 @@ def _unit_costs(
         for u in units
         if u.name in cal.blocks  # else a unit nested in another: timed with its parent
     ]
+
+
+def _checkpointed(cal: Calibration, name: str) -> BlockTime:
+    """Unit ``name``'s times under activation checkpointing: calibrated, else its plain forward
+    once more in the backward (the recomputation alone, no checkpointing overhead)."""
+    if name in cal.checkpointed:
+        return cal.checkpointed[name]
+    plain = cal.blocks[name]
+    return BlockTime(plain.forward, plain.backward + plain.forward)

@@ -104,7 +104,11 @@ def _parser() -> argparse.ArgumentParser:
         help="compare: several workloads (overrides --compare)",
     )
     p.add_argument(
-        "--rounds", type=int, default=2, help="compare: turns per implementation, the order reversed every other round"
+        "--rounds",
+        type=int,
+        default=2,
+        help="compare: turns per implementation, the order reversed every other round; plan --sweep: rounds of 10 "
+        "interleaved steps per configuration",
     )
     p.add_argument("--write", metavar="MARKDOWN", help="compare: write the tables into this file's generated section")
     p.add_argument("--chart", metavar="PNG", help="compare: write a chart of step time and memory (needs matplotlib)")
@@ -176,16 +180,6 @@ def _plan_main(args: argparse.Namespace) -> int:
     from fullshard.jobs.planning import plan_sweep
 
     for line in plan_sweep.report(_sweep_seed(args, "plan", "model/budget pair"), args.sweep, args.rounds):
-        print(line, flush=True)
-    return 0
-    import time
-
-    from fullshard.jobs.planning import plan_sweep
-
-    if args.sweep < 1:
-        raise SystemExit(f"fullshard bench plan: --sweep {args.sweep}: draw at least one model/budget pair")
-    seed = args.seed if args.seed is not None else int(time.time()) % 1_000_000
-    for line in plan_sweep.report(seed, args.sweep, args.rounds):
         print(line, flush=True)
     return 0
 

@@ -5,12 +5,11 @@ budget (ample: twice the largest hand configuration's predicted peak; tight: 1.1
 candidate with the smallest predicted peak needs under the planner's margin), ``world`` fresh
 processes calibrate and plan; then the planned configuration and the six hand configurations
 (FULL_SHARD per block, SHARD_GRAD_OP per block, NO_SHARD, each with and without activation
-checkpointing) are each built from the same seed,
-applied with :meth:`~fullshard.plan.candidate.Candidate.apply`, and measured
-(:func:`measure_all`): the median step of 5 after 2 warm-up steps, the fastest of 3 rounds, and
-the third step's peak of live tensor bytes on rank 0
-(a separate build under :class:`~fullshard.plan.tracker.LiveTensorBytes`, which slows
-steps down).
+checkpointing) are each built from the same seed, applied with
+:meth:`~fullshard.plan.candidate.Candidate.apply`, and measured (:func:`measure_all`): all
+built at once, taking turns step by step, the median of 30 steps after 2 warm-up steps; and the
+third step's peak of live tensor bytes on rank 0 (a separate build under
+:class:`~fullshard.plan.tracker.LiveTensorBytes`, which slows steps down).
 """
 
 from __future__ import annotations
@@ -75,47 +74,59 @@ def workload(c: Config) -> Workload:
     )
 
 
-def _steps(w: Workload, cand: Candidate, device: torch.device, n: int, live: LiveTensorBytes | None) -> list[float]:
+def _build(w: Workload, cand: Candidate, device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     with torch.device(device):
         model = cand.apply(w.make(), w.param_dtype)
-    opt = w.optimizer(model.parameters())
-    times = []
-    for _ in range(n):
-        batch = w.batch()
-        if live is not None:
-            live.reset_peak()
-        start = time.perf_counter()
-        w.loss_fn(model, batch).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - start)
-    return times
+    return model, w.optimizer(model.parameters())
 
 
-def measure(w: Workload, cand: Candidate, device: torch.device) -> tuple[float, int]:
-    """(median step seconds, third-step peak live tensor bytes) of ``cand`` on this rank."""
-    seconds = statistics.median(_steps(w, cand, device, 7, None)[2:])
-    # The pool's scratch buffers would otherwise outlive the timed build unseen by the tracker
+def _step(w: Workload, model: nn.Module, opt: torch.optim.Optimizer) -> float:
+    """Seconds of one training step on a fresh batch (the batch made before the clock starts)."""
+    batch = w.batch()
+    start = time.perf_counter()
+    w.loss_fn(model, batch).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
+
+
+def peak(w: Workload, cand: Candidate, device: torch.device) -> int:
+    """This rank's third-step peak of live tensor bytes of ``cand`` (a build of its own, under
+    :class:`~fullshard.plan.tracker.LiveTensorBytes`, which slows steps down)."""
+    # The pool's scratch buffers would otherwise outlive the timed builds unseen by the tracker
     # (it sees storages made while it is entered): the tracked build makes its own.
     buffers.POOL.clear()
     with LiveTensorBytes() as live:
-        _steps(w, cand, device, 3, live)
-    return seconds, live.peak
+        model, opt = _build(w, cand, device)
+        for _ in range(3):
+            live.reset_peak()
+            _step(w, model, opt)
+    return live.peak
+
+
+STEPS_PER_ROUND = 10  # timed steps of each candidate per round
 
 
 def measure_all(cands: list[Candidate], w: Workload, device: torch.device, rounds: int = 3) -> dict[Candidate, Any]:
-    """(seconds, peak bytes) of each distinct candidate: the fastest of ``rounds`` medians, the
-    candidates measured in turn each round, so that the machine's slow minutes (on this 2-core
-    machine the same configuration measured 142 and 219 ms minutes apart) do not fall on one of
-    them only; a plan that equals a hand configuration is that configuration's measurement."""
-    times: dict[Candidate, list[float]] = {cand: [] for cand in dict.fromkeys(cands)}
-    peaks: dict[Candidate, int] = {}
-    for _ in range(rounds):
-        for cand in times:
-            seconds, peaks[cand] = measure(w, cand, device)
-            times[cand].append(seconds)
-    return {cand: (min(ts), peaks[cand]) for cand, ts in times.items()}
+    """(seconds, peak bytes) of each distinct candidate on this rank. Seconds: the median of
+    ``rounds`` x :data:`STEPS_PER_ROUND` steps after two warm-up steps, every candidate built
+    at once and the candidates taking turns step by step, so that the slow moments of a shared
+    machine (on this 2-core machine the same configuration measured 142 and 219 ms minutes
+    apart, and under other sessions' load the ranking of two configurations measured one after
+    the other flipped from one minute to the next) fall on all of them alike; peak: the third
+    step's peak of live tensor bytes (:func:`peak`). A plan that equals a hand configuration is
+    that configuration's measurement."""
+    distinct = list(dict.fromkeys(cands))
+    built = [_build(w, cand, device) for cand in distinct]
+    times: list[list[float]] = [[] for _ in distinct]
+    for i in range(2 + rounds * STEPS_PER_ROUND):
+        for (model, opt), kept in zip(built, times):
+            seconds = _step(w, model, opt)
+            if i >= 2:
+                kept.append(seconds)
+    del built
+    return {cand: (statistics.median(ts), peak(w, cand, device)) for cand, ts in zip(distinct, times)}
 
 
 def _worker(c: Config) -> list[dict[str, Any]] | None:

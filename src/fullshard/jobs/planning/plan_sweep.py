@@ -14,8 +14,9 @@ Each model: :data:`WORLD` fresh processes calibrate, rank 0 scores every candida
 plans each budget (:func:`~fullshard.plan.planner.choose`), then the plans and the six hand
 configurations (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, each without and with activation
 checkpointing on every block) are measured as ``fullshard bench plan`` measures its own
-(:func:`~fullshard.jobs.planning.plan_bench.measure_all`: the fastest of ``rounds`` median steps,
-rank 0's third-step peak of live tensor bytes), training with fused AdamW on random batches.
+(:func:`~fullshard.jobs.planning.plan_bench.measure_all`: all built at once, taking turns step
+by step, the median of ``rounds`` x 10 steps; rank 0's third-step peak of live tensor bytes),
+training with fused AdamW on random batches.
 Reported per pair: the plan, its predicted and measured peak, whether it fits its budget, and
 its step over the fastest hand configuration that fits the budget measured.
 """
@@ -107,10 +108,10 @@ def _worker(c: Config, budgets: list[tuple[str, float]], rounds: int) -> dict[st
 def measure_model(c: Config, budgets: list[tuple[str, float]], rounds: int, device: torch.device) -> dict[str, Any]:
     """On every rank of a started process group: calibrate, plan each (kind, fraction) budget of
     model ``c`` (rank 0 plans, every rank gets the plans) and measure the plans and the hand
-    configurations. Returns ``{"rows": [...], "hands": {name: (seconds, peak bytes)}}``, each
-    row with its ``kind``, ``budget`` (bytes), ``plan`` (a Candidate, None: refused),
-    ``predicted`` (peak bytes, step seconds), ``smallest_needs`` (bytes) and ``measured``
-    ((seconds, this rank's peak bytes) or None)."""
+    configurations. Returns ``{"rows": [...], "hands": {name: (seconds, peak bytes)},
+    "hands_predicted": {name: step seconds}}``, each row with its ``kind``, ``budget`` (bytes),
+    ``plan`` (a Candidate, None: refused), ``predicted`` (peak bytes, step seconds),
+    ``smallest_needs`` (bytes) and ``measured`` ((seconds, this rank's peak bytes) or None)."""
     from fullshard.comm import collectives
     from fullshard.plan.steptime import calibrate
 
@@ -118,12 +119,13 @@ def measure_model(c: Config, budgets: list[tuple[str, float]], rounds: int, devi
     dtype = torch.bfloat16 if c.precision == "bf16" else None
     cal = calibrate(make, example, loss_fn, is_unit, device, compute_dtype=dtype, optimizer="adamw")
     group = collectives.default_group()
-    rows = None
+    hands = hand_configurations(tuple(n for n in cal.blocks if n != "<root>"))
+    planned_on_0 = None
     if collectives.group_rank(group) == 0:
         scored = plan(cal, make, example, loss_fn, is_unit, 2**62, param_dtype=dtype).scored
-        rows = _plans(scored, budgets, cal.leftover_bytes)
-    rows = collectives.broadcast_object(rows, 0, group)
-    hands = hand_configurations(tuple(n for n in cal.blocks if n != "<root>"))
+        by_candidate = {s.candidate: s.step.seconds for s in scored}
+        planned_on_0 = _plans(scored, budgets, cal.leftover_bytes), {n: by_candidate[h] for n, h in hands.items()}
+    rows, hands_predicted = collectives.broadcast_object(planned_on_0, 0, group)
     work = Workload(
         make,
         lambda: families.random_batch(c.family, example, c.shape.vocab),
@@ -135,15 +137,23 @@ def measure_model(c: Config, budgets: list[tuple[str, float]], rounds: int, devi
     by_cand = measure_all([*hands.values(), *planned], work, device, rounds)
     for r in rows:
         r["measured"] = by_cand[r["plan"]] if r["plan"] is not None else None
-    return {"rows": rows, "hands": {name: by_cand[h] for name, h in hands.items()}}
+    return {"rows": rows, "hands": {name: by_cand[h] for name, h in hands.items()}, "hands_predicted": hands_predicted}
 
 
-def _line(c: Config, r: dict[str, Any], hands: dict[str, tuple[float, int]]) -> tuple[str, float | None]:
-    """The pair's table line and its step ratio to the fastest fitting hand (None: no ratio)."""
+def _line(
+    c: Config, r: dict[str, Any], hands: dict[str, tuple[float, int]], hands_predicted: dict[str, float] | None = None
+) -> tuple[str, float | None]:
+    """The pair's table line and its step ratio to the fastest fitting hand (None: no ratio);
+    steps as predicted / measured where ``hands_predicted`` (hand name -> predicted seconds) is given."""
     budget = r["budget"]
     fitting = {n: m for n, m in hands.items() if m[1] <= budget}
     fastest = min(fitting.items(), key=lambda kv: kv[1][0]) if fitting else None
-    hand = f"{fastest[0]} {1e3 * fastest[1][0]:,.1f}" if fastest else "none fits"
+    hand = "none fits"
+    if fastest is not None:
+        guess = (hands_predicted or {}).get(fastest[0])
+        hand = (
+            f"{fastest[0]} " + (f"{1e3 * guess:,.1f} / " if guess is not None else "") + f"{1e3 * fastest[1][0]:,.1f}"
+        )
     model = c.describe().split(" | ")[0] + f" {c.precision}"
     if r["plan"] is None:
         refused = f"refused (needs {r['smallest_needs'] / MIB:,.2f})"
@@ -151,17 +161,17 @@ def _line(c: Config, r: dict[str, Any], hands: dict[str, tuple[float, int]]) -> 
     seconds, peak = r["measured"]
     ratio = seconds / fastest[1][0] if fastest else None
     shown = f"{ratio:.2f}" if ratio is not None else "-"
-    predicted = r["predicted"][0] / MIB
+    predicted, step = r["predicted"][0] / MIB, f"{1e3 * r['predicted'][1]:,.1f} / {1e3 * seconds:,.1f}"
     fits = "yes" if peak <= budget else "**NO**"
     return (
         f"| {model} | {r['kind']} {budget / MIB:,.2f} | {r['plan'].describe()} | {predicted:,.2f} / {peak / MIB:,.2f} "
-        f"| {fits} | {1e3 * seconds:,.1f} | {hand} | {shown} |"
+        f"| {fits} | {step} | {hand} | {shown} |"
     ), ratio
 
 
 HEADER = [
-    "| model | budget (MiB) | plan | peak predicted / measured (MiB) | fits | plan step (ms) "
-    "| fastest fitting hand (ms) | plan / hand |",
+    "| model | budget (MiB) | plan | peak predicted / measured (MiB) | fits | plan step predicted / measured (ms) "
+    "| fastest fitting hand, predicted / measured (ms) | plan / hand (measured) |",
     "|---|---|---|---|---|---|---|---|",
 ]
 
@@ -189,7 +199,7 @@ def report(seed: int, n: int, rounds: int = 2) -> Iterator[str]:
             continue
         assert result is not None
         for r in result["rows"]:
-            line, ratio = _line(c, r, result["hands"])
+            line, ratio = _line(c, r, result["hands"], result.get("hands_predicted"))
             yield line
             if r["plan"] is None:
                 any_hand = any(m[1] <= r["budget"] for m in result["hands"].values())
