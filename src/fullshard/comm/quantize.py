@@ -50,11 +50,20 @@ def _parts(row: torch.Tensor, numel: int, nb: int) -> tuple[torch.Tensor, torch.
     return row[..., : 4 * nb].view(torch.float32), row[..., 4 * nb : 4 * nb + numel].view(torch.int8)
 
 
-def _spans(numel: int, block_size: int, segments: Sequence[int] | None) -> list[tuple[int, int, int, int]]:
-    """(start, stop, first block, block length) of runs of equal blocks, about :data:`CHUNK`
+def _chunk(device: torch.device) -> int:
+    """Elements per step on ``device``: :data:`CHUNK` on the CPU (temporaries stay in cache); on
+    an accelerator every kernel launch costs microseconds, so a whole segment is one step (an
+    H200 quantized 2-3 GB/s chunk by chunk, launch-bound)."""
+    return CHUNK if device.type == "cpu" else 1 << 62
+
+
+def _spans(
+    numel: int, block_size: int, segments: Sequence[int] | None, device: torch.device
+) -> list[tuple[int, int, int, int]]:
+    """(start, stop, first block, block length) of runs of equal blocks, about :func:`_chunk`
     elements each: whole blocks of each segment, then its shorter last block on its own."""
     spans = []
-    step = max(1, CHUNK // block_size) * block_size
+    step = max(1, min(_chunk(device), numel) // block_size) * block_size
     offset = first = 0
     for length in segments if segments is not None else (numel,):
         whole = length // block_size * block_size
@@ -98,7 +107,7 @@ def quantize_into(
     nb = blocks(numel, block_size, segments)
     scales, values = _parts(row, numel, nb)
     row[4 * nb + numel :].zero_()
-    spans = _spans(numel, block_size, segments)
+    spans = _spans(numel, block_size, segments, x.device)
     scratch = torch.empty(max((stop - start for start, stop, _, _ in spans), default=0), device=x.device)
     for start, stop, first, b in spans:
         count = (stop - start) // b
@@ -166,7 +175,7 @@ def dequantize_into(
     """
     numel = out.shape[1]
     scales, values = _parts(rows, numel, blocks(numel, block_size, segments))
-    spans = _spans(numel, block_size, segments)
+    spans = _spans(numel, block_size, segments, out.device)
     for r in range(rows.shape[0]):
         for start, stop, first, b in spans:
             s = scales[r, first : first + (stop - start) // b]
@@ -194,8 +203,9 @@ def dequantize_sum_into(
     """
     numel = out.numel()
     scales, values = _parts(rows, numel, blocks(numel, block_size, segments))
-    spans = _spans(numel, block_size, segments)
-    scratch = None if out.dtype == torch.float32 else torch.empty(max((b - a for a, b, _, _ in spans), default=0))
+    spans = _spans(numel, block_size, segments, out.device)
+    longest = max((b - a for a, b, _, _ in spans), default=0)
+    scratch = None if out.dtype == torch.float32 else torch.empty(longest, device=out.device)
     for start, stop, first, b in spans:
         # float32 output: summed in place, two passes over the chunk; else in a float32 scratch
         acc = out[start:stop].view(-1, b) if scratch is None else scratch[: stop - start].view(-1, b)
@@ -226,9 +236,10 @@ def sum_into(rows: torch.Tensor, own: torch.Tensor, out: torch.Tensor, divide_by
         divide_by: the divisor.
     """
     numel = out.numel()
-    scratch = None if out.dtype == torch.float32 else torch.empty(min(CHUNK, numel))
-    for start in range(0, numel, CHUNK):
-        stop = min(start + CHUNK, numel)
+    chunk = min(_chunk(out.device), numel)
+    scratch = None if out.dtype == torch.float32 else torch.empty(chunk, device=out.device)
+    for start in range(0, numel, max(chunk, 1)):
+        stop = min(start + chunk, numel)
         acc = out[start:stop] if scratch is None else scratch[: stop - start]
         mine = own[start:stop]
         fused = mine.dtype == torch.float32 and rows.shape[0] > 0  # a bf16 + bf16 sum would round in bf16
