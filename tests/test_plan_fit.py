@@ -75,8 +75,10 @@ def test_calibration_leaves_no_tensor_and_no_pooled_buffer_behind() -> None:
     for r in run_ranks(calibration_leftovers_body, 2, timeout=180):
         assert r["live_after"] == r["live_before"] and r["pool_after"] == r["pool_before"] == 0, r
         assert r["leftover"] == 0
-        # the control: the same collectives without the release keep their receive buffers
-        assert r["pool_control"] == 4 * ((1 << 12) + (1 << 16)) // 2 == r["live_control"] - r["live_after"], r
+        # the control: timing the collectives alone keeps no receive buffer either, since a
+        # 2-rank reduce-scatter on gloo now receives straight into its output (before that
+        # change this measured 4 x (2^12 + 2^16) / 2 bytes pooled)
+        assert r["pool_control"] == 0, r
 
 
 def _error_column(source: str, seed: int, commit: str) -> list[float]:
