@@ -83,7 +83,6 @@ def quantize_into(
     row: torch.Tensor,
     block_size: int,
     generator: torch.Generator | None = None,
-    residual: torch.Tensor | None = None,
     segments: Sequence[int] | None = None,
 ) -> None:
     """Quantize the row ``x`` into the packed row ``row``.
@@ -111,14 +110,12 @@ def quantize_into(
     scratch = torch.empty(max((stop - start for start, stop, _, _ in spans), default=0), device=x.device)
     for start, stop, first, b in spans:
         count = (stop - start) // b
-        res = residual[start:stop].view(-1, b) if residual is not None else None
         _quantize_blocks(
             x[start:stop].view(-1, b),
             scales[first : first + count],
             values[start:stop].view(-1, b),
             scratch[: stop - start].view(-1, b),
             generator,
-            res,
         )
 
 
@@ -128,15 +125,12 @@ def _quantize_blocks(
     values: torch.Tensor,
     scratch: torch.Tensor,
     generator: torch.Generator | None,
-    residual: torch.Tensor | None = None,
 ) -> None:
     """Quantize whole blocks ``x`` (k, b) into ``scales`` (k,) and ``values`` (k, b) int8, working
     in ``scratch`` (k, b) float32."""
     x = x.detach()
     if x.dtype != torch.float32:  # bf16 gradients under mixed precision: work in float32
         x = x.float()
-    if residual is not None:  # EXPERIMENT (error feedback): quantize x + residual, keep the new error
-        x = x + residual
     amax = torch.abs(x, out=scratch).amax(dim=1)
     torch.div(amax, INT8_MAX, out=scales)
     inverse = torch.where(amax > 0, INT8_MAX / amax, 0.0)  # a block of zeros: scale 0, values 0
@@ -147,8 +141,6 @@ def _quantize_blocks(
         t.add_(_dither(t.numel(), generator, t.device).view(t.shape), alpha=1 / 256).add_(1 / 512).floor_()
         t.clamp_(-INT8_MAX, INT8_MAX)  # 127.0000x plus a dither could floor to 128
     values.copy_(t)
-    if residual is not None:
-        torch.sub(x, t.mul_(scales[:, None]), out=residual)
 
 
 def _dither(numel: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:

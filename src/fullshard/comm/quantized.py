@@ -84,7 +84,6 @@ def reduce_scatter_quantized(
     divide_by: float = 1.0,
     generator: torch.Generator | None = None,
     async_op: bool = False,
-    residual: torch.Tensor | None = None,
     segments: Sequence[int] | None = None,
 ) -> Handle | None:
     """Reduce ``input`` over ranks, sending int8 blocks or bf16, and keep chunk r on rank r.
@@ -122,8 +121,7 @@ def reduce_scatter_quantized(
         row = packed_bytes(chunk, block_size, segments)
         send = POOL.acquire((n - 1) * row, torch.uint8, input.device)
         for j, r in enumerate(others):
-            res = residual.view(n - 1, chunk)[j] if residual is not None else None
-            quantize_into(chunks[r], send[j * row : (j + 1) * row], block_size, generator, res, segments)
+            quantize_into(chunks[r], send[j * row : (j + 1) * row], block_size, generator, segments)
     else:
         row = chunk
         send = POOL.acquire((n - 1) * row, torch.bfloat16, input.device)

@@ -202,10 +202,11 @@ class CommQuantization:
             nearest; 2 bytes per element) and sums what it receives in float32. "int8": the
             chunks go as int8 blocks with float32 scales, rounded *stochastically* (unbiased:
             the expected value is the gradient), and are summed in float32. Stochastic rounding
-            was chosen over error feedback by measurement (docs/comm_quantization.md): the same
-            loss at no memory cost, where error feedback keeps a float32 residual of (N-1)/N of
-            every gradient on each rank. None: reduced exactly as without quantization (in
-            ``reduce_dtype``).
+            was chosen over error feedback by measurement (docs/comm_quantization.md): both
+            ended a 300-step GPT run within 1% of the exact loss, and error feedback would keep
+            a float32 residual of (N-1)/N of every gradient on each rank, where stochastic
+            rounding keeps nothing. Blocks, here and for ``params``, never span two parameters.
+            None: reduced exactly as without quantization (in ``reduce_dtype``).
         block_size: elements per block (one float32 scale each, 4 / block_size bytes per
             element); smaller blocks follow the values more closely and send more scales.
 

@@ -5,6 +5,9 @@ full parameters were freed just before, see ``Unit.reshard_for_packing``) -> cas
 dtype -> reduce-scatter -> (S_t,) -> cast back (and copied to CPU under offload) -> views of it
 become the shards' ``.grad``. Low-precision reductions divide before and after the sum so float16
 cannot overflow. The vocabulary (S, S_t, padded shard) is :mod:`.layout`'s and :mod:`.sharded_param`'s.
+Under ``CommQuantization(grads=...)`` the reduce-scatter sends bf16 or int8 blocks instead
+(:func:`fullshard.comm.quantized.reduce_scatter_quantized`; the packed gradient is not cast first,
+and the sum is float32, so nothing is divided before it).
 
 :class:`GradReducer` owns a unit's gradient state between backward and the optimizer: the
 reduction in flight, the last output buffer (reused on CPU), the host gradient buffer under
@@ -14,7 +17,6 @@ offload, and the partial sum kept while the replica all-reduce is off (a partial
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Sequence
 
 import torch
@@ -22,8 +24,6 @@ import torch
 from fullshard import probes
 from fullshard.comm import buffers, collectives, quantized
 from fullshard.engine.layout import UnitLayout
-
-_ROUNDING = os.environ.get("FULLSHARD_GRAD_ROUNDING", "stochastic")  # EXPERIMENT: stochastic, feedback, nearest
 
 
 def predivide_factor(ranks: int) -> int:
@@ -144,24 +144,7 @@ class GradReducer:
         works: list[collectives.Handle] = []
         if unit.shard_size > 1:
             divide_by = 1.0 if unit.replicate_size > 1 else post
-            if wire is not None:
-                assert quant is not None
-                h = quantized.reduce_scatter_quantized(
-                    out,
-                    grad,
-                    unit.shard_group,
-                    wire,
-                    quant.block_size,
-                    divide_by=divide_by,
-                    generator=quantized.rounding_generator(grad.device)
-                    if wire == "int8" and _ROUNDING == "stochastic"
-                    else None,
-                    async_op=True,
-                    residual=self._feedback(grad) if wire == "int8" and _ROUNDING == "feedback" else None,
-                    segments=[sp.spec.padded_shard_numel for sp in unit.trainable],
-                )
-            else:
-                h = collectives.reduce_scatter(out, grad, unit.shard_group, divide_by=divide_by, async_op=True)
+            h = self._reduce_scatter(out, grad, divide_by, wire)
             assert h is not None
             works.append(h)
         if all_reduce:
@@ -181,12 +164,27 @@ class GradReducer:
             buffers.POOL.lend(packed)  # comes back in finish()
         self._pending = _Pending(collectives.Handle(works), out, packed, partial_reduce)
 
-    def _feedback(self, grad: torch.Tensor) -> torch.Tensor:
-        """EXPERIMENT: the error-feedback residual, ((N-1) * S_t,) float32, zeros at first."""
-        n = self.unit.shard_size
-        if getattr(self, "_residual", None) is None:
-            self._residual = torch.zeros((n - 1) * self.unit.grad_numel, dtype=torch.float32, device=grad.device)
-        return self._residual
+    def _reduce_scatter(
+        self, out: torch.Tensor, grad: torch.Tensor, divide_by: float, wire: str | None
+    ) -> collectives.Handle | None:
+        """Start the reduce-scatter of the packed ``grad`` (N*S_t,) into ``out`` (S_t,): exact, or
+        quantized on the ``wire`` ("bf16", "int8": blocks per parameter, rounded stochastically)."""
+        unit = self.unit
+        if wire is None:
+            return collectives.reduce_scatter(out, grad, unit.shard_group, divide_by=divide_by, async_op=True)
+        quant = unit.config.comm_quantization
+        assert quant is not None
+        return quantized.reduce_scatter_quantized(
+            out,
+            grad,
+            unit.shard_group,
+            wire,
+            quant.block_size,
+            divide_by=divide_by,
+            generator=quantized.rounding_generator(grad.device) if wire == "int8" else None,
+            async_op=True,
+            segments=[sp.spec.padded_shard_numel for sp in unit.trainable],
+        )
 
     def _output(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Where the reduce-scatter writes this rank's gradient shard, shape (S_t,).

@@ -1,7 +1,7 @@
 """``fullshard plot METRICS.jsonl [...] -o FILE.png``: pictures of training runs from the jobs'
 JSON-lines metrics files (``--metrics-file``), drawn with matplotlib.
 
-Three panels: train and validation loss against the step (MNIST: the epoch), several runs
+Three panels: train and validation (MNIST: test) loss against the step (MNIST: the epoch), several runs
 overlaid; throughput (tokens/s, or samples/s for MNIST); peak RSS per rank (MiB). Runs that log
 a test accuracy (MNIST) get a fourth panel for it. A run that restarted logs some steps twice: the
 last record of each step is drawn, as the run ended up.
@@ -55,7 +55,7 @@ def draw(runs: dict[str, list[dict[str, Any]]], out: str | Path) -> Path:
         panels.append((axes[3], "test accuracy"))
     for label, recs in runs.items():
         xs = [_x(r) for r in recs]
-        for key, style in (("train_loss", "-"), ("val_loss", "--")):
+        for key, style in (("train_loss", "-"), ("val_loss", "--"), ("test_loss", ":")):
             ys = [r.get(key) for r in recs]
             if any(y is not None for y in ys):
                 loss.plot(xs, ys, style, label=f"{label} {key.split('_')[0]}")
