@@ -348,8 +348,9 @@ def test_a_value_read_in_the_meta_trace_names_the_problem() -> None:
 
 def test_peak_counts_resident_gradient_shards_and_the_receive_buffer() -> None:
     """On gloo each unit keeps its gradient shard between steps, and a reduce-scatter in flight
-    holds its receive buffer (one shard at 2 ranks, the whole input beyond) once there are two
-    units; on NCCL neither: gradients count as far as the trace had produced them."""
+    holds its receive buffer above 2 ranks (the whole input; at 2 ranks it receives straight
+    into the gradient shard, issue 33) once there are two units; on NCCL neither: gradients
+    count as far as the trace had produced them."""
     from fullshard.plan.estimate import UnitEstimate
     from fullshard.plan.peak import Trace, combine, grad_scale
 
@@ -361,7 +362,7 @@ def test_peak_counts_resident_gradient_shards_and_the_receive_buffer() -> None:
 
     traced = Trace(500, 0.25, "backward")
     two = combine(units(2, 2), traced, 2, backend="gloo")
-    assert two.gradients == 20 + 2 * 2000 and two.gradient_buffer == 4000 + 2000
+    assert two.gradients == 20 + 2 * 2000 and two.gradient_buffer == 4000
     assert combine(units(2, 4), traced, 4, backend="gloo").gradient_buffer == 4000 + 4000
     assert combine(units(1, 2), traced, 2, backend="gloo").gradient_buffer == 4000  # one unit: no overlap
     nccl = combine(units(2, 2), traced, 2, backend="nccl")
