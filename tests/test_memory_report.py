@@ -348,8 +348,9 @@ def test_a_value_read_in_the_meta_trace_names_the_problem() -> None:
 
 def test_peak_counts_resident_gradient_shards_and_the_receive_buffer() -> None:
     """On gloo each unit keeps its gradient shard between steps, and a reduce-scatter in flight
-    holds its receive buffer (one shard at 2 ranks, the whole input beyond) once there are two
-    units; on NCCL neither: gradients count as far as the trace had produced them."""
+    holds its receive buffer above 2 ranks (the whole input; at 2 ranks it receives straight
+    into the gradient shard, issue 33) once there are two units; on NCCL neither: gradients
+    count as far as the trace had produced them."""
     from fullshard.plan.estimate import UnitEstimate
     from fullshard.plan.peak import Trace, combine, grad_scale
 

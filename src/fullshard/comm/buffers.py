@@ -60,7 +60,7 @@ class BufferPool:
         key = (t.numel(), t.dtype, t.device)
         if lent and self._lent.get(key, 0) > 0:
             self._lent[key] -= 1
-        if not _whole(t):
+        if not whole(t):
             return  # only whole buffers come back
         free = self._free.setdefault(key, [])
         if len(free) + self._lent.get(key, 0) < self.per_size:
@@ -70,9 +70,16 @@ class BufferPool:
         """Note that ``t`` is in use by a collective in flight and comes back with
         ``release(t, lent=True)`` when it is waited on: until then it counts against its key's
         ``per_size``. A view or partial buffer (which would not be kept) is not counted."""
-        if _whole(t):
+        if whole(t):
             key = (t.numel(), t.dtype, t.device)
             self._lent[key] = self._lent.get(key, 0) + 1
+
+    def forget_lent(self, t: torch.Tensor) -> None:
+        """Stop counting ``t``, passed to :meth:`lend`, which stays in use elsewhere (gradient
+        shards live in it) and is not given back."""
+        key = (t.numel(), t.dtype, t.device)
+        if whole(t) and self._lent.get(key, 0) > 0:
+            self._lent[key] -= 1
 
     @property
     def nbytes(self) -> int:
@@ -110,7 +117,7 @@ class BufferPool:
             self._lent.clear()
 
 
-def _whole(t: torch.Tensor) -> bool:
+def whole(t: torch.Tensor) -> bool:
     """Whether ``t`` is a whole buffer: no view, contiguous, its storage exactly its elements."""
     return not compat.is_view(t) and t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size()
 

@@ -205,7 +205,23 @@ def lazy_init(module: nn.Module) -> FSDPState:
         h.is_root = h is state
         h.root = root
         h.unit.on_grad_ready = lambda u, r=root: post_backward(u, r)
+    _mark_sole_sizes(root.units)
     return state
+
+
+def _mark_sole_sizes(units: list[Unit]) -> None:
+    """Let the gradient shards of each unit whose full buffer no other pooled buffer of the tree
+    matches in size (numel and dtype: :meth:`~fullshard.engine.layout.UnitLayout.pooled_sizes`;
+    all of its parameters trainable, so its packed gradient is that size too) stay in its packed
+    gradient: the pool keeps that memory for it alone between steps
+    (:meth:`~fullshard.engine.reduce.GradReducer._reduces_in_place`)."""
+    sizes: dict[tuple[int, torch.dtype], int] = {}
+    for u in units:
+        for key in set(u.pooled_sizes()):
+            sizes[key] = sizes.get(key, 0) + 1
+    for u in units:
+        own = u.pooled_sizes()  # full, packed, scratch...: the packed gradient the full size, no scratch of it
+        u.grads.in_place = u.grad_numel == u.shard_numel > 0 and sizes[own[0]] == 1 and own.count(own[0]) == 2
 
 
 def _neighbour(order: list[Unit], unit: Unit, step: int) -> Unit | None:

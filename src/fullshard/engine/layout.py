@@ -241,6 +241,14 @@ class UnitLayout:
             # whose threads then outlive the interpreter) alive forever.
             self.full_flat.register_post_accumulate_grad_hook(_weak_hook(self))
 
+    def pooled_sizes(self) -> list[tuple[int, torch.dtype]]:
+        """The (numel, dtype) of the buffers this unit takes from ``buffers.POOL`` on CPU: the
+        full flat buffer, the packed gradient, then the all-gather's scratch for each run of
+        small parameters (the reductions' own buffers aside)."""
+        n, dtype = self.shard_size, self.compute_dtype
+        sizes = [(n * self.shard_numel, dtype), (n * self.grad_numel, dtype)]
+        return sizes + [(n * length, dtype) for group, _, length in self._pieces if len(group) > 1]
+
     def _plan_pieces(self) -> list[tuple[list[ShardedParam], int, int]]:
         """How the all-gather is split: (parameters, local offset, local length) per collective.
 

@@ -66,6 +66,7 @@ class _Pending:
     out: torch.Tensor
     packed: torch.Tensor | None  # the packed input, given back to the pool when done
     partial_reduce: bool  # ``out`` is a partial sum to keep (the replica all-reduce is off)
+    in_place: bool = False  # ``out`` is this rank's chunk of ``packed``
 
 
 class GradReducer:
@@ -85,6 +86,11 @@ class GradReducer:
         # reduce dtype, not summed by autograd in the compute dtype (bf16 chunks add up in fp32).
         self.upcast_unsynced = False
         self._unsynced: torch.Tensor | None = None  # (N*S_t,) in the reduce dtype
+        # Set by the hooks for a unit whose full buffer's size no other unit of its tree has: its
+        # gradient shards may stay in its own chunk of the packed gradient (see launch).
+        self.in_place = False
+        self._pinned: torch.Tensor | None = None  # the packed gradient the shards' .grad view
+        self._own = 0  # which chunk of it is this rank's
 
     @property
     def has_pending(self) -> bool:
@@ -93,8 +99,24 @@ class GradReducer:
 
     @property
     def last_output(self) -> torch.Tensor | None:
-        """The buffer the last reduce-scatter wrote (shape (S_t,)), kept for reuse on CPU."""
+        """The buffer the last reduce-scatter wrote (shape (S_t,)), kept for reuse on CPU (for a
+        reduction made in place, this rank's chunk of the packed gradient holding the shards')."""
+        if self._pinned is not None:
+            return self._pinned.view(self.unit.shard_size, -1)[self._own]
         return self._last_out
+
+    @property
+    def holding_packed(self) -> torch.Tensor | None:
+        """The packed gradient (N*S_t,) whose own chunk the shards' ``.grad`` view, or None."""
+        return self._pinned
+
+    def reclaim(self) -> None:
+        """Give the packed gradient that held the shards' gradients back to the pool once nothing
+        uses it any more (``zero_grad`` dropped them): the unit's next buffer of its size is it."""
+        pinned = self._pinned
+        if pinned is not None and buffers.sole_owner(pinned):
+            self._pinned = None
+            buffers.POOL.release(pinned)
 
     @property
     def partial_sum(self) -> torch.Tensor | None:
@@ -140,7 +162,12 @@ class GradReducer:
             grad.div_(pre)
         post = (unit.divide_factor or ranks) / pre
         all_reduce = unit.replicate_size > 1 and unit.all_reduce_grads
-        out = grad if unit.shard_size == 1 else self._output(unit.reduce_dtype if wire else grad.dtype, grad.device)
+        in_place = wire is None and self._reduces_in_place(grad)
+        if in_place:
+            self._own = collectives.group_rank(unit.shard_group)
+            out = grad.view(unit.shard_size, -1)[self._own]
+        else:
+            out = grad if unit.shard_size == 1 else self._output(unit.reduce_dtype if wire else grad.dtype, grad.device)
         works: list[collectives.Handle] = []
         if unit.shard_size > 1:
             divide_by = 1.0 if unit.replicate_size > 1 else post
@@ -162,7 +189,30 @@ class GradReducer:
         packed = grad if unit.shard_size > 1 else None
         if packed is not None:
             buffers.POOL.lend(packed)  # comes back in finish()
-        self._pending = _Pending(collectives.Handle(works), out, packed, partial_reduce)
+        self._pending = _Pending(collectives.Handle(works), out, packed, partial_reduce, in_place)
+
+    def _reduces_in_place(self, grad: torch.Tensor) -> bool:
+        """Whether the gradient shards can stay in this rank's chunk of the packed ``grad``.
+
+        For a unit whose full buffer's size is its own (:attr:`in_place`; typically the root:
+        embeddings and head): the pool keeps that buffer for this unit alone between steps, so
+        the shards' gradients can live in it until ``zero_grad`` instead of in a buffer of their
+        own (S_t bytes less at every moment of the step; issue 33). Only when the shards take
+        ``out`` as it is (no cast, no offload, no replica all-reduce) and the collectives reduce
+        in place (gloo, two ranks).
+        """
+        unit = self.unit
+        grad_dtype = grad.dtype if unit.config.keep_low_precision_grads else unit.dtype
+        return (
+            self.in_place
+            and unit.shard_size == 2
+            and unit.replicate_size == 1
+            and grad.dtype == grad_dtype == unit.compute_dtype  # the pool's packed buffer, kept as is
+            and grad.device == unit.shard_device
+            and not unit.config.offload
+            and buffers.whole(grad)
+            and collectives.reduces_in_place(unit.shard_group)
+        )
 
     def _reduce_scatter(
         self, out: torch.Tensor, grad: torch.Tensor, divide_by: float, wire: str | None
@@ -205,7 +255,7 @@ class GradReducer:
         if pending is None:
             return
         pending.handle.wait()
-        if pending.packed is not None:
+        if pending.packed is not None and not pending.in_place:
             buffers.POOL.release(pending.packed, lent=True)  # the next unit of this size packs into it
         out = pending.out
         if pending.partial_reduce:  # set_requires_all_reduce(False): sums kept until an all-reduce takes them
@@ -220,11 +270,13 @@ class GradReducer:
             host = self._grad_buffer(out.shape, grad_dtype)
             host.copy_(out, non_blocking=host.is_pinned())
             out = host
+        viewed = False  # some shard's .grad is now a view of ``out``
         for sp in unit.trainable:
             assert sp.shard is not None
             g = unit.local_view(sp, out)
             current = sp.local_grad()
             if current is None:
+                viewed = True
                 if g.dtype != sp.shard.dtype:  # keep_low_precision_grads: .data takes any dtype
                     sp.shard.grad = torch.empty_strided(g.shape, (0,) * g.dim(), dtype=sp.shard.dtype, device=g.device)
                     sp.shard.grad.data = g
@@ -232,6 +284,12 @@ class GradReducer:
                     sp.set_grad(g)
             else:
                 current.add_(g)
+        if pending.in_place and pending.packed is not None:
+            if viewed:  # the shards' gradients live in it until reclaim()
+                self._pinned = pending.packed
+                buffers.POOL.forget_lent(pending.packed)
+            else:
+                buffers.POOL.release(pending.packed, lent=True)
 
     def _grad_buffer(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """Where cast or offloaded gradients land: reused while no shard still holds the last one.

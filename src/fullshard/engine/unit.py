@@ -132,6 +132,7 @@ class Unit(UnitLayout):
     def _allocate_full(self) -> None:
         """Give the full flat buffer's storage its memory (reused memory on CPU, see ``comm.buffers``)."""
         data = self.full_data
+        self.grads.reclaim()  # the last step's packed gradient, when its gradient shards are gone
         self._pooled_full = buffers.acquire_storage(data.untyped_storage(), data.numel(), data.dtype, self.device)
 
     def _free_full(self) -> None:
@@ -328,6 +329,7 @@ class Unit(UnitLayout):
     # ---------------------------------------------------------------- gradients (see reduce)
     def pack_grads(self, grads: Sequence[torch.Tensor | None]) -> torch.Tensor:
         """The trainable parameters' full gradients packed rank-major, (N*S_t,): :func:`.reduce.pack_grads`."""
+        self.grads.reclaim()
         return pack_grads(self, grads)
 
     def reduce_grads(self) -> None:

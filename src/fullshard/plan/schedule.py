@@ -37,7 +37,10 @@ prefetch):
   gradient shards of another dtype than the reduction's get a fresh buffer. Then this unit's
   reduce-scatter starts: its receive buffer (the whole input, above 2 ranks; at 2 ranks the
   other rank's chunk arrives straight in the output) is taken from the pool, its output is the
-  unit's gradient-shard buffer, kept between steps. At
+  unit's gradient-shard buffer, kept between steps. At 2 ranks a unit whose full buffer's size
+  no other pooled buffer has (typically the root) reduces in place instead: its gradient shards
+  stay in its own chunk of the packed gradient (no gradient-shard buffer; a staging buffer of
+  one eighth of a shard while in flight), which goes back to the pool at its next gather. At
   one rank (and under NO_SHARD) the packed gradient is the gradient: it is never given back;
   cast to the parameter dtype, it is freed once the cast copy is made;
 - end of backward: every reduction finished, every unit resharded.
@@ -56,6 +59,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Sequence
 
+from fullshard.comm.collectives import IN_PLACE_PIECES
 from fullshard.plan.estimate import UnitEstimate
 from fullshard.plan.unit_buffers import ROOT, UnitBuffers, grouped_params, unit_buffers
 
@@ -146,6 +150,8 @@ class _Replay:
         self.forward_prefetch = False
         self.unit_of: dict[str, str] = {}  # block -> its unit (units of several blocks)
         self.closing: set[str] = set()  # each several-block unit's last block
+        self.in_place = _in_place_units(units) if world == 2 and not offload else set()
+        self.pinned: dict[str, Key] = {}  # in-place units' packed gradients holding their shards' (across steps)
 
     # -------------------------------------------------------------- per step
     def start(self, order: list[str]) -> None:
@@ -155,7 +161,7 @@ class _Replay:
         self.packed: set[str] = set()
         self.grads = 0  # gradient bytes outside the pool: shards' buffers, cast copies
         if self.world > 1 and not self.offload:  # each unit's reduce-scatter output, kept between steps
-            self.grads = sum(u.shard_grad * u.reduce for u in self.units.values())
+            self.grads = sum(u.shard_grad * u.reduce for u in self.units.values() if u.name not in self.in_place)
         self.in_flight: list[tuple[str, list[Key]]] = []  # the reduction launched last
         self.flight_bytes = 0
 
@@ -172,6 +178,7 @@ class _Replay:
                 self.wait(name)
             return
         self.gathered.add(name)
+        self.reclaim(name)
         self.pool.acquire(self.key(u.full, u.compute))
         keys = [self.key(s, u.compute) for s in u.scratch]
         for k in keys:
@@ -208,6 +215,7 @@ class _Replay:
         i = self.now[0]
         if name not in self.recomputed:
             self.reshard(name)
+        self.reclaim(name)
         packed = self.key(u.packed, u.compute)
         self.pool.acquire(packed)
         self.at(i, self.unpacked(grads), ("backward", name))
@@ -223,6 +231,10 @@ class _Replay:
             received = self.key(u.packed, u.reduce)
             self.pool.acquire(received)
             self.in_flight = [(name, [received, packed])]
+        elif name in self.in_place:  # reduced in place, through a staging buffer of its first piece
+            stage = self.key(-(-u.shard_grad // max(1, min(IN_PLACE_PIECES, u.shard_grad))), u.reduce)
+            self.pool.acquire(stage)
+            self.in_flight = [(name, [stage, packed])]
         else:  # at 2 ranks the other rank's chunk arrives straight in the gradient-shard buffer
             self.in_flight = [(name, [packed])]
         self.reshard(name)  # post-backward (a recomputed unit's only now, see the module docstring)
@@ -237,7 +249,11 @@ class _Replay:
             if self.world > 1:
                 for k in keys[:-1]:
                     self.pool.release(k)
-                self.pool.release(keys[-1], lent=True)  # the packed gradient
+                if name in self.in_place:  # the packed gradient holds the gradient shards
+                    self.pool.lent[keys[-1]] -= 1
+                    self.pinned[name] = keys[-1]
+                else:
+                    self.pool.release(keys[-1], lent=True)
             if u.reduce != u.param and not self.offload:
                 self.grads += u.shard_grad * u.param
                 self.observe()
@@ -247,6 +263,13 @@ class _Replay:
                 if u.reduce == u.param:  # the packed buffer becomes the gradient, never given back
                     self.grads += packed[0] * packed[1]
         self.in_flight = []
+
+    def reclaim(self, name: str) -> None:
+        """``name``'s packed gradient that held its gradient shards goes back to the pool (they
+        were dropped by ``zero_grad`` before this step)."""
+        key = self.pinned.pop(name, None)
+        if key is not None:
+            self.pool.release(key)
 
     def unpacked(self, grads: tuple[int, ...]) -> int:
         """Bytes of the per-parameter gradients (``grads``: produced per unit) not yet packed."""
@@ -375,6 +398,25 @@ def _step(
     r.at(last, r.unpacked(samples[last][1]), ("backward", ROOT))
     for u in [*reversed(order[1:]), ROOT]:
         r.pack(u, samples[last][1])
+
+
+def _in_place_units(units: Sequence[UnitBuffers]) -> set[str]:
+    """The units whose gradient shards stay in their packed gradient at two ranks (as
+    ``engine.hooks`` marks them and ``GradReducer`` decides): every parameter trainable, no cast,
+    and a full-buffer size no other pooled buffer has (another unit's, or its own scratch)."""
+    count: dict[Key, int] = {}
+    for u in units:
+        for numel in {u.full, u.packed, *u.scratch}:
+            count[(numel, u.compute)] = count.get((numel, u.compute), 0) + 1
+    return {
+        u.name
+        for u in units
+        if u.full
+        and u.full == u.packed
+        and u.full not in u.scratch
+        and u.compute == u.reduce == u.param
+        and count[(u.full, u.compute)] == 1
+    }
 
 
 def model_state(units: list[UnitEstimate]) -> int:
