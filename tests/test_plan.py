@@ -136,6 +136,30 @@ def test_contended_cores_overlap_nothing_and_pay_each_collectives_cpu_time() -> 
     assert free.seconds < t.seconds
 
 
+def test_the_overheads_stand_in_has_the_models_units_and_subtracts_its_modelled_collectives() -> None:
+    """The stand-in: as many units as asked, each with as many parameters, a root with its own,
+    every parameter receiving a gradient; the collectives subtracted are the model's for it."""
+    import dataclasses
+
+    from fullshard.plan import overhead
+
+    m = overhead._StandIn(3, 5, 2)
+    assert [len(list(u.parameters())) for u in m.units] == [5, 5, 5] and len(list(m.head.parameters())) == 2
+    m(torch.ones(4, overhead.WIDTH)).backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in m.parameters())
+    # NO_SHARD: 4 all-reduces (the root's too) of 5 or 2 parameters of WIDTH floats, no gather
+    comm = CommModel(2, "gloo", Link(MS, 0.0), reduce_scatter=Link(2 * MS, 0.0), all_reduce=Link(3 * MS, 0.0))
+    assert overhead._collectives(comm, 3, 5, 2, True, (), None) == pytest.approx(4 * 3 * MS)
+    # FULL_SHARD: a gather each in forward, again in backward for the 3 resharded units, a reduce-scatter each
+    assert overhead._collectives(comm, 3, 5, 2, False, (), None) == pytest.approx((4 + 3) * MS + 4 * 2 * MS)
+    kept = tuple(f"units.{i}" for i in range(3))
+    assert overhead._collectives(comm, 3, 5, 2, False, kept, None) == pytest.approx(4 * MS + 4 * 2 * MS)
+    bytes_cost = dataclasses.replace(comm, all_reduce=Link(0.0, 1.0))
+    assert overhead._collectives(bytes_cost, 1, 5, 2, True, (), torch.bfloat16) == pytest.approx((5 + 2) * 64 * 2)
+    with pytest.raises(ValueError, match="units=-1"):
+        overhead.calibrate_overhead(comm, -1, 5, 2, torch.device("cpu"))
+
+
 class _Counted(nn.Linear):
     calls: dict[int, int] = {}
 
