@@ -136,6 +136,30 @@ def test_contended_cores_overlap_nothing_and_pay_each_collectives_cpu_time() -> 
     assert free.seconds < t.seconds
 
 
+def test_the_overheads_stand_in_has_the_models_units_and_subtracts_its_modelled_collectives() -> None:
+    """The stand-in: as many units as asked, each with as many parameters, a root with its own,
+    every parameter receiving a gradient; the collectives subtracted are the model's for it."""
+    import dataclasses
+
+    from fullshard.plan import overhead
+
+    m = overhead._StandIn(3, 5, 2)
+    assert [len(list(u.parameters())) for u in m.units] == [5, 5, 5] and len(list(m.head.parameters())) == 2
+    m(torch.ones(4, overhead.WIDTH)).backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in m.parameters())
+    # NO_SHARD: 4 all-reduces (the root's too) of 5 or 2 parameters of WIDTH floats, no gather
+    comm = CommModel(2, "gloo", Link(MS, 0.0), reduce_scatter=Link(2 * MS, 0.0), all_reduce=Link(3 * MS, 0.0))
+    assert overhead._collectives(comm, 3, 5, 2, True, (), None) == pytest.approx(4 * 3 * MS)
+    # FULL_SHARD: a gather each in forward, again in backward for the 3 resharded units, a reduce-scatter each
+    assert overhead._collectives(comm, 3, 5, 2, False, (), None) == pytest.approx((4 + 3) * MS + 4 * 2 * MS)
+    kept = tuple(f"units.{i}" for i in range(3))
+    assert overhead._collectives(comm, 3, 5, 2, False, kept, None) == pytest.approx(4 * MS + 4 * 2 * MS)
+    bytes_cost = dataclasses.replace(comm, all_reduce=Link(0.0, 1.0))
+    assert overhead._collectives(bytes_cost, 1, 5, 2, True, (), torch.bfloat16) == pytest.approx((5 + 2) * 64 * 2)
+    with pytest.raises(ValueError, match="units=-1"):
+        overhead.calibrate_overhead(comm, -1, 5, 2, torch.device("cpu"))
+
+
 class _Counted(nn.Linear):
     calls: dict[int, int] = {}
 
@@ -192,6 +216,60 @@ def test_time_blocks_runs_a_kind_once_per_unit_of_it_and_times_per_unit() -> Non
     )
     assert same["1"] == same["2"] == same["3"] != same["0"]
     assert _Counted.calls == {8: 4 + 3 * 3 + 3 * 1}
+
+
+class _TupleLayer(nn.Linear):
+    """Returns (hidden states, None), as transformers' Falcon decoder layer does."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return super().forward(x), None
+
+
+class _TupleModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_TupleLayer(8, 8) for _ in range(2))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)[0]
+        return self.head(x)
+
+
+def test_time_units_takes_a_units_hidden_states_from_a_tuple_output() -> None:
+    """A unit returning a tuple is timed from its first floating-point tensor, and the root's own
+    layers are timed with stand-ins returning the same structure (``outputs[0]`` as the model
+    reads it); a unit with no tensor in its output is refused, naming it."""
+    from fullshard.plan.calibrate import _Stub, hidden_states, time_units
+
+    def example() -> tuple[torch.Tensor]:
+        return (torch.zeros(4, 8),)
+
+    def loss(m: nn.Module, b: tuple[torch.Tensor]) -> torch.Tensor:
+        return m(b[0]).square().mean()
+
+    t = time_units(_TupleModel, example, loss, lambda m: isinstance(m, _TupleLayer), torch.device("cpu"), repeats=1)
+    assert set(t.blocks) == {"layers.0", "layers.1", "<root>"} and set(t.checkpointed) == {"layers.0", "layers.1"}
+    assert all(b.forward > 0 and b.backward > 0 for b in [*t.blocks.values(), *t.checkpointed.values()])
+    x = torch.ones(4, 8, requires_grad=True)
+    out = _Stub((torch.empty(4, 8, device="meta"), None, {"cache": 3}))(x)
+    assert out[0].shape == (4, 8) and out[0].requires_grad and out[1:] == (None, {"cache": 3})
+    assert hidden_states([None, torch.zeros(2, dtype=torch.long), torch.ones(3)]).shape == (3,)
+
+    class _Ids(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x).long()
+
+    with pytest.raises(TypeError, match="unit '0' returns Tensor with no floating-point tensor"):
+        time_units(
+            lambda: nn.Sequential(_Ids(8, 8)),
+            example,
+            lambda m, b: m(b[0]).sum().float(),
+            lambda m: isinstance(m, _Ids),
+            torch.device("cpu"),
+            repeats=1,
+        )
 
 
 def test_calibration_and_trace_cast_float_inputs_to_the_compute_dtype() -> None:

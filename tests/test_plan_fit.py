@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -37,7 +38,7 @@ def test_a_transient_block_drops_only_the_buffers_it_added() -> None:
     assert pool.buffers() == [kept]
 
 
-def calibration_leftovers_body(rank: int, world: int) -> dict[str, int]:
+def calibration_leftovers_body(rank: int, world: int) -> dict[str, Any]:
     """Live tensor bytes and pooled bytes before and after :func:`calibrate` on this rank, and
     what timing the collectives alone (no release) leaves in the pool: the control."""
     from fullshard.comm import buffers
@@ -56,6 +57,7 @@ def calibration_leftovers_body(rank: int, world: int) -> dict[str, int]:
         out = {"live_before": live.measure(), "pool_before": buffers.POOL.nbytes}
         cal = calibrate(make, example, loss, is_unit, torch.device("cpu"), optimizer="adamw")
         out |= {"live_at_return": live.measure(), "pool_after": buffers.POOL.nbytes, "leftover": cal.leftover_bytes}
+        out["overhead"] = [cal.overhead.no_shard, cal.overhead.full_shard, cal.overhead.shard_grad_op]
         # gloo's worker thread lets go of the last collective's tensor (the calibration's times,
         # a few hundred bytes) just after the caller's wait returns: give it a moment
         deadline = time.monotonic() + 5.0
@@ -75,6 +77,7 @@ def test_calibration_leaves_no_tensor_and_no_pooled_buffer_behind() -> None:
     for r in run_ranks(calibration_leftovers_body, 2, timeout=180):
         assert r["live_after"] == r["live_before"] and r["pool_after"] == r["pool_before"] == 0, r
         assert r["leftover"] == 0
+        assert all(0 < s < 1 for s in r["overhead"]), r  # the stand-ins were built and timed: the engine costs time
         # the control: timing the collectives alone keeps no receive buffer either, since a
         # 2-rank reduce-scatter on gloo now receives straight into its output (before that
         # change this measured 4 x (2^12 + 2^16) / 2 bytes pooled)
@@ -171,10 +174,11 @@ def plan_sweep_model_body(rank: int, world: int) -> dict:
 def test_plan_sweep_measures_each_plan_and_every_hand_configuration() -> None:
     a, b = run_ranks(plan_sweep_model_body, 2, timeout=280)
     assert [r["plan"] for r in a["rows"]] == [r["plan"] for r in b["rows"]]  # every rank runs rank 0's plans
-    assert len(a["hands"]) == 6 and all(s > 0 and peak > 0 for s, peak in a["hands"].values())
+    assert len(a["hands"]) == 6 and all(s > 0 and peak > 0 and cpu > 0 for s, peak, cpu in a["hands"].values())
+    assert set(a["hands_predicted"]) == set(a["hands"]) and all(s > 0 for s in a["hands_predicted"].values())
     for r in a["rows"]:
         assert r["plan"] is not None, r  # a tight budget is what the smallest needs, or more
-        seconds, peak = r["measured"]
+        seconds, peak, _ = r["measured"]
         assert seconds > 0 and peak <= r["budget"], r  # the plan fits its budget, measured
 
 
@@ -187,7 +191,12 @@ def test_plan_sweep_report_counts_fits_ratios_refusals_and_failures(monkeypatch:
     names = ("blocks.0",)
     full, sgo = Candidate(False, (), (), False, names), Candidate(False, names, (), False, names)
     mib = 2**20
-    hands = {"FULL_SHARD": (0.10, 10 * mib), "SHARD_GRAD_OP": (0.08, 14 * mib), "NO_SHARD": (0.05, 30 * mib)}
+    # (wall seconds, peak, CPU seconds)
+    hands = {
+        "FULL_SHARD": (0.10, 10 * mib, 0.05),
+        "SHARD_GRAD_OP": (0.08, 14 * mib, 0.06),
+        "NO_SHARD": (0.05, 30 * mib, 0.01),
+    }
     calls = []
 
     def fake(worker: object, args: tuple, world: int, env: object = None) -> list:
@@ -200,14 +209,14 @@ def test_plan_sweep_report_counts_fits_ratios_refusals_and_failures(monkeypatch:
                 "budget": 12 * mib,
                 "plan": full,
                 "predicted": (9 * mib, 0.1),
-                "measured": (0.104, 11 * mib),
+                "measured": (0.104, 11 * mib, 0.051),
             },
             {
                 "kind": "drawn",
                 "budget": 15 * mib,
                 "plan": sgo,
                 "predicted": (12 * mib, 0.08),
-                "measured": (0.09, 16 * mib),
+                "measured": (0.09, 16 * mib, 0.06),
             },
             {"kind": "drawn", "budget": 5 * mib, "plan": None, "smallest_needs": 11 * mib, "measured": None},
         ]
@@ -223,11 +232,16 @@ def test_plan_sweep_report_counts_fits_ratios_refusals_and_failures(monkeypatch:
     assert len(calls) == 3 and "failed: worker rank 0 failed: boom" in text
     assert "Plans that fit their budget measured: 2 of 3." in text  # the SGO plan peaked at 16 > 15 MiB
     # 0.104 / FULL_SHARD's 0.10 (the only hand within 12 MiB) twice; 0.09 / SHARD_GRAD_OP's 0.08 (within 15 MiB)
-    assert "max 1.12, median 1.04, min 1.04; within 5% (or faster) in 2 of 3." in text
+    assert "step / fastest fitting hand step: max 1.12, median 1.04, min 1.04; within 5% (or faster) in 2 of 3." in text
+    # CPU time: 0.051 / FULL_SHARD's 0.05 twice; 0.06 / the least of FULL_SHARD's and SHARD_GRAD_OP's (0.05)
+    assert (
+        "CPU time / fastest fitting hand CPU time: max 1.20, median 1.02, min 1.02; within 5% (or faster) in 2 of 3."
+        in text
+    )
     assert "Refused (nothing fits under the margin): 1" in text and "Failed models: 1" in text
     assert "| **NO** |" in text and plan_sweep.MARGIN_FROM.describe() in text
     # steps predicted / measured: the plan's and the fastest fitting hand's
-    assert "| yes | 100.0 / 104.0 | FULL_SHARD 99.0 / 100.0 | 1.04 |" in text
+    assert "| yes | 100.0 / 104.0 | FULL_SHARD 99.0 / 100.0 | 1.04 | 1.02 |" in text
 
 
 def test_every_hand_configuration_the_sweeps_compare_against_is_a_candidate() -> None:

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from fullshard.comm import collectives
-from fullshard.compat import tree_map
+from fullshard.compat import tree_flatten, tree_map
 from fullshard.plan.meta_trace import traced
 from fullshard.plan.peak import cast_floats
 
@@ -176,17 +176,39 @@ class BlockTime:
     backward: float
 
 
+def hidden_states(output: Any) -> torch.Tensor | None:
+    """A unit's output tensor that the rest of the model computes from: ``output`` itself, or the
+    first floating-point tensor of a tuple, list or dict (a decoder layer's hidden states before
+    its attention weights or cache, as transformers' Falcon layer returns them); None if none."""
+    leaves, _ = tree_flatten(output)
+    return next((t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
+
+
+def _hidden(output: Any) -> torch.Tensor:
+    main = hidden_states(output)
+    assert main is not None, "a timed unit's output holds a floating-point tensor (checked by _kind)"
+    return main
+
+
 class _Stub(nn.Module):
-    """Stands in for a unit when the root's own layers are timed: returns a fresh tensor of the
-    unit's output shape that passes a zero gradient back to the unit's first input."""
+    """Stands in for a unit when the root's own layers are timed: returns fresh zero tensors in
+    the structure of the unit's output (``like``: what the meta trace saw; anything not a tensor
+    as it was), the hidden states passing a zero gradient back to the unit's first input."""
 
-    def __init__(self, shape: torch.Size, dtype: torch.dtype) -> None:
+    def __init__(self, like: Any) -> None:
         super().__init__()
-        self.shape, self.dtype = shape, dtype
+        self.like = like
 
-    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        out = torch.zeros(self.shape, dtype=self.dtype, device=x.device)
-        return out + x.flatten()[0] * 0 if x.requires_grad else out
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        main = hidden_states(self.like)
+
+        def fresh(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return t
+            out = torch.zeros(t.shape, dtype=t.dtype, device=x.device)
+            return out + x.flatten()[0] * 0 if t is main and x.requires_grad else out
+
+        return tree_map(fresh, self.like)
 
 
 def _units(model: nn.Module, is_unit: Callable[[nn.Module], bool]) -> dict[str, nn.Module]:
@@ -232,14 +254,12 @@ def compute_clock(device: torch.device) -> Callable[[], float]:
     return time.perf_counter
 
 
-def _time_fb(forward: Callable[[], torch.Tensor], device: torch.device, repeats: int, copies: int = 1) -> BlockTime:
+def _time_fb(forward: Callable[[], Any], device: torch.device, repeats: int, copies: int = 1) -> BlockTime:
     """Median seconds of one forward and one backward of ``forward()`` (see :func:`_time_each`)."""
     return _time_each([(forward, copies)], device, repeats)[0]
 
 
-def _time_each(
-    runs: list[tuple[Callable[[], torch.Tensor], int]], device: torch.device, repeats: int
-) -> list[BlockTime]:
+def _time_each(runs: list[tuple[Callable[[], Any], int]], device: torch.device, repeats: int) -> list[BlockTime]:
     """Median seconds of one forward and one backward of each ``(forward, copies)`` in ``runs``,
     the runs taking turns within every repeat (so that a slow moment of a shared machine falls
     on all of them, not on one). Each run's ``forward()`` is called ``copies`` times per repeat
@@ -255,7 +275,7 @@ def _time_each(
         for j, (forward, copies) in enumerate(runs):
             _sync(device)
             t0 = clock()
-            outs = [forward() for _ in range(copies)]
+            outs = [_hidden(forward()) for _ in range(copies)]
             _sync(device)
             if grads[j] is None and outs[0].dim() > 0:
                 grads[j] = torch.randn_like(outs[0])
@@ -274,8 +294,11 @@ def _time_each(
 
 def _kind(name: str, m: nn.Module, args: tuple, kwargs: dict[str, Any], result: Any) -> tuple:
     """What makes two units time alike: class, parameter shapes and dtypes, input shapes."""
-    if not isinstance(result, torch.Tensor):
-        raise TypeError(f"unit {name!r} returns {type(result).__name__}; time_blocks needs one tensor")
+    if hidden_states(result) is None:
+        raise TypeError(
+            f"unit {name!r} returns {type(result).__name__} with no floating-point tensor; time_units needs its "
+            "hidden states: a tensor, or a tuple, list or dict holding it first"
+        )
     shapes = tuple((n, tuple(p.shape), p.dtype) for n, p in m.named_parameters())
     # a block fed the raw input (no gradient) computes less backward than one fed activations
     inputs = tree_map(lambda a: (tuple(a.shape), a.requires_grad) if isinstance(a, torch.Tensor) else a, (args, kwargs))
@@ -326,8 +349,9 @@ def time_units(
     Units of one kind (same class, parameter and input shapes) are timed once. Unwrapped, one
     module runs as many times per forward as the model has units of that kind, its outputs
     holding as much activation memory as the model's; checkpointed, once (one unit's
-    activations are alive at a time, in its recomputation). A unit's first argument and its
-    output must be tensors; its other arguments, positional or keyword (a transformers decoder
+    activations are alive at a time, in its recomputation). A unit's first argument must be a
+    tensor and its output hold one (:func:`hidden_states`: its backward starts there); its other
+    arguments, positional or keyword (a transformers decoder
     layer's rotary tables and mask), are replayed as the trace saw them: tensors of their
     shapes, anything else as it was.
 
@@ -357,8 +381,7 @@ def time_units(
             recomputed[name] = ckpt
     for name, m in units.items():
         parent, _, leaf = name.rpartition(".")
-        result = seen[name][2]
-        model.get_submodule(parent).register_module(leaf, _Stub(result.shape, result.dtype))
+        model.get_submodule(parent).register_module(leaf, _Stub(seen[name][2]))
     root = _materialize(model, device)
     with torch.device(device):
         real_batch = cast_floats(

@@ -105,7 +105,8 @@ class Plan:
             *([f"Not exact: {p.bound}."] if p.bound else []),
             self.margin_line(),
             f"predicted step {1e3 * b.step.seconds:,.1f} ms (compute {1e3 * b.step.compute:,.1f}, exposed "
-            f"communication {1e3 * b.step.exposed_comm:,.1f}, optimizer {1e3 * b.step.optimizer:,.1f})",
+            f"communication {1e3 * b.step.exposed_comm:,.1f}, the engine's own work {1e3 * b.step.engine:,.1f}, "
+            f"optimizer {1e3 * b.step.optimizer:,.1f})",
             "",
             "| runner-up | peak (MiB) | step (ms) |",
             "|---|---|---|",

@@ -81,14 +81,15 @@ def _build(w: Workload, cand: Candidate, device: torch.device) -> tuple[nn.Modul
     return model, w.optimizer(model.parameters())
 
 
-def _step(w: Workload, model: nn.Module, opt: torch.optim.Optimizer) -> float:
-    """Seconds of one training step on a fresh batch (the batch made before the clock starts)."""
+def _step(w: Workload, model: nn.Module, opt: torch.optim.Optimizer) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds) of one training step on a fresh batch (the batch made
+    before the clocks start)."""
     batch = w.batch()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     w.loss_fn(model, batch).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
 def peak(w: Workload, cand: Candidate, device: torch.device) -> int:
@@ -109,24 +110,30 @@ STEPS_PER_ROUND = 10  # timed steps of each candidate per round
 
 
 def measure_all(cands: list[Candidate], w: Workload, device: torch.device, rounds: int = 3) -> dict[Candidate, Any]:
-    """(seconds, peak bytes) of each distinct candidate on this rank. Seconds: the median of
-    ``rounds`` x :data:`STEPS_PER_ROUND` steps after two warm-up steps, every candidate built
-    at once and the candidates taking turns step by step, so that the slow moments of a shared
-    machine (on this 2-core machine the same configuration measured 142 and 219 ms minutes
-    apart, and under other sessions' load the ranking of two configurations measured one after
-    the other flipped from one minute to the next) fall on all of them alike; peak: the third
-    step's peak of live tensor bytes (:func:`peak`). A plan that equals a hand configuration is
-    that configuration's measurement."""
+    """(seconds, peak bytes, CPU seconds) of each distinct candidate on this rank. Seconds: the
+    median wall time of ``rounds`` x :data:`STEPS_PER_ROUND` steps after two warm-up steps,
+    every candidate built at once and the candidates taking turns step by step, so that the slow
+    moments of a shared machine (on this 2-core machine the same configuration measured 142 and
+    219 ms minutes apart, and under other sessions' load the ranking of two configurations
+    measured one after the other flipped from one minute to the next) fall on all of them alike;
+    CPU seconds: the median of the same steps' process CPU time (compute, the engine's work and
+    gloo's threads; what other processes' load does not change, waiting excluded); peak: the
+    third step's peak of live tensor bytes (:func:`peak`). A plan that equals a hand
+    configuration is that configuration's measurement."""
     distinct = list(dict.fromkeys(cands))
     built = [_build(w, cand, device) for cand in distinct]
-    times: list[list[float]] = [[] for _ in distinct]
+    times: list[list[tuple[float, float]]] = [[] for _ in distinct]
     for i in range(2 + rounds * STEPS_PER_ROUND):
         for (model, opt), kept in zip(built, times):
             seconds = _step(w, model, opt)
             if i >= 2:
                 kept.append(seconds)
     del built
-    return {cand: (statistics.median(ts), peak(w, cand, device)) for cand, ts in zip(distinct, times)}
+    out = {}
+    for cand, ts in zip(distinct, times):
+        wall, cpu = statistics.median(t for t, _ in ts), statistics.median(c for _, c in ts)
+        out[cand] = (wall, peak(w, cand, device), cpu)
+    return out
 
 
 def _worker(c: Config) -> list[dict[str, Any]] | None:
@@ -170,7 +177,7 @@ def report(workloads: dict[str, Config] | None = None) -> list[str]:
             budget = row["bytes"]
             fitting = {n: m for n, m in result["hands"].items() if m[1] <= budget}
             fastest = min(fitting.items(), key=lambda kv: kv[1][0]) if fitting else None
-            for name, cand, pred, (sec, peak) in [
+            for name, cand, pred, (sec, peak, *_) in [
                 ("plan: " + row["plan"].describe(), row["plan"], row["predicted"], row["measured"]),
                 *[(n, None, result["predicted_hands"][n], m) for n, m in result["hands"].items()],
             ]:

@@ -17,8 +17,10 @@ checkpointing on every block) are measured as ``fullshard bench plan`` measures 
 (:func:`~fullshard.jobs.planning.plan_bench.measure_all`: all built at once, taking turns step
 by step, the median of ``rounds`` x 10 steps; rank 0's third-step peak of live tensor bytes),
 training with fused AdamW on random batches.
-Reported per pair: the plan, its predicted and measured peak, whether it fits its budget, and
-its step over the fastest hand configuration that fits the budget measured.
+Reported per pair: the plan, its predicted and measured peak, whether it fits its budget, its
+step (wall time) over the fastest hand configuration that fits the budget measured, and its
+process CPU time per step over the least of the fitting hands' (what other sessions' load on a
+shared machine does not change; waiting for the other rank excluded).
 """
 
 from __future__ import annotations
@@ -111,7 +113,8 @@ def measure_model(c: Config, budgets: list[tuple[str, float]], rounds: int, devi
     configurations. Returns ``{"rows": [...], "hands": {name: (seconds, peak bytes)},
     "hands_predicted": {name: step seconds}}``, each row with its ``kind``, ``budget`` (bytes),
     ``plan`` (a Candidate, None: refused), ``predicted`` (peak bytes, step seconds),
-    ``smallest_needs`` (bytes) and ``measured`` ((seconds, this rank's peak bytes) or None)."""
+    ``smallest_needs`` (bytes) and ``measured`` ((seconds, this rank's peak bytes, CPU seconds)
+    or None)."""
     from fullshard.comm import collectives
     from fullshard.plan.steptime import calibrate
 
@@ -141,10 +144,12 @@ def measure_model(c: Config, budgets: list[tuple[str, float]], rounds: int, devi
 
 
 def _line(
-    c: Config, r: dict[str, Any], hands: dict[str, tuple[float, int]], hands_predicted: dict[str, float] | None = None
-) -> tuple[str, float | None]:
-    """The pair's table line and its step ratio to the fastest fitting hand (None: no ratio);
-    steps as predicted / measured where ``hands_predicted`` (hand name -> predicted seconds) is given."""
+    c: Config, r: dict[str, Any], hands: dict[str, tuple], hands_predicted: dict[str, float] | None = None
+) -> tuple[str, float | None, float | None]:
+    """The pair's table line, its step ratio to the fastest fitting hand and its CPU-time ratio to
+    the fitting hand of least CPU time (None: no ratio); steps as predicted / measured where
+    ``hands_predicted`` (hand name -> predicted seconds) is given. A measurement is (wall
+    seconds, peak bytes[, CPU seconds])."""
     budget = r["budget"]
     fitting = {n: m for n, m in hands.items() if m[1] <= budget}
     fastest = min(fitting.items(), key=lambda kv: kv[1][0]) if fitting else None
@@ -157,22 +162,24 @@ def _line(
     model = c.describe().split(" | ")[0] + f" {c.precision}"
     if r["plan"] is None:
         refused = f"refused (needs {r['smallest_needs'] / MIB:,.2f})"
-        return f"| {model} | {r['kind']} {budget / MIB:,.2f} | {refused} | - | - | - | {hand} | - |", None
-    seconds, peak = r["measured"]
+        return f"| {model} | {r['kind']} {budget / MIB:,.2f} | {refused} | - | - | - | {hand} | - | - |", None, None
+    seconds, peak, *cpu = r["measured"]
     ratio = seconds / fastest[1][0] if fastest else None
+    least_cpu = min((m[2] for m in fitting.values() if len(m) > 2), default=None)
+    cpu_ratio = cpu[0] / least_cpu if cpu and least_cpu else None
     shown = f"{ratio:.2f}" if ratio is not None else "-"
+    shown_cpu = f"{cpu_ratio:.2f}" if cpu_ratio is not None else "-"
     predicted, step = r["predicted"][0] / MIB, f"{1e3 * r['predicted'][1]:,.1f} / {1e3 * seconds:,.1f}"
     fits = "yes" if peak <= budget else "**NO**"
-    return (
-        f"| {model} | {r['kind']} {budget / MIB:,.2f} | {r['plan'].describe()} | {predicted:,.2f} / {peak / MIB:,.2f} "
-        f"| {fits} | {step} | {hand} | {shown} |"
-    ), ratio
+    peaks = f"{predicted:,.2f} / {peak / MIB:,.2f}"
+    cells = [model, f"{r['kind']} {budget / MIB:,.2f}", r["plan"].describe(), peaks, fits, step, hand, shown, shown_cpu]
+    return "| " + " | ".join(cells) + " |", ratio, cpu_ratio
 
 
 HEADER = [
     "| model | budget (MiB) | plan | peak predicted / measured (MiB) | fits | plan step predicted / measured (ms) "
-    "| fastest fitting hand, predicted / measured (ms) | plan / hand (measured) |",
-    "|---|---|---|---|---|---|---|---|",
+    "| fastest fitting hand, predicted / measured (ms) | plan / hand (measured) | plan / hand (CPU time) |",
+    "|---|---|---|---|---|---|---|---|---|",
 ]
 
 
@@ -186,6 +193,7 @@ def report(seed: int, n: int, rounds: int = 2) -> Iterator[str]:
     models = list(dict.fromkeys(c for c, _, _ in drawn))
     fits: list[bool] = []
     ratios: list[float] = []
+    cpu_ratios: list[float] = []
     refused: list[str] = []
     failed: list[str] = []
     start = time.perf_counter()
@@ -195,11 +203,11 @@ def report(seed: int, n: int, rounds: int = 2) -> Iterator[str]:
             result = launch.launch(_worker, (c, budgets, rounds), WORLD, env=launch.BENCH_ENV)[0]
         except launch.WorkerFailed as err:
             failed.append(f"{c.describe()}: {str(err)[:160]}")
-            yield f"| {c.describe()} | {len(budgets)} budgets | failed: {str(err)[:120]} | - | - | - | - | - |"
+            yield f"| {c.describe()} | {len(budgets)} budgets | failed: {str(err)[:120]} | - | - | - | - | - | - |"
             continue
         assert result is not None
         for r in result["rows"]:
-            line, ratio = _line(c, r, result["hands"], result.get("hands_predicted"))
+            line, ratio, cpu_ratio = _line(c, r, result["hands"], result.get("hands_predicted"))
             yield line
             if r["plan"] is None:
                 any_hand = any(m[1] <= r["budget"] for m in result["hands"].values())
@@ -208,19 +216,26 @@ def report(seed: int, n: int, rounds: int = 2) -> Iterator[str]:
             fits.append(r["measured"][1] <= r["budget"])
             if ratio is not None:
                 ratios.append(ratio)
+            if cpu_ratio is not None:
+                cpu_ratios.append(cpu_ratio)
     yield ""
-    yield from summary(fits, ratios, refused, failed)
+    yield from summary(fits, ratios, refused, failed, cpu_ratios)
     yield f"\n{len(models)} models, {time.perf_counter() - start:.0f} s in all."
 
 
-def summary(fits: list[bool], ratios: list[float], refused: list[str], failed: list[str]) -> Iterator[str]:
-    """Fit rate, step-ratio distribution, refusals and failures as markdown lines."""
+def summary(
+    fits: list[bool], ratios: list[float], refused: list[str], failed: list[str], cpu_ratios: list[float] | None = None
+) -> Iterator[str]:
+    """Fit rate, step-ratio distributions (wall time; CPU time where given), refusals and
+    failures as markdown lines."""
     yield f"Plans that fit their budget measured: {sum(fits)} of {len(fits)}."
-    if ratios:
-        within = sum(r <= 1.05 for r in ratios)
-        yield (
-            f"Plan step / fastest fitting hand step: max {max(ratios):.2f}, median {statistics.median(ratios):.2f}, "
-            f"min {min(ratios):.2f}; within 5% (or faster) in {within} of {len(ratios)}."
-        )
+    for what, values in (("step", ratios), ("CPU time", cpu_ratios or [])):
+        if values:
+            within = sum(r <= 1.05 for r in values)
+            yield (
+                f"Plan {what} / fastest fitting hand {what}: max {max(values):.2f}, median "
+                f"{statistics.median(values):.2f}, min {min(values):.2f}; within 5% (or faster) in {within} of "
+                f"{len(values)}."
+            )
     yield f"Refused (nothing fits under the margin): {len(refused)}" + (": " + "; ".join(refused) if refused else ".")
     yield f"Failed models: {len(failed)}" + (": " + "; ".join(failed) if failed else ".")
