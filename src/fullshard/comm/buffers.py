@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 import torch
 
@@ -106,6 +106,11 @@ class BufferPool:
             yield
         finally:
             self._free = {key: kept for key, ts in self._free.items() if (kept := [t for t in ts if held_before(t)])}
+
+    def drop(self, sizes: Collection[tuple[int, torch.dtype]]) -> None:
+        """Free the buffers held of each (numel, dtype) in ``sizes``, on every device."""
+        if sizes:
+            self._free = {key: ts for key, ts in self._free.items() if (key[0], key[1]) not in sizes}
 
     def clear(self, keep_cpu: bool = False) -> None:
         """Drop the buffers held (with ``keep_cpu``, only those not in CPU memory); without

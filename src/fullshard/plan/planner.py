@@ -151,7 +151,8 @@ def plan(
     """Choose the fastest predicted candidate whose predicted peak, ``margin`` more (a fraction:
     by default :data:`~fullshard.plan.margin.MARGIN`, from the estimator's worst measured
     under-estimate), plus what calibration left behind (``cal.leftover_bytes``), fits ``budget``
-    bytes per rank.
+    bytes per rank; predicted steps within :data:`TIE` of each other are a tie, which the
+    candidate with the least :func:`machinery` wins.
 
     ``cal`` comes from :func:`~fullshard.plan.steptime.calibrate` at the job's world size,
     batch and dtype; ``make_model``, ``example``, ``loss_fn`` and ``is_unit`` as for
@@ -170,7 +171,8 @@ def choose(
     scored: list[Scored], budget: int, *, margin: float = MARGIN, leftover: int = 0, runners_up: int = 4
 ) -> Plan:
     """The plan under ``budget`` (bytes per rank) from candidates already scored (``plan(...).scored``):
-    the fastest whose predicted peak, ``margin`` more, plus ``leftover`` bytes, fits.
+    the fastest whose predicted peak, ``margin`` more, plus ``leftover`` bytes, fits; among those
+    predicted within :data:`TIE` of the fastest, the one with the least :func:`machinery`.
 
     Raises:
         ValueError: ``budget`` is not positive, or nothing was scored.
@@ -180,7 +182,31 @@ def choose(
     smallest = min(scored, key=lambda s: s.peak.total)
     result = Plan(None, [], budget, smallest, scored, margin, leftover)
     fitting = sorted((s for s in scored if result.needs(s) <= budget), key=lambda s: (s.step.seconds, s.peak.total))
+    if fitting:  # within the step model's resolution of the fastest, the least machinery wins
+        ties = [s for s in fitting if s.step.seconds <= fitting[0].step.seconds * (1 + TIE)]
+        best = min(ties, key=lambda s: (*machinery(s.candidate), s.step.seconds, s.peak.total))
+        fitting.remove(best)
+        fitting.insert(0, best)
     return dataclasses.replace(result, best=fitting[0] if fitting else None, runners_up=fitting[1 : 1 + runners_up])
+
+
+# Predicted steps this close (a fraction of the fastest fitting one) are a tie: on plan sweep seed
+# 2718 (docs/plan_sweep_seed2718.md) candidates predicted 1-3% apart measured up to 7% the other
+# way (SHARD_GRAD_OP as one unit against NO_SHARD per block, both with AC; the engine's time per
+# unit and the collectives' overlap are modelled to a few percent), while of the choices between
+# candidates predicted more than 5% apart none measured more than 1% the other way.
+TIE = 0.05
+
+
+def machinery(c: Candidate) -> tuple[int, int, int, int]:
+    """How much a candidate adds to the plain model's step, for breaking ties between predicted
+    steps (lower: less): CPU offload, then the units that gather again in backward (0 for
+    NO_SHARD; SHARD_GRAD_OP units keep their parameters from forward), then the blocks recomputed,
+    then the number of sharded units (each one an all-gather and a reduce-scatter)."""
+    if c.no_shard:
+        return (int(c.offload), 0, len(c.checkpoint), 0)
+    regather = sum(g[0] not in c.keep_gathered for g in c.groups)
+    return (int(c.offload), 1 + regather, len(c.checkpoint), c.n_units)
 
 
 def needs(peak: int, margin: float = MARGIN) -> int:

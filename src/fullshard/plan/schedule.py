@@ -43,6 +43,10 @@ prefetch):
   one eighth of a shard while in flight), which goes back to the pool at its next gather. At
   one rank (and under NO_SHARD) the packed gradient is the gradient: it is never given back;
   cast to the parameter dtype, it is freed once the cast copy is made;
+- after a unit's post-backward, when no unit still to run backward will gather (only the
+  root is left, gathered since forward), the pool frees the buffers of sizes only the units
+  already done use: they would sit idle through the root's backward, where a model with large
+  embeddings peaks;
 - end of backward: every reduction finished, every unit resharded.
 
 The pool keeps at most two buffers of each (numel, dtype), counting a packed gradient lent to
@@ -238,6 +242,22 @@ class _Replay:
         else:  # at 2 ranks the other rank's chunk arrives straight in the gradient-shard buffer
             self.in_flight = [(name, [packed])]
         self.reshard(name)  # post-backward (a recomputed unit's only now, see the module docstring)
+        self.drop_done_with(name)
+
+    def sizes(self, name: str) -> set[Key]:
+        u = self.units[name]
+        return {self.key(n, u.compute) for n in (u.full, u.packed, *u.scratch)}
+
+    def drop_done_with(self, name: str) -> None:
+        """When no unit still to run backward will gather, the pool frees the buffers of sizes
+        only units already done use (``hooks._drop_buffers_done_with``)."""
+        i = self.order.index(name)
+        rest, done = self.order[:i], self.order[i:]
+        if not rest or any(self.units[n].full and n not in self.gathered and n not in self.packed for n in rest):
+            return
+        needed = {k for n in rest for k in self.sizes(n)}
+        for k in {k for n in done for k in self.sizes(n)} - needed:
+            self.pool.kept.pop(k, None)
 
     def finish(self) -> None:
         """Finish the reduction in flight: its buffers back to the pool (world > 1), the
