@@ -427,16 +427,20 @@ def test_planner_picks_the_fastest_that_fits_and_says_when_nothing_does(_scored_
     grow = 1 + MARGIN  # the share kept free for the estimator's worst measured under-estimate
     budget = math.ceil(grow * (slow_net.best.peak.total + slow_net.smallest.peak.total) / 2)
     tight = plan(_fake_calibration(1e-6), make, example, loss, is_unit, budget)
-    assert tight.best is not None and needs(tight.best.peak.total) <= budget
+    assert tight.best is not None and tight.needs(tight.best) <= budget
     assert chosen_by_the_tie_rule(tight)
     assert tight.best.step.seconds >= fastest
-    assert MARGIN_FROM.describe() in tight.describe()
+    assert MARGIN_FROM.describe() in "\n".join(tight.describe())
+    # the least budget anything fits: the candidate needing least, its margin by its strategy
+    least = slow_net.needs(slow_net.smallest)
+    assert least == min(slow_net.needs(s) for s in slow_net.scored)
+    assert least == needs(slow_net.smallest.peak.total, slow_net.margin_of(slow_net.smallest))
     smallest = slow_net.smallest.peak.total
-    assert plan(_fake_calibration(1e-6), make, example, loss, is_unit, needs(smallest)).best is not None
-    none = plan(_fake_calibration(1e-6), make, example, loss, is_unit, needs(smallest) - 1)
+    assert plan(_fake_calibration(1e-6), make, example, loss, is_unit, least).best is not None
+    none = plan(_fake_calibration(1e-6), make, example, loss, is_unit, least - 1)
     assert none.best is None
     text = "\n".join(none.describe())
-    assert f"needs {needs(smallest) / 2**20:,.1f} MiB (its predicted peak {smallest / 2**20:,.1f} MiB" in text
+    assert f"needs {least / 2**20:,.1f} MiB (its predicted peak {smallest / 2**20:,.1f} MiB" in text
     assert "Nothing fits" in text and MARGIN_FROM.describe() in text
     assert plan(_fake_calibration(1e-6), make, example, loss, is_unit, smallest, margin=0.0).best is not None
     with pytest.raises(ValueError, match="budget=0"):

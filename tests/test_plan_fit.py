@@ -84,46 +84,63 @@ def test_calibration_leaves_no_tensor_and_no_pooled_buffer_behind() -> None:
         assert r["pool_control"] == 0, r
 
 
-def _error_column(source: str, seed: int, commit: str) -> list[float]:
+def _error_column(source: str, seed: int, commit: str) -> tuple[list[float], list[str]]:
     """The error column of ``source``'s first verbatim table, which must be the complete
-    multi-process sweep of ``seed`` (real gloo workers) at ``commit``, in the printed order."""
+    multi-process sweep of ``seed`` (real gloo workers) at ``commit``, in the printed order, with
+    each measured row's sharding strategy (NO, SGO, FULL)."""
     text = (ROOT / source).read_text()
     intro, table = text.split("\n---\n")[:2]  # the first verbatim output, before the second measurement
     header = f"Seed {seed}, 40 configurations (`fullshard bench estimate --sweep 40 --seed {seed}`"
     assert table.strip().startswith(header) and "in one process" not in table and "Real runs took" in table
     assert commit in intro
-    column, rows = [], 0
+    column, kinds, rows = [], [], 0
     for line in table.splitlines():
         if line.startswith(f"| {seed}#"):
             rows += 1
-            cell = [c.strip() for c in line.split("|")][5]
-            if re.fullmatch(r"[+-]\d+\.\d%", cell):
-                column.append(float(cell[:-1]) / 100)
+            cells = [c.strip() for c in line.split("|")]
+            if re.fullmatch(r"[+-]\d+\.\d%", cells[5]):
+                column.append(float(cells[5][:-1]) / 100)
+                kinds.append(cells[2].split()[0])
     assert rows == 40 and len(column) >= 38  # the whole sweep ran; a failed run or two
-    return column
+    return column, kinds
 
 
 def test_the_margin_tables_are_the_sweep_documents() -> None:
     """:data:`SWEEP_ERRORS` and :data:`SECOND_SEED` hold the error columns of their documents'
     multi-process tables (not the one-process measurement below them), every measured row; the
     margin follows from the lower of their lowest errors as the module says."""
-    from fullshard.plan.margin import MARGIN, MARGIN_FROM, PRINTED_STEP, SECOND_SEED, SWEEP_ERRORS
+    from fullshard.plan import margin as m
 
-    worst = 0.0
-    for d in (SWEEP_ERRORS, SECOND_SEED):
-        column = _error_column(d.source, d.seed, d.commit)
+    worst = worst_kept = 0.0
+    for d in (m.SWEEP_ERRORS, m.SECOND_SEED):
+        column, kinds = _error_column(d.source, d.seed, d.commit)
         assert list(d.errors) == pytest.approx(column, abs=1e-12) and d.how == "real gloo workers"
+        assert list(d.kinds) == kinds and set(kinds) == {"NO", "SGO", "FULL"}
         assert f"was {100 * min(column):+.1f}%" in d.describe()
-        worst = min(worst, min(column) - PRINTED_STEP / 2)
-    assert SWEEP_ERRORS.seed == 4242 and SECOND_SEED.seed == 777
-    assert MARGIN == pytest.approx(1 / (1 + worst) - 1) and MARGIN > 0 and MARGIN == MARGIN_FROM.margin
+        worst = min(worst, min(column) - m.PRINTED_STEP / 2)
+        kept = [e for e, k in zip(column, kinds) if k in ("NO", "SGO")]
+        worst_kept = min(worst_kept, min(kept) - m.PRINTED_STEP / 2)
+        assert len(d.only(m.KEPT_KINDS).errors) == len(kept) > 10
+    assert m.SWEEP_ERRORS.seed == 4242 and m.SECOND_SEED.seed == 777
+    assert m.MARGIN == pytest.approx(1 / (1 + worst) - 1) and m.MARGIN > 0 and m.MARGIN == m.MARGIN_FROM.margin
+    # NO_SHARD and SHARD_GRAD_OP keep their own rows' worst: only the rounding, today
+    assert m.MARGIN_KEPT == pytest.approx(1 / (1 + worst_kept) - 1) and 0 < m.MARGIN_KEPT < m.MARGIN
+    assert m.margin_for(True) == m.MARGIN and m.margin_for(False) == m.MARGIN_KEPT
 
 
 def _fake_scored(peaks_and_steps: list[tuple[int, float]]) -> list:
+    """Scored FULL_SHARD candidates (blocks ``c0``, ``c1``...: one each, so the planner's margin
+    is :data:`~fullshard.plan.margin.MARGIN`) with these peaks (bytes) and steps (seconds)."""
     from types import SimpleNamespace
 
+    from fullshard.plan.candidate import Candidate
+
     return [
-        SimpleNamespace(candidate=f"c{i}", peak=SimpleNamespace(total=p), step=SimpleNamespace(seconds=s))
+        SimpleNamespace(
+            candidate=Candidate(False, (), (), False, (f"c{i}",)),
+            peak=SimpleNamespace(total=p),
+            step=SimpleNamespace(seconds=s),
+        )
         for i, (p, s) in enumerate(peaks_and_steps)
     ]
 
@@ -152,8 +169,8 @@ def test_plan_sweep_budgets_and_plans_fit_under_the_margin() -> None:
     assert tight == pytest.approx((needs(30 * 2**20) + 1000) * 1.05, abs=1)
     assert plan_sweep.budget_of(scored, "drawn", 0.5) == 65 * 2**20
     rows = plan_sweep._plans(scored, [("tight", 0.0), ("drawn", 1.0), ("drawn", 0.0)], 0)
-    assert rows[0]["plan"] == "c2" and rows[0]["budget"] == needs(30 * 2**20)
-    assert rows[1]["plan"] == "c1"  # 100 MiB: the largest needs its margin more
+    assert rows[0]["plan"].all_units == ("c2",) and rows[0]["budget"] == needs(30 * 2**20)
+    assert rows[1]["plan"].all_units == ("c1",)  # 100 MiB: the largest needs its margin more
     assert rows[2]["plan"] is None and rows[2]["smallest_needs"] == needs(30 * 2**20)
     for r in rows[:2]:
         assert needs(r["predicted"][0]) <= r["budget"]

@@ -19,8 +19,10 @@ uses and the estimator sweeps measure: one meta-device trace per ``k``, and per 
 engine's buffers replayed over it (its units, the units kept gathered, forward prefetch). On
 NCCL and under CPU offload the replay is not the engine's: each such prediction is the larger of
 the replay as on gloo and the additive model, and says so (the plan's output prints it). A
-candidate fits when its predicted peak plus :data:`~fullshard.plan.margin.MARGIN` does (the
-estimator's worst measured under-estimate) with what calibration could not free. Time comes from
+candidate fits when its predicted peak plus its margin does (the estimator's worst measured
+under-estimate: :data:`~fullshard.plan.margin.MARGIN` for candidates with FULL_SHARD units,
+:data:`~fullshard.plan.margin.MARGIN_KEPT` for NO_SHARD and SHARD_GRAD_OP throughout, the
+strategies that were never under-estimated) with what calibration could not free. Time comes from
 :mod:`fullshard.plan.steptime` on one calibration. On a CPU device offload is no candidate:
 the shards already live in host memory. The offload candidates' copies and host optimizer step
 are calibrated on the GPU; no GPU has been lent to check their predictions against a run yet.
@@ -39,7 +41,7 @@ from torch import nn
 
 from fullshard.plan.candidate import Candidate, candidates
 from fullshard.plan.estimate import UnitEstimate, estimate_model_state
-from fullshard.plan.margin import MARGIN, MARGIN_FROM
+from fullshard.plan.margin import MARGIN, MARGIN_FROM, MARGIN_KEPT_FROM, margin_for
 from fullshard.plan.peak import PeakEstimate, StepTrace, device_type, offloads, replayed_peak, trace_step
 from fullshard.plan.simulate import StepTime
 from fullshard.plan.steptime import Calibration, predict_step
@@ -57,8 +59,8 @@ class Scored:
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """The chosen candidate (``best``; None when nothing fits), the runners-up (fastest first),
-    the budget (bytes per rank), the candidate with the smallest predicted peak, every
-    candidate scored, the margin kept free (a fraction of each prediction) and the bytes
+    the budget (bytes per rank), the candidate that needs the least budget, every candidate
+    scored, the margin kept free (a fraction of each prediction; None: by strategy) and the bytes
     calibration left behind (counted on top of every prediction)."""
 
     best: Scored | None
@@ -66,17 +68,25 @@ class Plan:
     budget: int
     smallest: Scored
     scored: list[Scored]
-    margin: float = 0.0
+    margin: float | None = None
     leftover: int = 0
+
+    def margin_of(self, s: Scored) -> float:
+        """The share of ``s``'s predicted peak kept free: the caller's ``margin``, or by default
+        :func:`~fullshard.plan.margin.margin_for` the candidate's strategy."""
+        return self.margin if self.margin is not None else margin_for(regathers(s.candidate))
 
     def needs(self, s: Scored) -> int:
         """The budget (bytes) candidate ``s`` needs: its predicted peak, the margin and the leftover."""
-        return needs(s.peak.total, self.margin) + self.leftover
+        return needs(s.peak.total, self.margin_of(s)) + self.leftover
 
     def margin_line(self) -> str:
         """Where the margin comes from, in one line."""
-        if self.margin == MARGIN:
-            line = MARGIN_FROM.describe()
+        if self.margin is None:
+            line = (
+                f"{MARGIN_FROM.describe()}; for candidates whose units all keep their parameters from "
+                f"forward to backward (NO_SHARD, SHARD_GRAD_OP) {MARGIN_KEPT_FROM.describe()}"
+            )
         else:
             line = f"margin {100 * self.margin:.1f}% (given by the caller)"
         return line + (f"; {self.leftover / 2**20:,.2f} MiB left by calibration" if self.leftover else "")
@@ -89,7 +99,7 @@ class Plan:
             return [
                 f"Nothing fits {self.budget / mib:,.1f} MiB per rank: the smallest configuration "
                 f"({s.candidate.describe()}) needs {self.needs(s) / mib:,.1f} MiB (its "
-                f"predicted peak {s.peak.total / mib:,.1f} MiB and {100 * self.margin:.1f}% for the estimate's "
+                f"predicted peak {s.peak.total / mib:,.1f} MiB and {100 * self.margin_of(s):.2f}% for the estimate's "
                 "error); raise the budget to that, add "
                 "ranks (shards and optimizer state shrink with the world size) or use a smaller batch.",
                 self.margin_line(),
@@ -146,13 +156,13 @@ def plan(
     *,
     param_dtype: torch.dtype | None = None,
     runners_up: int = 4,
-    margin: float = MARGIN,
+    margin: float | None = None,
 ) -> Plan:
     """Choose the fastest predicted candidate whose predicted peak, ``margin`` more (a fraction:
-    by default :data:`~fullshard.plan.margin.MARGIN`, from the estimator's worst measured
-    under-estimate), plus what calibration left behind (``cal.leftover_bytes``), fits ``budget``
-    bytes per rank; predicted steps within :data:`TIE` of each other are a tie, which the
-    candidate with the least :func:`machinery` wins.
+    by default :func:`~fullshard.plan.margin.margin_for` the candidate's strategy, from the
+    estimator's worst measured under-estimate), plus what calibration left behind
+    (``cal.leftover_bytes``), fits ``budget`` bytes per rank; predicted steps within :data:`TIE`
+    of each other are a tie, which the candidate with the least :func:`machinery` wins.
 
     ``cal`` comes from :func:`~fullshard.plan.steptime.calibrate` at the job's world size,
     batch and dtype; ``make_model``, ``example``, ``loss_fn`` and ``is_unit`` as for
@@ -168,7 +178,7 @@ def plan(
 
 
 def choose(
-    scored: list[Scored], budget: int, *, margin: float = MARGIN, leftover: int = 0, runners_up: int = 4
+    scored: list[Scored], budget: int, *, margin: float | None = None, leftover: int = 0, runners_up: int = 4
 ) -> Plan:
     """The plan under ``budget`` (bytes per rank) from candidates already scored (``plan(...).scored``):
     the fastest whose predicted peak, ``margin`` more, plus ``leftover`` bytes, fits; among those
@@ -179,8 +189,8 @@ def choose(
     """
     if budget <= 0 or not scored:
         raise ValueError(f"budget={budget}, {len(scored)} candidates: give a positive budget and scored candidates")
-    smallest = min(scored, key=lambda s: s.peak.total)
-    result = Plan(None, [], budget, smallest, scored, margin, leftover)
+    result = Plan(None, [], budget, scored[0], scored, margin, leftover)
+    result = dataclasses.replace(result, smallest=min(scored, key=lambda s: (result.needs(s), s.peak.total)))
     fitting = sorted((s for s in scored if result.needs(s) <= budget), key=lambda s: (s.step.seconds, s.peak.total))
     if fitting:  # within the step model's resolution of the fastest, the least machinery wins
         ties = [s for s in fitting if s.step.seconds <= fitting[0].step.seconds * (1 + TIE)]
@@ -196,6 +206,11 @@ def choose(
 # unit and the collectives' overlap are modelled to a few percent), while of the choices between
 # candidates predicted more than 5% apart none measured more than 1% the other way.
 TIE = 0.05
+
+
+def regathers(c: Candidate) -> bool:
+    """Whether some unit of ``c`` gathers its parameters again in backward (FULL_SHARD units)."""
+    return not c.no_shard and any(g[0] not in c.keep_gathered for g in c.groups)
 
 
 def machinery(c: Candidate) -> tuple[int, int, int, int]:

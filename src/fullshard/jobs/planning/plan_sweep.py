@@ -38,7 +38,7 @@ from fullshard.jobs import launch
 from fullshard.jobs.planning import families
 from fullshard.jobs.planning.plan_bench import Workload, hand_configurations, measure_all
 from fullshard.jobs.planning.sweep import Config, draw
-from fullshard.plan.margin import MARGIN_FROM
+from fullshard.plan.margin import MARGIN_FROM, MARGIN_KEPT_FROM
 from fullshard.plan.planner import Scored, choose, plan
 
 WORLD = 2
@@ -187,7 +187,8 @@ def report(seed: int, n: int, rounds: int = 2) -> Iterator[str]:
     """Draw ``n`` pairs from ``seed``, plan and measure each; yields markdown lines as they come
     (the table, then the summary)."""
     yield f"Seed {seed}, {n} model/budget pairs (`fullshard bench plan --sweep {n} --seed {seed}`), {WORLD} ranks."
-    yield f"The planner's {MARGIN_FROM.describe()}.\n"
+    kept = MARGIN_KEPT_FROM.describe()
+    yield f"The planner's {MARGIN_FROM.describe()}; for NO_SHARD and SHARD_GRAD_OP throughout, {kept}.\n"
     yield from HEADER
     drawn = pairs(seed, n)
     models = list(dict.fromkeys(c for c, _, _ in drawn))
