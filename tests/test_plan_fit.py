@@ -178,6 +178,39 @@ def test_plan_sweep_budgets_and_plans_fit_under_the_margin() -> None:
         plan_sweep.budget_of(scored, "loose", 0.5)
 
 
+def test_the_margin_follows_the_candidates_strategy_and_near_ties_go_to_less_machinery() -> None:
+    from types import SimpleNamespace
+
+    from fullshard.plan import planner
+    from fullshard.plan.candidate import Candidate
+    from fullshard.plan.margin import MARGIN, MARGIN_KEPT
+
+    blocks = ("b0", "b1")
+
+    def scored(c: Candidate, peak: int, step: float) -> SimpleNamespace:
+        return SimpleNamespace(candidate=c, peak=SimpleNamespace(total=peak), step=SimpleNamespace(seconds=step))
+
+    no_shard = Candidate(True, (), (), False, blocks)
+    sgo = Candidate(False, blocks, (), False, blocks)  # every unit kept gathered: SHARD_GRAD_OP
+    full = Candidate(False, (), (), False, blocks)
+    full_ac = Candidate(False, (), blocks, False, blocks)
+    mib = 2**20
+    # NO_SHARD fastest, FULL_SHARD smaller; a budget 1% over NO_SHARD's peak: within its margin
+    # (0.05%), not within FULL_SHARD's (1.57%), so NO_SHARD is planned
+    cands = [scored(no_shard, 100 * mib, 1.0), scored(full, 99 * mib, 1.2)]
+    p = planner.choose(cands, int(101 * mib))
+    assert p.best is cands[0] and p.margin_of(cands[0]) == MARGIN_KEPT and p.margin_of(cands[1]) == MARGIN
+    assert planner.choose(cands, int(101 * mib), margin=MARGIN).best is cands[1]  # one margin for all
+    assert "(NO_SHARD, SHARD_GRAD_OP)" in p.margin_line() and "NO/SGO configurations" in p.margin_line()
+    # predicted within 5%: a tie, to the least machinery (no unit gathered again in backward,
+    # then no recomputation), not to the fastest prediction
+    ties = [scored(full_ac, 10 * mib, 1.00), scored(full, 10 * mib, 1.02), scored(sgo, 10 * mib, 1.04)]
+    assert planner.choose(ties, 100 * mib).best is ties[2]
+    assert planner.choose(ties[:2], 100 * mib).best is ties[1]
+    # beyond 5% the prediction decides
+    assert planner.choose([scored(full_ac, mib, 1.0), scored(sgo, mib, 1.06)], 100 * mib).best.candidate is full_ac
+
+
 def plan_sweep_model_body(rank: int, world: int) -> dict:
     """One drawn-like model through the plan sweep's measurement, one round."""
     from fullshard.jobs.planning import plan_sweep
