@@ -28,10 +28,12 @@ test: venv
 	$(VPY) tools/check_layers.py
 	$(VPY) -m ruff check src tests tools examples
 	$(VPY) -m ruff format --check src tests tools examples
+	@# --no-loadscope-reorder: files go to the workers in collection order, the longest first
+	@# (tests/conftest.py), not sorted by their number of tests, which put the few long tests last
 	@# mypy (a minute from a cold cache, one core) runs beside the suite, whose workers often
 	@# wait on the processes they start; its report follows the suite's, and either failing fails
 	rm -f .mypy.out; ($(VPY) -m mypy > .mypy.out 2>&1; echo $$? >> .mypy.out) & \
-	$(VPY) -m pytest -q -n 2 --dist loadfile; rc=$$?; wait; \
+	$(VPY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder; rc=$$?; wait; \
 	echo "mypy:"; cat .mypy.out; test "$$(tail -n 1 .mypy.out)" = 0 && test $$rc = 0
 
 clean:
