@@ -34,6 +34,16 @@ CPU shims, applied in both runs alike (torch's FSDP2 needs each of them on CPU t
   7. The wheel has no test assets: a word-level tokenizer (``tokenizer.json`` made with the
      ``tokenizers`` package) and a JSON-lines corpus are generated into a temporary directory.
 
+CUDA (``--device cuda``, one rank by default: NCCL cannot put two ranks on one GPU): torchtitan
+picks "cuda" and NCCL itself, so shim 2 is dropped; flex attention runs on CUDA, so shim 3 is
+dropped; NCCL has PREMUL_SUM, so shim 6 is dropped. Shims 1, 4, 5 and 7 stay (harmless, or
+needed whatever the device). ``debug.deterministic`` (warn only) is turned on, so that torch's own run
+is reproducible to the bit and a difference is fullshard's. At one rank the FSDP collectives
+move nothing (torchtitan still applies ``fully_shard``, for its mixed precision policy): the
+check is of casts, gradient dtypes and streams, not of sharding. A worker that cannot import
+or start torchtitan (its torch APIs are newer than the installed torch's, say) prints
+"torchtitan could not start" with the error, and the run exits 2.
+
 Prints the loss curves side by side and their largest absolute difference per variant; exits
 1 when any difference exceeds ``--tolerance``, 2 when a run fails. The config trains in
 torchtitan's default mixed precision (FSDP ``param_dtype`` bf16, fp32 reductions and fp32
@@ -45,7 +55,8 @@ gradient accumulation dtype, reductions) step for step: the chunked loss's 8 lm_
 gradients accumulated in bf16 rather than in fp32 (torch's FSDP2 upcasts an unsynced
 gradient to the reduce dtype) already end 3.8e-4 apart.
 
-Usage: ``python examples/torchtitan_compare.py [--variants eager,compiled] [--nproc 2]``.
+Usage: ``python examples/torchtitan_compare.py [--variants eager,compiled] [--nproc 2]
+[--device cpu|cuda]``.
 """
 
 from __future__ import annotations
@@ -210,20 +221,22 @@ def _force_sum_reduction(original: Any) -> Any:
     return disable_division
 
 
-def apply_shims() -> None:
-    """All CPU shims, before torchtitan's trainer is imported."""
+def apply_shims(device: str = "cpu") -> None:
+    """The shims ``device`` needs (1 and 4; 2 and 3 on CPU), before torchtitan's trainer is imported."""
     _stub_triton_kernels()
-    _force_cpu_device()
+    if device == "cpu":
+        _force_cpu_device()
     import torch.distributed as dist
 
     if not hasattr(dist, "set_timeout"):  # shim 4
         dist.set_timeout = lambda *args, **kwargs: None  # type: ignore[attr-defined]
-    from torchtitan.models.common.attention import FlexAttention
+    if device == "cpu":
+        from torchtitan.models.common.attention import FlexAttention
 
-    FlexAttention.compiled_flex_attn = staticmethod(_dense_attention)  # type: ignore[assignment]
+        FlexAttention.compiled_flex_attn = staticmethod(_dense_attention)  # type: ignore[assignment]
 
 
-def bind_engine(engine: str) -> None:
+def bind_engine(engine: str, device: str = "cpu") -> None:
     """Bind ``engine``'s ``fully_shard`` where torchtitan's llama3 path looks it up."""
     import torchtitan.distributed.fsdp as tt_fsdp
     import torchtitan.models.llama3.parallelize as tt_parallelize
@@ -232,7 +245,7 @@ def bind_engine(engine: str) -> None:
         import fullshard
 
         tt_fsdp.fully_shard = fullshard.fully_shard  # type: ignore[assignment]
-    else:
+    elif device == "cpu":
         shimmed = _force_sum_reduction(tt_fsdp.disable_fsdp_gradient_division)
         tt_fsdp.disable_fsdp_gradient_division = shimmed  # type: ignore[assignment]
     assert tt_parallelize.apply_fsdp_to_decoder.__module__ == tt_fsdp.__name__
@@ -256,17 +269,23 @@ def trainer_args(a: argparse.Namespace) -> list[str]:
     ]  # fmt: skip
     if a.variant == "compiled":
         args.append("--compile.enable")
+    if a.device == "cuda":
+        args += ["--debug.deterministic", "--debug.deterministic_warn_only"]
     return args
 
 
 def worker(a: argparse.Namespace) -> None:
     """One rank: shim, bind the engine, run torchtitan's trainer, record its logged losses."""
-    apply_shims()
-    bind_engine(a.engine)
     import torch
-    from torchtitan.components.metrics import MetricsProcessor
-    from torchtitan.config import ConfigManager
-    from torchtitan.tools.logging import init_logger
+
+    try:
+        apply_shims(a.device)
+        bind_engine(a.engine, a.device)
+        from torchtitan.components.metrics import MetricsProcessor
+        from torchtitan.config import ConfigManager
+        from torchtitan.tools.logging import init_logger
+    except (ImportError, AttributeError, TypeError) as e:  # an API this torch lacks, most likely
+        sys.exit(f"torchtitan could not start on torch {torch.__version__}: {type(e).__name__}: {e}")
 
     init_logger()
 
@@ -303,6 +322,9 @@ def launch(engine: str, variant: str, a: argparse.Namespace, root: Path) -> list
         "--out", str(out), "--steps", str(a.steps), "--seq-len", str(a.seq_len), "--batch", str(a.batch),
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if a.device == "cuda":  # cuBLAS reads its workspace setting when CUDA starts: set it first
+        cmd += ["--device", "cuda"]
+        env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
     curve = json.loads(out.read_text()) if out.exists() else []
     if proc.returncode != 0 and len(curve) < a.steps:
@@ -361,7 +383,8 @@ def compare(a: argparse.Namespace) -> int:
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--variants", default=",".join(VARIANTS), help="eager, compiled or both")
-    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (NCCL)")
+    p.add_argument("--nproc", type=int, help="ranks: 2 on cpu, 1 on cuda (one GPU)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=2)
@@ -370,7 +393,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for name in ("engine", "variant", "tokenizer", "corpus", "dump", "out"):
         p.add_argument(f"--{name}", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.nproc is None:
+        a.nproc = 2 if a.device == "cpu" else 1
+    return a
 
 
 def main(argv: list[str] | None = None) -> int:
