@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# torchtitan 0.3.0 against fullshard on one CUDA GPU (examples/torchtitan_compare.py --device cuda).
+# Usage there, in the repository root:  bash tools/gpu_check33.sh [OUTDIR]   ($OUT by default)
+# The machine has no network: the packages torchtitan needs and the image lacks come as wheels in
+# .whl/ (made with `pip download`, see the commit that added this script). A wheel is installed
+# into /tmp/site, which goes first on PYTHONPATH, only when the image lacks that distribution or
+# has an older version, so nothing of the image's is shadowed without need. fullshard is installed
+# into the image's python as in tools/gpu_check.sh. Each step runs under its own time limit
+# (env-overridable), logs to OUTDIR/NAME.log and prints its rc, time and log tail.
+set -u
+out="${1:-${OUT:-/tmp/gpu_out}}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+
+step() {  # step NAME SECONDS CMD...: run CMD under a limit, log to OUTDIR/NAME.log, print its tail
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout -k 10 "$limit" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: rc=$rc in $((SECONDS - t0)) s"
+  tail -n "${TAIL:-15}" "$out/$name.log"
+  return $rc
+}
+
+wheels_needed() {  # print the .whl/*.whl whose distribution is absent or older in this python
+  python3 - <<'EOF'
+import glob, importlib.metadata as md
+try:
+    from packaging.version import Version
+except ImportError:
+    from pip._vendor.packaging.version import Version
+for path in sorted(glob.glob(".whl/*.whl")):
+    name, version = path.split("/")[-1].split("-")[:2]
+    try:
+        have = md.version(name)
+    except md.PackageNotFoundError:
+        have = None
+    if have is None or Version(have) < Version(version):
+        print(path)
+    else:
+        print(f"skip {path}: {name} {have} installed", file=__import__("sys").stderr)
+EOF
+}
+
+if [ -d .whl ]; then
+  mapfile -t wheels < <(wheels_needed 2>"$out/wheels_skipped.log")
+  cat "$out/wheels_skipped.log"
+  if [ "${#wheels[@]}" -gt 0 ]; then
+    echo "wheels: ${wheels[*]}"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      "${wheels[@]}" >"$out/wheels.log" 2>&1 || { echo "wheel install failed"; tail -20 "$out/wheels.log"; exit 1; }
+  fi
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -m pip install -q --no-deps --no-build-isolation --no-cache-dir -e . >"$out/install.log" 2>&1 \
+  || { echo "install failed"; tail -20 "$out/install.log"; exit 1; }
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name())'
+} | tee "$out/machine.txt"
+
+# (a) can torchtitan, its data stack and its llama3 path import on this torch?
+step titan_import "${TITAN_IMPORT_S:-20}" python3 -c '
+import importlib.metadata as md, sys
+import torch, torchtitan, datasets
+sys.path.insert(0, "examples")
+import torchtitan_compare
+torchtitan_compare.apply_shims("cuda")  # the stub of the triton kernel module llama3 never calls
+for d in ("torch", "torchtitan", "datasets", "tyro", "torchdata", "torch_checkpointing", "spmd_types",
+          "huggingface_hub", "fsspec", "pyarrow", "typing_extensions"):
+    print(d, md.version(d))
+import torchtitan.trainer, torchtitan.models.llama3.parallelize, torchtitan.hf_datasets.text_datasets
+print("torchtitan trainer imports")'
+# (b) torch's FSDP2 vs fullshard inside torchtitan's trainer, loss for loss, one GPU
+TAIL=40 step titan_compare "${TITAN_COMPARE_S:-200}" python3 examples/torchtitan_compare.py --device cuda \
+  --variants "${TITAN_VARIANTS:-eager}" --nproc 1
