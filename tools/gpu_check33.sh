@@ -58,6 +58,10 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-cache-dir -e . >"$
   python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name())'
 } | tee "$out/machine.txt"
 
+# (0) the gpu tests on this tree (CUDA path of the engine)
+step gpu_tests "${GPU_TESTS_S:-150}" python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider --timeout 140
+# (1) two ranks on the one GPU: does NCCL allow it (world size 2 on CUDA for the quantized rows)?
+step nccl_one_gpu "${NCCL_S:-40}" torchrun --standalone --nproc-per-node 2 tools/nccl_one_gpu.py
 # (a) can torchtitan, its data stack and its llama3 path import on this torch?
 step titan_import "${TITAN_IMPORT_S:-20}" python3 -c '
 import importlib.metadata as md, sys
