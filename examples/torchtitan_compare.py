@@ -33,6 +33,9 @@ CPU shims, applied in both runs alike (torch's FSDP2 needs each of them on CPU t
      a sum divided by 1).
   7. The wheel has no test assets: a word-level tokenizer (``tokenizer.json`` made with the
      ``tokenizers`` package) and a JSON-lines corpus are generated into a temporary directory.
+  8. On a torch without ``torch.distributed.fsdp.DataParallelMeshDims`` (2.11, the lent GPU
+     machine's), which torchtitan 0.3.0 imports at load time, a stand-in dataclass is put there;
+     with shim 5 torchtitan never makes one.
 
 CUDA (``--device cuda``, one rank by default: NCCL cannot put two ranks on one GPU): torchtitan
 picks "cuda" and NCCL itself, so shim 2 is dropped; flex attention runs on CUDA, so shim 3 is
@@ -62,6 +65,7 @@ Usage: ``python examples/torchtitan_compare.py [--variants eager,compiled] [--np
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -221,6 +225,16 @@ def _force_sum_reduction(original: Any) -> Any:
     return disable_division
 
 
+@dataclasses.dataclass(frozen=True)
+class _MeshDims:
+    """Shim 8: a stand-in for torch 2.13's ``torch.distributed.fsdp.DataParallelMeshDims``,
+    which torchtitan 0.3.0 imports at load time and torch 2.11 lacks; with
+    ``spmd_backend="partial_dtensor"`` it is never made (torchtitan passes no ``dp_mesh_dims``)."""
+
+    shard: str | tuple[str, ...] | None = None
+    replicate: str | tuple[str, ...] | None = None
+
+
 def apply_shims(device: str = "cpu") -> None:
     """The shims ``device`` needs (1 and 4; 2 and 3 on CPU), before torchtitan's trainer is imported."""
     _stub_triton_kernels()
@@ -230,6 +244,10 @@ def apply_shims(device: str = "cpu") -> None:
 
     if not hasattr(dist, "set_timeout"):  # shim 4
         dist.set_timeout = lambda *args, **kwargs: None  # type: ignore[attr-defined]
+    import torch.distributed.fsdp as torch_fsdp
+
+    if not hasattr(torch_fsdp, "DataParallelMeshDims"):  # shim 8 (torch 2.11)
+        torch_fsdp.DataParallelMeshDims = _MeshDims  # type: ignore[attr-defined]
     if device == "cpu":
         from torchtitan.models.common.attention import FlexAttention
 
