@@ -36,6 +36,8 @@ CPU shims, applied in both runs alike (torch's FSDP2 needs each of them on CPU t
   8. On a torch without ``torch.distributed.fsdp.DataParallelMeshDims`` (2.11, the lent GPU
      machine's), which torchtitan 0.3.0 imports at load time, a stand-in dataclass is put there;
      with shim 5 torchtitan never makes one.
+  9. On a torch whose ``create_block_mask`` has no ``separate_full_blocks`` (2.11), torchtitan's
+     compiled mask builder is called without it (torchtitan passes True, which 2.11 always does).
 
 CUDA (``--device cuda``, one rank by default: NCCL cannot put two ranks on one GPU): torchtitan
 picks "cuda" and NCCL itself, so shim 2 is dropped; flex attention runs on CUDA, so shim 3 is
@@ -235,6 +237,25 @@ class _MeshDims:
     replicate: str | tuple[str, ...] | None = None
 
 
+def _drop_unknown_block_mask_argument() -> None:
+    """Shim 9: torch 2.11's ``create_block_mask`` has no ``separate_full_blocks`` (torchtitan
+    passes True outside batch-invariant mode; 2.11 always separates full blocks): drop it."""
+    import inspect
+
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if "separate_full_blocks" in inspect.signature(create_block_mask).parameters:
+        return
+    import torchtitan.models.common.attention as tt_attention
+
+    compiled = tt_attention._compiled_create_block_mask
+
+    def create(*args: Any, separate_full_blocks: bool = True, **kwargs: Any) -> Any:
+        return compiled(*args, **kwargs)
+
+    tt_attention._compiled_create_block_mask = create
+
+
 def apply_shims(device: str = "cpu") -> None:
     """The shims ``device`` needs (1 and 4; 2 and 3 on CPU), before torchtitan's trainer is imported."""
     _stub_triton_kernels()
@@ -248,6 +269,7 @@ def apply_shims(device: str = "cpu") -> None:
 
     if not hasattr(torch_fsdp, "DataParallelMeshDims"):  # shim 8 (torch 2.11)
         torch_fsdp.DataParallelMeshDims = _MeshDims  # type: ignore[attr-defined]
+    _drop_unknown_block_mask_argument()
     if device == "cpu":
         from torchtitan.models.common.attention import FlexAttention
 
