@@ -43,7 +43,10 @@ CUDA (``--device cuda``, one rank by default: NCCL cannot put two ranks on one G
 picks "cuda" and NCCL itself, so shim 2 is dropped; flex attention runs on CUDA, so shim 3 is
 dropped; NCCL has PREMUL_SUM, so shim 6 is dropped. Shims 1, 4, 5 and 7 stay (harmless, or
 needed whatever the device). ``debug.deterministic`` (warn only) is turned on, so that torch's own run
-is reproducible to the bit and a difference is fullshard's. At one rank the FSDP collectives
+is reproducible to the bit and a difference is fullshard's, and torchtitan's whole-step CUDA graph
+is turned off (``training.disable_cuda_graphs``): on torch 2.11 torch's own run failed in its
+first backward under it, and fullshard's at the second step's capture ("BlockMask structure must
+remain constant"), both inside torchtitan's graph wrapper. At one rank the FSDP collectives
 move nothing (torchtitan still applies ``fully_shard``, for its mixed precision policy): the
 check is of casts, gradient dtypes and streams, not of sharding. A worker that cannot import
 or start torchtitan (its torch APIs are newer than the installed torch's, say) prints
@@ -310,7 +313,7 @@ def trainer_args(a: argparse.Namespace) -> list[str]:
     if a.variant == "compiled":
         args.append("--compile.enable")
     if a.device == "cuda":
-        args += ["--debug.deterministic", "--debug.deterministic_warn_only"]
+        args += ["--debug.deterministic", "--debug.deterministic_warn_only", "--training.disable_cuda_graphs"]
     return args
 
 
