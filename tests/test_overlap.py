@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+import torch
 from dist import run_ranks
 from models import Block, batch, make_stack
 
@@ -77,3 +78,63 @@ def order_body(rank: int, world: int) -> list[str]:
 @pytest.mark.timeout(200)
 def test_prefetch_order() -> None:
     assert run_ranks(order_body, 2, timeout=180)[0] == ["none", "forward", "backward_pre", "backward_post"]
+
+
+def _gathers(model, rank: int, world: int) -> dict[str, int]:
+    """All-gathers per unit in the second of two steps (the first records the forward order)."""
+    from fullshard import probes
+
+    x, _ = batch(0, 4 * world)
+    model(x[4 * rank : 4 * rank + 4]).sum().backward()
+    with probes.enabled(events=True) as p:
+        model(x[4 * rank : 4 * rank + 4]).sum().backward()
+    assert p.events is not None
+    counts: dict[str, int] = {}
+    for kind, name in p.events:
+        if kind == "unshard":
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def keep_last_body(rank: int, world: int) -> list[dict[str, int]]:
+    from fullshard import FSDP, BackwardPrefetch, fully_shard
+    from fullshard.frontend.wrap import ModuleWrapPolicy
+
+    policy = ModuleWrapPolicy({Block})
+    out = [
+        _gathers(FSDP(copy.deepcopy(make_stack()), auto_wrap_policy=policy), rank, world),
+        _gathers(FSDP(copy.deepcopy(make_stack()), auto_wrap_policy=policy, backward_prefetch=None), rank, world),
+    ]
+    model = copy.deepcopy(make_stack(scale_shape=(1,)))
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    out.append(_gathers(model, rank, world))
+    pre = BackwardPrefetch.BACKWARD_PRE
+    wrapped = FSDP(copy.deepcopy(make_stack()), auto_wrap_policy=policy, backward_prefetch=pre)
+    x, _ = batch(0, 4 * world)
+    wrapped(x[4 * rank : 4 * rank + 4]).sum().backward()
+    with torch.no_grad():  # evaluation: every unit resharded after its forward, none kept
+        wrapped(x[:4])
+    out.append({u.name: int(u.shard_state.name == "SHARDED") for u in _units(wrapped)})
+    return out
+
+
+def _units(model) -> list:
+    from fullshard.engine import hooks
+
+    return [s.unit for m in model.modules() if (s := hooks.fsdp_state(m)) is not None and not s.is_root]
+
+
+@pytest.mark.timeout(200)
+def test_the_wrapper_keeps_its_last_unit_of_forward_gathered_into_backward() -> None:
+    """FULL_SHARD with BACKWARD_PRE: the last unit of the previous step's forward is not
+    resharded after forward (backward gathers it first anyway), so it is gathered once per step,
+    the other blocks twice. Not without backward prefetch (it would be held through the root's
+    own backward for nothing), and not under ``fully_shard``, which does what the user set."""
+    wrapper, no_prefetch, composable, evaluation = run_ranks(keep_last_body, 2, timeout=180)[0]
+    blocks = [f"blocks.{i}" for i in range(4)]
+    assert [wrapper[b] for b in blocks] == [2, 2, 2, 1], wrapper
+    assert [no_prefetch[b] for b in blocks] == [2, 2, 2, 2], no_prefetch
+    assert [composable[b] for b in blocks] == [2, 2, 2, 2], composable
+    assert [evaluation[b] for b in blocks] == [1, 1, 1, 1], evaluation  # all sharded after a no_grad forward

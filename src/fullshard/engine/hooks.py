@@ -374,13 +374,39 @@ def post_forward(state: FSDPState, output: Any) -> Any:
         unit.training_state = TrainingState.IDLE
         if grad and unit.reshard_after_forward and not state.is_root and unit.post_forward_shard is not None:
             unit.reshard_post_forward()  # reshard_after_forward=M: 1/M kept for backward's smaller gather
-        elif not grad or (unit.reshard_after_forward and not state.is_root):
+        elif not grad or (unit.reshard_after_forward and not state.is_root and not keeps_last_gathered(state)):
             unit.reshard()
     if grad and not in_recompute:
         register_pre_backward(state, output)
         if state.is_root:
             output = _complete_unfinished_passes(root, state, output)
     return output
+
+
+# Whether the wrapper keeps the last unit gathered after forward (:func:`keeps_last_gathered`);
+# a switch for measuring the rule (tools/interleave.py), not an option.
+KEEP_LAST_GATHERED = True
+
+
+def keeps_last_gathered(state: FSDPState) -> bool:
+    """Whether ``state``'s unit, a FULL_SHARD unit of the wrapper, stays gathered after forward
+    because backward will gather it first anyway: it ran last in the previous step's forward,
+    and with ``BACKWARD_PRE`` the root's pre-backward would prefetch it at once (torchtitan
+    sets ``reshard_after_forward=False`` on its last block by hand for the same reason). One
+    all-gather fewer per step and no higher peak: the unit would be gathered again as backward
+    starts, with the activations at their largest. ``fully_shard`` units keep what the user
+    asked for, as in torch. The planner's replay does the same
+    (:func:`fullshard.plan.schedule.replay`, ``keep_last``)."""
+    root = state.root
+    assert root is not None
+    return (
+        KEEP_LAST_GATHERED
+        and state.front_end is FrontEnd.WRAPPER
+        and root.backward_prefetch is BackwardPrefetch.BACKWARD_PRE
+        and bool(root.last_forward_order)
+        and root.last_forward_order[-1] is state.unit
+        and state.unit is not root.units[0]
+    )
 
 
 def _complete_unfinished_passes(root: RootState, state: FSDPState, output: Any) -> Any:

@@ -116,6 +116,7 @@ def estimate_peak(
     backend: str = "gloo",
     cpu_offload: bool = False,
     checkpoint_context: Callable[[], Any] | None = None,
+    front_end: str = "wrapper",
 ) -> PeakEstimate:
     """Predict rank 0's peak live tensor bytes in a steady training step (see module docstring).
 
@@ -128,13 +129,17 @@ def estimate_peak(
         checkpoint_context: their recomputation's ``context_fn`` (selective checkpointing), if any.
         backend: the process group's, "gloo" (CPU) or "nccl" (CUDA).
         cpu_offload: shards, gradients and optimizer state in host memory (CUDA only).
+        front_end: "wrapper" (FullyShardedDataParallel, which keeps its last unit of forward
+            gathered under FULL_SHARD) or "fully_shard".
 
     Raises:
         ValueError: as :func:`~fullshard.plan.estimate.estimate_model_state`, or
-            ``cpu_offload`` with ``no_shard``.
+            ``cpu_offload`` with ``no_shard``, or a ``front_end`` other than the two.
     """
     if cpu_offload and sharding_strategy == "no_shard":
         raise ValueError("cpu_offload=True needs a sharded strategy: use full_shard or shard_grad_op")
+    if front_end not in ("wrapper", "fully_shard"):
+        raise ValueError(f"front_end={front_end!r}: use 'wrapper' (FullyShardedDataParallel) or 'fully_shard'")
     with torch.device("meta"):
         plain = make_model()
     offload = offloads(cpu_offload, backend)
@@ -147,7 +152,7 @@ def estimate_peak(
     keep = [u.name for u in units] if strategy == "shard_grad_op" else []
     return replayed_peak(
         plain, is_unit, step, units, world_size, sharding_strategy=strategy, param_dtype=mp, checkpoint=checkpoint,
-        keep_gathered=keep, backend=backend, offload=cpu_offload,
+        keep_gathered=keep, backend=backend, offload=cpu_offload, keep_last=front_end == "wrapper",
     )  # fmt: skip
 
 
@@ -185,6 +190,7 @@ def replayed_peak(
     forward_prefetch: bool = False,
     backend: str = "gloo",
     offload: bool = False,
+    keep_last: bool = False,
 ) -> PeakEstimate:
     """One configuration's peak: the engine's buffers replayed over ``step`` (see
     :mod:`fullshard.plan.schedule`), on gloo as the engine runs. On NCCL and under CPU offload
@@ -195,7 +201,9 @@ def replayed_peak(
     (compute dtype, ``checkpoint`` applied); ``units``, its model state for these settings
     (:func:`~fullshard.plan.estimate.estimate_model_state`); ``keep_gathered``: FULL_SHARD
     blocks kept gathered after forward; ``groups``: units of several blocks (``fully_shard`` of
-    a list); ``forward_prefetch``: each unit's pre-forward starts the next one's gather.
+    a list); ``forward_prefetch``: each unit's pre-forward starts the next one's gather;
+    ``keep_last``: the FullyShardedDataParallel wrapper's last unit of forward kept gathered
+    (``fully_shard`` keeps none of its own accord).
 
     Raises:
         KeyError: a group or kept unit is not one of the model's units.
@@ -222,6 +230,7 @@ def replayed_peak(
         groups=groups,
         forward_prefetch=forward_prefetch,
         offload=off,
+        keep_last=keep_last,
     )
     replayed = _as_estimate(peak, merged, staged, off, step.bound)
     if backend == "gloo" and not off:

@@ -25,7 +25,7 @@ prefetch):
   until that unit's pre-forward waits on it);
 - post-forward: FULL_SHARD gives the full parameters back to the pool; SHARD_GRAD_OP and
   NO_SHARD keep them, and so do the units ``kept`` names (the planner's last units kept
-  gathered);
+  gathered) and, for the wrapper (``keep_last``), the last unit of forward;
 - pre-backward (a unit's backward starts): it gathers again if it had resharded, and starts the
   gather of the unit before it in forward order (its scratch held until that unit waits on it);
 - the last gradient of a unit: its full parameters go back to the pool and the packed gradient
@@ -339,6 +339,7 @@ def replay(
     groups: Sequence[Sequence[str]] = (),
     forward_prefetch: bool = False,
     offload: bool = False,
+    keep_last: bool = False,
 ) -> Peak:
     """The step's peak (see the module docstring) from ``samples`` of a traced step: (bytes
     alive, gradient bytes produced per unit in ``units``' order, in backward?, block running).
@@ -349,7 +350,9 @@ def replay(
     backward; ``kept``: units that keep their full parameters after forward under FULL_SHARD
     (every unit does under SHARD_GRAD_OP and NO_SHARD); ``groups``: units of several blocks
     (the samples name blocks, ``units`` the first of each group); ``forward_prefetch``: each
-    unit's pre-forward starts the next one's gather; ``offload``: gradient shards on the host.
+    unit's pre-forward starts the next one's gather; ``offload``: gradient shards on the host;
+    ``keep_last``: FULL_SHARD keeps the last unit of forward gathered too, as the wrapper does
+    (:func:`fullshard.engine.hooks.keeps_last_gathered`; ``fully_shard`` does not).
 
     Raises:
         ValueError: ``samples`` is empty.
@@ -358,14 +361,18 @@ def replay(
         raise ValueError("replay needs the samples of a traced step")
     world = 1 if sharding_strategy == "no_shard" else world_size
     act = [alive - param_bytes - sum(grads) for alive, grads, _, _ in samples]
-    every = [u.name for u in units] if sharding_strategy != "full_shard" else kept
+    unit_of = {n: g[0] for g in groups for n in g}
+    names = {u.name for u in units}
+    named = [unit_of.get(name, name) for _, _, back, name in samples if not back]
+    ran = [n for n in dict.fromkeys(n for n in named if n in names) if n != ROOT]
+    every = set([u.name for u in units] if sharding_strategy != "full_shard" else kept)
+    if keep_last and sharding_strategy == "full_shard" and ran:
+        every.add(ran[-1])  # the wrapper's last unit of forward (hooks.keeps_last_gathered)
     r = _Replay(units, world, every, state, act, recomputed, offload)
     r.forward_prefetch = forward_prefetch
-    r.unit_of = {n: g[0] for g in groups for n in g}
+    r.unit_of = unit_of
     r.closing = {g[-1] for g in groups}  # the block whose post-forward ends its unit's
-    named = [r.unit_of.get(name, name) for _, _, back, name in samples if not back]
-    order = list(dict.fromkeys(n for n in named if n in r.units))
-    order = [ROOT] + [n for n in order if n != ROOT] + [n for n in r.units if n not in order and n != ROOT]
+    order = [ROOT] + ran + [n for n in r.units if n not in ran and n != ROOT]
     for measuring in (False, True):
         r.measuring = measuring
         r.start(order)

@@ -59,6 +59,7 @@ def predict(c: Config) -> PeakEstimate:
         optimizer="adamw",
         sharding_strategy=c.strategy,
         backend="gloo",
+        front_end="wrapper" if c.api == "fsdp1" else "fully_shard",
     )
 
 
