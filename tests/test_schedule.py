@@ -70,7 +70,6 @@ CASES = [
     # with and without its recomputation
     ("gpt", GPT, "full_shard", "none", "fp32", 2, 0, "fsdp1"),
     ("gpt", WIDE_BLOCKS, "full_shard", "full", "bf16", 2, 376, "fsdp1"),
-    ("mnist", None, "full_shard", "none", "fp32", 4, 0, "fsdp1"),
 ]
 
 
