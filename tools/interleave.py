@@ -44,7 +44,11 @@ def _build(workload: str, spec: str, dev: torch.device, rank: int) -> workloads.
 
     def _wrap(impl, model, units, device, comm_quant=None):  # type: ignore[no-untyped-def]
         chosen = {id(u) for u in units}
-        return FSDP(model, auto_wrap_policy=lambda module, recurse, nonwrapped_numel: recurse or id(module) in chosen, **kw)
+
+        def policy(module, recurse, nonwrapped_numel):  # type: ignore[no-untyped-def]
+            return recurse or id(module) in chosen
+
+        return FSDP(model, auto_wrap_policy=policy, **kw)
 
     workloads.wrap = _wrap  # type: ignore[assignment]
     try:
