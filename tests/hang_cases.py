@@ -56,7 +56,7 @@ def main(case: str) -> None:
         if case == "return_before_backward" and rank == 1 and step == 2:
             time.sleep(120)  # returned from the step early: the rest of its program
             return
-        if case == "sigkill" and rank == 1 and step == 2:
+        if case == "sigkill" and rank == 1 and step == 3:  # steady state: collectives as predicted
             os.kill(os.getpid(), 9)
         loss.backward()
         optim.step()

@@ -84,9 +84,10 @@ def test_a_rank_that_leaves_is_named_with_its_last_completed_collective(tmp_path
     rc, out, _ = _run_case("exit_early", tmp_path, timeout=60)
     assert rc != 0, out[-4000:]
     line = _line(out, "[rank0]: fullshard.comm.peers.CollectiveFailed: rank 0:")
-    assert "all_gather #20 of group [0,1] (544 bytes, unit 'layers.0', forward, step 3) failed" in line, line
+    # 4 all-gathers in step 1, 3 in step 2 (layers.2, last in forward, stays gathered into backward)
+    assert "all_gather #19 of group [0,1] (544 bytes, unit 'layers.0', forward, step 3) failed" in line, line
     assert (
-        "rank 1 exited (last completed: reduce_scatter #19 of group [0,1] (544 bytes, unit 'layers.0', "
+        "rank 1 exited (last completed: reduce_scatter #18 of group [0,1] (544 bytes, unit 'layers.0', "
         "post-backward reduce-scatter, step 2))" in line
     ), line
 
@@ -110,10 +111,13 @@ def _check_stuck(out: str, tmp: Path, sentence: str) -> None:
 @pytest.mark.timeout(120)
 def test_a_killed_rank_is_named_as_exited(tmp_path: Path) -> None:
     # torchrun's agent stops the survivor when it next polls: 3 s lets rank 0 reach its collective
+    # (at step 3: in step 2, whose collectives differ from step 1's, the divergence check first
+    # asks rank 1 about the prefetch and finds it gone only at its next look, 0.5 s on)
     rc, out, _ = _run_case("sigkill", tmp_path, monitor_interval=3.0)
     assert rc != 0
     line = _line(out, "CollectiveFailed: rank 0:")
-    assert "(544 bytes, unit 'layers.2', backward, step 2) failed" in line, line
+    # backward's first all-gather: layers.1's, prefetched (layers.2 stays gathered from forward)
+    assert "(544 bytes, unit 'layers.1', backward prefetch, step 3) failed" in line, line
     # killed: its last heartbeat's report, and how old it is
     assert re.search(r"rank 1 exited \(last completed: .*, as of its heartbeat \d+\.\d s before\)", line), line
 
@@ -138,7 +142,7 @@ def test_under_the_job_launcher_a_stuck_rank_is_named_too(tmp_path: Path) -> Non
     _check_stuck(
         out,
         tmp_path,
-        "unit 'layers.2', backward, step 2); not joined: rank 1 is alive, not in a collective, at "
+        "unit 'layers.1', backward prefetch, step 2); not joined: rank 1 is alive, not in a collective, at "
         "hang_cases.py:57 main",
     )
     assert "hang_cases: " in out
