@@ -2,8 +2,12 @@
 nested calls count in both), median over steps, for the `compute` bench workload at 2 ranks.
 
     python tools/hook_times.py 10
+    python tools/hook_times.py 10 --by-call      # also each unshard / wait / finish_reduce call
+    KEEP_LAST=0 python tools/hook_times.py 10    # with hooks.KEEP_LAST_GATHERED off
 
-Columns: rank 0 ms, rank 1 ms, calls per step.
+Columns: rank 0 ms, rank 1 ms, calls per step. ``--by-call`` adds one row per call of
+``Unit.unshard``, ``Unit.wait_for_unshard`` and ``Unit.finish_reduce`` in the step, numbered in
+call order and named by unit (``Unit.unshard`` includes the wait when it is not a prefetch).
 """
 
 import collections
@@ -21,6 +25,7 @@ from fullshard.jobs.bench import workloads
 
 ACC = collections.defaultdict(float)
 CNT = collections.defaultdict(int)
+BY_CALL = {"Unit.unshard", "Unit.wait_for_unshard", "Unit.finish_reduce"} if "--by-call" in sys.argv else set()
 
 
 def timed(owner, name, label=None):
@@ -32,7 +37,10 @@ def timed(owner, name, label=None):
         try:
             return fn(*a, **k)
         finally:
-            ACC[label] += time.perf_counter() - t
+            dt = time.perf_counter() - t
+            ACC[label] += dt
+            if label in BY_CALL:
+                ACC[f"{label}#{CNT[label]:02d}:{getattr(a[0], 'name', '')}"] += dt
             CNT[label] += 1
 
     setattr(owner, name, wrapper)
@@ -59,6 +67,9 @@ timed(collectives.Handle, "wait", "Handle.wait")
 
 
 def worker(steps, warmup):
+    import os
+
+    hooks.KEEP_LAST_GATHERED = os.environ.get("KEEP_LAST", "1") != "0"
     dev = launch.init_process_group()
     torch.set_num_threads(1)
     try:
@@ -84,7 +95,8 @@ def worker(steps, warmup):
 
 
 if __name__ == "__main__":
-    res = launch.launch(worker, (int(sys.argv[1]) if len(sys.argv) > 1 else 10, 3), 2)
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    res = launch.launch(worker, (int(args[0]) if args else 10, 3), 2)
     (a, cnt), (b, _) = res[0], res[1]
-    for k in sorted(a, key=lambda k: -a[k]):
+    for k in sorted(a, key=lambda k: ("#" in k, k if "#" in k else "", -a[k])):
         print(f"{k:28s} {a[k] * 1e3:8.2f} {b.get(k, 0) * 1e3:8.2f} ms  x{cnt.get(k, 1)}")
