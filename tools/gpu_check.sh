@@ -13,14 +13,7 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-cache-dir -e . >"$
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name())'
 } | tee "$out/machine.txt"
-step() {  # step NAME SECONDS CMD...: run CMD under a limit, log to OUTDIR/NAME.log, print its tail
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  timeout -k 10 "$limit" "$@" >"$out/$name.log" 2>&1
-  local rc=$?
-  echo "== $name: rc=$rc in $((SECONDS - t0)) s"
-  tail -n "${TAIL:-15}" "$out/$name.log"
-}
+source "$(dirname "$0")/gpu_step.sh"  # step NAME SECONDS CMD...
 step gpu_tests "${GPU_TESTS_S:-240}" python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider --timeout 230
 cp BENCHMARKS.md "$out/BENCHMARKS.md"
 step bench_gpu "${BENCH_GPU_S:-200}" fullshard bench gpu --offload-presets ${OFFLOAD_PRESETS:-124m 350m 1.3b} \

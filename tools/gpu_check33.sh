@@ -12,15 +12,7 @@ out="${1:-${OUT:-/tmp/gpu_out}}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 
-step() {  # step NAME SECONDS CMD...: run CMD under a limit, log to OUTDIR/NAME.log, print its tail
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  timeout -k 10 "$limit" "$@" >"$out/$name.log" 2>&1
-  local rc=$?
-  echo "== $name: rc=$rc in $((SECONDS - t0)) s"
-  tail -n "${TAIL:-15}" "$out/$name.log"
-  return $rc
-}
+source "$(dirname "$0")/gpu_step.sh"  # step NAME SECONDS CMD...
 
 wheels_needed() {  # print the .whl/*.whl whose distribution is absent or older in this python
   python3 - <<'EOF'
