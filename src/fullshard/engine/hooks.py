@@ -389,8 +389,9 @@ KEEP_LAST_GATHERED = True
 
 
 def keeps_last_gathered(state: FSDPState) -> bool:
-    """Whether ``state``'s unit, a FULL_SHARD unit of the wrapper, stays gathered after forward
-    because backward will gather it first anyway: it ran last in the previous step's forward,
+    """Whether ``state``'s unit, a FULL_SHARD unit of the wrapper that is not the root (the
+    caller, :func:`post_forward`, checks the strategy and the root), stays gathered after
+    forward because backward will gather it first anyway: it ran last in the previous step's forward,
     and with ``BACKWARD_PRE`` the root's pre-backward would prefetch it at once (torchtitan
     sets ``reshard_after_forward=False`` on its last block by hand for the same reason). One
     all-gather fewer per step and no higher peak: the unit would be gathered again as backward
@@ -405,7 +406,6 @@ def keeps_last_gathered(state: FSDPState) -> bool:
         and root.backward_prefetch is BackwardPrefetch.BACKWARD_PRE
         and bool(root.last_forward_order)
         and root.last_forward_order[-1] is state.unit
-        and state.unit is not root.units[0]
     )
 
 
