@@ -7,7 +7,10 @@ moves a quiet run's DDP step by 10% here) falls on all of them alike.
 
 Implementations are separated by ";"; each is a name of ``workloads.IMPLEMENTATIONS`` (or the floor), optionally
 followed by ``:`` and a JSON object of extra keyword arguments for fullshard's wrapper
-(``"keep_last": false`` turns off ``hooks.KEEP_LAST_GATHERED`` for that implementation's steps).
+(``"keep_last": false`` turns off ``hooks.KEEP_LAST_GATHERED`` for that implementation's steps),
+or ``fullshard quantized=SPEC``: the wrapper with ``--comm-quant SPEC`` (as ``bench compare``'s row).
+
+    python tools/interleave.py memory "DDP;fullshard;fullshard quantized=on" 6
 Prints, per implementation, the median step (wall seconds as long as the slowest rank took),
 the median over rounds of its step divided by the first implementation's step of the same
 round, the 25th-75th percentiles of that ratio, and rank 0's median forward (with the loss),
@@ -31,6 +34,8 @@ from fullshard.jobs.bench import workloads
 
 def _build(workload: str, spec: str, dev: torch.device, rank: int) -> workloads.Job:
     name, _, kw_text = spec.partition(":")
+    if name.startswith(workloads.QUANTIZED + "="):
+        return workloads.build_job(workload, workloads.QUANTIZED, dev, rank, name.partition("=")[2])
     if not kw_text:
         return workloads.build_job(workload, name, dev, rank)
     kw = json.loads(kw_text)
