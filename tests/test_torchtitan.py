@@ -2,7 +2,8 @@
 
 Runs ``examples/torchtitan_compare.py``'s eager variant: the same 4 steps at 2 gloo ranks, once
 with torch's ``fully_shard`` and once with fullshard's bound in torchtitan's place, and checks
-that the two logged loss curves agree within the script's tolerance.
+that the two logged loss curves agree within the script's tolerance. The quick tests check the
+script's driver (a failed run does not stop the other engine's).
 """
 
 from __future__ import annotations
@@ -40,3 +41,33 @@ def test_torchtitan_debugmodel_losses_match_torch_fsdp2(tmp_path: Path) -> None:
     assert torch_curve[-1][1] < torch_curve[0][1] - 0.5, "torch's run did not train"
     diff = tc.max_abs_diff(torch_curve, fullshard_curve)
     assert diff <= tc.TOLERANCE, tc.report("eager", curves)
+
+
+_FAILED_TAIL = """\
+[default0]:[rank0]:   File "torch/autograd/graph.py", line 841, in _engine_run_backward
+[default0]:[rank0]: RuntimeError: The tensor has a non-zero number of elements, but its data is not allocated yet.
+[default0]:[rank0]: If you're using torch.compile/export/fx, it is likely that we are erroneously tracing
+E1126 12:00:00.000000 1 torch/distributed/elastic/multiprocessing/api.py:900] failed (exitcode: 1) local_rank: 0
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+============================================================
+"""
+
+
+def test_a_failed_run_does_not_stop_the_other(tmp_path: Path, monkeypatch, capsys) -> None:
+    tc = _script()
+    curve = [[1, 8.1, 2.0], [2, 7.9, 1.5]]
+
+    def launch(engine, variant, a, root):
+        if engine == "torch":
+            raise RuntimeError(f"torch {variant} run failed (exit 1):\n{_FAILED_TAIL}")
+        return curve
+
+    monkeypatch.setattr(tc, "launch", launch)
+    assert tc.compare(tc.parse(["--variants", "eager"])) == 2
+    out = capsys.readouterr().out
+    error = "RuntimeError: The tensor has a non-zero number of elements, but its data is not allocated yet."
+    assert f"[eager] torch: FAILED: {error}" in out
+    assert "fullshard loss" in out and "7.9000000000" in out
