@@ -57,6 +57,10 @@ skipped gpu_tests ||
   step gpu_tests "${GPU_TESTS_S:-150}" python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider --timeout 140
 # (1) two ranks on the one GPU: does NCCL allow it (world size 2 on CUDA for the quantized rows)?
 skipped nccl_one_gpu || step nccl_one_gpu "${NCCL_S:-40}" torchrun --standalone --nproc-per-node 2 tools/nccl_one_gpu.py
+# (2) torch's FSDP2 on torchtitan's chunked-loss pattern, without torchtitan: a fully_shard([norm, head])
+#     group whose forward ran only norm (torch 2.11 leaves it incomplete; the example's shim 10)
+skipped partial_group || step partial_group "${PARTIAL_GROUP_S:-60}" torchrun --standalone --nproc-per-node 1 \
+  tools/fsdp2_partial_group.py
 # (a) can torchtitan, its data stack and its llama3 path import on this torch?
 step titan_import "${TITAN_IMPORT_S:-20}" python3 -c '
 import importlib.metadata as md, sys
