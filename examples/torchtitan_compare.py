@@ -38,16 +38,26 @@ CPU shims, applied in both runs alike (torch's FSDP2 needs each of them on CPU t
      with shim 5 torchtitan never makes one.
   9. On a torch whose ``create_block_mask`` has no ``separate_full_blocks`` (2.11), torchtitan's
      compiled mask builder is called without it (torchtitan passes True, which 2.11 always does).
+ 10. torch's run, on a torch whose FSDP2 leaves a module group half run (2.11): torchtitan shards
+     ``[model.norm, model.lm_head]`` as one unit, and its ``ChunkedLossWrapper`` runs the model
+     without ``lm_head``, then ``lm_head`` on its own. torch 2.13 completes the group's
+     post-forward from the root's (``FSDPState._force_complete_incomplete_states``); 2.11 runs a
+     group's post-forward only once all its modules ran, so the norm's output gets no
+     pre-backward hook, the wrapper's ``lm_head.reshard()`` frees the norm's weight too, and the
+     norm's backward fails ("data is not allocated yet"; ``tools/fsdp2_partial_group.py``
+     shows it without torchtitan). So there a list given to ``fully_shard`` becomes one unit per
+     module (tied weights excepted): the same numbers, other collectives (none at one rank).
+     fullshard's run keeps torchtitan's unit.
 
 CUDA (``--device cuda``, one rank by default: NCCL cannot put two ranks on one GPU): torchtitan
 picks "cuda" and NCCL itself, so shim 2 is dropped; flex attention runs on CUDA, so shim 3 is
 dropped; NCCL has PREMUL_SUM, so shim 6 is dropped. Shims 1, 4, 5 and 7 stay (harmless, or
-needed whatever the device); 8 and 9 apply on torch 2.11 whatever the device.
+needed whatever the device); 8 to 10 apply on torch 2.11 whatever the device.
 ``debug.deterministic`` (warn only) is turned on, so that torch's own run is reproducible to the
 bit and a difference is fullshard's, and torchtitan's whole-step CUDA graph is turned off
 (``training.disable_cuda_graphs``): on torch 2.11 fullshard's run failed at the second step's
 capture under it ("BlockMask structure must remain constant"), inside torchtitan's graph wrapper
-(torch's failed in its first backward, with or without the graph). At one rank
+(torch's failed in its first backward, with or without the graph, before shim 10). At one rank
 the FSDP collectives move nothing (torchtitan still applies ``fully_shard``, for its mixed
 precision policy): the check is of casts, gradient dtypes and streams, not of sharding. A worker
 that cannot import or start torchtitan (its torch APIs are newer than the installed torch's,
@@ -262,6 +272,29 @@ def _drop_unknown_block_mask_argument() -> None:
     tt_attention._compiled_create_block_mask = create
 
 
+def _has_partial_group_forward() -> bool:
+    """Whether torch's FSDP2 completes a ``fully_shard([a, b])`` group whose forward ran only
+    ``a`` (torch 2.13 does, from the root's post-forward; 2.11 does not)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    return hasattr(FSDPState, "_force_complete_incomplete_states")
+
+
+def _one_unit_per_module(fully_shard: Any) -> Any:
+    """Shim 10 (torch's run, on a torch without partial group forwards): ``fully_shard`` of a
+    list of modules becomes one ``fully_shard`` per module, with the same arguments."""
+
+    def shard_each(module: Any, **kwargs: Any) -> Any:
+        if not isinstance(module, (list, tuple)):
+            return fully_shard(module, **kwargs)
+        params = [{id(p) for p in m.parameters()} for m in module]
+        if len(set().union(*params)) < sum(map(len, params)):  # tied weights: one unit or none
+            return fully_shard(module, **kwargs)
+        return [fully_shard(m, **kwargs) for m in module]
+
+    return shard_each
+
+
 def apply_shims(device: str = "cpu") -> None:
     """The shims ``device`` needs (1, 4, 8, 9; 2 and 3 on CPU), before torchtitan's trainer is imported."""
     _stub_triton_kernels()
@@ -283,7 +316,8 @@ def apply_shims(device: str = "cpu") -> None:
 
 
 def bind_engine(engine: str, device: str = "cpu") -> None:
-    """Bind ``engine``'s ``fully_shard`` where torchtitan's llama3 path looks it up."""
+    """Bind ``engine``'s ``fully_shard`` where torchtitan's llama3 path looks it up (torch's
+    with shims 6 and 10 where they apply)."""
     import torchtitan.distributed.fsdp as tt_fsdp
     import torchtitan.models.llama3.parallelize as tt_parallelize
 
@@ -291,9 +325,12 @@ def bind_engine(engine: str, device: str = "cpu") -> None:
         import fullshard
 
         tt_fsdp.fully_shard = fullshard.fully_shard  # type: ignore[assignment]
-    elif device == "cpu":
-        shimmed = _force_sum_reduction(tt_fsdp.disable_fsdp_gradient_division)
-        tt_fsdp.disable_fsdp_gradient_division = shimmed  # type: ignore[assignment]
+    else:
+        if device == "cpu":
+            shimmed = _force_sum_reduction(tt_fsdp.disable_fsdp_gradient_division)
+            tt_fsdp.disable_fsdp_gradient_division = shimmed  # type: ignore[assignment]
+        if not _has_partial_group_forward():  # shim 10 (torch 2.11)
+            tt_fsdp.fully_shard = _one_unit_per_module(tt_fsdp.fully_shard)  # type: ignore[assignment]
     assert tt_parallelize.apply_fsdp_to_decoder.__module__ == tt_fsdp.__name__
 
 

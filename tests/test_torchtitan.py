@@ -3,7 +3,7 @@
 Runs ``examples/torchtitan_compare.py``'s eager variant: the same 4 steps at 2 gloo ranks, once
 with torch's ``fully_shard`` and once with fullshard's bound in torchtitan's place, and checks
 that the two logged loss curves agree within the script's tolerance. The quick tests check the
-script's driver (a failed run does not stop the other engine's).
+script's driver (a failed run does not stop the other engine's) and its shim 10.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install torchtitan==0.3.0)")
 pytest.importorskip("tokenizers")
@@ -71,3 +72,26 @@ def test_a_failed_run_does_not_stop_the_other(tmp_path: Path, monkeypatch, capsy
     error = "RuntimeError: The tensor has a non-zero number of elements, but its data is not allocated yet."
     assert f"[eager] torch: FAILED: {error}" in out
     assert "fullshard loss" in out and "7.9000000000" in out
+
+
+def test_shim_10_one_unit_per_module_unless_weights_are_tied() -> None:
+    tc = _script()
+    calls: list[tuple[object, dict]] = []
+    shard = tc._one_unit_per_module(lambda module, **kw: calls.append((module, kw)) or module)
+    norm, head = torch.nn.LayerNorm(4), torch.nn.Linear(4, 8)
+    assert shard([norm, head], reshard_after_forward=False) == [norm, head]
+    assert calls == [(norm, {"reshard_after_forward": False}), (head, {"reshard_after_forward": False})]
+    calls.clear()
+    embed = torch.nn.Embedding(8, 4)
+    embed.weight = head.weight  # tied: cannot be split
+    shard([embed, norm, head])
+    assert calls == [([embed, norm, head], {})]
+    calls.clear()
+    shard(head)
+    assert calls == [(head, {})]
+
+
+def test_shim_10_is_off_on_a_torch_with_partial_group_forwards() -> None:
+    tc = _script()
+    if tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 13):
+        assert tc._has_partial_group_forward()
