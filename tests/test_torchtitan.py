@@ -3,12 +3,15 @@
 Runs ``examples/torchtitan_compare.py``'s eager variant: the same 4 steps at 2 gloo ranks, once
 with torch's ``fully_shard`` and once with fullshard's bound in torchtitan's place, and checks
 that the two logged loss curves agree within the script's tolerance. The quick tests check the
-script's driver (a failed run does not stop the other engine's) and its shim 10.
+script's driver (a failed run does not stop the other engine's) and its shim 10; one more
+(about a minute) runs torch's trainer for one step on a torch 2.13 made to act as 2.11, without
+and with shim 10.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -95,3 +98,45 @@ def test_shim_10_is_off_on_a_torch_with_partial_group_forwards() -> None:
     tc = _script()
     if tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 13):
         assert tc._has_partial_group_forward()
+
+
+# torch 2.13 made to act as 2.11 where a module group ran only in part: the root completes no
+# group. With AS_TORCH_211=hidden, shim 10's probe sees no completion either (so it splits).
+_AS_TORCH_211 = """\
+import os
+
+mode = os.environ.get("AS_TORCH_211")
+if mode:
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    class _Identity:
+        def __get__(self, obj, cls):
+            if obj is None and mode == "hidden":
+                raise AttributeError("_force_complete_incomplete_states")
+            return lambda output: output
+
+    FSDPState._force_complete_incomplete_states = _Identity()
+"""
+
+
+@pytest.mark.timeout(300)
+def test_shim_10_lets_torch_train_where_a_half_run_group_stays_incomplete(tmp_path: Path, monkeypatch) -> None:
+    """torch's run, 1 step, on a torch acting as 2.11: fails as on the H100 without shim 10, trains with it."""
+    tc = _script()
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_AS_TORCH_211)
+    paths = [str(site), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths))
+    args = tc.parse(["--variants", "eager", "--steps", "1"])
+    tok_dir, data_dir = tc.make_assets(tmp_path)
+    args.tokenizer, args.corpus = str(tok_dir), str(data_dir)
+    off, on = tmp_path / "off", tmp_path / "on"
+    off.mkdir()
+    on.mkdir()
+    monkeypatch.setenv("AS_TORCH_211", "visible")  # shim 10 off
+    with pytest.raises(RuntimeError) as failed:
+        tc.launch("torch", "eager", args, off)
+    assert "data is not allocated yet" in tc.error_line(str(failed.value))
+    monkeypatch.setenv("AS_TORCH_211", "hidden")  # shim 10 on
+    assert [row[0] for row in tc.launch("torch", "eager", args, on)] == [1]
