@@ -38,29 +38,41 @@ CPU shims, applied in both runs alike (torch's FSDP2 needs each of them on CPU t
      with shim 5 torchtitan never makes one.
   9. On a torch whose ``create_block_mask`` has no ``separate_full_blocks`` (2.11), torchtitan's
      compiled mask builder is called without it (torchtitan passes True, which 2.11 always does).
+ 10. torch's run, on a torch whose FSDP2 leaves a module group half run (2.11): torchtitan shards
+     ``[model.norm, model.lm_head]`` as one unit, and its ``ChunkedLossWrapper`` runs the model
+     without ``lm_head``, then ``lm_head`` on its own. torch 2.13 completes the group's
+     post-forward from the root's (``FSDPState._force_complete_incomplete_states``); 2.11 runs a
+     group's post-forward only once all its modules ran, so the norm's output gets no
+     pre-backward hook, the wrapper's ``lm_head.reshard()`` frees the norm's weight too, and the
+     norm's backward fails ("data is not allocated yet"; ``tools/fsdp2_partial_group.py``
+     shows it without torchtitan). So there a list given to ``fully_shard`` becomes one unit per
+     module (tied weights excepted): the same numbers, other collectives (none at one rank).
+     fullshard's run keeps torchtitan's unit.
 
 CUDA (``--device cuda``, one rank by default: NCCL cannot put two ranks on one GPU): torchtitan
 picks "cuda" and NCCL itself, so shim 2 is dropped; flex attention runs on CUDA, so shim 3 is
 dropped; NCCL has PREMUL_SUM, so shim 6 is dropped. Shims 1, 4, 5 and 7 stay (harmless, or
-needed whatever the device). ``debug.deterministic`` (warn only) is turned on, so that torch's own run
-is reproducible to the bit and a difference is fullshard's, and torchtitan's whole-step CUDA graph
-is turned off (``training.disable_cuda_graphs``): on torch 2.11 torch's own run failed in its
-first backward under it, and fullshard's at the second step's capture ("BlockMask structure must
-remain constant"), both inside torchtitan's graph wrapper. At one rank the FSDP collectives
-move nothing (torchtitan still applies ``fully_shard``, for its mixed precision policy): the
-check is of casts, gradient dtypes and streams, not of sharding. A worker that cannot import
-or start torchtitan (its torch APIs are newer than the installed torch's, say) prints
-"torchtitan could not start" with the error, and the run exits 2.
+needed whatever the device); 8 to 10 apply on torch 2.11 whatever the device.
+``debug.deterministic`` (warn only) is turned on, so that torch's own run is reproducible to the
+bit and a difference is fullshard's, and torchtitan's whole-step CUDA graph is turned off
+(``training.disable_cuda_graphs``): on torch 2.11 fullshard's run failed at the second step's
+capture under it ("BlockMask structure must remain constant"), inside torchtitan's graph wrapper
+(torch's failed in its first backward, with or without the graph, before shim 10). At one rank
+the FSDP collectives move nothing (torchtitan still applies ``fully_shard``, for its mixed
+precision policy): the check is of casts, gradient dtypes and streams, not of sharding. A worker
+that cannot import or start torchtitan (its torch APIs are newer than the installed torch's,
+say) prints "torchtitan could not start" with the error, and the run exits 2.
 
-Prints the loss curves side by side and their largest absolute difference per variant; exits
-1 when any difference exceeds ``--tolerance``, 2 when a run fails. The config trains in
-torchtitan's default mixed precision (FSDP ``param_dtype`` bf16, fp32 reductions and fp32
-master weights), where a rounding difference in one step grows through AdamW and clipping:
-torch's own eager and compiled runs end up to 1e-3 apart by step 10. Within one variant both
-engines run the same model code in the same order and a 2-rank sum is exact either way, so
-the default tolerance, 1e-4, is met only when fullshard reproduces torch's numbers (casts,
-gradient accumulation dtype, reductions) step for step: the chunked loss's 8 lm_head
-gradients accumulated in bf16 rather than in fp32 (torch's FSDP2 upcasts an unsynced
+Prints the loss curves side by side and their largest absolute difference per variant; exits 1
+when any difference exceeds ``--tolerance``, 2 when a run fails. A failed run does not stop the
+others: its output goes to stderr, and the variant prints its error line and the other engine's
+losses. The config trains in torchtitan's default mixed precision (FSDP ``param_dtype`` bf16,
+fp32 reductions and fp32 master weights), where a rounding difference in one step grows through
+AdamW and clipping: torch's own eager and compiled runs end up to 1e-3 apart by step 10. Within
+one variant both engines run the same model code in the same order and a 2-rank sum is exact
+either way, so the default tolerance, 1e-4, is met only when fullshard reproduces torch's
+numbers (casts, gradient accumulation dtype, reductions) step for step: the chunked loss's 8
+lm_head gradients accumulated in bf16 rather than in fp32 (torch's FSDP2 upcasts an unsynced
 gradient to the reduce dtype) already end 3.8e-4 apart.
 
 Usage: ``python examples/torchtitan_compare.py [--variants eager,compiled] [--nproc 2]
@@ -74,6 +86,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -259,8 +272,31 @@ def _drop_unknown_block_mask_argument() -> None:
     tt_attention._compiled_create_block_mask = create
 
 
+def _has_partial_group_forward() -> bool:
+    """Whether torch's FSDP2 completes a ``fully_shard([a, b])`` group whose forward ran only
+    ``a`` (torch 2.13 does, from the root's post-forward; 2.11 does not)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    return hasattr(FSDPState, "_force_complete_incomplete_states")
+
+
+def _one_unit_per_module(fully_shard: Any) -> Any:
+    """Shim 10 (torch's run, on a torch without partial group forwards): ``fully_shard`` of a
+    list of modules becomes one ``fully_shard`` per module, with the same arguments."""
+
+    def shard_each(module: Any, **kwargs: Any) -> Any:
+        if not isinstance(module, (list, tuple)):
+            return fully_shard(module, **kwargs)
+        params = [{id(p) for p in m.parameters()} for m in module]
+        if len(set().union(*params)) < sum(map(len, params)):  # tied weights: one unit or none
+            return fully_shard(module, **kwargs)
+        return [fully_shard(m, **kwargs) for m in module]
+
+    return shard_each
+
+
 def apply_shims(device: str = "cpu") -> None:
-    """The shims ``device`` needs (1 and 4; 2 and 3 on CPU), before torchtitan's trainer is imported."""
+    """The shims ``device`` needs (1, 4, 8, 9; 2 and 3 on CPU), before torchtitan's trainer is imported."""
     _stub_triton_kernels()
     if device == "cpu":
         _force_cpu_device()
@@ -280,7 +316,8 @@ def apply_shims(device: str = "cpu") -> None:
 
 
 def bind_engine(engine: str, device: str = "cpu") -> None:
-    """Bind ``engine``'s ``fully_shard`` where torchtitan's llama3 path looks it up."""
+    """Bind ``engine``'s ``fully_shard`` where torchtitan's llama3 path looks it up (torch's
+    with shims 6 and 10 where they apply)."""
     import torchtitan.distributed.fsdp as tt_fsdp
     import torchtitan.models.llama3.parallelize as tt_parallelize
 
@@ -288,9 +325,12 @@ def bind_engine(engine: str, device: str = "cpu") -> None:
         import fullshard
 
         tt_fsdp.fully_shard = fullshard.fully_shard  # type: ignore[assignment]
-    elif device == "cpu":
-        shimmed = _force_sum_reduction(tt_fsdp.disable_fsdp_gradient_division)
-        tt_fsdp.disable_fsdp_gradient_division = shimmed  # type: ignore[assignment]
+    else:
+        if device == "cpu":
+            shimmed = _force_sum_reduction(tt_fsdp.disable_fsdp_gradient_division)
+            tt_fsdp.disable_fsdp_gradient_division = shimmed  # type: ignore[assignment]
+        if not _has_partial_group_forward():  # shim 10 (torch 2.11)
+            tt_fsdp.fully_shard = _one_unit_per_module(tt_fsdp.fully_shard)  # type: ignore[assignment]
     assert tt_parallelize.apply_fsdp_to_decoder.__module__ == tt_fsdp.__name__
 
 
@@ -400,8 +440,29 @@ def report(variant: str, curves: dict[str, list[list[float]]]) -> float:
     return diff
 
 
+def error_line(text: str) -> str:
+    """The line of a failed run's output that names its error: the last ``SomeError: ...`` line
+    (the launcher's summary follows it), without the launcher's rank prefix; else the last line."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for line in reversed(lines):
+        m = re.search(r"(\w+(Error|Exception|Exit|Interrupt)\b:?.*)$", line)
+        if m and not line.startswith(("torch.distributed.elastic", "raise ")):
+            return m.group(1)
+    return lines[-1] if lines else "(no output)"
+
+
+def report_one(variant: str, engine: str, curve: list[list[float]]) -> None:
+    """Print one engine's loss curve (its other engine's run failed)."""
+    print(f"\n[{variant}] step  {engine} loss       grad norm")
+    for step, loss, norm in curve:
+        print(f"  {int(step):4d}  {loss:16.10f}  {norm:.6f}")
+
+
 def compare(a: argparse.Namespace) -> int:
-    """Run every variant on both engines; 0 if all agree within ``a.tolerance``."""
+    """Run every variant on both engines; 0 if all agree within ``a.tolerance``, 2 if a run failed.
+
+    A failed run does not stop the others: its output goes to stderr and its error line is
+    printed with the other engine's losses."""
     status = 0
     with tempfile.TemporaryDirectory(prefix="titan-compare-") as tmp:
         root = Path(tmp)
@@ -409,17 +470,26 @@ def compare(a: argparse.Namespace) -> int:
         a.tokenizer, a.corpus = str(tok_dir), str(data_dir)
         for variant in a.variants.split(","):
             curves: dict[str, list[list[float]]] = {}
+            failed: dict[str, str] = {}
             for engine in ENGINES:
                 try:
                     curves[engine] = launch(engine, variant, a, root)
-                except (RuntimeError, subprocess.TimeoutExpired) as e:
+                except RuntimeError as e:
                     print(f"[{variant}] {engine}: {e}", file=sys.stderr)
-                    status = 2
-            if len(curves) == len(ENGINES):
-                diff = report(variant, curves)
-                if not diff <= a.tolerance:
-                    print(f"[{variant}] FAIL: {diff:.3e} > tolerance {a.tolerance:.1e}")
-                    status = max(status, 1)
+                    failed[engine] = error_line(str(e))
+                except subprocess.TimeoutExpired as e:
+                    failed[engine] = f"timed out after {e.timeout:.0f} s"
+            if failed:
+                status = 2
+                for engine, line in failed.items():
+                    print(f"\n[{variant}] {engine}: FAILED: {line}")
+                for engine, curve in curves.items():
+                    report_one(variant, engine, curve)
+                continue
+            diff = report(variant, curves)
+            if not diff <= a.tolerance:
+                print(f"[{variant}] FAIL: {diff:.3e} > tolerance {a.tolerance:.1e}")
+                status = max(status, 1)
     return status
 
 
