@@ -76,5 +76,6 @@ print("torchtitan trainer imports")'
 # (b) torch's FSDP2 vs fullshard inside torchtitan's trainer, loss for loss, one GPU
 #     Both engines run even when one fails; each launch gets half the step's time.
 compare_s="${TITAN_COMPARE_S:-300}"
+launch_s=$(((compare_s - 20) / 2)); [ "$launch_s" -ge 1 ] || launch_s=1
 TAIL=40 step titan_compare "$compare_s" python3 examples/torchtitan_compare.py --device cuda \
-  --variants "${TITAN_VARIANTS:-eager}" --nproc 1 --timeout $(((compare_s - 20) / 2))
+  --variants "${TITAN_VARIANTS:-eager}" --nproc 1 --timeout "$launch_s"
