@@ -121,14 +121,15 @@ if mode:
 
 @pytest.mark.timeout(300)
 def test_shim_10_lets_torch_train_where_a_half_run_group_stays_incomplete(tmp_path: Path, monkeypatch) -> None:
-    """torch's run, 1 step, on a torch acting as 2.11: fails as on the H100 without shim 10, trains with it."""
+    """torch's run, 1 step at 1 rank (as on the H100), on a torch acting as 2.11: fails as there
+    without shim 10, trains with it."""
     tc = _script()
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(_AS_TORCH_211)
     paths = [str(site), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths))
-    args = tc.parse(["--variants", "eager", "--steps", "1"])
+    args = tc.parse(["--variants", "eager", "--steps", "1", "--nproc", "1"])
     tok_dir, data_dir = tc.make_assets(tmp_path)
     args.tokenizer, args.corpus = str(tok_dir), str(data_dir)
     off, on = tmp_path / "off", tmp_path / "on"
