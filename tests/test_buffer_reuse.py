@@ -254,3 +254,32 @@ def test_gradient_shards_of_a_unit_of_its_own_size_stay_in_its_packed_gradient()
         assert first["<root>"] is not None, first
         assert second == first, (first, second)
         assert r["grads"] == r["expect"], r
+
+
+def test_a_padded_parameters_gradient_is_packed_without_a_padded_copy() -> None:
+    """pack_rows_into writes rank r's rows, then zeros, into strided columns of the pack: the
+    layout of padding each gradient and concatenating, for rows that fill no rank, one rank in
+    part, or leave ranks empty; and allocates nothing of the gradient's size."""
+    from fullshard.engine.reduce import pack_rows_into
+    from fullshard.engine.sharded_param import ShardSpec
+    from fullshard.plan.tracker import LiveTensorBytes
+
+    for shape, n in [((10, 3), 4), ((2, 5), 4), ((12, 2), 4), ((7,), 3), ((129, 64), 3), ((0, 4), 2)]:
+        spec = ShardSpec(torch.Size(shape), n, 0)
+        grad = torch.randn(shape)
+        rows = grad.reshape(spec.rows, spec.row_numel)
+        padded = nn.functional.pad(rows, (0, 0, 0, n * spec.chunk_rows - spec.rows))
+        expected = torch.cat([torch.ones(n, 2), padded.reshape(n, -1), torch.ones(n, 1)], dim=1)
+        pack = torch.full((n, spec.padded_shard_numel + 3), float("nan"))
+        pack[:, :2] = 1
+        pack[:, -1] = 1
+        with LiveTensorBytes() as live:
+            live.adopt([pack, grad])
+            held = live.measure()
+            live.reset_peak()
+            pack_rows_into(pack[:, 2:-1], grad, spec)
+            pack_rows_into(pack[:, 2:2], None, ShardSpec(torch.Size((0,)), n, 0))
+        assert live.peak == held, (shape, n, live.peak - held)
+        assert torch.equal(pack, expected), (shape, n)
+        pack_rows_into(pack[:, 2:-1], None, spec)
+        assert not pack[:, 2:-1].any()

@@ -24,6 +24,7 @@ import torch
 from fullshard import probes
 from fullshard.comm import buffers, collectives, quantized
 from fullshard.engine.layout import UnitLayout
+from fullshard.engine.sharded_param import ShardSpec
 
 
 def predivide_factor(ranks: int) -> int:
@@ -39,23 +40,44 @@ def pack_grads(unit: UnitLayout, grads: Sequence[torch.Tensor | None]) -> torch.
 
     Row block r holds, parameter after parameter, the padded rows rank r owns: the layout
     of the reduce-scatter input, so the gradient is written once, in place for the
-    collective. ``None`` (a parameter forward did not use) packs as zeros.
+    collective, and a padded parameter's gradient is not padded in a copy of its own first.
+    ``None`` (a parameter forward did not use) packs as zeros.
     """
     n = unit.shard_size
     ref = next(g for g in grads if g is not None)
-    parts = []
-    for sp, g in zip(unit.trainable, grads):
-        spec = sp.spec
-        if g is None:
-            parts.append(torch.zeros(n, spec.padded_shard_numel, dtype=ref.dtype, device=ref.device))
-            continue
-        rows = g.reshape(spec.rows, spec.row_numel)
-        if spec.padded_numel != spec.numel:
-            rows = torch.nn.functional.pad(rows, (0, 0, 0, n * spec.chunk_rows - spec.rows))
-        parts.append(rows.reshape(n, spec.padded_shard_numel))
     out = buffers.POOL.acquire(n * unit.grad_numel, ref.dtype, ref.device)
-    torch.cat(parts, dim=1, out=out.view(n, unit.grad_numel))
+    rows = out.view(n, unit.grad_numel)
+    offset = 0
+    for sp, g in zip(unit.trainable, grads):
+        width = sp.spec.padded_shard_numel
+        pack_rows_into(rows[:, offset : offset + width], g, sp.spec)
+        offset += width
     return out
+
+
+def pack_rows_into(dest: torch.Tensor, grad: torch.Tensor | None, spec: ShardSpec) -> None:
+    """Copy one parameter's full gradient into its columns of a rank-major pack.
+
+    Args:
+        dest: shape (N, ``spec.padded_shard_numel``), a view whose rows may be strided: row r
+            receives the ``spec.chunk_rows`` rows of ``grad`` that rank r owns, zeros after the
+            last real row (the padding).
+        grad: shape ``spec.orig_shape`` (any layout and dtype: cast by the copy), or None for
+            zeros.
+        spec: the parameter's sharding (``rows``, ``row_numel``, ``chunk_rows``).
+    """
+    n, chunk = dest.shape[0], spec.chunk_rows
+    if grad is None or chunk == 0:
+        dest.zero_()
+        return
+    blocks = dest.view(n, chunk, spec.row_numel)
+    rows = grad.reshape(spec.rows, spec.row_numel)
+    whole, rest = divmod(spec.rows, chunk)
+    blocks[:whole].copy_(rows[: whole * chunk].reshape(whole, chunk, spec.row_numel))
+    if whole < n:
+        blocks[whole, :rest].copy_(rows[whole * chunk :])
+        blocks[whole, rest:].zero_()
+        blocks[whole + 1 :].zero_()
 
 
 @dataclasses.dataclass
