@@ -276,3 +276,25 @@ def test_a_timeout_where_every_rank_issued_different_collectives_is_a_divergence
         "issued all_gather for unit 'layers.1' (forward)" in line
     ), line
     assert "backend" not in line, line
+
+
+def test_a_late_watchdog_signals_the_main_thread_before_its_grace_period_ends_the_process(monkeypatch) -> None:
+    """On a loaded machine the watchdog's first look after the stop can come later than the grace
+    period: it must still signal the main thread first, and exit only a grace period after that."""
+    import types
+
+    from fullshard.comm import peers, watchdog
+
+    calls: list[str] = []
+    monkeypatch.setattr(peers, "STOP", peers.CollectiveTimeout("rank 0 timed out"))
+    monkeypatch.setattr(peers, "RAISED", False)
+    monkeypatch.setattr(watchdog, "_interrupt_main", lambda: calls.append("signal"))
+    late = time.monotonic() - watchdog._GRACE_S - 1.0  # its first look comes after the grace period
+    dog = types.SimpleNamespace(stop_at=late, signalled=False, exit=lambda why: calls.append(why))
+    watchdog.Watchdog.watch(dog)  # type: ignore[arg-type]
+    assert calls == ["signal"]
+    watchdog.Watchdog.watch(dog)  # type: ignore[arg-type]  # within the grace period: nothing
+    assert calls == ["signal"]
+    dog.stop_at -= watchdog._GRACE_S + 0.1
+    watchdog.Watchdog.watch(dog)  # type: ignore[arg-type]
+    assert len(calls) == 2 and calls[1].startswith("still running"), calls

@@ -139,7 +139,7 @@ class Watchdog(threading.Thread):
         self.asks: list[dict[str, Any]] = []
         self.stopped = threading.Event()
         self.active_at = 0.0  # when the last question came: answer the next ones quickly
-        self.stop_at: float | None = None  # when this rank was told to stop
+        self.stop_at: float | None = None  # when told to stop; then when the main thread was signalled
         self.signalled = False
         self.reported: flight_recorder.Entry | None = None  # the last completed one, as last published
         self.cpu_s = 0.0  # this thread's CPU time so far (seconds; for fullshard bench recorder)
@@ -204,13 +204,17 @@ class Watchdog(threading.Thread):
     def watch(self) -> None:
         """Time out this rank's oldest pending collective; exit when the grace period is over."""
         if peers.STOP is not None:
-            self.stop_at = self.stop_at or time.monotonic()
-            waited = time.monotonic() - self.stop_at
-            if waited > _GRACE_S:
-                self.exit(f"still running {_GRACE_S:g} s after: {peers.STOP}")
-            elif waited > 0.3 and not peers.RAISED and not self.signalled:
-                self.signalled = True  # not waiting in a collective (it would have raised by now)
+            now = time.monotonic()
+            self.stop_at = self.stop_at or now
+            if now - self.stop_at > 0.3 and not peers.RAISED and not self.signalled:
+                # Not waiting in a collective (it would have raised by now): signal it, and count
+                # the grace period from here, so that a watchdog that ran late (a loaded machine)
+                # never exits without having told the main thread first.
+                self.signalled = True
+                self.stop_at = now
                 _interrupt_main()
+            elif now - self.stop_at > _GRACE_S:
+                self.exit(f"still running {_GRACE_S:g} s after: {peers.STOP}")
             return
         pending = RECORDER.oldest_pending()
         if pending is None or time.time() - pending.issued_at <= collective_timeout():
