@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -162,16 +163,30 @@ def test_ranks_with_different_models_fail_at_the_first_forward(tmp_path: Path) -
 MAIN = Path(__file__).with_name("watchdog_main.py")
 
 
-def _main(case: str, tmp: Path) -> tuple[int, str]:
+def _main(case: str, tmp: Path, sigint: str = "default") -> tuple[int, str]:
+    """Run watchdog_main.py's ``case``; ``sigint="ignored"`` starts it with SIGINT ignored, as a
+    process started in the background, under nohup, or by a parent that ignores it."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FULLSHARD_")}
     env["FULLSHARD_FLIGHT_RECORDER_DIR"] = str(tmp / "dumps")
-    r = subprocess.run([sys.executable, str(MAIN), case], cwd=tmp, env=env, capture_output=True, text=True, timeout=90)
+    disposition = signal.SIG_IGN if sigint == "ignored" else signal.SIG_DFL
+    r = subprocess.run(
+        [sys.executable, str(MAIN), case],
+        cwd=tmp,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=90,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, disposition),
+    )
     return r.returncode, r.stdout + r.stderr
 
 
 @pytest.mark.timeout(120)
-def test_the_watchdog_raises_in_the_main_thread_and_exits_only_after_a_grace_period(tmp_path: Path) -> None:
-    rc, out = _main("interrupt", tmp_path)
+@pytest.mark.parametrize("sigint", ["default", "ignored"])
+def test_the_watchdog_raises_in_the_main_thread_and_exits_only_after_a_grace_period(
+    tmp_path: Path, sigint: str
+) -> None:
+    rc, out = _main("interrupt", tmp_path, sigint)
     assert "timeout 0.5 s (the process group's)" in out, out
     line = _line(out, "main thread raised after")
     assert ": rank 0 waited 1 s (timeout 0.5 s) in all_reduce #2 of group [0] (4 bytes, step 0);" in line, line

@@ -262,14 +262,19 @@ class Watchdog(threading.Thread):
 
 
 # The SIGINT handler that turns the watchdog's signal into its error (installed at start when
-# Python's own handler is in place, from the main thread).
+# Python's own handler is in place, or SIGINT is ignored, from the main thread). A process started
+# in the background or under nohup, or by a parent that ignored SIGINT, starts with it ignored
+# (the disposition survives exec): the handler goes in there too, and ignores a Ctrl-C as before.
 _SIGNALLED = False
 _HANDLER_INSTALLED = False
+_PREVIOUS: Any = None  # the disposition the handler replaced: default_int_handler or SIG_IGN
 
 
 def _on_sigint(signum: int, frame: Any) -> None:
     global _SIGNALLED
     if not _SIGNALLED:
+        if _PREVIOUS == signal.SIG_IGN:
+            return  # a Ctrl-C where SIGINT was ignored: still ignored
         signal.default_int_handler(signum, frame)  # a Ctrl-C: KeyboardInterrupt as always
     _SIGNALLED = False
     if not peers.RAISED:
@@ -277,10 +282,12 @@ def _on_sigint(signum: int, frame: Any) -> None:
 
 
 def _install_handler() -> None:
-    global _HANDLER_INSTALLED
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is (
-        signal.default_int_handler
-    ):
+    global _HANDLER_INSTALLED, _PREVIOUS
+    if threading.current_thread() is not threading.main_thread():
+        return
+    current = signal.getsignal(signal.SIGINT)
+    if current is signal.default_int_handler or current == signal.SIG_IGN:
+        _PREVIOUS = current
         signal.signal(signal.SIGINT, _on_sigint)
         _HANDLER_INSTALLED = True
 
@@ -289,7 +296,7 @@ def _remove_handler() -> None:
     global _HANDLER_INSTALLED
     if _HANDLER_INSTALLED and threading.current_thread() is threading.main_thread():
         if signal.getsignal(signal.SIGINT) is _on_sigint:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGINT, _PREVIOUS)
         _HANDLER_INSTALLED = False
 
 
