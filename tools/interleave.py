@@ -11,6 +11,7 @@ followed by ``:`` and a JSON object of extra keyword arguments for fullshard's w
 or ``fullshard quantized=SPEC``: the wrapper with ``--comm-quant SPEC`` (as ``bench compare``'s row).
 
     python tools/interleave.py memory "DDP;fullshard;fullshard quantized=on" 6
+
 Prints, per implementation, the median step (wall seconds as long as the slowest rank took),
 the median over rounds of its step divided by the first implementation's step of the same
 round, the 25th-75th percentiles of that ratio, and rank 0's median forward (with the loss),
