@@ -283,3 +283,60 @@ def test_a_padded_parameters_gradient_is_packed_without_a_padded_copy() -> None:
         assert torch.equal(pack, expected), (shape, n)
         pack_rows_into(pack[:, 2:-1], None, spec)
         assert not pack[:, 2:-1].any()
+
+
+def own_rows_body(rank: int, world: int) -> dict:
+    from fullshard import FSDP
+    from fullshard.comm import collectives
+    from fullshard.engine import unit as unit_mod
+
+    group = collectives.default_group()
+    # The collective: with fill_own=False our slice of the output keeps what it held.
+    shard = torch.full((5,), float(rank + 1))
+    out = torch.full((world * 5,), -7.0)
+    collectives.all_gather(out, shard, group, fill_own=False)
+    others = [r for r in range(world) if r != rank]
+    result = {
+        "own_untouched": bool((out.view(world, 5)[rank] == -7.0).all()),
+        "others": all(bool((out.view(world, 5)[r] == r + 1).all()) for r in others),
+    }
+    # The engine: runs of small parameters (Linear + LayerNorm), uneven rows, every rank's
+    # place (first, middle, last), gathered with the own rows straight from the shards and
+    # with all rows copied out of the scratch.
+    reference = make_stack()
+    model = _fsdp(copy.deepcopy(reference))
+    runs = [len(g) for m in FSDP.fsdp_modules(model) for g, _, _ in m.unit._pieces]
+    gathered = {}
+    for direct in (True, False):
+        unit_mod.OWN_ROWS_DIRECT = direct
+        try:
+            with FSDP.summon_full_params(model):
+                gathered[direct] = [p.detach().clone() for p in model.parameters()]
+            # gather_full builds its copy-out targets itself (not the full buffer's views)
+            gathered[(direct, "gather_full")] = [
+                t for m in FSDP.fsdp_modules(model) for t in m.unit.gather_full(m.unit.local_flat)
+            ]
+        finally:
+            unit_mod.OWN_ROWS_DIRECT = True
+    expect = [p.detach() for p in reference.parameters()]
+    result["runs"] = max(runs)
+    result["equal"] = [all(torch.equal(a, b) for a, b in zip(gathered[d], expect)) for d in (True, False)]
+    result["gather_full_equal"] = all(
+        torch.equal(a, b) for a, b in zip(gathered[(True, "gather_full")], gathered[(False, "gather_full")])
+    )
+    result["gather_full_count"] = len(gathered[(True, "gather_full")])
+    return result
+
+
+def test_a_runs_own_rows_go_straight_from_the_shards_to_the_full_parameters() -> None:
+    """On gloo a run of small parameters is all-gathered into a rank-major scratch buffer and
+    copied out to the param-major full buffer. The own rows are not needed in the scratch: they
+    are copied straight from the shards while the other ranks' rows are on the wire, and only the
+    others' are copied out afterwards (one copy of the shard fewer per all-gather). The full
+    parameters are the same bits either way, at every rank's place in 2, 3 and 4 ranks."""
+    for world in (2, 3, 4):
+        for r in run_ranks(own_rows_body, world):
+            assert r["own_untouched"] and r["others"], (world, r)
+            assert r["runs"] > 1, r  # the model has runs to copy out
+            assert r["equal"] == [True, True], (world, r)
+            assert r["gather_full_equal"] and r["gather_full_count"] > 0, (world, r)

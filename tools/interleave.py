@@ -7,7 +7,8 @@ moves a quiet run's DDP step by 10% here) falls on all of them alike.
 
 Implementations are separated by ";"; each is a name of ``workloads.IMPLEMENTATIONS`` (or the floor), optionally
 followed by ``:`` and a JSON object of extra keyword arguments for fullshard's wrapper
-(``"keep_last": false`` turns off ``hooks.KEEP_LAST_GATHERED`` for that implementation's steps),
+(``"keep_last": false`` turns off ``hooks.KEEP_LAST_GATHERED`` for that implementation's steps,
+``"own_rows_direct": false`` turns off ``unit.OWN_ROWS_DIRECT``),
 or ``fullshard quantized=SPEC``: the wrapper with ``--comm-quant SPEC`` (as ``bench compare``'s row).
 
     python tools/interleave.py memory "DDP;fullshard;fullshard quantized=on" 6
@@ -28,9 +29,12 @@ import time
 import torch
 
 from fullshard.comm import collectives
-from fullshard.engine import hooks
+from fullshard.engine import hooks, unit
 from fullshard.jobs import launch
 from fullshard.jobs.bench import workloads
+
+# Engine switches an implementation's JSON may turn off for its own steps: key -> (module, name).
+SWITCHES = {"keep_last": (hooks, "KEEP_LAST_GATHERED"), "own_rows_direct": (unit, "OWN_ROWS_DIRECT")}
 
 
 def _build(workload: str, spec: str, dev: torch.device, rank: int) -> workloads.Job:
@@ -40,7 +44,8 @@ def _build(workload: str, spec: str, dev: torch.device, rank: int) -> workloads.
     if not kw_text:
         return workloads.build_job(workload, name, dev, rank)
     kw = json.loads(kw_text)
-    kw.pop("keep_last", None)
+    for key in SWITCHES:
+        kw.pop(key, None)
     from fullshard import BackwardPrefetch
     from fullshard import FullyShardedDataParallel as FSDP
 
@@ -72,12 +77,13 @@ def worker(
         g = collectives.default_group()
         rank = collectives.group_rank(g)
         jobs = [_build(workload, s, dev, rank) for s in specs]
-        keep_last = [json.loads(s.partition(":")[2] or "{}").get("keep_last", True) for s in specs]
+        switches = [json.loads(s.partition(":")[2] or "{}") for s in specs]
         times: list[list[float]] = [[] for _ in specs]
         phases: list[list[tuple[float, float, float]]] = [[] for _ in specs]
         for r in range(warmup + rounds):
             for i, job in enumerate(jobs):
-                hooks.KEEP_LAST_GATHERED = keep_last[i]
+                for key, (module, name) in SWITCHES.items():
+                    setattr(module, name, switches[i].get(key, True))
                 collectives.barrier(g)
                 t0 = time.perf_counter()
                 job.optimizer.zero_grad()

@@ -184,11 +184,15 @@ def reduction_device(group: ProcessGroup) -> torch.device:
 
 @exposed_comm.blocking("all_gather", _unit)
 @_explained
-def all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup, async_op: bool = False) -> Handle | None:
+def all_gather(
+    output: torch.Tensor, input: torch.Tensor, group: ProcessGroup, async_op: bool = False, fill_own: bool = True
+) -> Handle | None:
     """All-gather ``input`` (shape (S,)) from every rank into ``output`` (shape (N*S,)).
 
     Rank r's input lands in ``output[r*S:(r+1)*S]``. Both tensors are contiguous, same dtype
-    and device. Returns a Handle when ``async_op``, else None after completion.
+    and device. ``fill_own=False``: on gloo this rank's own slice of ``output`` is left as it
+    is (a caller that needs its own shard elsewhere skips that copy); other backends write
+    every slice regardless. Returns a Handle when ``async_op``, else None after completion.
     """
     n = group_size(group)
     if output.numel() != n * input.numel():
@@ -199,7 +203,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup, a
     if n > 1 and backend(group) == "gloo":
         rank = group_rank(group)
         slices = output.view(n, -1)
-        if slices[rank].data_ptr() != input.data_ptr():
+        if fill_own and slices[rank].data_ptr() != input.data_ptr():
             slices[rank].copy_(input)
         if n == 2:
             # One all-to-all that sends our input to the other rank and receives its input

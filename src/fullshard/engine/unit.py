@@ -30,6 +30,11 @@ from fullshard.engine.reduce import GradReducer, pack_grads
 
 __all__ = ["ParamEntry", "ShardState", "TrainingState", "Unit", "UnitConfig"]
 
+# On gloo (exact), a run's own rows go from the shards straight to the full buffer while the
+# other ranks' rows are on the wire, and only theirs are copied out of the all-gather's scratch
+# (False: the own rows too, as before; kept to measure the difference, tools/interleave.py).
+OWN_ROWS_DIRECT = True
+
 
 class Unit(UnitLayout):
     """The sharded parameters of one FSDP unit and the collectives that move them.
@@ -157,14 +162,17 @@ class Unit(UnitLayout):
         Each piece of :attr:`_pieces` is one all-gather: a lone parameter lands in its own
         region of ``full`` directly (its N padded shards back to back are its padded full
         tensor); a run of parameters lands rank-major in a scratch buffer from :data:`buffers.POOL`
-        (the next unit of the same size reuses it: no fresh pages to fault in) and is copied out.
+        (the next unit of the same size reuses it: no fresh pages to fault in) and is copied out;
+        on gloo (exact) only the other ranks' rows are: ours go straight from ``local`` to
+        ``full`` while theirs are on the wire (:data:`OWN_ROWS_DIRECT`).
         ``int8_block``: all-gather int8 blocks of this many elements instead
         (:func:`~fullshard.comm.quantized.all_gather_int8`, each parameter's shard its own
         segment): ``local`` is then quantized from its own dtype and dequantized into ``full``'s.
         """
-        n = self.shard_size
+        n, me = self.shard_size, self.rank
         handles: list[collectives.Handle] = []
         copy_outs: list[tuple[torch.Tensor, int]] = []
+        own_direct = OWN_ROWS_DIRECT and int8_block is None and collectives.backend(self.shard_group) == "gloo"
         for k, (group, start, length) in enumerate(self._pieces):
             src = local[start : start + length]
             if len(group) == 1:
@@ -174,24 +182,38 @@ class Unit(UnitLayout):
                 out = buffers.POOL.acquire(n * length, full.dtype, full.device)
                 copy_outs.append((out, k))
             if int8_block is None:
-                h = collectives.all_gather(out, src, self.shard_group, async_op=True)
+                h = collectives.all_gather(
+                    out, src, self.shard_group, async_op=True, fill_own=not (own_direct and len(group) > 1)
+                )
             else:
                 segments = self._run_sizes[k]
                 h = quantized.all_gather_int8(out, src, self.shard_group, int8_block, True, segments)
             assert h is not None
             handles.append(h)
+            if own_direct and len(group) > 1:
+                outs = self._copy_out_targets(full, k)
+                torch.split_with_sizes_copy(
+                    src.view(1, -1), self._run_sizes[k], dim=1, out=[t[me : me + 1] for t in outs]
+                )
+        # The rows still to copy out of each run's rank-major scratch: all, or all but ours.
+        rows = [(0, n)] if not own_direct else [(a, b) for a, b in ((0, me), (me + 1, n)) if b > a]
 
         def epilogue() -> None:
             for gathered, k in copy_outs:
-                group = self._pieces[k][0]
-                if full is self.full_data:  # the usual case: views built once at construction
-                    outs = self._run_targets[k]
-                else:
-                    outs = [full[sp.full_offset : sp.full_offset + sp.spec.padded_numel].view(n, -1) for sp in group]
-                torch.split_with_sizes_copy(gathered.view(n, -1), self._run_sizes[k], dim=1, out=outs)
+                outs = self._copy_out_targets(full, k)
+                ranked = gathered.view(n, -1)
+                for a, b in rows:
+                    torch.split_with_sizes_copy(ranked[a:b], self._run_sizes[k], dim=1, out=[t[a:b] for t in outs])
                 buffers.POOL.release(gathered)
 
         return collectives.Handle(handles, epilogue if copy_outs else None)
+
+    def _copy_out_targets(self, full: torch.Tensor, k: int) -> list[torch.Tensor]:
+        """Run piece ``k``'s parameters in ``full``, each viewed (N, padded shard numel)."""
+        if full is self.full_data:  # the usual case: views built once at construction
+            return self._run_targets[k]
+        n = self.shard_size
+        return [full[sp.full_offset : sp.full_offset + sp.spec.padded_numel].view(n, -1) for sp in self._pieces[k][0]]
 
     def gather_full(self, local: torch.Tensor) -> list[torch.Tensor]:
         """All-gather a buffer laid out like the local flat buffer, in its own dtype (collective).
