@@ -426,6 +426,11 @@ def two_worker_job() -> tuple[dict, bool]:
 
     from fullshard.jobs import launch
 
+    if launch._SERVER_ENVIRON is None:
+        # The first launch of this process starts its forkserver, with the launcher's environment
+        # of then: let that be the suite's, not the one below (later benchmark launches in this
+        # xdist worker fork only from a server that has the suite's THP_MEM_ALLOC_ENABLE).
+        launch.launch(_worker_variables, (), 1)
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
         mp.delenv("OMP_NUM_THREADS", raising=False)
