@@ -548,9 +548,9 @@ def reshard_to_smaller_group_body(rank: int, world: int) -> list[int]:
     sizes: list[int] = []
     real_all_gather = collectives.all_gather
 
-    def counting(output, input, group, async_op=False):
+    def counting(output, input, group, async_op=False, **kw):
         sizes.append(collectives.group_size(group))
-        return real_all_gather(output, input, group, async_op=async_op)
+        return real_all_gather(output, input, group, async_op=async_op, **kw)
 
     with patched(collectives, all_gather=counting):
         for step in range(3):
