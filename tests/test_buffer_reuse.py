@@ -333,8 +333,8 @@ def test_a_runs_own_rows_go_straight_from_the_shards_to_the_full_parameters() ->
     copied out to the param-major full buffer. The own rows are not needed in the scratch: they
     are copied straight from the shards while the other ranks' rows are on the wire, and only the
     others' are copied out afterwards (one copy of the shard fewer per all-gather). The full
-    parameters are the same bits either way, at every rank's place in 2, 3 and 4 ranks."""
-    for world in (2, 3, 4):
+    parameters are the same bits either way, at 2 ranks and at 3 (a first, middle and last rank)."""
+    for world in (2, 3):
         for r in run_ranks(own_rows_body, world):
             assert r["own_untouched"] and r["others"], (world, r)
             assert r["runs"] > 1, r  # the model has runs to copy out
