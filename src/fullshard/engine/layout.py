@@ -29,8 +29,10 @@ so the autograd leaf covers only the trainable prefix of the full buffer: frozen
 gathered with the rest but get no gradient memory and no gradient communication.
 
 An all-gather's output is rank-major; the copy-out to the param-major full buffer is one
-``split_with_sizes_copy``. On gloo each large parameter is gathered on its own, straight into
-its region of the full buffer, which needs no copy-out (see ``UnitLayout._plan_pieces``). Gradients
+``split_with_sizes_copy`` (on gloo, of the other ranks' rows only: ours go there from the
+shards directly, see ``Unit._gather_into``). On gloo each large parameter is gathered on its
+own, straight into its region of the full buffer, which needs no copy-out (see
+``UnitLayout._plan_pieces``). Gradients
 go the other way, in :mod:`.reduce`: per-parameter gradients -> one packing copy, rank-major
 (N*S_t,) -> reduce-scatter -> (S_t,) -> the shards' ``.grad``.
 """
