@@ -35,7 +35,7 @@ from fullshard import compat
 from fullshard.comm import collectives, flight_recorder
 from fullshard.engine.extension_param import ExtensionParam, has_extension, make_shard
 from fullshard.engine.layout import ParamEntry, ShardState
-from fullshard.engine.reduce import pack_rows_into, predivide_factor
+from fullshard.engine.reduce import pack_into, predivide_factor
 from fullshard.engine.sharded_param import ShardedParam, ShardSpec
 from fullshard.engine.unit import Unit, UnitConfig
 
@@ -288,13 +288,10 @@ class ExtensionUnit(Unit):
 
 def _pack(items: list[ExtensionParam], grads: list[Any], n: int, dtype: torch.dtype) -> torch.Tensor:
     """Full gradients (shapes ``orig_shape``) packed rank-major in ``dtype``, (N * sum of padded shards,)."""
-    widths = [ep.sp.spec.padded_shard_numel for ep in items]
+    specs = [ep.sp.spec for ep in items]
     device = next(g for g in grads if g is not None).device
-    out = torch.empty(n, sum(widths), dtype=dtype, device=device)
-    offset = 0
-    for ep, g, width in zip(items, grads, widths):
-        pack_rows_into(out[:, offset : offset + width], g, ep.sp.spec)
-        offset += width
+    out = torch.empty(n, sum(spec.padded_shard_numel for spec in specs), dtype=dtype, device=device)
+    pack_into(out, grads, specs)
     return out.reshape(-1)
 
 

@@ -46,13 +46,26 @@ def pack_grads(unit: UnitLayout, grads: Sequence[torch.Tensor | None]) -> torch.
     n = unit.shard_size
     ref = next(g for g in grads if g is not None)
     out = buffers.POOL.acquire(n * unit.grad_numel, ref.dtype, ref.device)
-    rows = out.view(n, unit.grad_numel)
-    offset = 0
-    for sp, g in zip(unit.trainable, grads):
-        width = sp.spec.padded_shard_numel
-        pack_rows_into(rows[:, offset : offset + width], g, sp.spec)
-        offset += width
+    pack_into(out.view(n, unit.grad_numel), grads, [sp.spec for sp in unit.trainable])
     return out
+
+
+def pack_into(rows: torch.Tensor, grads: Sequence[torch.Tensor | None], specs: Sequence[ShardSpec]) -> None:
+    """Pack parameters' full gradients side by side into a rank-major pack, one
+    :func:`pack_rows_into` each.
+
+    Args:
+        rows: shape (N, sum of the specs' ``padded_shard_numel``), contiguous; row r becomes
+            rank r's shard of the reduce-scatter input.
+        grads: one full gradient per spec (shapes ``orig_shape``, any dtype: cast by the copy),
+            None for zeros.
+        specs: the parameters' sharding, in pack order.
+    """
+    offset = 0
+    for spec, g in zip(specs, grads):
+        width = spec.padded_shard_numel
+        pack_rows_into(rows[:, offset : offset + width], g, spec)
+        offset += width
 
 
 def pack_rows_into(dest: torch.Tensor, grad: torch.Tensor | None, spec: ShardSpec) -> None:
