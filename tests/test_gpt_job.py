@@ -123,8 +123,11 @@ def _check_observability(records: list[dict], tb: Path, prof: Path) -> None:
             assert values == [pytest.approx(r[key][rank], rel=1e-6) for r in records], key
     for r in records:
         assert r["grad_norm"] > 0 and 0 < r["mfu"] < 1 and r["lr"] > 0
-        for compute, comm in zip(r["compute_seconds"], r["comm_exposed_seconds"]):
-            assert compute > 0 and comm > 0 and compute + comm == pytest.approx(r["step_seconds"])
+        for rank, (compute, comm) in enumerate(zip(r["compute_seconds"], r["comm_exposed_seconds"])):
+            # each rank splits its own window; the windows start together (a barrier), so another
+            # rank's differs from rank 0's only by the skew of the window's last step
+            assert compute > 0 and comm > 0, (rank, r)
+            assert compute + comm == pytest.approx(r["step_seconds"], rel=1e-6 if rank == 0 else 0.25), (rank, r)
     for rank in (0, 1):
         names = {e.get("name", "") for e in json.loads((prof / f"rank{rank}.pt.trace.json").read_text())["traceEvents"]}
         for expected in (

@@ -267,7 +267,7 @@ def train_loop(
     obs = _observer(cfg, device, plain, first)
     record: dict[str, Any] | None = None
     window = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, steps, last grad norm
-    start = last = time.perf_counter()
+    start = time.perf_counter()
     for step in range(first, cfg.steps):
         _start_step(optimizer, step, cfg)
         obs.step_started(step)
@@ -280,7 +280,7 @@ def train_loop(
         logged = (step + 1) % cfg.log_interval == 0 or step + 1 == cfg.steps
         if logged:  # before the checkpoint: a rank lost after the save must not lose this record
             obs.end_window()
-            record = _log(cfg, model, optimizer, val, obs, step, window, time.perf_counter() - last)
+            record = _log(cfg, model, optimizer, val, obs, step, window)
             record.update(elapsed_seconds=time.perf_counter() - start, global_batch_size=rows, world_size=world)
             obs.say(_line(record, cfg.steps))
             metrics.write(record)
@@ -291,7 +291,6 @@ def train_loop(
         if logged:
             window.zero_()
             obs.start_window()
-            last = time.perf_counter()
     obs.close()
     fsdp_options.save_full_model(model, cfg.save_model)
     return record if rank == 0 else None
@@ -353,7 +352,6 @@ def _log(
     obs: observe.Observer,
     step: int,
     window: torch.Tensor,
-    seconds: float,
 ) -> dict[str, Any]:
     """The record of a log window (collective): losses, grad norm, lr, throughput, MFU, the step
     split into compute and exposed communication, memory per rank."""
@@ -363,7 +361,7 @@ def _log(
     distributed.all_reduce(window, group)
     steps = round(window[1].item() / world)
     sequences = steps * rows_per_step(cfg, world)
-    seen = obs.window(seconds, steps, sequences, model_state_bytes(model, optimizer)["total"])
+    seen = obs.window(steps, sequences, model_state_bytes(model, optimizer)["total"])
     seen["tokens_per_second"] = seen.pop("samples_per_second") * cfg.seq_len
     return {
         "step": step + 1,

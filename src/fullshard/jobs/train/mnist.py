@@ -255,7 +255,6 @@ def _run(cfg: MnistConfig, device: torch.device) -> dict[str, Any] | None:
             bar.set_description(f"epoch {epoch}/{cfg.epochs}")
         steps = len(train_loader) - pos.batch
         train_stats = _train_epoch(model, train_loader, optimizer, device, bar, pos, after_step, obs)
-        train_seconds = time.perf_counter() - start
         pos.epoch, pos.batch, pos.stats = epoch + 1, 0, [0.0, 0.0]
         test_stats = _test(model, test_loader, device)
         lr = scheduler.get_last_lr()[0]
@@ -274,7 +273,7 @@ def _run(cfg: MnistConfig, device: torch.device) -> dict[str, Any] | None:
             "epoch_seconds": seconds,
         }
         samples = round(train_stats[1].item())
-        record.update(obs.window(train_seconds, steps, samples, model_state_bytes(model, optimizer)["total"]))
+        record.update(obs.window(steps, samples, model_state_bytes(model, optimizer)["total"]))
         _print_epoch(record, cfg.epochs, bar if rank == 0 else False)
         metrics.write(record)
         obs.write(record, epoch)

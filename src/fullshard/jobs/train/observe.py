@@ -161,9 +161,11 @@ class Observer:
         self.profile = parse_profile_steps(cfg.profile_steps)
         self.profile_dir = Path(cfg.profile_dir)
         self._profiler: Any = None
-        self._exposed = self._exposed_end = distributed.exposed_seconds()
         self.writer = _writer(cfg.tensorboard) if self.rank == 0 else None
         self.bar = _bar(total_steps, first_step) if bar and self.rank == 0 and cfg.progress else None
+        self._window = (0.0, 0.0)  # (perf_counter, exposed seconds) when the window started
+        self._window_end = (0.0, 0.0)
+        self.start_window()
 
     def step_started(self, step: int) -> None:
         """Before optimizer step ``step`` (0-based): starts the profiler at step A."""
@@ -188,25 +190,39 @@ class Observer:
             self.bar.update(1)
 
     def start_window(self) -> None:
-        """A log window's steps begin now (after the previous window's logging and evaluation)."""
-        self._exposed = distributed.exposed_seconds()
+        """A log window's steps begin now, after the previous window's logging and evaluation
+        (collective: a barrier first, so every rank's window starts together; otherwise a rank
+        that does not log would start early and count its wait for rank 0's logging as its
+        window's communication, which can exceed rank 0's whole window)."""
+        distributed.barrier(distributed.default_group())
+        self._window = (time.perf_counter(), distributed.exposed_seconds())
 
     def end_window(self) -> None:
         """A log window's steps ended now: collectives after this (logging, evaluation) are not its."""
-        self._exposed_end = distributed.exposed_seconds()
+        self._window_end = (time.perf_counter(), distributed.exposed_seconds())
 
-    def window(self, seconds: float, steps: int, samples: int, state_bytes: int) -> dict[str, Any]:
-        """Metrics of a log window of ``steps`` optimizer steps over ``seconds`` (between
-        :meth:`start_window` and :meth:`end_window`) in which all ranks together trained
-        ``samples`` samples (collective: gathers per-rank values).
+    def window_seconds(self) -> float:
+        """Wall seconds of this rank's last window, from :meth:`start_window` to :meth:`end_window`."""
+        return self._window_end[0] - self._window[0]
 
-        Returns: step_seconds, compute_seconds and comm_exposed_seconds (per rank, seconds per
-        step), samples_per_second (all ranks), mfu (fraction of the peak), peak_rss_bytes and
+    def window(self, steps: int, samples: int, state_bytes: int) -> dict[str, Any]:
+        """Metrics of the last log window (from :meth:`start_window` to :meth:`end_window`) of
+        ``steps`` optimizer steps in which all ranks together trained ``samples`` samples
+        (collective: gathers per-rank values).
+
+        Returns: step_seconds (this rank's window over ``steps``; the record is rank 0's), per
+        rank compute_seconds and comm_exposed_seconds (seconds per step: the rank's own window
+        split into the time it was blocked in collectives and the rest, so the two add up to
+        its own step time, which differs from rank 0's only by the ranks' skew at the window's
+        end), samples_per_second (all ranks), mfu (fraction of the peak), peak_rss_bytes and
         sharded_state_bytes (per rank, bytes), and on CUDA cuda_max_allocated_bytes and
         cuda_max_reserved_bytes (per rank).
         """
+        seconds = self.window_seconds()
+        exposed = (self._window_end[1] - self._window[1]) / max(steps, 1)
         mine: dict[str, Any] = {
-            "comm_exposed_seconds": (self._exposed_end - self._exposed) / max(steps, 1),
+            "compute_seconds": seconds / max(steps, 1) - exposed,
+            "comm_exposed_seconds": exposed,
             "peak_rss_bytes": peak_rss_bytes(),
             "sharded_state_bytes": state_bytes,
         }
@@ -221,7 +237,6 @@ class Observer:
             "samples_per_second": rate,
             "mfu": self.flops_per_sample * rate / (self.peak * self.world),
             "step_seconds": step_seconds,
-            "compute_seconds": [step_seconds - c for c in per_rank["comm_exposed_seconds"]],
             **per_rank,
         }
 
