@@ -8,7 +8,8 @@ moves a quiet run's DDP step by 10% here) falls on all of them alike.
 Implementations are separated by ";"; each is a name of ``workloads.IMPLEMENTATIONS`` (or the floor), optionally
 followed by ``:`` and a JSON object of extra keyword arguments for fullshard's wrapper
 (``"keep_last": false`` turns off ``hooks.KEEP_LAST_GATHERED`` for that implementation's steps,
-``"own_rows_direct": false`` turns off ``unit.OWN_ROWS_DIRECT``),
+``"own_rows_direct": false`` turns off ``unit.OWN_ROWS_DIRECT``, ``"forward_prefetch_depth": N``
+makes each unit's forward start the all-gathers of the next N units in module order),
 or ``fullshard quantized=SPEC``: the wrapper with ``--comm-quant SPEC`` (as ``bench compare``'s row).
 
     python tools/interleave.py memory "DDP;fullshard;fullshard quantized=on" 6
@@ -46,6 +47,7 @@ def _build(workload: str, spec: str, dev: torch.device, rank: int) -> workloads.
     kw = json.loads(kw_text)
     for key in SWITCHES:
         kw.pop(key, None)
+    depth = kw.pop("forward_prefetch_depth", 0)
     from fullshard import BackwardPrefetch
     from fullshard import FullyShardedDataParallel as FSDP
 
@@ -63,9 +65,14 @@ def _build(workload: str, spec: str, dev: torch.device, rank: int) -> workloads.
 
     workloads.wrap = _wrap  # type: ignore[assignment]
     try:
-        return workloads.build_job(workload, name, dev, rank)
+        job = workloads.build_job(workload, name, dev, rank)
     finally:
         workloads.wrap = orig  # type: ignore[assignment]
+    if depth:  # each unit's forward starts the all-gathers of the next ``depth`` units
+        states = [hooks.fsdp_state(m) for m in FSDP.fsdp_modules(job.model)]
+        for i, st in enumerate(states):
+            st.prefetch_in_forward = [o.unit for o in states[i + 1 : i + 1 + depth]]  # type: ignore[union-attr]
+    return job
 
 
 def worker(
