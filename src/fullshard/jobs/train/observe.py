@@ -163,9 +163,8 @@ class Observer:
         self._profiler: Any = None
         self.writer = _writer(cfg.tensorboard) if self.rank == 0 else None
         self.bar = _bar(total_steps, first_step) if bar and self.rank == 0 and cfg.progress else None
-        self._window = (0.0, 0.0)  # (perf_counter, exposed seconds) when the window started
-        self._window_end = (0.0, 0.0)
-        self.start_window()
+        self._window_end = (0.0, 0.0)  # (perf_counter, exposed seconds) at end_window
+        self.start_window()  # sets self._window, the same at start_window
 
     def step_started(self, step: int) -> None:
         """Before optimizer step ``step`` (0-based): starts the profiler at step A."""
@@ -201,10 +200,6 @@ class Observer:
         """A log window's steps ended now: collectives after this (logging, evaluation) are not its."""
         self._window_end = (time.perf_counter(), distributed.exposed_seconds())
 
-    def window_seconds(self) -> float:
-        """Wall seconds of this rank's last window, from :meth:`start_window` to :meth:`end_window`."""
-        return self._window_end[0] - self._window[0]
-
     def window(self, steps: int, samples: int, state_bytes: int) -> dict[str, Any]:
         """Metrics of the last log window (from :meth:`start_window` to :meth:`end_window`) of
         ``steps`` optimizer steps in which all ranks together trained ``samples`` samples
@@ -218,7 +213,7 @@ class Observer:
         sharded_state_bytes (per rank, bytes), and on CUDA cuda_max_allocated_bytes and
         cuda_max_reserved_bytes (per rank).
         """
-        seconds = self.window_seconds()
+        seconds = self._window_end[0] - self._window[0]
         exposed = (self._window_end[1] - self._window[1]) / max(steps, 1)
         mine: dict[str, Any] = {
             "compute_seconds": seconds / max(steps, 1) - exposed,
