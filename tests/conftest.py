@@ -21,24 +21,25 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 RAY_LOCK = os.path.join(tempfile.gettempdir(), "fullshard-tests-ray.lock")
 
 
-# The files that take longest (seconds of one worker, measured 2026-11-26 on the 2-core machine
-# with `--durations`), run first: with `--no-loadscope-reorder` (the Makefile's) pytest-xdist's
+# The files that take longest (seconds of one worker, summed from `--durations=0` of a clean
+# clone's `make test` on the 2-core machine, 2026-11-27), run first: with `--no-loadscope-reorder` (the Makefile's) pytest-xdist's
 # `--dist loadfile` hands out files in collection order; by default it sorts them by their number
 # of tests, which handed the long files of few tests out last, one worker busy for minutes while
 # the other idled.
 # test_ray.py comes after test_elastic.py's Ray test has started, as the two take turns on one
 # Ray cluster.
 LONGEST_FIRST = [
-    "test_elastic.py",  # 206 s
-    "test_gpt_job.py",  # 154 s
-    "test_mnist_job.py",  # 123 s
+    "test_torchtitan.py",  # 239 s
+    "test_elastic.py",  # 180 s
+    "test_gpt_job.py",  # 128 s
     "test_watchdog.py",  # 121 s
-    "test_plan.py",  # 116 s
-    "test_ray.py",  # 125 s
-    "test_torchrun_elastic.py",  # 89 s
-    "test_torchtitan.py",  # 84 s
-    "test_hf.py",  # 80 s
-    "test_fsdp2_contract.py",  # 73 s
+    "test_torchrun_elastic.py",  # 117 s
+    "test_plan.py",  # 102 s
+    "test_ray.py",  # 76 s
+    "test_hf.py",  # 75 s
+    "test_fsdp2_contract.py",  # 64 s
+    "test_mnist_job.py",  # 49 s
+    "test_errors.py",  # 44 s
 ]
 
 
