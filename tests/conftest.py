@@ -22,10 +22,10 @@ RAY_LOCK = os.path.join(tempfile.gettempdir(), "fullshard-tests-ray.lock")
 
 
 # The files that take longest (seconds of one worker, summed from `--durations=0` of a clean
-# clone's `make test` on the 2-core machine, 2026-11-27), run first: with `--no-loadscope-reorder` (the Makefile's) pytest-xdist's
-# `--dist loadfile` hands out files in collection order; by default it sorts them by their number
-# of tests, which handed the long files of few tests out last, one worker busy for minutes while
-# the other idled.
+# clone's `make test` on the 2-core machine, 2026-11-27), run first: with `--no-loadscope-reorder`
+# (the Makefile's) pytest-xdist's `--dist loadfile` hands out files in collection order; by default
+# it sorts them by their number of tests, which handed the long files of few tests out last, one
+# worker busy for minutes while the other idled.
 # test_ray.py comes after test_elastic.py's Ray test has started, as the two take turns on one
 # Ray cluster.
 LONGEST_FIRST = [
