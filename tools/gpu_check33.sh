@@ -7,7 +7,7 @@
 # has an older version, so nothing of the image's is shadowed without need. fullshard is installed
 # into the image's python as in tools/gpu_check.sh. Each step runs under its own time limit
 # (env-overridable), logs to OUTDIR/NAME.log and prints its rc, time and log tail; SKIP="NAME ..."
-# leaves out the steps named.
+# leaves out the steps named (gpu_tests, nccl_one_gpu, partial_group, bench_gpu).
 set -u
 out="${1:-${OUT:-/tmp/gpu_out}}"
 mkdir -p "$out"
@@ -52,9 +52,6 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-cache-dir -e . >"$
 } | tee "$out/machine.txt"
 
 skipped() { [[ " ${SKIP:-} " == *" $1 "* ]] && echo "== $1: skipped"; }
-# (0) the gpu tests on this tree (CUDA path of the engine)
-skipped gpu_tests ||
-  step gpu_tests "${GPU_TESTS_S:-150}" python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider --timeout 140
 # (1) two ranks on the one GPU: does NCCL allow it (world size 2 on CUDA for the quantized rows)?
 skipped nccl_one_gpu || step nccl_one_gpu "${NCCL_S:-40}" torchrun --standalone --nproc-per-node 2 tools/nccl_one_gpu.py
 # (2) torch's FSDP2 on torchtitan's chunked-loss pattern, without torchtitan: a fully_shard([norm, head])
@@ -79,3 +76,14 @@ compare_s="${TITAN_COMPARE_S:-300}"
 launch_s=$(((compare_s - 20) / 2)); [ "$launch_s" -ge 1 ] || launch_s=1
 TAIL=40 step titan_compare "$compare_s" python3 examples/torchtitan_compare.py --device cuda \
   --variants "${TITAN_VARIANTS:-eager}" --nproc 1 --timeout "$launch_s"
+# (c) fullshard bench gpu on this tree (the 124m preset and its CPU-offload row by default)
+cp BENCHMARKS.md "$out/BENCHMARKS.md"
+skipped bench_gpu || step bench_gpu "${BENCH_GPU_S:-150}" fullshard bench gpu --offload-presets ${OFFLOAD_PRESETS:-124m} \
+  --write "$out/BENCHMARKS.md"
+# (d) last, so that a slow test cannot starve the steps above: the gpu tests (the engine's CUDA path)
+skipped gpu_tests ||
+  step gpu_tests "${GPU_TESTS_S:-150}" python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider --timeout 140
+# The device tool returns at most 8 files: BUNDLE=1 packs everything written into OUTDIR/logs.tgz.
+if [ "${BUNDLE:-0}" = 1 ]; then
+  tar -C "$out" -czf /tmp/gpu_logs.tgz . && find "$out" -mindepth 1 -delete && mv /tmp/gpu_logs.tgz "$out/logs.tgz"
+fi
