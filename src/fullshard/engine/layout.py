@@ -199,6 +199,11 @@ class UnitLayout:
             [n for sp in group for n in (sp.spec.numel, sp.spec.padded_numel - sp.spec.numel)]
             for group in (self.trainable, self.params[len(self.trainable) :])
         ]
+        # The trainable shards in a buffer laid out like the local flat buffer's first S_t
+        # elements: (real elements, padding) per parameter, for one split instead of a slice each.
+        self._grad_splits = [
+            n for sp in self.trainable for n in (sp.spec.local_numel, sp.spec.padded_shard_numel - sp.spec.local_numel)
+        ]
         self._pieces = self._plan_pieces()
         self._run_sizes = [[sp.spec.padded_shard_numel for sp in group] for group, _, _ in self._pieces]
         # With one rank, no cast and no offload the full buffer is the local buffer itself.
@@ -278,6 +283,13 @@ class UnitLayout:
                 run.append(sp)
         flush()
         return pieces
+
+    def trainable_local_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each trainable parameter's shard in ``flat`` (shape (S_t,), laid out like the local
+        flat buffer's first S_t elements), shapes ``spec.local_shape``: :meth:`local_view` of
+        each, from one split."""
+        pieces = flat.split_with_sizes(self._grad_splits)
+        return [pieces[2 * i].view(sp.spec.local_shape) for i, sp in enumerate(self.trainable)]
 
     def local_view(self, sp: ShardedParam, flat: torch.Tensor | None = None) -> torch.Tensor:
         n = sp.spec.local_numel

@@ -61,6 +61,15 @@ def pack_into(rows: torch.Tensor, grads: Sequence[torch.Tensor | None], specs: S
             None for zeros.
         specs: the parameters' sharding, in pack order.
     """
+    n = rows.shape[0]
+    if all(
+        g is not None and g.dtype == rows.dtype and spec.rows == n * spec.chunk_rows for spec, g in zip(specs, grads)
+    ):
+        # No padding and nothing missing: rank r's row of the pack is each gradient's r-th
+        # chunk of rows, side by side, so one concatenation along dim 1 writes the whole pack
+        # (the same bits as the per-parameter copies below, in one call instead of several each).
+        torch.cat([g.reshape(n, spec.padded_shard_numel) for spec, g in zip(specs, grads)], dim=1, out=rows)  # type: ignore[union-attr]
+        return
     offset = 0
     for spec, g in zip(specs, grads):
         width = spec.padded_shard_numel
@@ -306,9 +315,8 @@ class GradReducer:
             host.copy_(out, non_blocking=host.is_pinned())
             out = host
         viewed = False  # some shard's .grad is now a view of ``out``
-        for sp in unit.trainable:
+        for sp, g in zip(unit.trainable, unit.trainable_local_views(out)):
             assert sp.shard is not None
-            g = unit.local_view(sp, out)
             current = sp.local_grad()
             if current is None:
                 viewed = True

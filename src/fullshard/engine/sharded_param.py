@@ -24,6 +24,7 @@ is that tensor's shape, and forward sees the gathered value as a DTensor on the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import sys
 from typing import Any
@@ -42,40 +43,43 @@ class ShardSpec:
         orig_shape: the full parameter's shape.
         shard_size: number of ranks in the shard group (N).
         rank: this process's rank in the shard group.
+
+    The derived sizes below are computed once per spec (the fields are frozen): the hooks read
+    them for every parameter of every unit at each gather and reduction.
     """
 
     orig_shape: torch.Size
     shard_size: int
     rank: int
 
-    @property
+    @functools.cached_property
     def rows(self) -> int:
         """d0, the full number of rows (1 for a 0-dim parameter)."""
         return self.orig_shape[0] if len(self.orig_shape) > 0 else 1
 
-    @property
+    @functools.cached_property
     def row_shape(self) -> tuple[int, ...]:
         return tuple(self.orig_shape[1:])
 
-    @property
+    @functools.cached_property
     def row_numel(self) -> int:
         return math.prod(self.row_shape)
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         return self.rows * self.row_numel
 
-    @property
+    @functools.cached_property
     def chunk_rows(self) -> int:
         """Rows per rank before the tail: ceil(d0 / N)."""
         return -(-self.rows // self.shard_size)
 
-    @property
+    @functools.cached_property
     def padded_shard_numel(self) -> int:
         """Elements of one rank's padded shard (identical on every rank)."""
         return self.chunk_rows * self.row_numel
 
-    @property
+    @functools.cached_property
     def padded_numel(self) -> int:
         """Elements of the padded full parameter: N x padded shard size."""
         return self.shard_size * self.padded_shard_numel
@@ -85,19 +89,19 @@ class ShardSpec:
         start = rank * self.chunk_rows
         return max(0, min(self.chunk_rows, self.rows - start))
 
-    @property
+    @functools.cached_property
     def local_rows(self) -> int:
         return self.rows_of(self.rank)
 
-    @property
+    @functools.cached_property
     def local_row_start(self) -> int:
         return min(self.rank * self.chunk_rows, self.rows)
 
-    @property
+    @functools.cached_property
     def local_shape(self) -> torch.Size:
         return torch.Size((self.local_rows, *self.row_shape))
 
-    @property
+    @functools.cached_property
     def local_numel(self) -> int:
         return self.local_rows * self.row_numel
 

@@ -271,7 +271,7 @@ class Unit(UnitLayout):
             if flat.requires_grad and torch.is_grad_enabled():
                 views += self._named_split().apply(flat, self, tracked)
             else:
-                pieces = flat.split(sizes)
+                pieces = flat.split_with_sizes(sizes)
                 views += [pieces[2 * i].view(sp.spec.orig_shape) for i, sp in enumerate(group)]
         return views
 
@@ -389,7 +389,7 @@ class _SplitFull(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         if tracked:
             unit._open_splits.add(ctx)
-        pieces = flat.split(unit._full_splits[0])
+        pieces = flat.split_with_sizes(unit._full_splits[0])
         return tuple(pieces[2 * i].view(sp.spec.orig_shape) for i, sp in enumerate(unit.trainable))
 
     @staticmethod
