@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from dist import run_ranks
 from models import Block, batch, local, make_stack
@@ -283,6 +284,64 @@ def test_a_padded_parameters_gradient_is_packed_without_a_padded_copy() -> None:
         assert torch.equal(pack, expected), (shape, n)
         pack_rows_into(pack[:, 2:-1], None, spec)
         assert not pack[:, 2:-1].any()
+
+
+def test_the_one_concatenation_pack_equals_the_per_parameter_pack() -> None:
+    """pack_into's single torch.cat (no parameter padded, no gradient missing, one dtype) writes
+    the same bits as pack_rows_into parameter by parameter; a padded, missing or other-dtype
+    gradient takes the per-parameter copies for the whole pack, with the same result."""
+    from fullshard.engine.reduce import pack_into, pack_rows_into
+    from fullshard.engine.sharded_param import ShardSpec
+
+    cases = [
+        ([(8, 3), (4,), (12, 2, 2)], 4, None),  # unpadded: the one concatenation
+        ([(8, 3), (6,), (4, 5)], 2, None),
+        ([(8, 3), (7,), (4, 5)], 2, None),  # (7,) padded at 2 ranks
+        ([(8, 3), (4,), (4, 5)], 2, 1),  # a missing gradient
+        ([(8, 3), (4,), (4, 5)], 2, "bf16"),  # a gradient in another dtype, cast by the copy
+        ([(3, 3)], 1, None),  # one rank
+    ]
+    for shapes, n, odd in cases:
+        specs = [ShardSpec(torch.Size(shape), n, 0) for shape in shapes]
+        grads: list[torch.Tensor | None] = [torch.randn(shape) for shape in shapes]
+        if odd == 1:
+            grads[1] = None
+        elif odd == "bf16":
+            grads[0] = grads[0].to(torch.bfloat16)  # type: ignore[union-attr]
+        width = sum(spec.padded_shard_numel for spec in specs)
+        expected = torch.full((n, width), float("nan"))
+        offset = 0
+        for spec, g in zip(specs, grads):
+            pack_rows_into(expected[:, offset : offset + spec.padded_shard_numel], g, spec)
+            offset += spec.padded_shard_numel
+        pack = torch.full((n, width), float("nan"))
+        pack_into(pack, grads, specs)
+        assert torch.equal(pack, expected), (shapes, n, odd)
+
+
+def test_the_gradient_shards_views_from_one_split_equal_each_local_view(monkeypatch: pytest.MonkeyPatch) -> None:
+    """UnitLayout.trainable_local_views gives each trainable parameter's shard of a gradient
+    buffer as local_view does, for ranks holding all, part or none of a parameter's rows (the
+    layout's geometry only: the group's size and rank are stood in for, nothing is sent)."""
+    from fullshard.comm import collectives
+    from fullshard.engine.layout import UnitConfig, UnitLayout
+
+    for n in (1, 2, 3, 4, 6):
+        for rank in range(n):
+            monkeypatch.setattr(collectives, "group_size", lambda group, n=n: n)
+            monkeypatch.setattr(collectives, "group_rank", lambda group, rank=rank: rank)
+            monkeypatch.setattr(collectives, "backend", lambda group: "gloo")
+            model = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 2))  # 5 and 2 rows: some ranks hold none
+            model[1].bias.requires_grad_(False)  # frozen: laid out after the trainable ones
+            params = [(name, p, []) for name, p in model.named_parameters()]
+            unit = UnitLayout("u", params, object(), None, UnitConfig(torch.device("cpu")))  # type: ignore[arg-type]
+            flat = torch.randn(unit.grad_numel)
+            views = unit.trainable_local_views(flat)
+            assert len(views) == len(unit.trainable) == 3
+            for sp, view in zip(unit.trainable, views):
+                expected = unit.local_view(sp, flat)
+                assert view.shape == expected.shape, (n, rank, sp.fqn)
+                assert view.numel() == 0 or view.data_ptr() == expected.data_ptr(), (n, rank, sp.fqn)
 
 
 def own_rows_body(rank: int, world: int) -> dict:
