@@ -319,6 +319,46 @@ def test_the_one_concatenation_pack_equals_the_per_parameter_pack() -> None:
         assert torch.equal(pack, expected), (shapes, n, odd)
 
 
+def create_graph_body(rank: int, world: int) -> dict:
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from fullshard import FullyShardedDataParallel, fully_shard
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))  # rows 8 and 2: no padding at 1 and 2 ranks
+    x = torch.randn(3, 4)
+    ref(x).pow(2).sum().backward(create_graph=True)
+    out = {}
+    for kind in ("fully_shard", "wrapper"):
+        model = copy.deepcopy(ref)
+        model.zero_grad(set_to_none=True)
+        if kind == "fully_shard":
+            fully_shard(model[0])
+            fully_shard(model)
+        else:
+            model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+        model(x).pow(2).sum().backward(create_graph=True)
+        grads = {n.replace("_fsdp_wrapped_module.", ""): p.grad for n, p in model.named_parameters()}
+        diffs = []
+        for name, p in ref.named_parameters():
+            g = grads[name]
+            assert g is not None, name
+            full = g.full_tensor() if kind == "fully_shard" else g  # type: ignore[attr-defined]
+            want = p.grad if kind == "fully_shard" else torch.chunk(p.grad, world)[rank]  # type: ignore[arg-type]
+            diffs.append(float((full.detach() - want.detach()).abs().max()))
+        out[kind] = max(diffs)
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_backward_with_create_graph_packs_gradients_that_require_grad(world: int) -> None:
+    """``backward(create_graph=True)`` hands the unit gradients that require grad; the pack
+    must take them (the one-concatenation pack cannot: ``out=`` refuses them) and the shards'
+    gradients equal the unwrapped model's, on both front ends."""
+    for result in run_ranks(create_graph_body, world):
+        assert result == {"fully_shard": 0.0, "wrapper": 0.0}, result
+
+
 def test_the_gradient_shards_views_from_one_split_equal_each_local_view(monkeypatch: pytest.MonkeyPatch) -> None:
     """UnitLayout.trainable_local_views gives each trainable parameter's shard of a gradient
     buffer as local_view does, for ranks holding all, part or none of a parameter's rows (the

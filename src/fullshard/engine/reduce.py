@@ -63,11 +63,14 @@ def pack_into(rows: torch.Tensor, grads: Sequence[torch.Tensor | None], specs: S
     """
     n = rows.shape[0]
     if all(
-        g is not None and g.dtype == rows.dtype and spec.rows == n * spec.chunk_rows for spec, g in zip(specs, grads)
+        g is not None and g.dtype == rows.dtype and not g.requires_grad and spec.rows == n * spec.chunk_rows
+        for spec, g in zip(specs, grads)
     ):
         # No padding and nothing missing: rank r's row of the pack is each gradient's r-th
         # chunk of rows, side by side, so one concatenation along dim 1 writes the whole pack
         # (the same bits as the per-parameter copies below, in one call instead of several each).
+        # Not for gradients that require grad (``backward(create_graph=True)``): ``out=``
+        # refuses them, where ``copy_`` into the pack records the copy.
         torch.cat([g.reshape(n, spec.padded_shard_numel) for spec, g in zip(specs, grads)], dim=1, out=rows)  # type: ignore[union-attr]
         return
     offset = 0
