@@ -2,7 +2,14 @@
 # torchtitan 0.3.0 against fullshard on one CUDA GPU (examples/torchtitan_compare.py --device cuda).
 # Usage there, in the repository root:  bash tools/gpu_check33.sh [OUTDIR]   ($OUT by default)
 # The machine has no network: the packages torchtitan needs and the image lacks come as wheels in
-# .whl/ (made with `pip download`, see the commit that added this script). A wheel is installed
+# .whl/ (ignored by git: `echo /.whl/ >> .git/info/exclude`; name `.whl` in the device call's carry),
+# made here with:
+#   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#     --platform any -d .whl torchtitan==0.3.0 datasets==4.7.0 tyro==1.0.17 torchdata==0.11.0 \
+#     torch_checkpointing==0.1.1 spmd_types==0.2.3 dill==0.4.0 multiprocess==0.70.18 \
+#     docstring_parser==0.18.0 typeguard==4.6.1 typing_extensions==4.16.0 fsspec==2026.2.0
+# (2.9 MiB; the versions of .venv's torchtitan extra). A wheel is installed
 # into /tmp/site, which goes first on PYTHONPATH, only when the image lacks that distribution or
 # has an older version, so nothing of the image's is shadowed without need. fullshard is installed
 # into the image's python as in tools/gpu_check.sh. Each step runs under its own time limit
