@@ -301,6 +301,14 @@ def test_the_one_concatenation_pack_equals_the_per_parameter_pack() -> None:
         ([(8, 3), (4,), (4, 5)], 2, "bf16"),  # a gradient in another dtype, cast by the copy
         ([(3, 3)], 1, None),  # one rank
     ]
+    draw = torch.Generator().manual_seed(33)  # and drawn ones: units of 1-5 parameters of 0-3 dims
+
+    def pick(low: int, high: int) -> int:
+        return int(torch.randint(low, high, (1,), generator=draw))
+
+    for _ in range(40):
+        shapes = [tuple(pick(1, 9) for _ in range(pick(0, 4))) for _ in range(pick(1, 6))]
+        cases.append((shapes, pick(1, 5), None))
     for shapes, n, odd in cases:
         specs = [ShardSpec(torch.Size(shape), n, 0) for shape in shapes]
         grads: list[torch.Tensor | None] = [torch.randn(shape) for shape in shapes]

@@ -42,7 +42,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -103,6 +103,21 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
     out = torch.empty(0, dtype=t.dtype, device=t.device)
     out.set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
     return out
+
+
+def real_views(flat: torch.Tensor, splits: list[int], shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
+    """Views of the parameters packed in ``flat``, each followed by its padding.
+
+    Args:
+        flat: 1-D, ``sum(splits)`` elements.
+        splits: (real elements, padding) per parameter, alternating.
+        shapes: each parameter's shape; ``shapes[i]`` has ``splits[2 * i]`` elements.
+
+    Returns:
+        one view of ``flat`` per parameter, from a single ``split_with_sizes``.
+    """
+    pieces = flat.split_with_sizes(splits)
+    return [pieces[2 * i].view(shape) for i, shape in enumerate(shapes)]
 
 
 class UnitLayout:
@@ -288,8 +303,7 @@ class UnitLayout:
         """Each trainable parameter's shard in ``flat`` (shape (S_t,), laid out like the local
         flat buffer's first S_t elements), shapes ``spec.local_shape``: :meth:`local_view` of
         each, from one split."""
-        pieces = flat.split_with_sizes(self._grad_splits)
-        return [pieces[2 * i].view(sp.spec.local_shape) for i, sp in enumerate(self.trainable)]
+        return real_views(flat, self._grad_splits, [sp.spec.local_shape for sp in self.trainable])
 
     def local_view(self, sp: ShardedParam, flat: torch.Tensor | None = None) -> torch.Tensor:
         n = sp.spec.local_numel

@@ -24,6 +24,7 @@ from fullshard.engine.layout import (
     TrainingState,
     UnitConfig,
     UnitLayout,
+    real_views,
 )
 from fullshard.engine.post_forward_shard import PostForwardShard
 from fullshard.engine.reduce import GradReducer, pack_grads
@@ -271,8 +272,7 @@ class Unit(UnitLayout):
             if flat.requires_grad and torch.is_grad_enabled():
                 views += self._named_split().apply(flat, self, tracked)
             else:
-                pieces = flat.split_with_sizes(sizes)
-                views += [pieces[2 * i].view(sp.spec.orig_shape) for i, sp in enumerate(group)]
+                views += real_views(flat, sizes, [sp.spec.orig_shape for sp in group])
         return views
 
     def _named_split(self) -> type[_SplitFull]:
@@ -389,8 +389,7 @@ class _SplitFull(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         if tracked:
             unit._open_splits.add(ctx)
-        pieces = flat.split_with_sizes(unit._full_splits[0])
-        return tuple(pieces[2 * i].view(sp.spec.orig_shape) for i, sp in enumerate(unit.trainable))
+        return tuple(real_views(flat, unit._full_splits[0], [sp.spec.orig_shape for sp in unit.trainable]))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, None, None]:  # type: ignore[override]
