@@ -94,6 +94,36 @@ def test_buffers_come_back_from_the_last_step_and_never_alias_held_gradients() -
         assert r["idle"]
 
 
+def world_one_body(rank: int, world: int) -> dict:
+    from fullshard.comm import buffers
+    from fullshard.engine.layout import UnitLayout
+
+    model = _fsdp(make_stack())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _train_step(model, opt, 0, rank, world)
+    calls = [0]
+    sizes = UnitLayout.pooled_sizes
+
+    def counted(self: UnitLayout) -> list[tuple[int, torch.dtype]]:
+        calls[0] += 1
+        return sizes(self)
+
+    UnitLayout.pooled_sizes = counted  # type: ignore[method-assign]
+    try:
+        _train_step(model, opt, 1, rank, world)
+    finally:
+        UnitLayout.pooled_sizes = sizes  # type: ignore[method-assign]
+    return {"held": buffers.POOL.held_sizes(), "calls": calls[0]}
+
+
+def test_world_size_one_backward_skips_the_pool_bookkeeping() -> None:
+    # At world size 1 nothing is gathered and the pool stays empty: each unit's post-backward
+    # must not walk every unit's buffer sizes (hooks._drop_buffers_done_with), a cost that grew
+    # with the square of the units (about 3% of a 32-block step).
+    (r,) = run_ranks(world_one_body, 1)
+    assert r == {"held": set(), "calls": 0}, r
+
+
 class _Twice(nn.Module):
     """One Block applied twice: its unit gets two split nodes in one backward."""
 

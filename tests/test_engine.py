@@ -352,7 +352,9 @@ def test_buffer_pool_reuses_whole_buffers_only() -> None:
     pool.release(a)
     assert pool.acquire(10, torch.float32, torch.device("cpu")) is a  # the same buffer comes back
     assert pool.acquire(10, torch.float32, torch.device("cpu")) is not a  # and only once
+    assert pool.held_sizes() == set()
     pool.release(a)
+    assert pool.held_sizes() == {(10, torch.float32)}
     pool.release(torch.empty(10))  # over per_size: dropped
     assert pool.nbytes == 40
     pool.release(torch.empty(20)[:10])  # a view of a larger buffer is never pooled

@@ -86,6 +86,10 @@ class BufferPool:
         """Bytes held for reuse."""
         return sum(t.numel() * t.element_size() for ts in self._free.values() for t in ts)
 
+    def held_sizes(self) -> set[tuple[int, torch.dtype]]:
+        """The (numel, dtype) of the buffers held for reuse, on any device (empty: none held)."""
+        return {(key[0], key[1]) for key, ts in self._free.items() if ts}
+
     def buffers(self) -> list[torch.Tensor]:
         """The buffers held for reuse (for tests and measurements)."""
         return [t for ts in self._free.values() for t in ts]

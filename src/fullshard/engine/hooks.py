@@ -466,15 +466,16 @@ def _drop_buffers_done_with(unit: Unit, root: RootState) -> None:
     root's gradients are made then). On the 167M GPT at 2 ranks: two 48 MiB block buffers, one
     reallocated by the next forward (issue 33). The planner's replay does the same
     (:mod:`fullshard.plan.schedule`)."""
+    held = buffers.POOL.held_sizes()
     order = root.forward_order
-    if unit not in order:
-        return
+    if not held or unit not in order:
+        return  # nothing to free (at world size 1 the pool typically stays empty)
     i = order.index(unit)
     rest, done = order[:i], order[i:]
     if not rest or any(u.shard_state is ShardState.SHARDED and u.full_nbytes for u in rest):
         return  # a gather is still to come
     needed = {size for u in rest for size in u.pooled_sizes()}
-    buffers.POOL.drop({size for u in done for size in u.pooled_sizes()} - needed)
+    buffers.POOL.drop({size for u in done for size in u.pooled_sizes() if size in held} - needed)
 
 
 @outside_dynamo
