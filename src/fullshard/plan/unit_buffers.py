@@ -61,14 +61,16 @@ def unit_buffers(
         shard = sum(s.padded_shard_numel for s, _ in specs)
         trainable = sum(s.padded_shard_numel for s, p in specs if p.requires_grad)
         aliased = world == 1 and compute == dtype.itemsize and not offload
-        runs: list[int] = []
-        run = 0
+        # The layout's gather pieces (``UnitLayout._plan_pieces``): each parameter of at least
+        # DIRECT_GATHER_BYTES alone, the runs between them; a run of one parameter is gathered
+        # straight into place too, so only runs of two or more go through a scratch buffer.
+        runs: list[list[int]] = [[]]
         for s, _ in sorted(specs, key=lambda sp: not sp[1].requires_grad):  # trainable first, as the layout
             if s.padded_shard_numel * compute >= DIRECT_GATHER_BYTES:
-                runs, run = runs + [run], 0
+                runs.append([])
             else:
-                run += s.padded_shard_numel
-        scratch = tuple(world * r for r in [*runs, run] if r) if world > 1 and shard else ()
+                runs[-1].append(s.padded_shard_numel)
+        scratch = tuple(world * sum(r) for r in runs if len(r) > 1 and sum(r) > 0) if world > 1 and shard else ()
         out.append(
             UnitBuffers(
                 name or ROOT,
