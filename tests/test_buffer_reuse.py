@@ -124,6 +124,42 @@ def test_world_size_one_backward_skips_the_pool_bookkeeping() -> None:
     assert r == {"held": set(), "calls": 0}, r
 
 
+def cast_gather_body(rank: int, world: int) -> dict:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fullshard import FSDP, MixedPrecision
+
+    ref = make_stack()
+    model = FSDP(copy.deepcopy(ref), mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
+    unit = model.unit
+    ops: list[str] = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN202
+            ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Ops():
+        unit.unshard(async_op=True)
+    unit.wait_for_unshard()
+    full = [t.detach().clone() for t in unit.full_params(tracked=False)]
+    unit.reshard()
+    want = [p.detach().to(torch.bfloat16) for p in ref.parameters()]
+    return {
+        "conversions": sum(op.startswith("aten._to_copy") for op in ops),
+        "equal": len(full) == len(want) and all(torch.equal(a, b) for a, b in zip(full, want)),
+    }
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_mixed_precision_gather_casts_into_its_output(world: int) -> None:
+    # The shards (float32) are cast into their own slot of the gathered bfloat16 buffer and sent
+    # from there: no converted copy of the shards beside it, which lived as long as a prefetched
+    # gather was in flight (on real gloo one layer's shard over the estimate). Same bits.
+    for r in run_ranks(cast_gather_body, world):
+        assert r == {"conversions": 0, "equal": True}, r
+
+
 class _Twice(nn.Module):
     """One Block applied twice: its unit gets two split nodes in one backward."""
 

@@ -89,10 +89,6 @@ class Unit(UnitLayout):
                 f"{self.training_state.name}, expected {names}"
             )
 
-    def _gather_input(self) -> torch.Tensor:
-        """This rank's padded shards on the compute device in the compute dtype."""
-        return self.local_flat.to(self.device, self.compute_dtype, non_blocking=True)
-
     def unshard(self, async_op: bool = False) -> None:
         """Start (or do) the all-gather that materializes the full parameters."""
         phase = _PHASES.get(self.training_state)  # None (a prefetch): the caller's label stands
@@ -131,7 +127,7 @@ class Unit(UnitLayout):
             local = self.local_flat.to(self.device, non_blocking=True)
             self._pending_gather = self._gather_into(self.full_data, local, quant.block_size)
         else:
-            self._pending_gather = self._gather_into(self.full_data, self._gather_input())
+            self._pending_gather = self._gather_into(self.full_data, self.local_flat)
         if not async_op:
             self.wait_for_unshard()
 
@@ -166,7 +162,10 @@ class Unit(UnitLayout):
         (the next unit of the same size reuses it: no fresh pages to fault in) and is copied out;
         on gloo (exact) only the other ranks' rows are: ours go straight from ``local`` to
         ``full`` while theirs are on the wire (:data:`OWN_ROWS_DIRECT`).
-        ``int8_block``: all-gather int8 blocks of this many elements instead
+        ``local`` may differ from ``full`` in dtype or device (the shards in the parameter
+        dtype under mixed precision; on the host under CPU offload): each piece's own slot of
+        the output is then cast (or uploaded) into and sent from, so no converted copy of the
+        shards is made. ``int8_block``: all-gather int8 blocks of this many elements instead
         (:func:`~fullshard.comm.quantized.all_gather_int8`, each parameter's shard its own
         segment): ``local`` is then quantized from its own dtype and dequantized into ``full``'s.
         """
@@ -182,6 +181,13 @@ class Unit(UnitLayout):
             else:
                 out = buffers.POOL.acquire(n * length, full.dtype, full.device)
                 copy_outs.append((out, k))
+            if int8_block is None and (src.dtype != full.dtype or src.device != full.device):
+                # Cast (or upload) our shards straight into our own slot of the output and send
+                # them from there: no compute-dtype copy of the shards beside the gathered buffer
+                # (it would live as long as the gather is in flight, a prefetch's included).
+                own = out.view(n, -1)[me]
+                own.copy_(src, non_blocking=True)
+                src = own
             if int8_block is None:
                 h = collectives.all_gather(
                     out, src, self.shard_group, async_op=True, fill_own=not (own_direct and len(group) > 1)

@@ -144,7 +144,9 @@ MARGIN_KEPT_FROM = min((SWEEP_ERRORS.only(KEPT_KINDS), SECOND_SEED.only(KEPT_KIN
 MARGIN_KEPT = MARGIN_KEPT_FROM.margin
 """The margin of a candidate no unit of which gathers again in backward (NO_SHARD, SHARD_GRAD_OP
 throughout). Every under-estimate of both sweeps was FULL_SHARD in bf16 on real gloo workers, by
-one layer's gradient shard (docs/estimate_sweep_seed777.md's notes); the 31 SHARD_GRAD_OP and 16
+one layer's shard in bf16 (docs/estimate_sweep_seed777.md's notes): the converted copy of the
+shards a prefetched all-gather sent from, alive while it was in flight, which the engine no longer
+makes (it casts into the gathered buffer, BENCHMARKS.md); the 31 SHARD_GRAD_OP and 16
 NO_SHARD configurations measured at most rounding below their prediction, so these candidates
 keep only the rounding free, not another strategy's error."""
 
