@@ -160,6 +160,29 @@ def test_cli_unknown_command_and_job(capsys: pytest.CaptureFixture[str]) -> None
     assert _cli("frobnicate").returncode == 2  # the installed command's exit status
 
 
+def test_the_cause_is_named_before_a_peer_whose_connection_it_closed(tmp_path) -> None:  # noqa: ANN001
+    """Rank 1 raises while rank 0 is still setting up the process group: rank 0's gloo error
+    ("Connection closed by peer"), stamped the same second or earlier, is the consequence."""
+    from types import SimpleNamespace
+
+    from fullshard.jobs.launch import _failed
+
+    def record(message: str, timestamp: int) -> SimpleNamespace:
+        return SimpleNamespace(message={"message": message}, exitcode=1, timestamp=timestamp)
+
+    gloo = (
+        "RuntimeError: Gloo connectFullMesh failed with [pair.cc:553] Connection closed by peer "
+        "[127.0.0.1]:49831. This is typically caused by a remote worker crashing."
+    )
+    for t0, t1 in ((10, 10), (9, 10)):
+        err = SimpleNamespace(failures={0: record(gloo, t0), 1: record("ValueError: boom on rank 1", t1)})
+        failed = _failed(err, tmp_path / "log")
+        assert failed.rank == 1 and "boom on rank 1" in str(failed), failed
+    # without a cause among them, the earliest still leads
+    err = SimpleNamespace(failures={0: record(gloo, 11), 1: record(gloo.replace("49831", "1"), 10)})
+    assert _failed(err, tmp_path / "log").rank == 1
+
+
 @pytest.mark.timeout(180)
 def test_failure_on_one_rank_stops_the_others() -> None:
     import jobs

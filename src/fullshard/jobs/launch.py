@@ -184,6 +184,11 @@ def use_bench_environment() -> None:
         os.environ.setdefault(k, v)
 
 
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "caused by a remote worker crashing")
+"""Parts of the messages torch's gloo backend raises when another process of the job has gone
+(its pair's socket closed): a consequence of that process's failure, never the cause."""
+
+
 def _failed(error: Any, log: Path) -> WorkerFailed:
     """The WorkerFailed for torch's ChildFailedError, naming the failure that caused the others;
     and the job's log.
@@ -191,13 +196,16 @@ def _failed(error: Any, log: Path) -> WorkerFailed:
     When one worker fails, its peers' collectives fail after it, often within the same second,
     which torch's one-second timestamps cannot order. So the cause is taken to be, in this
     order: a worker killed by a signal; a worker that raised something other than a failed or
-    timed-out collective; then the earliest failure (lowest rank on a tie).
+    timed-out collective or a connection its peer closed (gloo's, e.g. while the process group
+    is still being set up when the peer raises); then the earliest failure (lowest rank on a tie).
     """
 
     def cause_first(item: tuple[int, Any]) -> tuple[int, int, int]:
         rank, f = item
         message = f.message.get("message", "") if isinstance(f.message, dict) else str(f.message)
-        consequence = message.startswith(("CollectiveFailed", "CollectiveTimeout"))
+        consequence = message.startswith(("CollectiveFailed", "CollectiveTimeout")) or any(
+            peer_gone in message for peer_gone in PEER_GONE
+        )
         return (0 if f.exitcode is not None and f.exitcode < 0 else 2 if consequence else 1, f.timestamp, rank)
 
     rank, failure = min(error.failures.items(), key=cause_first)
