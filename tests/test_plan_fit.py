@@ -123,8 +123,9 @@ def test_the_margin_tables_are_the_sweep_documents() -> None:
         assert len(d.only(m.KEPT_KINDS).errors) == len(kept) > 10
     assert m.SWEEP_ERRORS.seed == 4242 and m.SECOND_SEED.seed == 777
     assert m.MARGIN == pytest.approx(1 / (1 + worst) - 1) and m.MARGIN > 0 and m.MARGIN == m.MARGIN_FROM.margin
-    # NO_SHARD and SHARD_GRAD_OP keep their own rows' worst: only the rounding, today
-    assert m.MARGIN_KEPT == pytest.approx(1 / (1 + worst_kept) - 1) and 0 < m.MARGIN_KEPT < m.MARGIN
+    # NO_SHARD and SHARD_GRAD_OP keep their own rows' worst (only the rounding, today; since the
+    # rerun at 8fb6917 every strategy's worst is the rounding, so the two margins are equal)
+    assert m.MARGIN_KEPT == pytest.approx(1 / (1 + worst_kept) - 1) and 0 < m.MARGIN_KEPT <= m.MARGIN
     assert m.margin_for(True) == m.MARGIN and m.margin_for(False) == m.MARGIN_KEPT
 
 
@@ -178,12 +179,19 @@ def test_plan_sweep_budgets_and_plans_fit_under_the_margin() -> None:
         plan_sweep.budget_of(scored, "loose", 0.5)
 
 
-def test_the_margin_follows_the_candidates_strategy_and_near_ties_go_to_less_machinery() -> None:
+def test_the_margin_follows_the_candidates_strategy_and_near_ties_go_to_less_machinery(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from types import SimpleNamespace
 
-    from fullshard.plan import planner
+    from fullshard.plan import margin, planner
     from fullshard.plan.candidate import Candidate
-    from fullshard.plan.margin import MARGIN, MARGIN_KEPT
+    from fullshard.plan.margin import MARGIN_KEPT
+
+    # Since the sweeps' rerun at 8fb6917 both margins are the rounding; the rule by strategy is
+    # checked with FULL_SHARD's margin as the sweeps at 962e9e9 gave it (1.57%).
+    full_margin = 0.0157
+    monkeypatch.setattr(margin, "MARGIN", full_margin)
 
     blocks = ("b0", "b1")
 
@@ -199,8 +207,8 @@ def test_the_margin_follows_the_candidates_strategy_and_near_ties_go_to_less_mac
     # (0.05%), not within FULL_SHARD's (1.57%), so NO_SHARD is planned
     cands = [scored(no_shard, 100 * mib, 1.0), scored(full, 99 * mib, 1.2)]
     p = planner.choose(cands, int(101 * mib))
-    assert p.best is cands[0] and p.margin_of(cands[0]) == MARGIN_KEPT and p.margin_of(cands[1]) == MARGIN
-    assert planner.choose(cands, int(101 * mib), margin=MARGIN).best is cands[1]  # one margin for all
+    assert p.best is cands[0] and p.margin_of(cands[0]) == MARGIN_KEPT and p.margin_of(cands[1]) == full_margin
+    assert planner.choose(cands, int(101 * mib), margin=full_margin).best is cands[1]  # one margin for all
     assert "(NO_SHARD, SHARD_GRAD_OP)" in p.margin_line() and "NO/SGO configurations" in p.margin_line()
     # predicted within 5%: a tie, to the least machinery (no unit gathered again in backward,
     # then no recomputation), not to the fastest prediction
