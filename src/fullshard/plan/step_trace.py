@@ -91,7 +91,10 @@ def trace_step(
                 apply_activation_checkpointing(
                     model, checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(m, **kwargs), check_fn=checkpoint
                 )
-            batch = cast_floats(example(), compute_dtype)
+            # The caller's batch (``raw``) stays alive through the step beside its cast copy:
+            # mixed precision casts the root's floating-point inputs, the caller still holds them.
+            raw = example()
+            batch = cast_floats(raw, compute_dtype)
         param_bytes = sum(p.nbytes for ps in owners for p in ps)
         _sample_each_gradient([p for ps in owners for p in ps if p.requires_grad], live)
         recording.append(True)
