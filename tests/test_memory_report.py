@@ -443,7 +443,13 @@ def test_meta_trace_of_grouped_query_attention_equals_the_cpu_step(dtype: torch.
         return model(x).float().sum()
 
     traced = trace_activations(_GroupedAttention, example, loss, dtype).activations
-    measured = _real_step_activations(_GroupedAttention().to(dtype), lambda: example().to(dtype), loss)
+    held: list[torch.Tensor] = []  # the caller's float32 batch, alive beside its cast copy
+
+    def cast_example() -> torch.Tensor:
+        held.append(example())
+        return held[-1].to(dtype)
+
+    measured = _real_step_activations(_GroupedAttention().to(dtype), cast_example, loss)
     assert traced == measured, (traced, measured)
     math_path = trace_activations(_GroupedAttention, example, loss, dtype, device_type="meta").activations
     assert math_path - traced >= 2 * 6 * 40 * 40 * dtype.itemsize, (math_path, traced)
