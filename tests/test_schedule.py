@@ -112,6 +112,17 @@ def test_the_estimate_is_rank_zeros_third_step(
     assert estimate.moment == moment, (estimate.moment, moment)
 
 
+def test_gather_pieces_split_at_large_parameters_on_gloo_only() -> None:
+    from fullshard.engine.layout import gather_pieces
+
+    big, small = DIRECT_GATHER_BYTES, DIRECT_GATHER_BYTES - 1
+    sizes = [small, big, small, small, big, small, big, big]
+    assert gather_pieces(sizes, True) == [[0], [1], [2, 3], [4], [5], [6], [7]]
+    assert gather_pieces(sizes, False) == [list(range(8))]  # NCCL: one piece
+    assert gather_pieces([small, small], True) == [[0, 1]]
+    assert gather_pieces([], True) == [] and gather_pieces([], False) == []
+
+
 class _Params(torch.nn.Module):
     """One unit's parameters, as drawn (the root owns them all)."""
 

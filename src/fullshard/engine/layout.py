@@ -120,6 +120,32 @@ def real_views(flat: torch.Tensor, splits: list[int], shapes: Sequence[torch.Siz
     return [pieces[2 * i].view(shape) for i, shape in enumerate(shapes)]
 
 
+def gather_pieces(shard_bytes: Sequence[int], direct: bool) -> list[list[int]]:
+    """How a unit's all-gather is split into collectives: the indices of the parameters each
+    one takes, in layout order (the engine's :meth:`UnitLayout._plan_pieces` and the planner's
+    :func:`fullshard.plan.unit_buffers.unit_buffers` both follow it).
+
+    Args:
+        shard_bytes: each parameter's padded shard in bytes (compute dtype), in layout order.
+        direct: split at large parameters (gloo): each one of at least
+            :data:`DIRECT_GATHER_BYTES` is a piece of its own, the runs between them one piece
+            each. Otherwise the whole unit is one piece.
+
+    Returns:
+        the pieces, none empty; a piece of one parameter is gathered straight into place, one
+        of several through a scratch buffer.
+    """
+    pieces: list[list[int]] = []
+    run: list[int] = []
+    for i, n in enumerate(shard_bytes):
+        if direct and n >= DIRECT_GATHER_BYTES:
+            pieces += [run, [i]] if run else [[i]]
+            run = []
+        else:
+            run.append(i)
+    return pieces + [run] if run else pieces
+
+
 class UnitLayout:
     """The sharded parameters of one FSDP unit, laid out in its flat buffers.
 
@@ -281,22 +307,12 @@ class UnitLayout:
         where many small collectives cost more than a copy on the GPU) the unit is one piece.
         """
         gloo = self.shard_group is not None and collectives.backend(self.shard_group) == "gloo"
+        nbytes = [sp.spec.padded_shard_numel * self.compute_dtype.itemsize for sp in self.params]
         pieces: list[tuple[list[ShardedParam], int, int]] = []
-        run: list[ShardedParam] = []
-
-        def flush() -> None:
-            if run:
-                start = run[0].local_offset
-                pieces.append((list(run), start, run[-1].local_offset + run[-1].spec.padded_shard_numel - start))
-                run.clear()
-
-        for sp in self.params:
-            if gloo and sp.spec.padded_shard_numel * self.compute_dtype.itemsize >= DIRECT_GATHER_BYTES:
-                flush()
-                pieces.append(([sp], sp.local_offset, sp.spec.padded_shard_numel))
-            else:
-                run.append(sp)
-        flush()
+        for idx in gather_pieces(nbytes, gloo):
+            group = [self.params[i] for i in idx]
+            start = group[0].local_offset
+            pieces.append((group, start, group[-1].local_offset + group[-1].spec.padded_shard_numel - start))
         return pieces
 
     def trainable_local_views(self, flat: torch.Tensor) -> list[torch.Tensor]:

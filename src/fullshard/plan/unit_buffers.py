@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from fullshard.engine.layout import DIRECT_GATHER_BYTES
+from fullshard.engine.layout import gather_pieces
 from fullshard.engine.sharded_param import ShardSpec
 from fullshard.plan.estimate import owned_params
 
@@ -61,16 +61,12 @@ def unit_buffers(
         shard = sum(s.padded_shard_numel for s, _ in specs)
         trainable = sum(s.padded_shard_numel for s, p in specs if p.requires_grad)
         aliased = world == 1 and compute == dtype.itemsize and not offload
-        # The layout's gather pieces (``UnitLayout._plan_pieces``): each parameter of at least
-        # DIRECT_GATHER_BYTES alone, the runs between them; a run of one parameter is gathered
-        # straight into place too, so only runs of two or more go through a scratch buffer.
-        runs: list[list[int]] = [[]]
-        for s, _ in sorted(specs, key=lambda sp: not sp[1].requires_grad):  # trainable first, as the layout
-            if s.padded_shard_numel * compute >= DIRECT_GATHER_BYTES:
-                runs.append([])
-            else:
-                runs[-1].append(s.padded_shard_numel)
-        scratch = tuple(world * sum(r) for r in runs if len(r) > 1 and sum(r) > 0) if world > 1 and shard else ()
+        # The layout's gather pieces (trainable parameters first, as the layout orders them): a
+        # piece of several parameters goes through a scratch buffer of world x its elements.
+        numels = [s.padded_shard_numel for s, _ in sorted(specs, key=lambda sp: not sp[1].requires_grad)]
+        pieces = gather_pieces([n * compute for n in numels], direct=True)
+        runs = [sum(numels[i] for i in piece) for piece in pieces if len(piece) > 1]
+        scratch = tuple(world * r for r in runs if r) if world > 1 and shard else ()
         out.append(
             UnitBuffers(
                 name or ROOT,
