@@ -249,3 +249,26 @@ def test_gpt_job_on_gpu_checkpoints_and_resumes(tmp_path: Path) -> None:
     )
     recs = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [rec["step"] for rec in recs] == [10, 20, 30] and recs[-1]["train_loss"] < recs[0]["train_loss"], recs
+
+
+@pytest.mark.timeout(300)
+def test_the_nccl_estimate_bounds_a_cuda_step() -> None:
+    """Drawn configurations at world size 1 on CUDA, with and without CPU offload, measured in
+    this process (``fullshard bench estimate --sweep --device cuda``): the estimate for NCCL,
+    documented as an upper bound (``plan.peak.NOT_REPLAYED``), is at least the live tensor bytes
+    of the third step on the device (within two 0-dim scalars)."""
+    import dataclasses
+
+    from fullshard.jobs.planning import sweep, sweep_bench
+
+    rows = []
+    with sweep_bench.one_rank_group("cuda") as device:
+        sweep_bench._warm_up(device)
+        for c in sweep.draw(4242, 7):
+            for offload in (False, True):
+                rows.append(sweep_bench.run_on_device(dataclasses.replace(c, world=1), device, offload))
+    measured = [d for d in rows if d.row.estimate is not None and d.row.measured]
+    assert len(measured) >= 10, [sweep_bench.format_device_row(d) for d in rows]
+    for d in measured:
+        assert d.row.estimate is not None, d
+        assert d.row.estimate.total >= d.row.measured - 8, sweep_bench.format_device_row(d)

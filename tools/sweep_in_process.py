@@ -34,7 +34,7 @@ def run_one(c: Config) -> sweep_bench.Row:
     peak, moment = 0, ""
     try:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=c.world)
-        peak, moment = sweep_bench.measure_rank(c, torch.device("cpu"))
+        peak, moment, _ = sweep_bench.measure_rank(c, torch.device("cpu"))
     except Exception as err:  # so is a run failure
         failure = (failure + "; " if failure else "") + f"run: {type(err).__name__}: {str(err)[:200]}"
     finally:

@@ -12,6 +12,10 @@ drawn at random from seed S (default: drawn from the clock, printed), across mod
 sharding, activation checkpointing, precision, world size and front end
 (see :mod:`fullshard.jobs.planning.sweep_bench`).
 
+``fullshard bench estimate --sweep [N] [--seed S] --device cuda`` measures the same draws at world
+size 1 on one CUDA device in this process, predicted for NCCL, with and without CPU offload
+(``--device cpu``: on gloo, the same way; see :func:`~fullshard.jobs.planning.sweep_bench.device_report`).
+
 ``fullshard bench plan`` measures the planner's choice against the hand configurations on fixed
 workloads (see :mod:`fullshard.jobs.planning.plan_bench`); ``fullshard bench plan --sweep [N]
 [--seed S] [--rounds R]`` on N model/budget pairs drawn from the estimator sweep's generator,
@@ -140,6 +144,14 @@ def _parser() -> argparse.ArgumentParser:
         "ones (default 40)",
     )
     p.add_argument("--seed", type=int, default=None, help="--sweep: the draw's seed (default: from the clock)")
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default=None,
+        help="estimate --sweep: measure each configuration at world size 1 in this process on this device (cuda: "
+        "predicted for NCCL, with and without CPU offload, the allocator's peak beside the live bytes) instead of "
+        "at its drawn world size on gloo workers",
+    )
     return p
 
 
@@ -157,7 +169,7 @@ def _sweep_seed(args: argparse.Namespace, command: str, what: str) -> int:
 
 
 def _estimate_main(args: argparse.Namespace) -> int:
-    """``fullshard bench estimate [--sweep [N] [--seed S]]``: print the table as it comes."""
+    """``fullshard bench estimate [--sweep [N] [--seed S] [--device D]]``: print the table as it comes."""
     if args.sweep is None:
         from fullshard.jobs.planning import validate
 
@@ -165,7 +177,13 @@ def _estimate_main(args: argparse.Namespace) -> int:
         return 0
     from fullshard.jobs.planning import sweep_bench
 
-    for line in sweep_bench.report(_sweep_seed(args, "estimate", "configuration"), args.sweep):
+    seed = _sweep_seed(args, "estimate", "configuration")
+    if args.device is not None:
+        with sweep_bench.one_rank_group(args.device) as device:
+            for line in sweep_bench.device_report(seed, args.sweep, device):
+                print(line, flush=True)
+        return 0
+    for line in sweep_bench.report(seed, args.sweep):
         print(line, flush=True)
     return 0
 

@@ -11,17 +11,26 @@ step's peak on rank 0 is the measurement, and its moment (the phase and the unit
 step) is compared with the predicted one. Estimates that rest on an assumption (``bound``: a
 mixture-of-experts routing, traced so that their activations are an upper bound) are
 summarized apart from the exact ones, with how many of them still fell below the measurement.
+
+``fullshard bench estimate --sweep N --seed S --device cuda`` checks the estimate where the sweep
+above cannot: on one CUDA device (:func:`device_report`). Each drawn configuration is run at
+world size 1 in this process (one NCCL rank; one GPU allows no more), once as drawn and once
+with CPU offload, and predicted for NCCL (``backend="nccl"``, whose estimates are meant as an
+upper bound, :data:`~fullshard.plan.peak.NOT_REPLAYED`). Besides the live tensor bytes on the
+device it reports the CUDA caching allocator's peak (``torch.cuda.max_memory_allocated``
+above what was allocated before the model was built), which is what a GPU budget must hold.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
 import time
 import types
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -40,8 +49,9 @@ def _parts(c: Config) -> tuple[Any, Any, Any, Any]:
     return families.parts(c.family, c.shape, c.batch, c.seq)
 
 
-def predict(c: Config) -> PeakEstimate:
-    """The estimate of rank 0's peak for ``c`` (gloo).
+def predict(c: Config, backend: str = "gloo", cpu_offload: bool = False) -> PeakEstimate:
+    """The estimate of rank 0's peak for ``c`` on ``backend`` ("gloo" or "nccl"; ``cpu_offload``
+    acts on nccl only).
 
     Raises:
         MetaValueRead: the model reads a tensor value the trace cannot give.
@@ -58,14 +68,16 @@ def predict(c: Config) -> PeakEstimate:
         checkpoint_context=selective_context if c.ac == "selective" else None,
         optimizer="adamw",
         sharding_strategy=c.strategy,
-        backend="gloo",
+        backend=backend,
+        cpu_offload=cpu_offload,
         front_end="wrapper" if c.api == "fsdp1" else "fully_shard",
     )
 
 
-def wrap(c: Config, model: nn.Module, is_unit: Any) -> nn.Module:
+def wrap(c: Config, model: nn.Module, is_unit: Any, cpu_offload: bool = False) -> nn.Module:
     """``model`` with ``c``'s activation checkpointing on its units, then sharded by ``c``'s
-    front end, one FSDP unit per ``is_unit`` module (as the training jobs shard)."""
+    front end, one FSDP unit per ``is_unit`` module (as the training jobs shard), its shards
+    in host memory with ``cpu_offload``."""
     from fullshard.frontend.activation_checkpointing import apply_activation_checkpointing, checkpoint_wrapper
     from fullshard.frontend.wrap import lambda_auto_wrap_policy
     from fullshard.jobs.train import fsdp_options
@@ -73,7 +85,7 @@ def wrap(c: Config, model: nn.Module, is_unit: Any) -> nn.Module:
     opts = types.SimpleNamespace(
         sharding_strategy=c.strategy,
         mixed_precision="bf16" if c.precision == "bf16" else "none",
-        cpu_offload=False,
+        cpu_offload=cpu_offload,
         backward_prefetch="pre",
         forward_prefetch=False,
         api=c.api,
@@ -88,9 +100,18 @@ def wrap(c: Config, model: nn.Module, is_unit: Any) -> nn.Module:
     return fsdp_options.shard_model(model, opts, policy)
 
 
-def measure_rank(c: Config, device: torch.device) -> tuple[int, str]:
-    """On one rank of a started process group: (the third step's peak live tensor bytes, its
-    moment, e.g. "backward of model.layers.1" or "optimizer step")."""
+class Measured(NamedTuple):
+    """One rank's third step: its peak live tensor bytes on the device, the moment of that peak
+    (e.g. "backward of model.layers.1" or "optimizer step"), and on CUDA the caching
+    allocator's peak in bytes above what was allocated before the model was built (0 on CPU)."""
+
+    peak: int
+    moment: str
+    allocated: int = 0
+
+
+def measure_rank(c: Config, device: torch.device, cpu_offload: bool = False) -> Measured:
+    """On one rank of a started process group: ``c``'s third step measured (:class:`Measured`)."""
     make, example, loss_fn, is_unit = _parts(c)
     running: list[RunningUnit] = []
     stepping: list[bool] = []
@@ -100,24 +121,29 @@ def measure_rank(c: Config, device: torch.device) -> tuple[int, str]:
             return "optimizer step"
         return running[0].moment if running else "building"
 
-    with LiveTensorBytes(label=moment) as live:
+    cuda = device.type == "cuda"
+    before = torch.cuda.memory_allocated(device) if cuda else 0
+    with LiveTensorBytes(device_type=device.type, label=moment) as live:
         torch.manual_seed(0)
         model = make().to(device)
         running.append(RunningUnit(model, is_unit))
-        model = wrap(c, model, is_unit)
+        model = wrap(c, model, is_unit, cpu_offload)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
         for _ in range(3):
-            batch = families.random_batch(c.family, example, c.shape.vocab)
+            batch = tuple(t.to(device) for t in families.random_batch(c.family, example, c.shape.vocab))
             live.reset_peak()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
             loss_fn(model, batch).backward()
             stepping.append(True)
             opt.step()
             opt.zero_grad(set_to_none=True)
             stepping.clear()
-    return live.peak, str(live.peak_label)
+        allocated = torch.cuda.max_memory_allocated(device) - before if cuda else 0
+    return Measured(live.peak, str(live.peak_label), allocated)
 
 
-def _worker(c: Config) -> tuple[int, str]:
+def _worker(c: Config) -> Measured:
     device = launch.init_process_group()
     try:
         return measure_rank(c, device)
@@ -154,11 +180,16 @@ def run_one(c: Config) -> Row:
         estimate, failure = None, f"trace: {type(err).__name__}: {str(err)[:200]}"
     start = time.perf_counter()
     try:
-        peak, moment = launch.launch(_worker, (c,), c.world, env=launch.BENCH_ENV)[0]
+        peak, moment, _ = launch.launch(_worker, (c,), c.world, env=launch.BENCH_ENV)[0]
     except launch.WorkerFailed as err:
         peak, moment = 0, ""
         failure = (failure + "; " if failure else "") + f"run: {str(err)[:200]}"
     return Row(c, estimate, peak, moment, failure, time.perf_counter() - start)
+
+
+def cell(c: Config) -> str:
+    """``c.describe()`` as one markdown table cell (its ``|`` escaped)."""
+    return c.describe().replace("|", "\\|")
 
 
 def format_row(r: Row) -> str:
@@ -170,7 +201,7 @@ def format_row(r: Row) -> str:
     moment = f"{e.moment} / {r.moment}" if e is not None else f"- / {r.moment}"
     same = "yes" if e is not None and e.moment == r.moment else "no"
     note = r.failure or (e.bound if e is not None else "")
-    return f"| {r.config.describe()} | {predicted} | {measured} | {err} | {moment} | {same} | {note} |"
+    return f"| {cell(r.config)} | {predicted} | {measured} | {err} | {moment} | {same} | {note} |"
 
 
 HEADER = [
@@ -234,3 +265,180 @@ def summary(rows: list[Row]) -> Iterator[str]:
             worst = max(errs, key=abs)
             yield f"| {family} | {len(errs)} | {100 * worst:+.1f}% | {100 * sum(errs) / len(errs):+.1f}% |"
     yield f"\nReal runs took {sum(r.seconds for r in rows):.0f} s in all."
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceRow:
+    """One configuration measured at world size 1 in this process (:func:`device_report`):
+    ``row`` holds its estimate for the device's backend and the live tensor bytes measured,
+    ``offload`` whether its shards were in host memory, ``allocated`` the caching allocator's
+    peak in bytes (0 on CPU)."""
+
+    row: Row
+    offload: bool
+    allocated: int
+
+    @property
+    def allocator_error(self) -> float:
+        """(predicted - allocator peak) / allocator peak; NaN without both."""
+        e = self.row.estimate
+        if e is None or not self.allocated:
+            return math.nan
+        return (e.total - self.allocated) / self.allocated
+
+
+def _fresh(device: torch.device) -> None:
+    """Drop what the last configuration left: the engine's pooled buffers, garbage, CUDA's cache."""
+    import gc
+
+    from fullshard.comm import buffers
+
+    buffers.POOL.clear()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_on_device(c: Config, device: torch.device, cpu_offload: bool = False) -> DeviceRow:
+    """Predict ``c`` for ``device``'s backend (nccl on CUDA, else gloo) and measure it on rank 0
+    of the started process group, in this process; failures become the row's note."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    try:
+        estimate: PeakEstimate | None = predict(c, backend, cpu_offload)
+        failure = ""
+    except Exception as err:  # a trace failure is a result of the sweep
+        estimate, failure = None, f"trace: {type(err).__name__}: {str(err)[:200]}"
+    _fresh(device)
+    start = time.perf_counter()
+    try:
+        m = measure_rank(c, device, cpu_offload)
+    except Exception as err:  # so is a run failure (an out-of-memory one included)
+        m = Measured(0, "")
+        failure = (failure + "; " if failure else "") + f"run: {type(err).__name__}: {str(err)[:200]}"
+    finally:
+        _fresh(device)
+    return DeviceRow(Row(c, estimate, m.peak, m.moment, failure, time.perf_counter() - start), cpu_offload, m.allocated)
+
+
+def _warm_up(device: torch.device) -> int:
+    """Run a matrix product forward and backward in float32 and bfloat16 so that cuBLAS's
+    workspaces (one per thread and stream, kept for the process's life, taken from the caching
+    allocator) exist before any measurement; returns the bytes then allocated (0 on CPU)."""
+    if device.type != "cuda":
+        return 0
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(64, 64, device=device, dtype=dtype, requires_grad=True)
+        (x @ x).sum().backward()
+    torch.cuda.synchronize(device)
+    _fresh(device)
+    return torch.cuda.memory_allocated(device)
+
+
+DEVICE_HEADER = [
+    "| configuration | offload | predicted (MiB) | live peak (MiB) | error | allocator peak (MiB) | error vs allocator "
+    "| moment predicted / measured | same | note |",
+    "|---|---|---|---|---|---|---|---|---|---|",
+]
+
+
+def format_device_row(d: DeviceRow) -> str:
+    """The row as a markdown table line (MiB, errors in %); the note names a failure, or an
+    estimate that assumed a routing (the NCCL bound every row carries is left out)."""
+    r, e = d.row, d.row.estimate
+    pct = lambda x: f"{100 * x:+.1f}%" if not math.isnan(x) else "-"  # noqa: E731
+    mib = lambda b: f"{b / MIB:.2f}" if b else "-"  # noqa: E731
+    moment = f"{e.moment if e is not None else '-'} / {r.moment}"
+    same = "yes" if e is not None and e.moment == r.moment else "no"
+    note = r.failure or ("routing assumed" if e is not None and "routing" in e.bound else "")
+    return (
+        f"| {cell(r.config)} | {'yes' if d.offload else 'no'} | {mib(e.total if e is not None else 0)} | "
+        f"{mib(r.measured)} | {pct(r.error)} | {mib(d.allocated)} | {pct(d.allocator_error)} | {moment} | {same} | "
+        f"{note} |"
+    )
+
+
+def device_summary(rows: list[DeviceRow]) -> Iterator[str]:
+    """Per offload setting: the error distributions against the live bytes and the allocator's
+    peak, and how many estimates fell below each (a broken upper bound); then the moments
+    matched and the failures."""
+    for offload in sorted({d.offload for d in rows}):
+        some = [d for d in rows if d.offload == offload and d.row.estimate is not None and d.row.measured]
+        below = sum(d.row.error < 0 for d in some)
+        head = "With CPU offload" if offload else "Without offload"
+        errors = distribution([d.row.error for d in some])
+        yield f"{head}, live tensor bytes: {errors}; {below} below the measured peak."
+        timed = [d for d in some if d.allocated]
+        if timed:
+            under = sum(d.allocator_error < 0 for d in timed)
+            yield (
+                f"{head}, allocator peak: {distribution([d.allocator_error for d in timed])}; "
+                f"{under} below the allocator's peak."
+            )
+    measured = [d.row for d in rows if d.row.estimate is not None and d.row.measured]
+    same = sum(r.estimate is not None and r.estimate.moment == r.moment for r in measured)
+    yield f"Moment of the peak matched in {same} of {len(measured)} runs."
+    failed = [d for d in rows if d.row.failure]
+    yield f"Failures: {len(failed)}" + (
+        ": " + "; ".join(f"{d.row.config.describe()} offload={d.offload}: {d.row.failure}" for d in failed)
+        if failed
+        else "."
+    )
+
+
+def device_report(seed: int, n: int, device: torch.device) -> Iterator[str]:
+    """Draw ``n`` configurations from ``seed``, each at world size 1, and predict and measure
+    each in this process on ``device`` (on CUDA with and without CPU offload); yields the
+    markdown lines as they come. Needs a started one-rank process group whose device is
+    ``device`` (:func:`one_rank_group`)."""
+    workspace = _warm_up(device)
+    offloads = (False, True) if device.type == "cuda" else (False,)
+    held = f"; cuBLAS's workspaces, allocated before and left out of the allocator's peaks: {workspace} bytes"
+    yield (
+        f"Seed {seed}, {n} configurations at world size 1 on {device.type} "
+        f"(`fullshard bench estimate --sweep {n} --seed {seed} --device {device.type}` draws them again)"
+        + (held if workspace else "")
+        + ".\n"
+    )
+    yield from DEVICE_HEADER
+    rows = []
+    for c in draw(seed, n):
+        for offload in offloads:
+            rows.append(run_on_device(dataclasses.replace(c, world=1), device, offload))
+            yield format_device_row(rows[-1])
+    yield ""
+    yield from device_summary(rows)
+    yield f"\nReal runs took {sum(d.row.seconds for d in rows):.0f} s in all."
+
+
+@contextlib.contextmanager
+def one_rank_group(device_type: str) -> Iterator[torch.device]:
+    """A one-rank default process group in this process (NCCL on CUDA, gloo on CPU), destroyed
+    on exit; yields its device. The launcher variables it sets are restored after.
+
+    Raises:
+        SystemExit: ``device_type`` is "cuda" and no CUDA device is visible, or not "cpu"/"cuda".
+    """
+    if device_type not in ("cpu", "cuda"):
+        raise SystemExit(f"--device {device_type!r}: choose cpu or cuda")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is visible here; run on a GPU machine or use --device cpu")
+    import os
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    if device_type == "cpu":
+        env["LOCAL_RANK"] = str(torch.cuda.device_count())  # no device under that rank: gloo on CPU
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield launch.init_process_group()
+    finally:
+        launch.destroy_process_group()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
