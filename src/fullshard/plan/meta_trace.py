@@ -50,9 +50,13 @@ def device_attention(device_type: str) -> Any:
     Meta tensors take SDPA's math path, which saves the attention weights (B x H x T x T); on
     CPU torch runs its flash kernel, which saves only the output and the log-sum-exp (measured on
     the tiny GPT in bf16: 82.6 MiB of activations traced the math way, 66.8 MiB real). On CUDA
-    SDPA prefers flash attention (fp16/bf16, head size a multiple of 8 up to 256), else the
-    memory-efficient kernel; both save the output and the log-sum-exp too (their meta kernels
-    are torch's own; not yet checked against a GPU's allocator). Grouped key/value heads
+    (torch 2.11 on an H100, checked op by op with ``tools/peak_by_op.py``) SDPA runs fp16/bf16
+    with a head size up to 256 in flash attention, first padding query, key and value to a
+    head size that is a multiple of 8 (the padded copies are what flash saves; traced so);
+    otherwise the memory-efficient kernel where the head size is a multiple of 16 bytes, else
+    its math path, which saves the B x H x T x T weights (what the meta device runs). On the
+    H100, bf16 with an aligned head size ran cuDNN's attention instead of flash, saving what
+    flash saves plus the statistics; traced as flash. Grouped key/value heads
     (``enable_gqa=True``, transformers' call when no mask is passed) run the same CPU flash
     kernel on the ungrouped key and value (B x H_kv x T x D saved, no B x H x T x T weights; an
     op log of a real CPU call shows that kernel alone). Calls with a mask or dropout, grouped
@@ -71,9 +75,16 @@ def device_attention(device_type: str) -> Any:
         causal, scale = bool(opts.get("is_causal", False)), opts.get("scale")
         if device_type == "cpu":
             return compat.sdpa_kernels()["flash_cpu"](q, k, v, 0.0, causal, scale=scale)[0]
-        half = q.dtype in (torch.float16, torch.bfloat16)
-        if half and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256:
-            return compat.sdpa_kernels()["flash"](q, k, v, 0.0, causal, False, scale=scale)[0]
+        head = q.shape[-1]
+        if q.dtype in (torch.float16, torch.bfloat16) and head <= 256 and k.shape[-1] == v.shape[-1] == head:
+            pad = -head % 8
+            if not pad:
+                return compat.sdpa_kernels()["flash"](q, k, v, 0.0, causal, False, scale=scale)[0]
+            scale = head**-0.5 if scale is None else scale  # the unpadded head size's, as torch keeps
+            q, k, v = (F.pad(t, (0, pad)) for t in (q, k, v))
+            return compat.sdpa_kernels()["flash"](q, k, v, 0.0, causal, False, scale=scale)[0][..., :head]
+        if head % (16 // q.element_size()):
+            return _SDPA(*args, **kwargs)  # the math path, as CUDA runs it for an unaligned head size
         grad = q.requires_grad or k.requires_grad or v.requires_grad
         return compat.sdpa_kernels()["efficient"](q, k, v, None, grad, 0.0, causal, scale=scale)[0]
 

@@ -387,7 +387,8 @@ def device_summary(rows: list[DeviceRow]) -> Iterator[str]:
 
 def device_report(seed: int, n: int, device: torch.device) -> Iterator[str]:
     """Draw ``n`` configurations from ``seed``, each at world size 1, and predict and measure
-    each in this process on ``device`` (on CUDA with and without CPU offload); yields the
+    each in this process on ``device`` (on CUDA with and without CPU offload, NO_SHARD without:
+    the estimator refuses offload without shards); yields the
     markdown lines as they come. Needs a started one-rank process group whose device is
     ``device`` (:func:`one_rank_group`)."""
     workspace = _warm_up(device)
@@ -402,7 +403,7 @@ def device_report(seed: int, n: int, device: torch.device) -> Iterator[str]:
     yield from DEVICE_HEADER
     rows = []
     for c in draw(seed, n):
-        for offload in offloads:
+        for offload in offloads if c.strategy != "no_shard" else (False,):  # offload needs shards
             rows.append(run_on_device(dataclasses.replace(c, world=1), device, offload))
             yield format_device_row(rows[-1])
     yield ""
