@@ -250,6 +250,41 @@ def test_meta_trace_of_cuda_attention_saves_no_attention_weights() -> None:
             assert 0 <= traced["cuda"] - traced["cpu"] <= 96, traced
 
 
+@pytest.mark.parametrize(
+    ("dtype", "head", "kernel", "padded"),
+    [
+        (torch.bfloat16, 24, "_scaled_dot_product_flash_attention", False),
+        (torch.bfloat16, 20, "_scaled_dot_product_flash_attention", True),
+        (torch.float32, 12, "_scaled_dot_product_efficient_attention", False),
+        (torch.float32, 14, "_safe_softmax", False),
+    ],
+)
+def test_meta_trace_of_cuda_attention_follows_the_head_size(
+    dtype: torch.dtype, head: int, kernel: str, padded: bool
+) -> None:
+    """As SDPA chose on an H100 (torch 2.11, ``docs/estimate_cuda_sweep.md``): half precision runs
+    flash, padding a head size that is no multiple of 8 (the padded copies are what it saves);
+    float32 runs the memory-efficient kernel where the head size is a multiple of 16 bytes, else
+    the math path (its softmax weights saved). The output keeps the caller's head size."""
+    from fullshard.compat import TorchDispatchMode
+    from fullshard.plan.meta_trace import device_attention
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.names.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = (torch.empty(2, 3, 40, head, device="meta", dtype=dtype, requires_grad=True) for _ in range(3))
+    with Ops() as ops:
+        out = device_attention("cuda")(q, k, v, is_causal=True)
+    assert out.shape == (2, 3, 40, head) and kernel in ops.names, ops.names
+    assert ("constant_pad_nd" in ops.names) == padded, ops.names
+
+
 class _Block(nn.Sequential):
     """A unit for the moment-of-the-peak test."""
 

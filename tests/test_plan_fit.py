@@ -129,6 +129,49 @@ def test_the_margin_tables_are_the_sweep_documents() -> None:
     assert m.margin_for(True) == m.MARGIN and m.margin_for(False) == m.MARGIN_KEPT
 
 
+def _cuda_column(seed: int, commit: str) -> list[float]:
+    """The "error vs allocator" column of ``docs/estimate_cuda_sweep.md``'s table of ``seed``
+    (the first table 4242, the second 777), every row that has one, in the printed order."""
+    intro, *tables = (ROOT / "docs/estimate_cuda_sweep.md").read_text().split("\n---\n")
+    table = tables[0 if seed == 4242 else 1]
+    assert table.strip().startswith(f"Seed {seed}, ") and "at world size 1 on cuda" in table and commit in intro
+    column = []
+    for line in table.splitlines():
+        if line.startswith(f"| {seed}#"):
+            cells = [c.strip() for c in line.replace("\\|", "/").split("|")]
+            if re.fullmatch(r"[+-]\d+\.\d%", cells[7]):
+                column.append(float(cells[7][:-1]) / 100)
+    return column
+
+
+def test_the_cuda_margin_follows_the_cuda_sweep_document() -> None:
+    """:data:`CUDA_ERRORS` and :data:`CUDA_SECOND_SEED` hold the allocator-error columns of the
+    CUDA sweep's two tables; a candidate on NCCL keeps the larger of the gloo margin and the one
+    they give, on gloo nothing changes, and a plan on NCCL says where its margin comes from."""
+    from types import SimpleNamespace
+
+    from fullshard.plan import margin as m
+    from fullshard.plan import planner
+    from fullshard.plan.candidate import Candidate
+
+    worst = 0.0
+    for d, rows in ((m.CUDA_ERRORS, 65), (m.CUDA_SECOND_SEED, 35)):
+        column = _cuda_column(d.seed, d.commit)
+        assert list(d.errors) == pytest.approx(column, abs=1e-12) and len(column) == rows
+        worst = min(worst, min(column) - m.PRINTED_STEP / 2)
+    assert m.CUDA_MARGIN == pytest.approx(1 / (1 + worst) - 1) and m.CUDA_MARGIN > m.MARGIN
+    for regathers in (True, False):
+        assert m.margin_for(regathers, "nccl") == max(m.margin_for(regathers), m.CUDA_MARGIN)
+    assert m.margin_for(True, "gloo") == m.MARGIN
+    full = Candidate(False, (), (), False, ("b0",))
+    cand = SimpleNamespace(candidate=full, peak=SimpleNamespace(total=100 * 2**20), step=SimpleNamespace(seconds=1.0))
+    budget = int(102 * 2**20)  # 2% over the peak: within the gloo margin, not within CUDA's
+    assert planner.choose([cand], budget).best is cand
+    on_cuda = planner.choose([cand], budget, backend="nccl")
+    assert on_cuda.best is None and on_cuda.margin_of(cand) == m.CUDA_MARGIN
+    assert "allocator's peak on CUDA" in on_cuda.describe()[-1]
+
+
 def _fake_scored(peaks_and_steps: list[tuple[int, float]]) -> list:
     """Scored FULL_SHARD candidates (blocks ``c0``, ``c1``...: one each, so the planner's margin
     is :data:`~fullshard.plan.margin.MARGIN`) with these peaks (bytes) and steps (seconds)."""

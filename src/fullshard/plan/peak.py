@@ -161,14 +161,16 @@ NOT_REPLAYED = {
         "NCCL is not replayed: the buffers are replayed as on gloo (its reduce-scatter receive "
         "buffers, pooled buffers kept across steps and resident gradient shards hold at least what "
         "NCCL's collectives and CUDA's pool hold) or added at the trace's peak where that is larger; "
-        "meant as an upper bound, never checked on a GPU (the CUDA allocator's stream-ordered "
-        "frees are not modelled)"
+        "meant as an upper bound: on one H100 at world size 1 no drawn configuration measured more "
+        "live bytes (docs/estimate_cuda_sweep.md); NCCL at two or more ranks never checked (the CUDA "
+        "allocator's stream-ordered frees are not modelled)"
     ),
     "offload": (
         "CPU offload is not replayed: the device's buffers are replayed as on gloo with shards, "
         "gradient shards and optimizer state on the host and the largest shard and gradient shard "
         "staged on the device throughout, or added at the trace's peak where that is larger; "
-        "meant as an upper bound, never checked on a GPU"
+        "meant as an upper bound: on one H100 at world size 1 no drawn configuration measured more "
+        "live bytes on the device (docs/estimate_cuda_sweep.md)"
     ),
 }
 """What :func:`replayed_peak` says (in :attr:`PeakEstimate.bound`) where it cannot replay the

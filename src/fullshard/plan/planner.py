@@ -41,7 +41,15 @@ from torch import nn
 
 from fullshard.plan.candidate import Candidate, candidates
 from fullshard.plan.estimate import UnitEstimate, estimate_model_state
-from fullshard.plan.margin import MARGIN, MARGIN_FROM, MARGIN_KEPT_FROM, margin_for
+from fullshard.plan.margin import (
+    CUDA_MARGIN,
+    CUDA_MARGIN_FROM,
+    MARGIN,
+    MARGIN_FROM,
+    MARGIN_KEPT,
+    MARGIN_KEPT_FROM,
+    margin_for,
+)
 from fullshard.plan.peak import PeakEstimate, StepTrace, device_type, offloads, replayed_peak, trace_step
 from fullshard.plan.simulate import StepTime
 from fullshard.plan.steptime import Calibration, predict_step
@@ -60,8 +68,9 @@ class Scored:
 class Plan:
     """The chosen candidate (``best``; None when nothing fits), the runners-up (fastest first),
     the budget (bytes per rank), the candidate that needs the least budget, every candidate
-    scored, the margin kept free (a fraction of each prediction; None: by strategy) and the bytes
-    calibration left behind (counted on top of every prediction)."""
+    scored, the margin kept free (a fraction of each prediction; None: by strategy and backend),
+    the bytes calibration left behind (counted on top of every prediction) and the process
+    group's backend ("gloo" or "nccl": which measured error the default margin follows)."""
 
     best: Scored | None
     runners_up: list[Scored]
@@ -70,11 +79,12 @@ class Plan:
     scored: list[Scored]
     margin: float | None = None
     leftover: int = 0
+    backend: str = "gloo"
 
     def margin_of(self, s: Scored) -> float:
         """The share of ``s``'s predicted peak kept free: the caller's ``margin``, or by default
-        :func:`~fullshard.plan.margin.margin_for` the candidate's strategy."""
-        return self.margin if self.margin is not None else margin_for(regathers(s.candidate))
+        :func:`~fullshard.plan.margin.margin_for` the candidate's strategy and the backend."""
+        return self.margin if self.margin is not None else margin_for(regathers(s.candidate), self.backend)
 
     def needs(self, s: Scored) -> int:
         """The budget (bytes) candidate ``s`` needs: its predicted peak, the margin and the leftover."""
@@ -82,7 +92,9 @@ class Plan:
 
     def margin_line(self) -> str:
         """Where the margin comes from, in one line."""
-        if self.margin is None:
+        if self.margin is None and self.backend == "nccl" and CUDA_MARGIN >= max(MARGIN, MARGIN_KEPT):
+            line = f"{CUDA_MARGIN_FROM.describe()}, the allocator's peak on CUDA"
+        elif self.margin is None:
             line = (
                 f"{MARGIN_FROM.describe()}; for candidates whose units all keep their parameters from "
                 f"forward to backward (NO_SHARD, SHARD_GRAD_OP) {MARGIN_KEPT_FROM.describe()}"
@@ -174,22 +186,31 @@ def plan(
     if budget <= 0:
         raise ValueError(f"budget={budget}: give the memory per rank in bytes, e.g. 8 * 2**30")
     scored = _score_all(cal, make_model, example, loss_fn, is_unit, param_dtype)
-    return choose(scored, budget, margin=margin, leftover=cal.leftover_bytes, runners_up=runners_up)
+    return choose(
+        scored, budget, margin=margin, leftover=cal.leftover_bytes, runners_up=runners_up, backend=cal.comm.backend
+    )
 
 
 def choose(
-    scored: list[Scored], budget: int, *, margin: float | None = None, leftover: int = 0, runners_up: int = 4
+    scored: list[Scored],
+    budget: int,
+    *,
+    margin: float | None = None,
+    leftover: int = 0,
+    runners_up: int = 4,
+    backend: str = "gloo",
 ) -> Plan:
     """The plan under ``budget`` (bytes per rank) from candidates already scored (``plan(...).scored``):
     the fastest whose predicted peak, ``margin`` more, plus ``leftover`` bytes, fits; among those
     predicted within :data:`TIE` of the fastest, the one with the least :func:`machinery`.
+    ``backend``: the process group's, for the default margin (:func:`~fullshard.plan.margin.margin_for`).
 
     Raises:
         ValueError: ``budget`` is not positive, or nothing was scored.
     """
     if budget <= 0 or not scored:
         raise ValueError(f"budget={budget}, {len(scored)} candidates: give a positive budget and scored candidates")
-    result = Plan(None, [], budget, scored[0], scored, margin, leftover)
+    result = Plan(None, [], budget, scored[0], scored, margin, leftover, backend)
     result = dataclasses.replace(result, smallest=min(scored, key=lambda s: (result.needs(s), s.peak.total)))
     fitting = sorted((s for s in scored if result.needs(s) <= budget), key=lambda s: (s.step.seconds, s.peak.total))
     if fitting:  # within the step model's resolution of the fastest, the least machinery wins
