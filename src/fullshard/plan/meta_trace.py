@@ -60,14 +60,18 @@ def device_attention(device_type: str) -> Any:
     (``enable_gqa=True``, transformers' call when no mask is passed) run the same CPU flash
     kernel on the ungrouped key and value (B x H_kv x T x D saved, no B x H x T x T weights; an
     op log of a real CPU call shows that kernel alone). Calls with a mask or dropout, grouped
-    heads on CUDA, or real tensors, are SDPA's own.
+    heads on CUDA, dropout on CPU, or real tensors, are SDPA's own (CUDA's kernels take
+    dropout: GPT-2's attention dropout ran the memory-efficient kernel there, its math path on
+    CPU).
     """
 
     def attention(*args: Any, **kwargs: Any) -> Any:
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
         opts = {**dict(zip(names, args)), **kwargs}
         q, k, v = (opts.get(n) for n in names[:3])
-        plain = opts.get("attn_mask") is None and not opts.get("dropout_p")
+        dropout = float(opts.get("dropout_p") or 0.0)
+        # CPU's flash kernel takes no dropout (SDPA runs its math path then); CUDA's kernels do.
+        plain = opts.get("attn_mask") is None and (not dropout or device_type == "cuda")
         if not (plain and isinstance(q, torch.Tensor) and q.is_meta and k is not None and v is not None):
             return _SDPA(*args, **kwargs)
         if opts.get("enable_gqa") and (device_type != "cpu" or q.dim() < 3 or q.shape[-3] % k.shape[-3]):
@@ -79,14 +83,14 @@ def device_attention(device_type: str) -> Any:
         if q.dtype in (torch.float16, torch.bfloat16) and head <= 256 and k.shape[-1] == v.shape[-1] == head:
             pad = -head % 8
             if not pad:
-                return compat.sdpa_kernels()["flash"](q, k, v, 0.0, causal, False, scale=scale)[0]
+                return compat.sdpa_kernels()["flash"](q, k, v, dropout, causal, False, scale=scale)[0]
             scale = head**-0.5 if scale is None else scale  # the unpadded head size's, as torch keeps
             q, k, v = (F.pad(t, (0, pad)) for t in (q, k, v))
-            return compat.sdpa_kernels()["flash"](q, k, v, 0.0, causal, False, scale=scale)[0][..., :head]
+            return compat.sdpa_kernels()["flash"](q, k, v, dropout, causal, False, scale=scale)[0][..., :head]
         if head % (16 // q.element_size()):
             return _SDPA(*args, **kwargs)  # the math path, as CUDA runs it for an unaligned head size
         grad = q.requires_grad or k.requires_grad or v.requires_grad
-        return compat.sdpa_kernels()["efficient"](q, k, v, None, grad, 0.0, causal, scale=scale)[0]
+        return compat.sdpa_kernels()["efficient"](q, k, v, None, grad, dropout, causal, scale=scale)[0]
 
     return attention
 
