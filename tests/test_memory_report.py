@@ -251,26 +251,31 @@ def test_meta_trace_of_cuda_attention_saves_no_attention_weights() -> None:
 
 
 @pytest.mark.parametrize(
-    ("device", "dtype", "head", "dropout", "kernel", "padded"),
+    ("device", "dtype", "head", "dropout", "kv_heads", "kernel", "padded"),
     [
-        ("cuda", torch.bfloat16, 24, 0.0, "_scaled_dot_product_flash_attention", False),
-        ("cuda", torch.bfloat16, 20, 0.0, "_scaled_dot_product_flash_attention", True),
-        ("cuda", torch.float32, 12, 0.0, "_scaled_dot_product_efficient_attention", False),
-        ("cuda", torch.float32, 14, 0.0, "_safe_softmax", False),
-        ("cuda", torch.float32, 12, 0.1, "_scaled_dot_product_efficient_attention", False),
-        ("cuda", torch.bfloat16, 24, 0.1, "_scaled_dot_product_flash_attention", False),
-        ("cpu", torch.float32, 12, 0.0, "_scaled_dot_product_flash_attention_for_cpu", False),
-        ("cpu", torch.float32, 12, 0.1, "_safe_softmax", False),
+        ("cuda", torch.bfloat16, 24, 0.0, 3, "_scaled_dot_product_flash_attention", False),
+        ("cuda", torch.bfloat16, 20, 0.0, 3, "_scaled_dot_product_flash_attention", True),
+        ("cuda", torch.float32, 12, 0.0, 3, "_scaled_dot_product_efficient_attention", False),
+        ("cuda", torch.float32, 14, 0.0, 3, "_safe_softmax", False),
+        ("cuda", torch.float32, 12, 0.1, 3, "_scaled_dot_product_efficient_attention", False),
+        ("cuda", torch.bfloat16, 24, 0.1, 3, "_scaled_dot_product_flash_attention", False),
+        ("cuda", torch.bfloat16, 20, 0.0, 1, "_scaled_dot_product_flash_attention", True),
+        ("cuda", torch.float32, 12, 0.0, 1, "_safe_softmax", False),
+        ("cpu", torch.float32, 12, 0.0, 3, "_scaled_dot_product_flash_attention_for_cpu", False),
+        ("cpu", torch.float32, 12, 0.0, 1, "_scaled_dot_product_flash_attention_for_cpu", False),
+        ("cpu", torch.float32, 12, 0.1, 3, "_safe_softmax", False),
     ],
 )
 def test_meta_trace_of_device_attention_follows_the_kernel_sdpa_picks(
-    device: str, dtype: torch.dtype, head: int, dropout: float, kernel: str, padded: bool
+    device: str, dtype: torch.dtype, head: int, dropout: float, kv_heads: int, kernel: str, padded: bool
 ) -> None:
     """As SDPA chose on an H100 (torch 2.11, ``docs/estimate_cuda_sweep.md``): half precision runs
-    flash, padding a head size that is no multiple of 8 (the padded copies are what it saves);
-    float32 runs the memory-efficient kernel where the head size is a multiple of 16 bytes, else
-    the math path (its softmax weights saved); both CUDA kernels take dropout (GPT-2's). On CPU
-    the flash kernel, and the math path with dropout. The output keeps the caller's head size."""
+    flash, padding a head size that is no multiple of 8 (the padded copies are what it saves),
+    grouped key/value heads (``enable_gqa``) as they are; float32 runs the memory-efficient
+    kernel where the head size is a multiple of 16 bytes and the heads are not grouped, else the
+    math path (its softmax weights saved); both CUDA kernels take dropout (GPT-2's). On CPU the
+    flash kernel, grouped heads too, and the math path with dropout. The output keeps the
+    caller's head size."""
     from fullshard.compat import TorchDispatchMode
     from fullshard.plan.meta_trace import device_attention
 
@@ -283,9 +288,12 @@ def test_meta_trace_of_device_attention_follows_the_kernel_sdpa_picks(
             self.names.add(func.overloadpacket.__name__)
             return func(*args, **(kwargs or {}))
 
-    q, k, v = (torch.empty(2, 3, 40, head, device="meta", dtype=dtype, requires_grad=True) for _ in range(3))
+    q, k, v = (
+        torch.empty(2, heads, 40, head, device="meta", dtype=dtype, requires_grad=True)
+        for heads in (3, kv_heads, kv_heads)
+    )
     with Ops() as ops:
-        out = device_attention(device)(q, k, v, dropout_p=dropout, is_causal=True)
+        out = device_attention(device)(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=kv_heads != 3)
     assert out.shape == (2, 3, 40, head) and kernel in ops.names, ops.names
     assert ("constant_pad_nd" in ops.names) == padded, ops.names
 

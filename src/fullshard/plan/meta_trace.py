@@ -56,11 +56,13 @@ def device_attention(device_type: str) -> Any:
     otherwise the memory-efficient kernel where the head size is a multiple of 16 bytes, else
     its math path, which saves the B x H x T x T weights (what the meta device runs). On the
     H100, bf16 with an aligned head size ran cuDNN's attention instead of flash, saving what
-    flash saves plus the statistics; traced as flash. Grouped key/value heads
+    flash saves plus the statistics; traced as flash. Flash takes grouped key/value heads as
+    they are (``enable_gqa=True``); in float32 they take the math path, which repeats them. On
+    CPU, grouped key/value heads
     (``enable_gqa=True``, transformers' call when no mask is passed) run the same CPU flash
     kernel on the ungrouped key and value (B x H_kv x T x D saved, no B x H x T x T weights; an
-    op log of a real CPU call shows that kernel alone). Calls with a mask or dropout, grouped
-    heads on CUDA, dropout on CPU, or real tensors, are SDPA's own (CUDA's kernels take
+    op log of a real CPU call shows that kernel alone). Calls with a mask, dropout on CPU, or
+    real tensors, are SDPA's own (CUDA's kernels take
     dropout: GPT-2's attention dropout ran the memory-efficient kernel there, its math path on
     CPU).
     """
@@ -74,7 +76,8 @@ def device_attention(device_type: str) -> Any:
         plain = opts.get("attn_mask") is None and (not dropout or device_type == "cuda")
         if not (plain and isinstance(q, torch.Tensor) and q.is_meta and k is not None and v is not None):
             return _SDPA(*args, **kwargs)
-        if opts.get("enable_gqa") and (device_type != "cpu" or q.dim() < 3 or q.shape[-3] % k.shape[-3]):
+        grouped = bool(opts.get("enable_gqa"))
+        if grouped and (q.dim() < 3 or q.shape[-3] % k.shape[-3]):
             return _SDPA(*args, **kwargs)
         causal, scale = bool(opts.get("is_causal", False)), opts.get("scale")
         if device_type == "cpu":
@@ -87,8 +90,10 @@ def device_attention(device_type: str) -> Any:
             scale = head**-0.5 if scale is None else scale  # the unpadded head size's, as torch keeps
             q, k, v = (F.pad(t, (0, pad)) for t in (q, k, v))
             return compat.sdpa_kernels()["flash"](q, k, v, dropout, causal, False, scale=scale)[0][..., :head]
-        if head % (16 // q.element_size()):
-            return _SDPA(*args, **kwargs)  # the math path, as CUDA runs it for an unaligned head size
+        if grouped or head % (16 // q.element_size()):
+            # the math path, as CUDA runs it for grouped heads (the memory-efficient kernel takes
+            # none) and for a head size that is no multiple of 16 bytes
+            return _SDPA(*args, **kwargs)
         grad = q.requires_grad or k.requires_grad or v.requires_grad
         return compat.sdpa_kernels()["efficient"](q, k, v, None, grad, dropout, causal, scale=scale)[0]
 

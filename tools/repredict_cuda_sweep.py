@@ -1,0 +1,69 @@
+"""Predict a recorded CUDA estimate sweep's configurations again with this tree's estimator,
+against the measurements the table recorded (``fullshard bench estimate --sweep --device cuda``,
+``docs/estimate_cuda_sweep.md``), for when the estimator changed after the last GPU run.
+
+    python tools/repredict_cuda_sweep.py docs/estimate_cuda_sweep.md SECTION
+
+``SECTION``: which of the document's ``---``-separated parts holds the table (1: the first
+table). Prints the table in the sweep's format with the predicted and error columns new and the
+measured columns (MiB to 0.01, as recorded) and moments as they were, then the sweep's summary.
+Errors are against the recorded MiB, so each carries up to 0.005 MiB of rounding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import sys
+
+from fullshard.jobs.planning import sweep, sweep_bench
+
+MIB = 2**20
+
+
+def rows(section: str) -> list[tuple[int, int, bool, float, float, str]]:
+    """(seed, index, offload, live MiB, allocator MiB, moment measured) of each measured row."""
+    out = []
+    for line in section.splitlines():
+        m = re.match(r"\| (\d+)#(\d+) ", line)
+        if not m:
+            continue
+        cells = [c.strip() for c in line.replace("\\|", "/").split("|")]
+        if cells[4] == "-" or cells[6] == "-":
+            continue
+        moment = cells[8].split(" / ", 1)[1]
+        out.append((int(m[1]), int(m[2]), cells[2] == "yes", float(cells[4]), float(cells[6]), moment))
+    return out
+
+
+def main(path: str, section: int) -> None:
+    part = open(path).read().split("\n---\n")[section]
+    measured = rows(part)
+    seed = measured[0][0]
+    n = max(r[1] for r in measured) + 1
+    configs = sweep.draw(seed, n)
+    print(
+        f"Seed {seed}: the configurations of section {section} of {path} predicted again at this tree "
+        f"(`python tools/repredict_cuda_sweep.py {path} {section}`), against the MiB measured there.\n"
+    )
+    print("\n".join(sweep_bench.DEVICE_HEADER))
+    done = []
+    for seed_, index, offload, live, alloc, moment in measured:
+        c = dataclasses.replace(configs[index], world=1)
+        try:
+            estimate = sweep_bench.predict(c, "nccl", offload)
+            failure = ""
+        except Exception as err:  # a trace failure is a row of the table
+            estimate, failure = None, f"trace: {type(err).__name__}: {str(err)[:200]}"
+        row = sweep_bench.Row(c, estimate, round(live * MIB), moment, failure)
+        done.append(sweep_bench.DeviceRow(row, offload, round(alloc * MIB)))
+        print(sweep_bench.format_device_row(done[-1]), flush=True)
+    print()
+    print("\n".join(sweep_bench.device_summary(done)))
+    worst = min((d.allocator_error for d in done if not math.isnan(d.allocator_error)), default=math.nan)
+    print(f"\nLowest error against the allocator's peak: {100 * worst:+.2f}%.")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))
