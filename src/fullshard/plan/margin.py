@@ -52,6 +52,7 @@ class ErrorDistribution:
     commit: str
     how: str = "real gloo workers"
     kinds: tuple[str, ...] = ()  # each row's sharding strategy as printed (NO, SGO, FULL)
+    slack: float = 0.0  # more allowance on the worst error: measurements recorded rounded (a fraction)
     only_kinds: tuple[str, ...] = ()  # the strategies kept by :meth:`only` (empty: all)
 
     def only(self, kinds: tuple[str, ...]) -> ErrorDistribution:
@@ -75,8 +76,8 @@ class ErrorDistribution:
     @property
     def worst_under(self) -> float:
         """The worst under-estimate the table allows: its lowest printed error less half the
-        rounding step, never above zero (a fraction)."""
-        return min(0.0, self.worst_printed - PRINTED_STEP / 2)
+        rounding step and :attr:`slack`, never above zero (a fraction)."""
+        return min(0.0, self.worst_printed - PRINTED_STEP / 2 - self.slack)
 
     @property
     def margin(self) -> float:
@@ -92,7 +93,7 @@ class ErrorDistribution:
         return (
             f"margin {100 * self.margin:.2f}%: the estimator's worst under-estimate on sweep seed {self.seed} "
             f"({self.source}, {which}configurations, {self.how}) was {100 * self.worst_printed:+.1f}% "
-            f"(to 0.1%: taken as {100 * self.worst_under:+.2f}%)"
+            f"(to 0.1%{' and the MiB as recorded' if self.slack else ''}: taken as {100 * self.worst_under:+.2f}%)"
         )
 
 
@@ -163,37 +164,52 @@ more than rounding below their prediction, so these candidates keep only the rou
 another strategy's error; since the rerun at 8fb6917 that is every strategy's margin."""
 
 
-# docs/estimate_cuda_sweep.md, the first table (seed 4242, 40 configurations at world size 1 on
-# one H100, at e5b9314): the "error vs allocator" column of every measured row, without and with
-# CPU offload, in the table's order, in % as printed.
+# docs/estimate_cuda_sweep.md, its third table: the rows of the first (seed 4242, 40
+# configurations at world size 1 on one H100, measured at e5b9314) predicted again at 954bc5d;
+# the "error vs allocator" column of every row that has one, without and with CPU offload, in
+# the table's order, in % as printed.
 _CUDA_4242 = (
-    -3.8, +132.9, +25.8, +59.6, -0.2, +34.6, -0.2, +18.2, -1.5, -0.5,
-    +5.8, -0.8, +16.4, +0.1, +29.8, -0.2, +42.7, -0.8, +29.3, +4.1,
-    +20.8, -0.2, +19.4, +1.4, +16.5, -1.3, +14.4, -0.7, -0.9, +26.4,
-    -0.7, +9.1, +5.5, +33.6, +0.8, +5.1, +52.9, +0.9, +25.5, -0.8,
-    +83.3, +3.5, -0.1, +46.5, +3.8, +42.8, -0.5, +11.2, +7.0, +49.9,
-    +5.1, +42.1, -1.5, +17.0, +1.0, +0.1, +142.9, -0.5, +13.6, -0.7,
-    +42.5, +73.0, -1.7, +8.5, +56.3,
+    -3.8, +133.0, +0.0, +16.6, -8.2, +15.0, -0.2, +18.2, -1.6, -0.5,
+    +5.8, -0.8, +16.5, +0.1, +29.9, -0.3, +42.9, -0.7, +29.3, -1.1,
+    +14.1, -0.2, +19.4, +39.5, +71.9, -1.3, +14.3, -0.8, -0.9, +26.5,
+    +6.5, +18.5, +5.5, +33.5, +0.8, +5.1, +52.9, +0.9, +1.6, -0.7,
+    +83.0, -0.8, -0.1, +46.4, +3.8, +42.8, -0.5, +11.2, +7.0, +50.1,
+    +5.1, +42.2, -6.8, -1.5, -1.2, +16.7, +1.0, -0.5, +21.8, +0.1,
+    +142.9, -0.5, +13.5, -0.6, +1.3, +17.1, -1.7, +8.5, +56.4,
 )  # fmt: skip
 
-# The same document's second table (seed 777, 20 configurations, the same command; cut by its
-# time limit before its last row), the same column.
+# Its fourth table: the second's rows (seed 777, 20 configurations; the run was cut before its
+# last row) predicted again at 954bc5d, the same column.
 _CUDA_777 = (
-    -1.0, -0.2, +7.5, -3.1, +28.4, +8.0, +40.3, -0.2, -0.1, +28.3,
-    +0.5, +9.4, -0.4, -1.4, +11.1, +10.5, +67.4, +20.8, +56.8, +4.2,
-    +13.0, +0.8, +31.0, -2.6, +30.6, +1.9, -0.9, +19.8, +93.5, -2.3,
-    +32.1, -1.2, +21.0, +65.2,
+    -0.9, -0.2, +7.5, -3.1, +28.4, +8.0, +40.3, -0.3, +8.1, +44.4,
+    +19.5, +35.3, -0.4, +47.7, +74.5, +9.9, +58.4, -0.8, +20.9, +4.2,
+    +13.0, +0.8, +31.1, -2.6, +30.6, +1.8, -2.3, +6.8, +57.4, -2.3,
+    +32.1, -1.4, +20.7, +0.4,
 )  # fmt: skip
 
-_CUDA_HOW = "one H100 at world size 1, against the CUDA caching allocator's peak"
+_CUDA_HOW = "one H100 at world size 1, measured at e5b9314, predicted again; against the CUDA allocator's peak"
+
+RECORDED_STEP_MIB = 0.01
+"""The rounding of the MiB a sweep table records (the re-predicted tables' errors are against
+them, so each measurement may be up to half this off)."""
 
 CUDA_ERRORS = ErrorDistribution(
-    tuple(e / 100 for e in _CUDA_4242), "docs/estimate_cuda_sweep.md", 4242, "e5b9314", how=_CUDA_HOW
+    tuple(e / 100 for e in _CUDA_4242),
+    "docs/estimate_cuda_sweep.md",
+    4242,
+    "954bc5d",
+    how=_CUDA_HOW,
+    slack=RECORDED_STEP_MIB / 2 / 8.52,  # its worst row, Phi 4242#2: 8.52 MiB at the allocator's peak
 )
 """The estimate for NCCL against the allocator's peak on CUDA, seed 4242."""
 
 CUDA_SECOND_SEED = ErrorDistribution(
-    tuple(e / 100 for e in _CUDA_777), "docs/estimate_cuda_sweep.md", 777, "e5b9314", how=_CUDA_HOW
+    tuple(e / 100 for e in _CUDA_777),
+    "docs/estimate_cuda_sweep.md",
+    777,
+    "954bc5d",
+    how=_CUDA_HOW,
+    slack=RECORDED_STEP_MIB / 2 / 18.28,  # its worst row, GPT-2 777#2: 18.28 MiB
 )
 """The same on seed 777, a second draw."""
 
@@ -201,8 +217,8 @@ CUDA_MARGIN_FROM = min((CUDA_ERRORS, CUDA_SECOND_SEED), key=lambda d: d.worst_un
 """The CUDA sweep whose worst under-estimate sets :data:`CUDA_MARGIN`."""
 
 CUDA_MARGIN = CUDA_MARGIN_FROM.margin
-"""The share of a prediction kept free on NCCL at least (4.0% at e5b9314: the MNIST
-convolutions' cuDNN workspace, -3.8% against the allocator's peak)."""
+"""The share of a prediction kept free on NCCL at least (9.1% at 954bc5d: Phi 4242#2, whose
+allocator's peak was 8.2% above its prediction and 14% above its live tensor bytes)."""
 
 
 def margin_for(regathers: bool, backend: str = "gloo") -> float:
