@@ -8,12 +8,8 @@ set -u
 out="${1:-${OUT:-/tmp/gpu_out}}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation --no-cache-dir -e . >"$out/install.log" 2>&1 \
-  || { echo "install failed"; tail -20 "$out/install.log"; exit 1; }
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name())'
-} | tee "$out/machine.txt"
-source "$(dirname "$0")/gpu_step.sh"  # step NAME SECONDS CMD...
+source "$(dirname "$0")/gpu_step.sh"  # step NAME SECONDS CMD..., install_fullshard, skipped NAME
+install_fullshard || exit 1
 step gpu_tests "${GPU_TESTS_S:-240}" python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider --timeout 230
 cp BENCHMARKS.md "$out/BENCHMARKS.md"
 step bench_gpu "${BENCH_GPU_S:-200}" fullshard bench gpu --offload-presets ${OFFLOAD_PRESETS:-124m 350m 1.3b} \

@@ -20,7 +20,7 @@ out="${1:-${OUT:-/tmp/gpu_out}}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 
-source "$(dirname "$0")/gpu_step.sh"  # step NAME SECONDS CMD...
+source "$(dirname "$0")/gpu_step.sh"  # step NAME SECONDS CMD..., install_fullshard, skipped NAME
 
 wheels_needed() {  # print the .whl/*.whl whose distribution is absent or older in this python
   python3 - <<'EOF'
@@ -52,13 +52,8 @@ if [ -d .whl ]; then
   fi
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-python3 -m pip install -q --no-deps --no-build-isolation --no-cache-dir -e . >"$out/install.log" 2>&1 \
-  || { echo "install failed"; tail -20 "$out/install.log"; exit 1; }
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name())'
-} | tee "$out/machine.txt"
+install_fullshard || exit 1
 
-skipped() { [[ " ${SKIP:-} " == *" $1 "* ]] && echo "== $1: skipped"; }
 # (1) two ranks on the one GPU: does NCCL allow it (world size 2 on CUDA for the quantized rows)?
 skipped nccl_one_gpu || step nccl_one_gpu "${NCCL_S:-40}" torchrun --standalone --nproc-per-node 2 tools/nccl_one_gpu.py
 # (2) torch's FSDP2 on torchtitan's chunked-loss pattern, without torchtitan: a fully_shard([norm, head])

@@ -7,14 +7,8 @@ set -u
 out="${1:-${OUT:-/tmp/gpu_out}}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation --no-cache-dir -e . >"$out/install.log" 2>&1 \
-  || { echo "install failed"; tail -20 "$out/install.log"; exit 1; }
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python3 -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda,
-    torch.cuda.get_device_name(), "transformers", transformers.__version__)'
-} | tee "$out/machine.txt"
-source "$(dirname "$0")/gpu_step.sh"  # step NAME SECONDS CMD...
-skipped() { [[ " ${SKIP:-} " == *" $1 "* ]] && echo "== $1: skipped"; }
+source "$(dirname "$0")/gpu_step.sh"  # step NAME SECONDS CMD..., install_fullshard, skipped NAME
+install_fullshard || exit 1
 # (1) drawn configurations at world size 1 on CUDA, predicted for NCCL, with and without offload
 skipped estimate || TAIL=12 step estimate "${ESTIMATE_S:-240}" fullshard bench estimate --sweep "${SWEEP_N:-30}" \
   --seed "${SWEEP_SEED:-4242}" --device cuda
