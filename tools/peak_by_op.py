@@ -48,16 +48,26 @@ class LiveBytesByOp(tracker.LiveTensorBytes):
             self.made[id(st)] = self._op
         return new
 
+    def reset_peak(self) -> None:
+        super().reset_peak()
+        self.at_peak = self._by_op()
+
+    def _by_op(self) -> collections.Counter[str]:
+        """Live bytes per creating op, each memory address once (as ``_measure`` counts)."""
+        by_op: collections.Counter[str] = collections.Counter()
+        seen: set[int] = set()
+        for key, ref in list(self._storages.items()):
+            st = ref()
+            if st is not None and st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                by_op[self.made.get(key, "?")] += st.nbytes()
+        return by_op
+
     def _measure(self) -> None:
         before = self.peak
         super()._measure()
         if self.peak > before:
-            by_op: collections.Counter[str] = collections.Counter()
-            for key, ref in list(self._storages.items()):
-                st = ref()
-                if st is not None:
-                    by_op[self.made.get(key, "?")] += st.nbytes()
-            self.at_peak = by_op
+            self.at_peak = self._by_op()
 
 
 def run(c: sweep.Config, device: torch.device) -> None:
@@ -94,7 +104,7 @@ def main() -> None:
     args = p.parse_args()
     configs = sweep.draw(args.seed, max(args.index) + 1)
     with sweep_bench.one_rank_group(args.device) as device:
-        sweep_bench._warm_up(device)
+        sweep_bench.warm_up(device)
         for i in args.index:
             run(dataclasses.replace(configs[i], world=1), device)
 

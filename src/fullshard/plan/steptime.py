@@ -55,8 +55,11 @@ class Calibration:
     """The engine's own seconds per unit and step beyond compute and collectives, by kind of unit
     (:func:`~fullshard.plan.overhead.calibrate_overhead`); none where not measured."""
     leftover_bytes: int = 0
-    """Bytes calibration left in the buffer pool (the planner counts them on top of every
-    prediction); 0 when it released everything, as :func:`calibrate` does."""
+    """Bytes the planner counts on top of every prediction: on CPU, those calibration left in
+    the buffer pool (0 when it released everything, as :func:`calibrate` does); on CUDA, all
+    the caching allocator hands the process after calibration (``torch.cuda.memory_allocated``:
+    cuBLAS's workspaces, which calibration's matrix products create and the process keeps, and
+    whatever else is on the device)."""
 
 
 def calibrate(
@@ -78,7 +81,9 @@ def calibrate(
     It leaves nothing behind for training to carry: the collectives' scratch buffers it gives
     to :data:`~fullshard.comm.buffers.POOL` are dropped (sizes of its own that training need
     not ask for again), and the blocks, stand-ins, tensors and optimizers it times are freed on
-    return (``fully_shard``'s default device mesh, made once per process, stays).
+    return (``fully_shard``'s default device mesh, made once per process, stays). On CUDA what
+    the process keeps on the device regardless (cuBLAS's workspaces) is
+    :attr:`Calibration.leftover_bytes`.
 
     Args:
         make_model: builds a fresh, unsharded model on ``device``.
@@ -97,6 +102,11 @@ def calibrate(
     held = buffers.POOL.nbytes
     with buffers.POOL.transient():
         cal = _calibrate(make_model, example, loss_fn, is_unit, device, compute_dtype, optimizer, group)
+    if device.type == "cuda":
+        # Everything the caching allocator hands this process now stays out of the budget:
+        # cuBLAS's workspaces (one per thread and stream, kept for the process's life: 64 MiB
+        # on an H100), tensors made before planning, pooled buffers.
+        return dataclasses.replace(cal, leftover_bytes=torch.cuda.memory_allocated(device))
     return dataclasses.replace(cal, leftover_bytes=max(0, buffers.POOL.nbytes - held))
 
 

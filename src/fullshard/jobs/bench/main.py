@@ -171,6 +171,8 @@ def _sweep_seed(args: argparse.Namespace, command: str, what: str) -> int:
 def _estimate_main(args: argparse.Namespace) -> int:
     """``fullshard bench estimate [--sweep [N] [--seed S] [--device D]]``: print the table as it comes."""
     if args.sweep is None:
+        if args.device is not None:
+            raise SystemExit("fullshard bench estimate: --device measures drawn configurations: add --sweep N")
         from fullshard.jobs.planning import validate
 
         print("\n".join(validate.report()))
