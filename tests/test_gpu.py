@@ -280,3 +280,24 @@ def test_the_nccl_estimate_bounds_a_cuda_step() -> None:
     for d in rows:
         e = again[d.row.config.index, d.offload]
         assert abs(d.allocated - e.allocated) <= 2**18 and abs(d.row.measured - e.row.measured) <= 16, (d, e)
+
+
+def gloo_on_one_gpu_body(rank: int, world: int) -> dict:
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "gloo_cuda_two_ranks.py"
+    spec = importlib.util.spec_from_file_location("gloo_cuda_two_ranks", path)
+    assert spec is not None and spec.loader is not None
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool.check(torch.device("cuda", 0))
+
+
+@pytest.mark.timeout(200)
+def test_two_ranks_share_one_gpu_over_gloo() -> None:
+    """NCCL refuses two ranks on one GPU; gloo takes CUDA tensors, so the engine's all-gather runs
+    on the GPU at world size 2: in bf16 mixed precision the gathered weight is the float32 one
+    cast (this rank's shards cast into their own slot of the gathered buffer), the summoned
+    parameters are the originals, and three steps stay finite with both ranks agreeing."""
+    for r in run_ranks(gloo_on_one_gpu_body, 2, timeout=180, fresh=True):
+        assert r == {"summoned": True, "cast": True, "finite": True, "agree": True}, r

@@ -9,8 +9,10 @@ are float32, so each all-gather casts this rank's shards into its own slot of th
 buffer on the GPU (``Unit._gather_into``). Prints per rank whether the summoned parameters equal
 the originals, whether the first unit's gathered weight is the float32 one cast to bf16, and
 whether training stayed finite with both ranks agreeing; or gloo's error if it refuses CUDA
-tensors.
+tensors. ``tests/test_gpu.py`` runs :func:`check` too.
 """
+
+from __future__ import annotations
 
 import os
 
@@ -18,15 +20,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-rank = int(os.environ["RANK"])
-device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-if device.type == "cuda":
-    torch.cuda.set_device(device)
-dist.init_process_group("gloo")
-try:
+
+def check(device: torch.device) -> dict[str, bool]:
+    """On each rank of a started 2-rank gloo group: wrap, summon, train 3 steps on ``device``;
+    returns which checks held (``summoned``, ``cast``, ``finite``, ``agree``)."""
     from fullshard import FSDP, MixedPrecision
     from fullshard.frontend.wrap import ModuleWrapPolicy
 
+    rank = dist.get_rank()
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(96, 96) for _ in range(4))).to(device)
     full = [p.detach().clone() for p in model.parameters()]
@@ -36,30 +37,41 @@ try:
         mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16),
     )
     with FSDP.summon_full_params(wrapped):
-        gathered = [p.detach().clone() for p in wrapped.parameters()]
-    same = all(torch.equal(g.float(), f) for g, f in zip(gathered, full))
-    print(f"rank {rank}: summoned parameters equal the originals: {same}", flush=True)
+        summoned = all(torch.equal(p.detach().float(), f) for p, f in zip(wrapped.parameters(), full))
     seen: list[torch.Tensor] = []
     first = wrapped.module[0].module  # the Linear inside the first unit
     hook = first.register_forward_pre_hook(lambda m, a: seen.append(m.weight.detach().clone()))
     opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
     for step in range(3):
         x = torch.randn(8, 96, device=device, generator=torch.Generator(device).manual_seed(step * 2 + rank))
-        loss = wrapped(x).float().pow(2).mean()
-        loss.backward()
+        wrapped(x).float().pow(2).mean().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     hook.remove()
     cast = seen[0].dtype == torch.bfloat16 and torch.equal(seen[0], full[0].to(torch.bfloat16))
-    print(f"rank {rank}: first gathered weight is the float32 one cast to bf16: {cast}", flush=True)
     with FSDP.summon_full_params(wrapped):
-        flat = torch.cat([p.detach().float().flatten() for p in wrapped.parameters()])
-    others = [torch.empty_like(flat.cpu()) for _ in range(2)]
-    dist.all_gather(others, flat.cpu())
-    print(
-        f"rank {rank}: loss {loss.item():.6f} finite {bool(torch.isfinite(flat).all())}, "
-        f"ranks agree {torch.equal(others[0], others[1])}",
-        flush=True,
-    )
-finally:
-    dist.destroy_process_group()
+        flat = torch.cat([p.detach().float().flatten() for p in wrapped.parameters()]).cpu()
+    both = [torch.empty_like(flat) for _ in range(2)]
+    dist.all_gather(both, flat)
+    return {
+        "summoned": summoned,
+        "cast": cast,
+        "finite": bool(torch.isfinite(flat).all()),
+        "agree": torch.equal(both[0], both[1]),
+    }
+
+
+def main() -> None:
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("gloo")
+    try:
+        result = check(device)
+        print(f"rank {os.environ['RANK']} on {device}: {result}", flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

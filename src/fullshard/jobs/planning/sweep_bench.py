@@ -327,7 +327,7 @@ def warm_up(device: torch.device) -> int:
     bytes then allocated (0 on CPU)."""
     if device.type != "cuda":
         return 0
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32, torch.bfloat16) if torch.cuda.is_bf16_supported() else (torch.float32,):
         x = torch.randn(64, 64, device=device, dtype=dtype, requires_grad=True)
         (x @ x).sum().backward()
         image = torch.randn(2, 1, 28, 28, device=device, dtype=dtype, requires_grad=True)
