@@ -62,10 +62,7 @@ def main(path: str, section: int, skip: set[str]) -> None:
         if c.family in skip:
             failure = "not predicted again: its model code here differs from the run's"
         else:
-            try:
-                estimate, failure = sweep_bench.predict(c, "nccl", offload), ""
-            except Exception as err:  # a trace failure is a row of the table
-                failure = f"trace: {type(err).__name__}: {str(err)[:200]}"
+            estimate, failure = sweep_bench.predicted(c, "nccl", offload)
         row = sweep_bench.Row(c, estimate, round(live * MIB), moment, failure)
         done.append(sweep_bench.DeviceRow(row, offload, round(alloc * MIB)))
         print(sweep_bench.format_device_row(done[-1]), flush=True)

@@ -72,7 +72,9 @@ def default_nproc() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free now (the operating system's pick; another process may take
+    it before it is bound again)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -117,7 +119,7 @@ def launch(
         nproc_per_node=nproc,
         run_id=f"fullshard-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
         rdzv_configs={"timeout": 120},
         max_restarts=max_restarts,
         monitor_interval=0.1,

@@ -171,13 +171,18 @@ class Row:
         return (self.estimate.total - self.measured) / self.measured
 
 
+def predicted(c: Config, backend: str = "gloo", cpu_offload: bool = False) -> tuple[PeakEstimate | None, str]:
+    """(:func:`predict`'s estimate, "") or, when the trace fails, (None, the failure as a table
+    note): a trace failure is a result of the sweep, reported as such."""
+    try:
+        return predict(c, backend, cpu_offload), ""
+    except Exception as err:
+        return None, f"trace: {type(err).__name__}: {str(err)[:200]}"
+
+
 def run_one(c: Config) -> Row:
     """Predict and measure ``c``; a trace or run failure becomes the row's ``failure``."""
-    try:
-        estimate: PeakEstimate | None = predict(c)
-        failure = ""
-    except Exception as err:  # a trace failure is a result of the sweep, reported as such
-        estimate, failure = None, f"trace: {type(err).__name__}: {str(err)[:200]}"
+    estimate, failure = predicted(c)
     start = time.perf_counter()
     try:
         peak, moment, _ = launch.launch(_worker, (c,), c.world, env=launch.BENCH_ENV)[0]
@@ -302,12 +307,7 @@ def _fresh(device: torch.device) -> None:
 def run_on_device(c: Config, device: torch.device, cpu_offload: bool = False) -> DeviceRow:
     """Predict ``c`` for ``device``'s backend (nccl on CUDA, else gloo) and measure it on rank 0
     of the started process group, in this process; failures become the row's note."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    try:
-        estimate: PeakEstimate | None = predict(c, backend, cpu_offload)
-        failure = ""
-    except Exception as err:  # a trace failure is a result of the sweep
-        estimate, failure = None, f"trace: {type(err).__name__}: {str(err)[:200]}"
+    estimate, failure = predicted(c, "nccl" if device.type == "cuda" else "gloo", cpu_offload)
     _fresh(device)
     start = time.perf_counter()
     try:
@@ -452,12 +452,14 @@ def one_rank_group(device_type: str) -> Iterator[torch.device]:
             "group: run it in a fresh process, or call torch.distributed.destroy_process_group() first"
         )
     import os
-    import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    env = {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(launch.free_port()),
+    }
     if device_type == "cpu":
         env["LOCAL_RANK"] = str(torch.cuda.device_count())  # no device under that rank: gloo on CPU
     saved = {k: os.environ.get(k) for k in (*env, "GLOO_SOCKET_IFNAME")}
