@@ -102,20 +102,47 @@ def test_shim_10_is_off_on_a_torch_with_partial_group_forwards() -> None:
 
 # torch 2.13 made to act as 2.11 where a module group ran only in part: the root completes no
 # group. With AS_TORCH_211=hidden, shim 10's probe sees no completion either (so it splits).
+# The patch is made when a process imports torch's FSDP2 state module, not at start-up: every
+# Python process of the run reads this file, and inductor's CPU-feature probes, several
+# subprocesses per worker, took 30 s more each launch when it imported torch there.
 _AS_TORCH_211 = """\
 import os
+import sys
 
+_TARGET = "torch.distributed.fsdp._fully_shard._fsdp_state"
 mode = os.environ.get("AS_TORCH_211")
-if mode:
-    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
+
+def _patch(module):
     class _Identity:
         def __get__(self, obj, cls):
             if obj is None and mode == "hidden":
                 raise AttributeError("_force_complete_incomplete_states")
             return lambda output: output
 
-    FSDPState._force_complete_incomplete_states = _Identity()
+    module.FSDPState._force_complete_incomplete_states = _Identity()
+
+
+class _PatchOnImport:
+    def find_spec(self, name, path, target=None):
+        if name != _TARGET:
+            return None
+        for finder in sys.meta_path:
+            spec = None if finder is self else finder.find_spec(name, path, target)
+            if spec is not None:
+                run = spec.loader.exec_module
+
+                def exec_module(module):
+                    run(module)
+                    _patch(module)
+
+                spec.loader.exec_module = exec_module
+                return spec
+        return None
+
+
+if mode:
+    sys.meta_path.insert(0, _PatchOnImport())
 """
 
 
