@@ -5,7 +5,8 @@ processes (``fullshard bench estimate --sweep 40 --seed S`` at commit 8fb6917, t
 table of ``docs/estimate_sweep_seed<S>.md``): :data:`SWEEP_ERRORS` (seed 4242) and
 :data:`SECOND_SEED` (seed 777) hold those tables' signed errors, (predicted - measured) /
 measured, of every configuration that was both predicted and measured, in the table's order
-(failed runs left out). The planner predicts with the same model
+(failed runs left out); :data:`THIRD_SEED` (seed 5151, 80 configurations, run after the margin
+was set from the other two) the same, out of sample. The planner predicts with the same model
 (:func:`fullshard.plan.peak.replayed_peak`), so this is its error too.
 
 How the margin follows: a plan must hold even for the worst under-estimate seen. The tables
@@ -13,7 +14,7 @@ print errors rounded to 0.1%, so an error printed as ``e`` may be as low as ``e 
 sweep's worst under-estimate is taken as its lowest printed error less that half step (never
 above zero), ``worst``. A predicted peak ``p`` may then measure ``p / (1 + worst)``, so the
 planner keeps ``1 / (1 + worst) - 1`` of the prediction free (:data:`MARGIN`). Which seed:
-the worse of the two (:data:`MARGIN_FROM`). At 962e9e9 seed 4242 alone gave -0.6% and seed 777
+the worst of them (:data:`MARGIN_FROM`). At 962e9e9 seed 4242 alone gave -0.6% and seed 777
 measured -1.5% (a margin of 1.57%), so a margin from one seed did not cover the other draw; the
 two seeds' lowest is the bound both distributions support, no floor beyond it. Those misses were
 one layer's bf16 shard that the engine copied before each gather and real gloo kept alive while
@@ -141,7 +142,41 @@ SECOND_SEED = ErrorDistribution(
 )
 """The estimator's measured error distribution on seed 777, a second draw."""
 
-MARGIN_FROM = min((SWEEP_ERRORS, SECOND_SEED), key=lambda d: d.worst_under)
+# docs/estimate_sweep_seed5151.md, its table's error column (80 configurations, the failed row
+# left out), in % as printed: a third draw, measured after the margin was set from the first two.
+_SEED_5151 = (
+    +0.0, -0.0, -0.0, -0.0, -0.0, +0.0, -0.0, -0.0, -0.0, +0.0,
+    +0.0, +0.0, -0.0, -0.0, -0.0, +0.0, -0.0, +0.1, +0.0, +0.0,
+    +0.0, +2.5, -0.0, -0.0, +0.0, -0.0, +0.0, -0.0, -0.0, -0.0,
+    +0.0, +0.0, +0.0, -0.0, +0.0, +0.0, +0.0, -0.0, +0.0, -0.0,
+    +0.0, +0.0, +0.0, +0.0, -0.0, +0.0, +0.0, +0.0, +0.0, +0.0,
+    +0.2, +0.0, +0.0, +0.0, +0.0, -0.0, -0.0, +0.0, -0.0, +0.0,
+    +0.0, -0.0, +0.0, +0.2, +0.0, -0.0, +0.0, +0.0, +1.9, +0.0,
+    -0.0, +0.0, -0.0, -0.0, +0.0, +0.0, +0.0, -0.0, +0.0,
+)  # fmt: skip
+
+_KINDS_5151 = (
+    "SGO", "FULL", "SGO", "FULL", "SGO", "FULL", "SGO", "FULL", "SGO", "FULL",
+    "FULL", "FULL", "FULL", "FULL", "FULL", "NO", "FULL", "SGO", "NO", "NO",
+    "SGO", "SGO", "SGO", "FULL", "FULL", "FULL", "SGO", "FULL", "FULL", "SGO",
+    "SGO", "SGO", "FULL", "FULL", "SGO", "FULL", "FULL", "SGO", "FULL", "SGO",
+    "FULL", "NO", "NO", "SGO", "SGO", "FULL", "NO", "FULL", "SGO", "FULL",
+    "FULL", "SGO", "SGO", "NO", "NO", "FULL", "FULL", "FULL", "SGO", "NO",
+    "SGO", "SGO", "FULL", "NO", "NO", "SGO", "FULL", "SGO", "FULL", "SGO",
+    "SGO", "SGO", "FULL", "SGO", "NO", "SGO", "SGO", "SGO", "SGO",
+)  # fmt: skip
+
+THIRD_SEED = ErrorDistribution(
+    tuple(e / 100 for e in _SEED_5151), "docs/estimate_sweep_seed5151.md", 5151, "d2eef02", kinds=_KINDS_5151
+)
+"""The estimator's measured error distribution on seed 5151, a third draw of 80 configurations
+(the estimator of 45672f3; d2eef02 changed tests only), out of sample: run after :data:`MARGIN`
+had been set from the first two, it found no under-estimate beyond their rounding."""
+
+GLOO_SWEEPS = (SWEEP_ERRORS, SECOND_SEED, THIRD_SEED)
+"""Every generated estimator sweep measured with real gloo workers; the margin follows the worst."""
+
+MARGIN_FROM = min(GLOO_SWEEPS, key=lambda d: d.worst_under)
 """The sweep whose worst under-estimate sets the margin."""
 
 MARGIN = MARGIN_FROM.margin
@@ -151,7 +186,7 @@ with units gathered again in backward: see :data:`MARGIN_KEPT` for the others)."
 KEPT_KINDS = ("NO", "SGO")
 """Strategies whose units keep their full parameters from forward through backward."""
 
-MARGIN_KEPT_FROM = min((SWEEP_ERRORS.only(KEPT_KINDS), SECOND_SEED.only(KEPT_KINDS)), key=lambda d: d.worst_under)
+MARGIN_KEPT_FROM = min((d.only(KEPT_KINDS) for d in GLOO_SWEEPS), key=lambda d: d.worst_under)
 """The sweep whose worst under-estimate among NO_SHARD and SHARD_GRAD_OP configurations sets
 :data:`MARGIN_KEPT`."""
 
