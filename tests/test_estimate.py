@@ -74,9 +74,20 @@ def test_estimate_cpu_offload(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main([*base, "--cpu-offload"]) == 0  # gloo
     out = capsys.readouterr().out
     assert "--cpu-offload has no effect on gloo" in out and "host memory" not in out
+    # NO_SHARD with offload: on gloo offload moves nothing (in the engine too), so the estimate is
+    # NO_SHARD's; on nccl it is not modeled, and refused naming the options
+    no_shard = [*base, "--sharding-strategy", "no_shard"]
+    assert cli.main(no_shard) == 0
+    kept = capsys.readouterr().out
+    assert cli.main([*no_shard, "--cpu-offload"]) == 0
+    out = capsys.readouterr().out
+    assert "--cpu-offload has no effect on gloo" in out and out.split("\n", 1)[1] == kept
     with pytest.raises(SystemExit):
-        cli.main([*base, "--cpu-offload", "--sharding-strategy", "no_shard"])
-    assert "--cpu-offload needs a sharded strategy" in capsys.readouterr().err
+        cli.main([*no_shard, "--cpu-offload", "--backend", "nccl"])
+    err = capsys.readouterr().err
+    assert (
+        "--cpu-offload with --sharding-strategy no_shard on nccl is not modeled" in err and "drop --cpu-offload" in err
+    )
 
 
 @pytest.mark.parametrize(

@@ -102,6 +102,14 @@ class PeakEstimate:
         return self.shards + self.gradients + self.optimizer + self.gathered + self.gradient_buffer + self.activations
 
 
+NO_SHARD_OFFLOAD = (
+    "cpu_offload with sharding_strategy no_shard on nccl is not modeled: no GPU run has measured what "
+    "NO_SHARD stages on the device under CPU offload; estimate NO_SHARD without cpu_offload (its state kept "
+    "on the device), or a sharded strategy with it"
+)
+"""The refusal of NO_SHARD with CPU offload on CUDA (the engine and torch's FSDP1 accept it)."""
+
+
 def estimate_peak(
     make_model: Callable[[], nn.Module],
     example: Callable[[], Any],
@@ -134,10 +142,12 @@ def estimate_peak(
 
     Raises:
         ValueError: as :func:`~fullshard.plan.estimate.estimate_model_state`, or
-            ``cpu_offload`` with ``no_shard``, or a ``front_end`` other than the two.
+            ``cpu_offload`` with ``no_shard`` on "nccl" (:data:`NO_SHARD_OFFLOAD`; on gloo offload
+            moves nothing, in the engine as here, so the estimate is NO_SHARD's), or a
+            ``front_end`` other than the two.
     """
-    if cpu_offload and sharding_strategy == "no_shard":
-        raise ValueError("cpu_offload=True needs a sharded strategy: use full_shard or shard_grad_op")
+    if sharding_strategy == "no_shard" and offloads(cpu_offload, backend):
+        raise ValueError(NO_SHARD_OFFLOAD)
     if front_end not in ("wrapper", "fully_shard"):
         raise ValueError(f"front_end={front_end!r}: use 'wrapper' (FullyShardedDataParallel) or 'fully_shard'")
     with torch.device("meta"):

@@ -397,7 +397,7 @@ def device_summary(rows: list[DeviceRow], tolerance: int = 16) -> Iterator[str]:
 def device_rows(configs: Iterable[Config], device: torch.device) -> Iterator[DeviceRow]:
     """Each of ``configs`` at world size 1, predicted and measured in this process on
     ``device`` (:func:`run_on_device`): on CUDA with and without CPU offload, NO_SHARD without
-    only (the estimator refuses offload without shards). Needs a started one-rank process
+    only (the estimator does not model NO_SHARD under offload on CUDA). Needs a started one-rank process
     group whose device is ``device`` (:func:`one_rank_group`), and :func:`warm_up` first."""
     offloads = (False, True) if device.type == "cuda" else (False,)
     for c in configs:
@@ -408,7 +408,7 @@ def device_rows(configs: Iterable[Config], device: torch.device) -> Iterator[Dev
 def device_report(seed: int, n: int, device: torch.device) -> Iterator[str]:
     """Draw ``n`` configurations from ``seed``, each at world size 1, and predict and measure
     each in this process on ``device`` (on CUDA with and without CPU offload, NO_SHARD without:
-    the estimator refuses offload without shards); yields the
+    the estimator does not model NO_SHARD under offload on CUDA); yields the
     markdown lines as they come. Needs a started one-rank process group whose device is
     ``device`` (:func:`one_rank_group`)."""
     workspace = warm_up(device)
