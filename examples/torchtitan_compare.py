@@ -414,9 +414,10 @@ def launch(engine: str, variant: str, a: argparse.Namespace, root: Path) -> list
         tail = (proc.stdout + proc.stderr)[-6000:]
         raise RuntimeError(f"{engine} {variant} run failed (exit {proc.returncode}):\n{tail}")
     if proc.returncode != 0:
-        # Seen on fullshard's runs, about one in three: every step trained and rank 0 wrote its
-        # curve, then a rank aborted while the process group was torn down ("terminate called
-        # without an active exception"). An open bug at shutdown, reported rather than hidden.
+        # Seen on fullshard's runs on 2026-11-25, about one in three: every step trained and rank
+        # 0 wrote its curve, then a rank aborted while the process group was torn down
+        # ("terminate called without an active exception"). Not seen since (0 of 8 runs of 2
+        # steps at 2 ranks on 2026-11-27), but not explained either: reported, not hidden.
         print(f"warning: {engine} {variant}: all {a.steps} steps logged, then exit {proc.returncode} at shutdown",
               file=sys.stderr)  # fmt: skip
     return curve
