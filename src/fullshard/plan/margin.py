@@ -1,8 +1,9 @@
 """The planner's margin: how much larger than predicted a step's peak has been measured.
 
 The estimator's error was measured on generated sweeps run as users run them, real gloo worker
-processes (``fullshard bench estimate --sweep 40 --seed S`` at commit 8fb6917, the primary
-table of ``docs/estimate_sweep_seed<S>.md``): :data:`SWEEP_ERRORS` (seed 4242) and
+processes (``fullshard bench estimate --sweep N --seed S``, the primary table of
+``docs/estimate_sweep_seed<S>.md``: 40 configurations at commit 8fb6917 for seeds 4242 and 777,
+80 at d2eef02 for seed 5151): :data:`SWEEP_ERRORS` (seed 4242) and
 :data:`SECOND_SEED` (seed 777) hold those tables' signed errors, (predicted - measured) /
 measured, of every configuration that was both predicted and measured, in the table's order
 (failed runs left out); :data:`THIRD_SEED` (seed 5151, 80 configurations, run after the margin

@@ -103,7 +103,7 @@ class PeakEstimate:
 
 
 NO_SHARD_OFFLOAD = (
-    "cpu_offload with sharding_strategy no_shard on nccl is not modeled: no GPU run has measured what "
+    "cpu_offload with sharding_strategy no_shard on nccl is not modeled: the estimator has no model of what "
     "NO_SHARD stages on the device under CPU offload; estimate NO_SHARD without cpu_offload (its state kept "
     "on the device), or a sharded strategy with it"
 )

@@ -124,7 +124,7 @@ def main(argv: Sequence[str]) -> int:
         p.error("--world-size and --batch-size must be at least 1")
     if args.cpu_offload and args.sharding_strategy == "no_shard" and args.backend == "nccl":
         p.error(
-            "--cpu-offload with --sharding-strategy no_shard on nccl is not modeled (no GPU run has measured it): "
+            "--cpu-offload with --sharding-strategy no_shard on nccl is not modeled (no model of what it stages): "
             "drop --cpu-offload, or use full_shard or shard_grad_op"
         )
     if args.cpu_offload and args.backend == "gloo":
