@@ -24,16 +24,12 @@ from pathlib import Path
 
 import pytest
 
+from fullshard.jobs import launch
+
 BIN = Path(sys.executable).parent
 STEPS = 80
 JOB = ["--steps", str(STEPS), "--seq-len", "32", "--batch-size", "4", "--global-batch-size", "8"]
 JOB += ["--log-interval", "1", "--eval-batches", "1", "--checkpoint-every", "4"]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _env() -> dict[str, str]:
@@ -124,7 +120,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
 def test_two_ranks_to_one_and_back_keep_the_loss_curve(tmp_path: Path, reference: dict) -> None:
     """2 -> 1 -> 2 ranks: node B is SIGKILLed mid-run (scale-in: A restarts alone from the newest
     checkpoint), then node C joins the running 1-rank job (scale-out: both restart at 2 ranks)."""
-    metrics, port = tmp_path / "m.jsonl", _port()
+    metrics, port = tmp_path / "m.jsonl", launch.free_port()
     a = _agent(tmp_path, "A", port)  # hosts the rendezvous endpoint: the node that stays
     _wait_for_listener(port, a)  # B must not host the store: it is the node that leaves
     b = _agent(tmp_path, "B", port)
