@@ -95,6 +95,39 @@ def test_stochastic_rounding_is_unbiased_and_within_one_scale() -> None:
     assert not torch.equal(nearest, row)  # it did round stochastically
 
 
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_blocks_at_the_ends_of_float32s_range(stochastic: bool) -> None:
+    """Blocks whose largest magnitude is tiny (127 / amax overflows; the scale is subnormal or
+    0) or within an ulp of float32's largest value (amax / 127 rounded up would make 127 * scale
+    infinite) keep the error bound and dequantize finite; a block holding inf stays non-finite."""
+    top = torch.finfo(torch.float32).max
+    cases = {
+        "tiny": [1e-37, -5e-38, 0.0, 2e-38],
+        "subnormal": [1e-40, -1e-40, 0.0, 5e-41],
+        "below any scale": [1e-44, -1e-45, 0.0, 0.0],
+        "top": [top, 1.0, -3e38, 2.0],
+        "normal": [0.3, -0.1, 0.0, 0.05],
+    }
+    g = torch.Generator().manual_seed(0) if stochastic else None
+    for name, values in cases.items():
+        x = torch.tensor(values)
+        row = torch.empty(quantize.packed_bytes(4, 16), dtype=torch.uint8)
+        quantize.quantize_into(x, row, 16, generator=g)
+        out = torch.empty(1, 4)
+        quantize.dequantize_into(row.view(1, -1), out, 16)
+        scale = row[:4].view(torch.float32)
+        assert torch.isfinite(out).all(), (name, out)
+        bound = scale * (1.0 if stochastic else 0.5) * (1 + 1e-6) + (1e-44 if name == "below any scale" else 0.0)
+        assert ((out[0].double() - x.double()).abs() <= bound.double()).all(), (name, out, scale)
+        assert (row[4:8].view(torch.int8).abs() <= 127).all()
+    x = torch.tensor([float("inf"), 1.0])
+    row = torch.empty(quantize.packed_bytes(2, 16), dtype=torch.uint8)
+    quantize.quantize_into(x, row, 16, generator=g)
+    out = torch.empty(1, 2)
+    quantize.dequantize_into(row.view(1, -1), out, 16)
+    assert not torch.isfinite(out).any()  # an overflow stays visible
+
+
 def test_local_sums() -> None:
     c, block = 1001, 256  # not a multiple of the block size
     own = _row(c, 7)
@@ -129,7 +162,13 @@ def test_bad_arguments_rejected() -> None:
     assert CommQuantization.from_spec("on") == CommQuantization()
     assert CommQuantization.from_spec("INT8") == CommQuantization(params="int8", grads="int8")
     assert CommQuantization.from_spec("params=none, grads=int8,block_size=64") == CommQuantization(None, "int8", 64)
-    for spec, words in [("int4", "not key=value"), ("params=int8,size=3", "'size=3'"), ("block_size=x", "x")]:
+    for spec, words in [
+        ("int4", "not key=value"),
+        ("params=int8,size=3", "'size=3'"),
+        ("block_size=x", "x"),
+        ("block_size=\u00b2", "is not a whole number"),
+        ("params=int8,params=none", "params is given twice"),
+    ]:
         with pytest.raises(ValueError, match=words):
             CommQuantization.from_spec(spec)
     with pytest.raises(ValueError, match="--comm-quant 'grads=fp4'"):
@@ -331,6 +370,32 @@ def off_body(rank: int, world: int) -> list[str]:
 @pytest.mark.timeout(200)
 def test_quantization_off_takes_the_exact_path() -> None:
     assert run_ranks(off_body, 2, timeout=180)[0] == ["fsdp1", "fsdp2"]
+
+
+def mismatch_body(rank: int, world: int) -> list[str]:
+    """Ranks that pass different settings fail on every rank at the first forward, naming the
+    setting, before any collective pairs a quantized buffer with an exact one."""
+    ref = make_stack(scale_shape=(1,))
+    messages = []
+    for api, mine in [
+        ("fsdp1", CommQuantization() if rank == 0 else None),
+        ("fsdp2", CommQuantization(block_size=16 if rank == 0 else 32)),
+    ]:
+        model = _wrap(ref, api, mine)
+        with pytest.raises(RuntimeError, match="set up differently across ranks") as caught:
+            model(batch(0, 4)[0])
+        messages.append(str(caught.value))
+    return messages
+
+
+@pytest.mark.timeout(120)
+def test_ranks_with_different_quantization_fail_at_the_first_forward() -> None:
+    for messages in run_ranks(mismatch_body, 2, timeout=100):
+        on = "CommQuantization(params='int8', grads='bf16', block_size=256)"
+        assert f"rank 0: comm_quantization={on}; " in messages[0]
+        assert "rank 1: comm_quantization=None)" in messages[0]
+        assert "block_size=16); rank 1: comm_quantization=CommQuantization(" in messages[1]
+        assert all("param_dtype" not in m and "every rank must pass the same" in m for m in messages)
 
 
 def test_bench_compare_quantized_row_and_targets() -> None:

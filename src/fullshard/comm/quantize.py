@@ -9,7 +9,9 @@ Vocabulary (used by :mod:`fullshard.comm.quantized` and the engine's quantized p
 - **block**: ``block_size`` consecutive elements of a segment; a segment of n elements has
   ``ceil(n / block_size)`` blocks, the last one shorter when ``block_size`` does not divide n.
 - **scale**: one float32 per block, the block's largest magnitude divided by 127 (0 for a block
-  of zeros). The block's int8 values are its elements divided by the scale and rounded, in
+  of zeros, and for one whose largest magnitude is under about 1e-43, too small for a nonzero
+  float32 scale; one ulp less where 127 * scale would overflow, within an ulp of float32's
+  largest value). The block's int8 values are its elements divided by the scale and rounded, in
   [-127, 127]; they dequantize as ``q * scale``. Rounding to nearest errs by at most
   ``scale / 2`` per element; stochastic rounding by less than ``scale``, and is unbiased.
 - **packed row**: a row's quantized form as bytes (uint8): its nb scales (float32, 4 nb bytes),
@@ -30,6 +32,8 @@ import torch
 
 INT8_MAX = 127
 CHUNK = 1 << 16  # elements quantized or dequantized per step (rounded to whole blocks)
+# The largest float32 scale s with 127 * s finite in float32.
+_TOP_SCALE = torch.nextafter(torch.tensor(torch.finfo(torch.float32).max / INT8_MAX), torch.tensor(0.0)).item()
 
 
 def blocks(numel: int, block_size: int, segments: Sequence[int] | None = None) -> int:
@@ -117,6 +121,10 @@ def quantize_into(
             scratch[: stop - start].view(-1, b),
             generator,
         )
+    # A block within a few ulps of float32's largest value: its scale, rounded up, would make
+    # 127 * scale overflow to infinity; one ulp less dequantizes it finite (a block holding an
+    # infinity keeps its infinite scale).
+    scales.masked_fill_((scales > _TOP_SCALE) & (scales < torch.inf), _TOP_SCALE)
 
 
 def _quantize_blocks(
@@ -133,13 +141,16 @@ def _quantize_blocks(
         x = x.float()
     amax = torch.abs(x, out=scratch).amax(dim=1)
     torch.div(amax, INT8_MAX, out=scales)
-    inverse = torch.where(amax > 0, INT8_MAX / amax, 0.0)  # a block of zeros: scale 0, values 0
-    t = torch.mul(x, inverse[:, None], out=scratch)  # |t| <= 127 up to rounding
+    # A block of zeros has scale 0, and so does one whose largest magnitude is too small for a
+    # nonzero float32 scale (under about 1e-43): their values are 0. Dividing by the scale (not
+    # multiplying by 127 / amax, which overflows to infinity under amax = 3.7e-37) costs the same.
+    divisor = torch.where(scales > 0, scales, 1.0)
+    t = torch.div(x, divisor[:, None], out=scratch)  # |t| <= 127.0000x, more for a subnormal scale
     if generator is None:
-        t.round_()  # at most 127.0000x before rounding: no clamp needed
+        t.round_()
     else:
         t.add_(_dither(t.numel(), generator, t.device).view(t.shape), alpha=1 / 256).add_(1 / 512).floor_()
-        t.clamp_(-INT8_MAX, INT8_MAX)  # 127.0000x plus a dither could floor to 128
+    t.clamp_(-INT8_MAX, INT8_MAX)  # a subnormal scale's rounding, or a dither, could reach 128
     values.copy_(t)
 
 

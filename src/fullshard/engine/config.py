@@ -256,7 +256,8 @@ class CommQuantization:
                 value means None). Keys left out take the defaults.
 
         Raises:
-            ValueError: an unknown preset, key or value, naming it and what is accepted.
+            ValueError: an unknown preset, key or value, naming it and what is accepted; a key
+                given twice.
         """
         text = spec.strip().lower()
         if text in _COMM_QUANT_PRESETS:
@@ -270,8 +271,10 @@ class CommQuantization:
                     f"block_size, and the spec is not a preset ({', '.join(_COMM_QUANT_PRESETS)}); "
                     "e.g. 'params=int8,grads=bf16'"
                 )
+            if key in fields:
+                raise ValueError(f"comm quantization spec {spec!r}: {key} is given twice; give each key once")
             if key == "block_size":
-                if not value.isdigit():
+                if not (value.isascii() and value.isdigit()):
                     raise ValueError(f"comm quantization spec {spec!r}: block_size={value!r} is not a whole number")
                 fields[key] = int(value)
             else:

@@ -28,6 +28,7 @@ from torch import nn
 from fullshard import compat, probes
 from fullshard.comm import buffers, collectives, exposed_comm, flight_recorder
 from fullshard.engine.config import BackwardPrefetch, FrontEnd, MixedPrecision
+from fullshard.engine.layout import UnitConfig
 from fullshard.engine.module_wrapper import clean_name
 from fullshard.engine.unit import ShardState, TrainingState, Unit
 
@@ -306,19 +307,33 @@ def root_pre_forward(state: FSDPState) -> None:
         root.forward_order = []
 
 
+def _wire_settings(config: UnitConfig) -> tuple[str, ...]:
+    """The settings of a unit that decide what its collectives carry and how many there are,
+    as "name=value" strings: ranks that differ in them would pair mismatched buffers (a crash,
+    or, where the sizes happen to agree, silently wrong values)."""
+    return (
+        f"reshard_after_forward={config.reshard_after_forward}",
+        f"param_dtype={config.param_dtype}",
+        f"reduce_dtype={config.reduce_dtype}",
+        f"comm_quantization={config.comm_quantization!r}",
+    )
+
+
 def check_same_units(root: RootState) -> None:
     """At the first forward: every rank of the root's group must wrap the same units, in the
-    same order, of the same sizes; else their collectives would pair up wrongly or hang.
+    same order, of the same sizes, with the same sharding strategy, mixed precision and
+    ``comm_quantization``; else their collectives would pair up wrongly or hang.
 
     Raises:
-        RuntimeError: on every rank, naming the first unit that differs on each rank.
+        RuntimeError: on every rank, naming the first unit that differs and, per rank, what
+            differs (its name and size, or its settings).
     """
     first = root.units[0]
     group = first.shard_group if first.shard_size > 1 else collectives.default_group()
     root.units_checked = True
     if collectives.group_size(group) == 1:
         return
-    mine = [(u.name, u.full_nbytes) for u in root.units]
+    mine = [(u.name, u.full_nbytes, _wire_settings(u.config)) for u in root.units]
     with flight_recorder.at(phase="unit order check"):
         every = collectives.all_gather_object(mine, group)
     if all(units == every[0] for units in every):
@@ -326,6 +341,14 @@ def check_same_units(root: RootState) -> None:
     i = next(
         k for k in range(max(map(len, every))) if len({units[k] if k < len(units) else None for units in every}) > 1
     )
+    shapes = {units[i][:2] if i < len(units) else None for units in every}
+    if len(shapes) == 1:  # the same unit everywhere, set up differently
+        differ = [k for k in range(len(every[0][i][2])) if len({units[i][2][k] for units in every}) > 1]
+        seen = "; ".join(f"rank {r}: " + ", ".join(units[i][2][k] for k in differ) for r, units in enumerate(every))
+        raise RuntimeError(
+            f"FSDP unit {every[0][i][0]!r} is set up differently across ranks ({seen}): every rank must pass "
+            "the same sharding strategy, mixed_precision and comm_quantization (rank-dependent arguments?)"
+        )
     seen = "; ".join(
         f"rank {r}: " + (f"{units[i][0]!r} ({units[i][1]} bytes)" if i < len(units) else "no such unit")
         for r, units in enumerate(every)
