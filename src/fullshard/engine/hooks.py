@@ -289,6 +289,7 @@ def root_pre_forward(state: FSDPState) -> None:
         u.training_state is not TrainingState.IDLE
         or (u.shard_state is ShardState.UNSHARDED and u.reshard_after_backward)
         or u.has_pending_reduce
+        or u.has_pending_gather
         for u in root.units
     ):
         finish_backward(root)

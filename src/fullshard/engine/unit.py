@@ -326,10 +326,13 @@ class Unit(UnitLayout):
         what a reshard to a smaller group kept."""
         if self.post_forward_shard is not None:
             self.post_forward_shard.drop()
+        if self._pending_gather is not None:
+            # A prefetch whose unit did not run (a branch skipped it, its output went unused):
+            # finish it (the other ranks sent their part) and drop what it gathered, which the
+            # optimizer step would make stale before the unit's next forward.
+            self.wait_for_unshard()
         if self.shard_state is ShardState.SHARDED:
             return
-        if self._pending_gather is not None:
-            self.wait_for_unshard()
         self.uninstall_full_params()
         if self.on_reshard is not None:
             self.on_reshard(self)
@@ -368,6 +371,11 @@ class Unit(UnitLayout):
     def finish_reduce(self) -> None:
         """Wait for the pending reduction; the shards' ``.grad`` get it: :meth:`GradReducer.finish`."""
         self.grads.finish()
+
+    @property
+    def has_pending_gather(self) -> bool:
+        """Whether an all-gather was started (a prefetch) and not yet waited on."""
+        return self._pending_gather is not None
 
     @property
     def has_pending_reduce(self) -> bool:
