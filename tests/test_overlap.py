@@ -207,3 +207,40 @@ def test_a_prefetch_for_a_unit_that_does_not_run_is_not_read_after_the_step() ->
     for mode, prefetch, pending, diff in run_ranks(unrun_prefetch_body, 2, timeout=160)[0]:
         assert pending == [[], [], []], (mode, prefetch, pending)
         assert diff < 1e-6, (mode, prefetch, diff)
+
+
+def kept_peak_body(rank: int, world: int) -> dict[str, list[tuple[int, int]]]:
+    """Gathered-bytes peaks of forward and backward, with the last unit kept and without, on a
+    step where that unit's output does not reach the loss and one where the order changes."""
+    from fullshard import FSDP, probes
+    from fullshard.engine import hooks
+    from fullshard.frontend.wrap import ModuleWrapPolicy
+
+    peaks: dict[str, list[tuple[int, int]]] = {}
+    for keep in (False, True):
+        hooks.KEEP_LAST_GATHERED = keep
+        try:
+            torch.manual_seed(0)
+            model = FSDP(_Branchy(), auto_wrap_policy=ModuleWrapPolicy({torch.nn.Sequential}))
+            with probes.enabled() as p:
+                for step in range(3):
+                    model.module.unused = (2,) if step == 1 else ()  # the last block's output unused
+                    if step == 2:  # blocks in another order: the previous last block runs first
+                        model.module.blocks = torch.nn.ModuleList(list(model.module.blocks)[::-1])
+                    p.gathered.reset_peak()
+                    loss = model(torch.randn(4, 6)).square().mean()
+                    forward = p.gathered.peak_bytes
+                    p.gathered.reset_peak()
+                    loss.backward()
+                    peaks.setdefault(str(keep), []).append((forward, p.gathered.peak_bytes))
+        finally:
+            hooks.KEEP_LAST_GATHERED = True
+    return peaks
+
+
+@pytest.mark.timeout(120)
+def test_a_kept_last_unit_is_released_when_this_steps_order_differs() -> None:
+    # Before the fix the kept unit stayed gathered through backward when its output went unused
+    # (backward peak 1232 against 944 bytes) and through forward when it ran first (944 against 656).
+    peaks = run_ranks(kept_peak_body, 2, timeout=100)[0]
+    assert peaks["True"] == peaks["False"], peaks

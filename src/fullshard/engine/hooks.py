@@ -114,6 +114,7 @@ class RootState:
     pre_backward_done: set[int] = dataclasses.field(default_factory=set)
     post_optim_event: Any = None  # a CUDA event the next forward's all-gathers wait for
     units_checked: bool = False  # whether every rank was found to wrap the same units
+    kept: Unit | None = None  # left gathered after forward by keeps_last_gathered, until its backward
 
 
 @dataclasses.dataclass
@@ -366,6 +367,8 @@ def pre_forward(state: FSDPState) -> None:
     if state.is_root:
         root_pre_forward(state)
     unit._check_state((TrainingState.IDLE, TrainingState.PRE_BACKWARD), "run forward")
+    if root.kept is not None and not state.is_root:
+        _release_kept(root, unit)
     if unit.training_state is TrainingState.IDLE:
         unit.training_state = TrainingState.FORWARD
     exposed_comm.close_range(state.forward_range)  # a member of a several-module unit run again
@@ -400,6 +403,8 @@ def post_forward(state: FSDPState, output: Any) -> Any:
             unit.reshard_post_forward()  # reshard_after_forward=M: 1/M kept for backward's smaller gather
         elif not grad or (unit.reshard_after_forward and not state.is_root and not keeps_last_gathered(state)):
             unit.reshard()
+        elif unit.reshard_after_forward and not state.is_root:
+            root.kept = unit
     if grad and not in_recompute:
         register_pre_backward(state, output)
         if state.is_root:
@@ -410,6 +415,16 @@ def post_forward(state: FSDPState, output: Any) -> Any:
 # Whether the wrapper keeps the last unit gathered after forward (:func:`keeps_last_gathered`);
 # a switch for measuring the rule (tools/interleave.py), not an option.
 KEEP_LAST_GATHERED = True
+
+
+def _release_kept(root: RootState, unit: Unit) -> None:
+    """Another unit's forward or backward began while ``root.kept`` is still gathered: this
+    step's order is not the last one's (the kept unit ran early, or its output does not reach
+    the loss), so keeping it would raise the peak. Reshard it, as its post-forward would have;
+    its backward, if one comes, gathers it again."""
+    kept, root.kept = root.kept, None
+    if kept is not None and kept is not unit and kept.shard_state is ShardState.UNSHARDED:
+        kept.reshard()
 
 
 def keeps_last_gathered(state: FSDPState) -> bool:
@@ -466,6 +481,8 @@ def _pre_backward(state: FSDPState, grad: torch.Tensor) -> torch.Tensor:
     if id(unit) in root.pre_backward_done:
         return grad
     root.pre_backward_done.add(id(unit))
+    if root.kept is not None and not state.is_root:
+        _release_kept(root, unit)
     if probes.ACTIVE is not None:
         probes.record_event("backward", unit.name)
     unit.training_state = TrainingState.PRE_BACKWARD
@@ -539,5 +556,6 @@ def finish_backward(root: RootState) -> None:
         unit.training_state = TrainingState.IDLE
     buffers.POOL.clear(keep_cpu=True)  # CPU memory is kept for the next step; CUDA's allocator caches its own
     root.last_reduced = None
+    root.kept = None
     root.callback_queued = False
     root.pre_backward_done.clear()
