@@ -573,3 +573,63 @@ def reshard_to_smaller_group_body(rank: int, world: int) -> list[int]:
 @pytest.mark.timeout(200)
 def test_reshard_after_forward_to_a_smaller_group() -> None:
     assert run_ranks(reshard_to_smaller_group_body, 4, timeout=180)[0] == [2, 4]
+
+
+class _TiedHead(torch.nn.Module):
+    """An embedding whose weight the loss reuses as the output projection, outside forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 4)
+        self.mix = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.mix(self.emb(x)))
+
+
+def corners_body(rank: int, world: int) -> list[str]:
+    """Corners a helper's audit found fullshard parting from torch's fully_shard: each side by
+    side with torch's, or refused with a message where fullshard does not follow."""
+    done = []
+    # cast_forward_inputs=False: the root's float32 inputs reach its forward as float32 (and
+    # meet its bf16 weights: both refuse in the matmul); fullshard used to cast them at the root
+    seen = {}
+    for name, (fully_shard, policy) in _impls().items():
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(4, 4)
+        lin.register_forward_pre_hook(lambda m, args, name=name: seen.__setitem__(name, args[0].dtype))
+        fully_shard(lin, mp_policy=policy(param_dtype=torch.bfloat16, cast_forward_inputs=False))
+        with pytest.raises(RuntimeError, match="dtype"):
+            lin(torch.ones(2, 4))
+    assert seen == {"torch": torch.float32, "fullshard": torch.float32}, seen
+    done.append("cast_forward_inputs")
+    # the root's parameters, read by the loss after forward, are the full tensors
+    grads = {}
+    for name, (fully_shard, _) in _impls().items():
+        torch.manual_seed(0)
+        m = fully_shard(_TiedHead())
+        x = torch.tensor([[1, 2, 3], [4, 5, 6]]) + rank
+        h = m(x)
+        logits = h @ m.emb.weight.t()
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), x.flatten()).backward()
+        grads[name] = m.emb.weight.grad.full_tensor()
+    assert torch.allclose(grads["torch"], grads["fullshard"], rtol=1e-5, atol=1e-7)
+    done.append("root after forward")
+    # what fullshard fixes at sharding time, changed after it: refused at the next forward
+    from fullshard import fully_shard
+
+    for change, words in [
+        (lambda m: m.mix.weight.requires_grad_(False), "mix.weight.requires_grad was set to False after sharding"),
+        (lambda m: m.to(torch.float64), "model.to(dtype) after sharding is not supported"),
+    ]:
+        m = fully_shard(_TiedHead())
+        change(m)
+        with pytest.raises(RuntimeError, match=words.replace("(", r"\(").replace(")", r"\)")):
+            m(torch.tensor([[1, 2]]))
+    done.append("refusals")
+    return done
+
+
+@pytest.mark.timeout(120)
+def test_corners_found_by_an_audit_follow_torch_or_refuse() -> None:
+    assert run_ranks(corners_body, 2, timeout=100)[0] == ["cast_forward_inputs", "root after forward", "refusals"]

@@ -394,9 +394,13 @@ def post_forward(state: FSDPState, output: Any) -> Any:
         probes.record_event("forward_end", unit.name)
     exposed_comm.close_range(state.forward_range)
     state.forward_range = None
-    unit.uninstall_full_params()
     grad = torch.is_grad_enabled()
     in_recompute = unit.training_state is not TrainingState.FORWARD
+    if not (grad and not in_recompute and state.is_root):
+        # The root stays gathered into backward with its full parameters in place, as torch's
+        # does: a loss that reads them after forward (a tied output projection) gets the full
+        # tensors, their gradients flowing into the unit's. Its reshard takes them out.
+        unit.uninstall_full_params()
     if not in_recompute:
         unit.training_state = TrainingState.IDLE
         if grad and unit.reshard_after_forward and not state.is_root and unit.post_forward_shard is not None:

@@ -51,6 +51,7 @@ def sync_shards(unit: UnitLayout) -> None:
         if registered is not None and registered is not sp.shard and not sp.swapped:
             _check_replacement(unit, sp, registered)
             sp.register_shard(registered)  # type: ignore[arg-type]
+        _check_unchanged(unit, sp)
     if unit.meta:
         unit.materialize()
     for sp, ptr in zip(unit.params, unit.shard_ptrs):
@@ -65,6 +66,31 @@ def sync_shards(unit: UnitLayout) -> None:
             else:
                 compat.set_dtensor_local(shard, view)
             shard._fullshard_param = sp  # lost by a tensor swap (to_empty)
+
+
+def _check_unchanged(unit: UnitLayout, sp: ShardedParam) -> None:
+    """What the unit fixed when it was built must not have changed since: which parameters
+    train (the packed gradient covers those alone) and their dtype (the local flat buffer's).
+
+    Raises:
+        RuntimeError: ``requires_grad`` flipped or the dtype changed (``model.to(dtype)``),
+            naming the parameter and the fix.
+    """
+    shard = sp.shard
+    if shard is None or sp.swapped:
+        return
+    if shard.requires_grad != sp.requires_grad:
+        raise RuntimeError(
+            f"FSDP unit {unit.name!r}: {sp.fqn}.requires_grad was set to {shard.requires_grad} after sharding; "
+            "fullshard fixes which parameters train when it builds a unit (as torch's FSDP1 does): set "
+            "requires_grad before fully_shard / FullyShardedDataParallel"
+        )
+    if shard.dtype != unit.dtype and not shard.is_meta:
+        raise RuntimeError(
+            f"FSDP unit {unit.name!r}: {sp.fqn} is {shard.dtype} but the unit was sharded in {unit.dtype} "
+            "(model.to(dtype) after sharding is not supported): cast the model before sharding it, or compute "
+            "in another dtype with mixed precision (MixedPrecisionPolicy / MixedPrecision)"
+        )
 
 
 def _check_replacement(unit: UnitLayout, sp: ShardedParam, new: torch.Tensor) -> None:

@@ -148,8 +148,9 @@ def _engine_mp(mp_policy: Optional[MixedPrecisionPolicy]) -> Optional[MixedPreci
     """The engine's MixedPrecision for an FSDP2 policy (``output_dtype`` is the forward hooks')."""
     if mp_policy is None:
         return None
+    cast = mp_policy.cast_forward_inputs  # FSDP2's flag covers every unit, the root's included
     return MixedPrecision(
-        mp_policy.param_dtype, mp_policy.reduce_dtype, cast_forward_inputs=mp_policy.cast_forward_inputs
+        mp_policy.param_dtype, mp_policy.reduce_dtype, cast_forward_inputs=cast, cast_root_forward_inputs=cast
     )
 
 
