@@ -410,3 +410,58 @@ def test_a_mesh_of_the_wrong_type_is_a_type_error() -> None:
         fully_shard(torch.nn.Linear(2, 2), mesh="cpu")
     with pytest.raises(TypeError, match=r"^FullyShardedDataParallel: device_mesh must be a .*DeviceMesh .* int 5$"):
         FSDP(copy.deepcopy(torch.nn.Linear(2, 2)), device_mesh=5)
+
+
+def optimizer_corners_body(rank: int, world: int, root: str) -> list[str]:
+    """Optimizer-state corners a helper's audit found (2026-11-27)."""
+    from fullshard import FSDP, checkpoint
+
+    done = []
+    # a failed load leaves an optimizer whose state is partly created bitwise as it was
+    sgd_model = _model()
+    sgd = torch.optim.SGD(sgd_model.parameters(), lr=0.1, momentum=0.9)
+    _train(sgd_model, sgd, rank, world, "fsdp1", 0)
+    checkpoint.save(os.path.join(root, "sgd"), 1, sgd_model, sgd)
+    model = _model()
+    named = dict(model.named_parameters())
+    opt = torch.optim.Adam([p for n, p in named.items() if "blocks" in n], lr=1e-2)
+    _train(model, opt, rank, world, "fsdp1", 0)
+    opt.add_param_group({"params": [p for n, p in named.items() if "blocks" not in n], "lr": 1e-3})
+    before = _snapshot(model, opt)
+    with pytest.raises(checkpoint.CheckpointError, match="optimizer mismatch"):
+        checkpoint.load(os.path.join(root, "sgd"), model, opt)
+    assert _same(_snapshot(model, opt), before)  # Adam's moments were decayed by the failed load
+    done.append("failed load")
+    # saved before the first step (no state yet): loads into a fresh model and optimizer
+    fresh = _model()
+    checkpoint.save(os.path.join(root, "fresh"), 0, fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-3))
+    again = _model()
+    checkpoint.load(os.path.join(root, "fresh"), again, torch.optim.AdamW(again.parameters(), lr=1e-3))
+    done.append("saved before a step")
+    # the optimizer state dict functions refuse what they used to misread
+    trained, adamw = _trained(rank, world)
+    osd = FSDP.optim_state_dict(trained, adamw)
+    two = torch.optim.AdamW(
+        [{"params": [p for n, p in trained.named_parameters() if "blocks" in n]}, {"params": []}], lr=1e-2
+    )
+    two.param_groups[1]["params"] = [p for n, p in trained.named_parameters() if "blocks" not in n]
+    with pytest.raises(ValueError, match=r"has 1 parameter group\(s\) but the optimizer has 2"):
+        FSDP.optim_state_dict_to_load(trained, two, osd)
+    stray = torch.nn.Parameter(torch.zeros(3))
+    mixed = torch.optim.AdamW([*trained.parameters(), stray], lr=1e-2)
+    with pytest.raises(ValueError, match=r"holds 1 parameter\(s\) that are not the model's"):
+        FSDP.optim_state_dict(trained, mixed)
+    # a parameter listed in the dict's group without state (no gradient before the save) loads without
+    without = copy.deepcopy(osd)
+    dropped = next(iter(without["state"]))
+    del without["state"][dropped]
+    loaded = FSDP.optim_state_dict_to_load(trained, adamw, without)
+    assert len(loaded["state"]) == len(osd["state"]) - 1
+    done.append("optim state dicts")
+    return done
+
+
+@pytest.mark.timeout(180)
+def test_optimizer_state_corners(tmp_path: Path) -> None:
+    want = ["failed load", "saved before a step", "optim state dicts"]
+    assert run_ranks(optimizer_corners_body, 2, str(tmp_path), timeout=160) == [want, want]

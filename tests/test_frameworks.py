@@ -120,7 +120,6 @@ def _unit_checks(rank: int, world: int) -> list[str]:
         (lambda: seq.set_custom_reduce_scatter(None), "set_custom_reduce_scatter"),
         (lambda: seq.set_all_reduce_hook(lambda t: None), "set_all_reduce_hook"),
         (lambda: seq.reset_iter_state(), "reset_iter_state"),
-        (lambda: seq.set_reduce_scatter_unused_params(True), r"set_reduce_scatter_unused_params\(True\)"),
         # a torch method fullshard did not define (as one torch adds later would be) names itself
         (lambda: tf.FSDPModule.set_unshard_in_backward(seq, False), "FSDPModule.set_unshard_in_backward"),
         (lambda: seq._get_fsdp_state(), "FSDPModule.<lambda>"),
@@ -134,13 +133,14 @@ def _unit_checks(rank: int, world: int) -> list[str]:
         lambda: seq.set_reduce_scatter_max_input_buffers(2),
         lambda: seq.set_allocate_memory_from_process_group_for_comm(True),
         seq.set_separate_reduce_scatter_group,
+        lambda: seq.set_reduce_scatter_unused_params(False),  # fullshard always reduce-scatters them
     ):
         with pytest.warns(UserWarning, match="is ignored by fullshard"):
             call()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         seq.set_force_sum_reduction_for_comms(True)  # what fullshard always does
-        seq.set_reduce_scatter_unused_params(False)
+        seq.set_reduce_scatter_unused_params(True)
     with pytest.warns(FutureWarning):
         seq[2].set_reduce_scatter_divide_factor(3.0)
     assert fsdp_state(seq[2]).unit.divide_factor == 3.0

@@ -221,13 +221,15 @@ class FSDPModule(_TorchFSDPModule):
             _ignored("set_unshard_in_backward(False)", "it gathers every unit for backward (same results)")
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
-        """False (torch's default) is fullshard's behaviour.
-
-        Raises:
-            NotImplementedError: True (zero gradients for parameters unused on some ranks).
-        """
-        if reduce_scatter_unused_params:
-            _unsupported("set_reduce_scatter_unused_params(True)")
+        """True is fullshard's behaviour, always: every parameter of a unit is reduce-scattered,
+        so one no rank used gets a zero gradient (not None), and ranks that used it and ranks
+        that did not sum correctly. False (torch's default, which leaves None) is accepted with
+        a UserWarning that it changes nothing."""
+        if not reduce_scatter_unused_params:
+            _ignored(
+                "set_reduce_scatter_unused_params(False)",
+                "it reduce-scatters every parameter of a unit: an unused one gets a zero gradient, not None",
+            )
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         """Accepted with a UserWarning: fullshard keeps its own reduce-scatter buffers."""

@@ -42,6 +42,10 @@ def sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[s
         return state
     state = {"model": sharded_state_dict(model, fsdp.ignored)}
     if optimizer is not None:
+        if not optimizer.state:
+            # Saved before the first step: create the state as torch's get_optimizer_state_dict
+            # does for fully_shard (a step with lr 0), so a load finds the keys it expects.
+            init_state(optimizer)
         state["optim"] = sharded_optim_state_dict(model, optimizer)
     return state
 

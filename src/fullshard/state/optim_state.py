@@ -77,26 +77,49 @@ def param_names(model: nn.Module) -> dict[int, str]:
     return {id(p): clean_name(name) for name, p in model.named_parameters()}
 
 
+def check_model_params(names: dict[int, str], optimizer: Any) -> None:
+    """Every parameter the optimizer holds must be one of the model's (``names``: ``param_names``).
+
+    Raises:
+        ValueError: one is not, with the fix.
+    """
+    strays = sum(id(p) not in names for g in optimizer.param_groups for p in g["params"])
+    if strays:
+        raise ValueError(
+            f"the optimizer holds {strays} parameter(s) that are not the model's, so its state dict cannot name "
+            "them; build the optimizer on model.parameters() after wrapping (give other parameters an optimizer of "
+            "their own)"
+        )
+
+
 def init_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimizer's state without changing any parameter (a step with lr 0, zero grads).
+    """Create the optimizer's state where it has none, without changing any parameter or any
+    state that exists (a step with lr 0 and zero grads over only the parameters that lack it).
 
     Loading needs existing state tensors to load into; torch creates them lazily at the first
-    step. The step counters this leaves are overwritten by the load.
+    step. The step counters this leaves are overwritten by the load; a load that fails leaves
+    the state it found as it was (its new entries are dropped by the caller).
     """
-    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-    if all(p in optimizer.state and optimizer.state[p] for p in params):
+    missing = [
+        [p for p in g["params"] if p.requires_grad and not optimizer.state.get(p)] for g in optimizer.param_groups
+    ]
+    if not any(missing):
         return
-    saved_lr = [g["lr"] for g in optimizer.param_groups]
-    saved_grads = {p: p.grad for p in params}
-    for p in params:
+    saved = [(g["params"], g["lr"]) for g in optimizer.param_groups]
+    fresh = [p for group in missing for p in group]
+    saved_grads = {p: p.grad for p in fresh}
+    for p in fresh:
         p.grad = torch.zeros_like(p)
-    for g in optimizer.param_groups:
-        g["lr"] = 0.0 if not isinstance(g["lr"], torch.Tensor) else torch.zeros_like(g["lr"])
-    optimizer.step()
-    for g, lr in zip(optimizer.param_groups, saved_lr):
-        g["lr"] = lr
-    for p in params:
-        p.grad = saved_grads[p]
+    try:
+        for g, params in zip(optimizer.param_groups, missing):
+            g["params"] = params  # the parameters with state stay out of this step
+            g["lr"] = 0.0 if not isinstance(g["lr"], torch.Tensor) else torch.zeros_like(g["lr"])
+        optimizer.step()
+    finally:
+        for g, (params, lr) in zip(optimizer.param_groups, saved):
+            g["params"], g["lr"] = params, lr
+        for p in fresh:
+            p.grad = saved_grads[p]
 
 
 def sharded_optim_state_dict(model: nn.Module, optimizer: Optim) -> dict[str, Any]:
@@ -108,6 +131,7 @@ def sharded_optim_state_dict(model: nn.Module, optimizer: Optim) -> dict[str, An
     from torch.distributed.tensor import Shard
 
     names = param_names(model)
+    check_model_params(names, optimizer)
     units = _unit_of_param(model)
     state: dict[str, dict[str, Any]] = {}
     for p, entry in optimizer.state.items():
@@ -245,15 +269,26 @@ def to_load(model: nn.Module, optimizer: torch.optim.Optimizer, osd: dict[str, A
     """A name-keyed (full or sharded) optimizer state dict in torch's index-keyed form, this rank's rows.
 
     Raises:
-        KeyError: a parameter of ``optimizer`` has no entry in ``osd``; names it.
+        KeyError: a parameter of ``optimizer`` is in no parameter group of ``osd`` (a dict saved
+            from another model); names it. A parameter listed without state (it had no gradient
+            before the save) is loaded without state, as torch's ``load_state_dict`` does.
+        ValueError: ``osd`` has another number of parameter groups, or the optimizer holds
+            parameters that are not the model's.
     """
     names = param_names(model)
+    check_model_params(names, optimizer)
+    if len(osd["param_groups"]) != len(optimizer.param_groups):
+        raise ValueError(
+            f"the optimizer state dict has {len(osd['param_groups'])} parameter group(s) but the optimizer has "
+            f"{len(optimizer.param_groups)}; build the optimizer with the same parameter groups as the one saved"
+        )
     init_state(optimizer)  # its tensors tell which saved values are shard-shaped
     state: dict[int, dict[str, Any]] = {}
     groups = []
     index = 0
     for group, saved in zip(optimizer.param_groups, osd["param_groups"]):
         ids = []
+        listed = set(saved["params"])
         for p in group["params"]:
             name = names[id(p)]
             if name in osd["state"]:
@@ -262,8 +297,11 @@ def to_load(model: nn.Module, optimizer: torch.optim.Optimizer, osd: dict[str, A
                     k: _local(v, _sharded(p), current[k]).clone() if isinstance(current.get(k), torch.Tensor) else v
                     for k, v in osd["state"][name].items()
                 }
-            elif p.requires_grad and osd["state"]:
-                raise KeyError(f"optimizer state has no entry for parameter {name!r}")
+            elif p.requires_grad and osd["state"] and name not in listed:
+                raise KeyError(
+                    f"the optimizer state dict has no parameter {name!r} in its group: was it saved from this model "
+                    "and optimizer?"
+                )
             ids.append(index)
             index += 1
         groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
