@@ -59,6 +59,10 @@ def types_body(rank: int, world: int) -> list[str]:
             torch.testing.assert_close(
                 full[k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k, kind=kind: f"{kind.name} {k}: {m}"
             )
+        if kind is StateDictType.LOCAL_STATE_DICT:  # as if saved at another world size: named
+            grown = {k: torch.cat([v, v[:1]]) if k == "stem.weight" else v for k, v in sd.items()}
+            with FSDP.state_dict_type(fresh, kind), pytest.raises(RuntimeError, match="load it at that world size"):
+                fresh.load_state_dict(grown)
         done.append(kind.name)
     # rank0_only: the other ranks get nothing.
     with FSDP.state_dict_type(

@@ -111,8 +111,17 @@ class StateDictMethods(ModuleWrapper):
         ignored = self._unit_state.ignored
         if kind is StateDictType.SHARDED_STATE_DICT:
             return load_sharded_state_dict(self, state_dict, strict, ignored)
-        shards = set(state_dict) if kind is StateDictType.LOCAL_STATE_DICT else ()
-        return load_full_state_dict(self, state_dict, strict, ignored, shards=shards)
+        if kind is not StateDictType.LOCAL_STATE_DICT:
+            return load_full_state_dict(self, state_dict, strict, ignored, shards=())
+        try:
+            return load_full_state_dict(self, state_dict, strict, ignored, shards=set(state_dict))
+        except RuntimeError as e:
+            if "size mismatch" not in str(e):
+                raise
+            raise RuntimeError(
+                f"{e}\n\tA LOCAL_STATE_DICT holds one rank's shards as they were at the world size that saved it: "
+                "load it at that world size, or save a SHARDED_STATE_DICT or FULL_STATE_DICT to load at another"
+            ) from None
 
     def _settings(self) -> StateDictSettings:
         return self.__dict__.get(_SETTINGS) or StateDictSettings(
