@@ -222,12 +222,7 @@ def _to_load(
     if optim is None:
         return _to_load_by_order(osd, model, optim_keys.param_order(model, None, optim_input))
     _check_optim(model, optim)
-    if len(osd["param_groups"]) != len(optim.param_groups):
-        raise ValueError(
-            f"{arg} has {len(osd['param_groups'])} parameter groups but optim has {len(optim.param_groups)}; "
-            "build the optimizer with the same parameter groups as the one that saved it"
-        )
-    return optim_state.to_load(model, optim, osd)
+    return optim_state.to_load(model, optim, osd, arg)
 
 
 def _to_load_by_order(osd: dict[str, Any], model: nn.Module, params: list[torch.Tensor]) -> dict[str, Any]:
@@ -296,8 +291,4 @@ def _check_optim(model: nn.Module, optim: Any) -> None:
         raise TypeError(
             f"optim must be a torch.optim.Optimizer, got {type(optim).__name__}; pass the optimizer over model's shards"
         )
-    names = optim_state.param_names(model)
-    if any(id(p) not in names for g in optim.param_groups for p in g["params"]):
-        raise ValueError(
-            "optim holds parameters that are not model's; build the optimizer on model.parameters() after wrapping"
-        )
+    optim_state.check_model_params(optim_state.param_names(model), optim)

@@ -265,8 +265,11 @@ def _snapshot(before: Any, value: Any, offload_to_cpu: bool) -> Any:
     return value.to(device, copy=value is before)
 
 
-def to_load(model: nn.Module, optimizer: torch.optim.Optimizer, osd: dict[str, Any]) -> dict[str, Any]:
+def to_load(
+    model: nn.Module, optimizer: torch.optim.Optimizer, osd: dict[str, Any], arg: str = "optim_state_dict"
+) -> dict[str, Any]:
     """A name-keyed (full or sharded) optimizer state dict in torch's index-keyed form, this rank's rows.
+    ``arg``: the caller's name for ``osd``, for the errors.
 
     Raises:
         KeyError: a parameter of ``optimizer`` is in no parameter group of ``osd`` (a dict saved
@@ -279,8 +282,8 @@ def to_load(model: nn.Module, optimizer: torch.optim.Optimizer, osd: dict[str, A
     check_model_params(names, optimizer)
     if len(osd["param_groups"]) != len(optimizer.param_groups):
         raise ValueError(
-            f"the optimizer state dict has {len(osd['param_groups'])} parameter group(s) but the optimizer has "
-            f"{len(optimizer.param_groups)}; build the optimizer with the same parameter groups as the one saved"
+            f"{arg} has {len(osd['param_groups'])} parameter groups but optim has {len(optimizer.param_groups)}; "
+            "build the optimizer with the same parameter groups as the one that saved it"
         )
     init_state(optimizer)  # its tensors tell which saved values are shard-shaped
     state: dict[int, dict[str, Any]] = {}
