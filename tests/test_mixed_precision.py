@@ -128,7 +128,7 @@ def test_float16_reduction_does_not_overflow() -> None:
 
 
 def buffers_body(rank: int, world: int) -> list[str]:
-    from fullshard import FSDP, MixedPrecision
+    from fullshard import FSDP, MixedPrecision, StateDictType
 
     net = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2))
     model = FSDP(net, mixed_precision=MixedPrecision(torch.bfloat16, torch.float32, torch.bfloat16))
@@ -139,6 +139,14 @@ def buffers_body(rank: int, world: int) -> list[str]:
     sd = model.state_dict()
     assert sd["1.running_mean"].dtype == torch.float32 and sd["1.num_batches_tracked"].dtype == torch.int64
     assert sd["0.weight"].dtype == torch.float32
+    # As torch FSDP1: the sharded state dict (and so a checkpoint) holds buffers in their original
+    # dtype too; the local one holds them as the module does.
+    kinds = ((StateDictType.SHARDED_STATE_DICT, torch.float32), (StateDictType.LOCAL_STATE_DICT, torch.bfloat16))
+    for kind, dtype in kinds:
+        with FSDP.state_dict_type(model, kind):
+            sd = model.state_dict()
+        assert sd["1.running_mean"].dtype == dtype and sd["1.num_batches_tracked"].dtype == torch.int64, kind
+        torch.testing.assert_close(sd["1.running_mean"].float(), net[1].running_mean.float())
     return [str(d) for d in seen]
 
 

@@ -92,9 +92,14 @@ def full_state_dict(
         if owner is not None:
             out[name] = full[id(owner)]
         else:
-            original = module.__dict__.get("_fullshard_buffer_dtypes", {}).get(attr, t.dtype)
-            out[name] = t.detach().to("cpu" if offload_to_cpu else t.device, original)
+            out[name] = t.detach().to("cpu" if offload_to_cpu else t.device, _saved_dtype(module, attr, t))
     return out
+
+
+def _saved_dtype(module: nn.Module, attr: str, t: torch.Tensor) -> torch.dtype:
+    """The dtype a state dict holds ``module.attr`` in: a buffer's dtype before ``buffer_dtype``."""
+    dtypes: dict[str, torch.dtype] = module.__dict__.get("_fullshard_buffer_dtypes", {})
+    return dtypes.get(attr, t.dtype)
 
 
 def local_state_dict(root: nn.Module, ignored: Modules, offload_to_cpu: bool = False) -> OrderedDict[str, torch.Tensor]:
@@ -233,14 +238,16 @@ def sharded_state_dict(root: nn.Module, ignored: Modules) -> OrderedDict[str, An
     """Original names -> DTensor shards (Shard(0) over each unit's shard group; uneven allowed).
 
     Parameters every rank holds whole and buffers are plain tensors (replicated). The DTensors
-    share storage with the shards. Collective only for 0-dim sharded parameters.
+    share storage with the shards. Buffers are in their dtype before ``MixedPrecision``'s
+    ``buffer_dtype`` (as torch FSDP1's full and sharded state dicts hold them). Collective only
+    for 0-dim sharded parameters.
     """
     units = _unit_of_param(root)
     out: OrderedDict[str, Any] = OrderedDict()
     for name, module, attr, is_param in _entries(root, ignored):
         t = compat.module_parameters(module)[attr] if is_param else compat.module_buffers(module)[attr]
         assert t is not None
-        out[name] = _sharded_value(t, units)
+        out[name] = _sharded_value(t, units) if is_param else t.detach().to(_saved_dtype(module, attr, t))
     return out
 
 
