@@ -104,7 +104,9 @@ def test_bf16_training_stays_close_to_fp32(world: int) -> None:
 def overflow_body(rank: int, world: int) -> list[float]:
     from fullshard import FSDP, MixedPrecision
 
-    big = 3.0e4  # each rank's gradient; their sum (1.2e5 at 4 ranks) overflows float16's 65504
+    # Each rank's gradient: their sum overflows float16's 65504, the sum of the predivided ones
+    # (by 2 at 2-4 ranks, torch's factor) does not.
+    big = BIG_GRAD[world]
     out = []
     for keep_low in (False, True):
         model = FSDP(
@@ -120,11 +122,24 @@ def overflow_body(rank: int, world: int) -> list[float]:
     return out
 
 
+BIG_GRAD = {2: 4.0e4, 3: 3.0e4, 4: 3.0e4}
+
+
 @pytest.mark.timeout(200)
-def test_float16_reduction_does_not_overflow() -> None:
-    results = run_ranks(overflow_body, 4, timeout=180)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_float16_reduction_does_not_overflow(world: int) -> None:
+    results = run_ranks(overflow_body, world, timeout=180)
     total = sum(sum(r) for r in results) / 2  # both variants over all shards
-    assert abs(total - 4 * 3.0e4) < 1e2, results
+    assert abs(total - 4 * BIG_GRAD[world]) < 1e2, results
+
+
+def test_predivide_factor_is_torchs() -> None:
+    from torch.distributed.algorithms._comm_hooks.default_hooks import DefaultState
+
+    from fullshard.engine.reduce import predivide_factor
+
+    for ranks in range(1, 130):
+        assert predivide_factor(ranks) == DefaultState._get_gradient_predivide_factor(ranks), ranks
 
 
 def buffers_body(rank: int, world: int) -> list[str]:
