@@ -284,6 +284,8 @@ class ExtensionUnit(Unit):
                 ep.sp.set_grad(g)
             else:
                 current.add_(g)
+        for ep in items:
+            ep.sp.run_grad_hooks()
 
 
 def _pack(items: list[ExtensionParam], grads: list[Any], n: int, dtype: torch.dtype) -> torch.Tensor:

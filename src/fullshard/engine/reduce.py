@@ -340,6 +340,8 @@ class GradReducer:
                 buffers.POOL.forget_lent(pending.packed)
             else:
                 buffers.POOL.release(pending.packed, lent=True)
+        for sp in unit.trainable:
+            sp.run_grad_hooks()
 
     def _grad_buffer(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """Where cast or offloaded gradients land: reused while no shard still holds the last one.

@@ -176,6 +176,14 @@ class ShardedParam:
         assert self.shard is not None
         self.shard.grad = self.as_registered(grad)
 
+    def run_grad_hooks(self) -> None:
+        """Run the shard's ``register_post_accumulate_grad_hook`` hooks, once its ``.grad`` holds
+        the reduced gradient (autograd never accumulates into the shard itself), as torch's
+        ``fully_shard`` does after its reduce-scatter: optimizer-in-backward steps there."""
+        hooks = getattr(self.shard, "_post_accumulate_grad_hooks", None)
+        for hook in list(hooks.values()) if hooks else ():
+            hook(self.shard)
+
     def register_shard(self, shard: nn.Parameter) -> None:
         """Put ``shard`` in place of the original parameter at every slot."""
         shard._fullshard_param = self  # type: ignore[attr-defined]

@@ -13,6 +13,11 @@ its local tensor, so fullshard runs the step there and gives back the same bits:
   of the local shape that the step created (the first step's moments, SGD's momentum buffer) as
   DTensors like the parameter; ``step`` counters stay plain, as torch's optimizers keep them.
 
+The swap is skipped (the step runs on the DTensors, as under torch's ``fully_shard``) where other
+code would see the stand-ins: a ``closure`` passed to ``step``, and step hooks registered on the
+optimizer or globally after fullshard's (a user's pre-hook that clips by the global norm, an EMA
+post-hook keyed by parameter).
+
 Outside ``optimizer.step()`` nothing differs: the optimizer holds the DTensor parameters and
 DTensor state that torch's tools (the DCP state-dict functions) expect. Parameters without a
 fullshard unit (other DTensors, plain tensors) are left alone.
@@ -166,6 +171,25 @@ def _local_param(param: Any, sp: ShardedParam) -> nn.Parameter:
     return plain
 
 
+def _step_sees_params(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> bool:
+    """Whether code other than the update would meet the stand-ins: a closure (its backward
+    writes the DTensors' gradients after the swap), the optimizer's own step hooks, or global
+    ones that torch runs inside the swap (pre-hooks after ours, post-hooks before ours)."""
+    # torch passes the hooks step's own arguments, the optimizer first: (optimizer, closure).
+    if (len(args) > 1 and args[1] is not None) or kwargs.get("closure") is not None:
+        return True
+    if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
+        return True
+    from torch.optim import optimizer as torch_optimizer
+
+    pre = list(torch_optimizer._global_optimizer_pre_hooks.values())
+    post = list(torch_optimizer._global_optimizer_post_hooks.values())
+    harmless = {_post_step, getattr(sys.modules.get("torch.profiler"), "_optimizer_post_hook", None)}
+    inside = pre[pre.index(_pre_step) + 1 :] if _pre_step in pre else pre
+    inside += post[: post.index(_post_step)] if _post_step in post else post
+    return any(hook not in harmless for hook in inside)
+
+
 def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if "torch.distributed.tensor" not in sys.modules:  # no DTensor exists; importing it costs 0.7 s
         return
@@ -173,7 +197,7 @@ def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
 
     if optimizer in _SWAPPED:  # the last step raised before the post-hook: undo it first
         _post_step(optimizer, args, kwargs)
-    if not is_elementwise(optimizer):
+    if not is_elementwise(optimizer) or _step_sees_params(optimizer, args, kwargs):
         return
     swapped = []
     state = optimizer.state
