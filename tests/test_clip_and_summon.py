@@ -28,7 +28,7 @@ def clip_body(rank: int, world: int) -> list[float]:
 
     norms = []
     n = 12 // world
-    for norm_type, use_method in ((2.0, True), (math.inf, True), (1.0, False)):
+    for norm_type, use_method in ((2.0, True), (math.inf, True), (1.0, False), (2.0, False)):
         ref = make_stack()
         model = _mixed_units(ref)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -39,8 +39,10 @@ def clip_body(rank: int, world: int) -> list[float]:
             torch.nn.functional.mse_loss(model(x[rank * n : (rank + 1) * n]), y[rank * n : (rank + 1) * n]).backward()
             if use_method:
                 total = model.clip_grad_norm_(0.05, norm_type)
-            else:
-                total = fullshard.clip_grad_norm_(model.parameters(), 0.05, norm_type)
+            else:  # torch's keywords: foreach=False the second time
+                total = fullshard.clip_grad_norm_(
+                    model.parameters(), 0.05, norm_type, error_if_nonfinite=True, foreach=len(norms) < 3
+                )
             opt.step()
             ref_opt.zero_grad()
             torch.nn.functional.mse_loss(ref(x), y).backward()
@@ -52,6 +54,16 @@ def clip_body(rank: int, world: int) -> list[float]:
             for k, v in ref.state_dict().items():
                 torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{norm_type} {k}: {m}")
         norms.append(float(total))
+    poisoned = next(p for p in model.parameters() if p.grad is not None and p.grad.numel())
+    poisoned.grad.view(-1)[0] = math.nan
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None and p is not poisoned]
+    try:  # nan on one rank: every rank raises (the norm is global), no gradient scaled
+        fullshard.clip_grad_norm_(model.parameters(), 0.05, error_if_nonfinite=True)
+        raise AssertionError("a nan gradient was clipped")
+    except RuntimeError as e:
+        assert "error_if_nonfinite=False" in str(e), e
+    kept = [p.grad for p in model.parameters() if p.grad is not None and p is not poisoned]
+    assert len(kept) == len(grads) and all(torch.equal(a, b) for a, b in zip(grads, kept))
     return norms
 
 

@@ -82,7 +82,11 @@ def params_list(parameters: torch.Tensor | Iterable[torch.Tensor]) -> list[torch
 
 
 def clip_grad_norm_(
-    parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
 ) -> torch.Tensor:
     """Scale gradients in place so their total norm is at most ``max_norm``; return the norm.
 
@@ -93,12 +97,24 @@ def clip_grad_norm_(
         parameters: parameters (shards) whose ``.grad`` to clip.
         max_norm: the largest allowed total norm.
         norm_type: p of the p-norm; ``float('inf')`` for the max-norm.
+        error_if_nonfinite: raise if the total norm is nan or inf (every rank raises: the norm
+            is the same on all), instead of scaling by it.
+        foreach: False scales gradient by gradient; None or True use the batched kernels.
 
     Returns:
         the total norm before clipping (float32 scalar tensor).
+
+    Raises:
+        RuntimeError: ``error_if_nonfinite`` and the total norm is nan or inf; no gradient is
+            changed.
     """
     params = params_list(parameters)
     total = total_grad_norm(params, norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"clip_grad_norm_: the total norm of order {norm_type} of the gradients is {total.item()}, so they "
+            "cannot be clipped; pass error_if_nonfinite=False to scale them by it anyway"
+        )
     coef = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
     buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for q in params:
@@ -106,5 +122,9 @@ def clip_grad_norm_(
             grad = local_tensor(q.grad)
             buckets.setdefault((grad.device, grad.dtype), []).append(grad.detach())
     for (device, dtype), grads in buckets.items():
-        compat.foreach_mul_(grads, coef.to(device, dtype))
+        if foreach is False:
+            for grad in grads:
+                grad.mul_(coef.to(device, dtype))
+        else:
+            compat.foreach_mul_(grads, coef.to(device, dtype))
     return total
