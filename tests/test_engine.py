@@ -251,6 +251,34 @@ def features_body(rank: int, world: int) -> list[str]:
         torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6)
     done.append("no_sync")
 
+    # A zero_grad after a no_sync backward drops what it accumulated (torch FSDP1 with
+    # use_orig_params): all of it, or one parameter's when only its .grad was set to None.
+    def loss(m: nn.Module, x: torch.Tensor, y: torch.Tensor, part: bool) -> torch.Tensor:
+        s = slice(rank * n, (rank + 1) * n) if part else slice(None)
+        return torch.nn.functional.mse_loss(m(x[s]), y[s])
+
+    for how in ("opt", "opt set_to_none=False", "module", "one parameter"):
+        ref, model = _wrap()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        first = next(name for name, _ in model.named_parameters())
+        for m, part in ((model, True), (ref, False)):
+            with model.no_sync():
+                loss(m, *micro[0], part).backward()
+            if how == "one parameter":
+                dict(m.named_parameters())[first].grad = None
+            elif how == "module":
+                m.zero_grad()
+            else:
+                (opt if m is model else ref_opt).zero_grad(set_to_none=how == "opt")
+            loss(m, *micro[1], part).backward()
+        opt.step()
+        ref_opt.step()
+        full = model.state_dict()
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6, msg=lambda msg: f"{how}, {k}: {msg}")
+    done.append("zero_grad after no_sync")
+
     # A root that owns no parameters (every Linear is its own unit).
     plain = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
     empty_root = FSDP(copy.deepcopy(plain), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
@@ -314,6 +342,7 @@ def features_body(rank: int, world: int) -> list[str]:
 def test_no_sync_empty_root_ignored_modules_and_exceptions() -> None:
     assert run_ranks(features_body, 2, timeout=180)[0] == [
         "no_sync",
+        "zero_grad after no_sync",
         "empty root",
         "ignored",
         "exception",

@@ -24,7 +24,7 @@ import torch
 from fullshard import probes
 from fullshard.comm import buffers, collectives, quantized
 from fullshard.engine.layout import UnitLayout
-from fullshard.engine.sharded_param import ShardSpec
+from fullshard.engine.sharded_param import ShardedParam, ShardSpec
 
 
 def predivide_factor(ranks: int) -> int:
@@ -137,6 +137,11 @@ class GradReducer:
         # reduce dtype, not summed by autograd in the compute dtype (bf16 chunks add up in fp32).
         self.upcast_unsynced = False
         self._unsynced: torch.Tensor | None = None  # (N*S_t,) in the reduce dtype
+        # The wrapper (torch FSDP1's use_orig_params): a zero_grad after a backward with sync off
+        # drops what it accumulated. Per trainable shard: (shard, its .grad then, that grad's
+        # version, whether the grad is a zero placeholder of ours); None when nothing is held.
+        self.zero_grad_drops_unsynced = True
+        self._marks: list[tuple[ShardedParam, torch.Tensor, int, bool]] | None = None
         # Set by the hooks for a unit whose full buffer's size no other unit of its tree has: its
         # gradient shards may stay in its own chunk of the packed gradient (see launch).
         self.in_place = False
@@ -177,7 +182,10 @@ class GradReducer:
     def hold_unsynced(self) -> None:
         """Backward with gradient sync off: with ``upcast_unsynced``, move the full flat
         gradient into the reduce-dtype sum that the next reduction takes (a no-op when the
-        compute dtype is the reduce dtype: autograd's own sum is the same)."""
+        compute dtype is the reduce dtype: autograd's own sum is the same). With
+        ``zero_grad_drops_unsynced``, mark the shards' gradients (see :meth:`drop_if_zeroed`)."""
+        if self.zero_grad_drops_unsynced and self._marks is None:
+            self._marks = [self._mark(sp) for sp in self.unit.trainable]
         grad = self.unit.full_flat.grad
         if not self.upcast_unsynced or grad is None or grad.dtype == self.unit.reduce_dtype:
             return
@@ -186,6 +194,45 @@ class GradReducer:
             self._unsynced = grad.to(self.unit.reduce_dtype)
         else:
             self._unsynced.add_(grad)
+
+    @staticmethod
+    def _mark(sp: ShardedParam) -> tuple[ShardedParam, torch.Tensor, int, bool]:
+        assert sp.shard is not None
+        grad = sp.shard.grad
+        if grad is not None:
+            return sp, grad, grad._version, False
+        placeholder = torch.zeros_like(sp.local)  # its own storage: a zero_() of another leaves it
+        sp.set_grad(placeholder)
+        grad = sp.shard.grad
+        assert grad is not None
+        return sp, grad, grad._version, True
+
+    def drop_if_zeroed(self) -> None:
+        """Before the next forward or backward: drop the unsynced gradient of each shard whose
+        ``.grad`` the user set to None, replaced, or zeroed in place since the backward that
+        held it (``optimizer.zero_grad()``), as torch FSDP1 with ``use_orig_params`` does; take
+        the zero placeholders away again (the reduced gradient becomes the ``.grad``)."""
+        marks, self._marks = self._marks, None
+        if marks is None:
+            return
+        full = self.unit.full_flat.grad
+        zeroed = []
+        for sp, grad, version, placeholder in marks:
+            assert sp.shard is not None
+            now = sp.shard.grad
+            if now is None or now is not grad or (now._version != version and not bool(now.any())):
+                zeroed.append(sp)
+            if placeholder and now is grad:
+                sp.shard.grad = None
+        if full is None or not zeroed:
+            return
+        if len(zeroed) == len(marks):
+            self.unit.full_flat.grad = None
+            return
+        rows = full.view(self.unit.shard_size, -1)  # packed rank-major (see pack_grads): (N, S_t)
+        with torch.no_grad():
+            for sp in zeroed:
+                rows[:, sp.local_offset : sp.local_offset + sp.spec.padded_shard_numel].zero_()
 
     def launch(self) -> None:
         """Launch the reduce-scatter (and replica all-reduce) of the accumulated full gradient."""
