@@ -587,6 +587,88 @@ class _TiedHead(torch.nn.Module):
         return torch.tanh(self.mix(self.emb(x)))
 
 
+class _Generator(torch.nn.Module):
+    """A ``generate``-style method: it runs forward, then uses the parameters itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x)
+
+    def generate(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self(x))
+
+
+class _CallsGenerator(torch.nn.Module):
+    """A root whose forward calls ``gen.generate`` (or, ``twice``, ``gen``'s forward twice)."""
+
+    def __init__(self, twice: bool = False) -> None:
+        super().__init__()
+        self.gen, self.out, self.twice = _Generator(), torch.nn.Linear(4, 4), twice
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.gen(self.gen(x)) if self.twice else self.gen.generate(x))
+
+
+def _run_generator(mod, case: str, grad: bool, x: torch.Tensor) -> tuple[torch.nn.Module, list[torch.Tensor]]:
+    """Shard a seeded model of ``case`` with ``mod`` (torch's fsdp or fullshard), call it once
+    (and backward with ``grad``): the output and the full gradients."""
+    torch.manual_seed(0)
+    if case == "root":
+        model = gen = _Generator()
+    else:
+        model = _CallsGenerator(twice=case == "twice")
+        gen = model.gen
+        mod.fully_shard(gen, reshard_after_forward=case.endswith("True"))
+    mod.fully_shard(model)
+    mod.register_fsdp_forward_method(gen, "generate")
+    with torch.set_grad_enabled(grad):
+        y = gen.generate(x) if case == "root" else model(x)
+    if not grad:
+        return model, [y]
+    y.sum().backward()
+    return model, [y.detach()] + [p.grad.full_tensor() for p in model.parameters()]
+
+
+def _forward_inside_method(rank: int) -> None:
+    """A registered method that calls forward and then uses the parameters: torch's keep them
+    in place for the root and reshard_after_forward=False units, fullshard's used to take them
+    back after the inner forward ("mixed torch.Tensor and DTensor"); fullshard also keeps them
+    for reshard_after_forward=True units (torch's refuse). A reshard_after_forward=False unit
+    called twice in one forward without grad is gathered once, as in torch."""
+    import torch.distributed.fsdp as tf
+
+    import fullshard as fs
+    from fullshard.comm import collectives
+    from fullshard.engine.unit import ShardState, TrainingState
+
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))
+    cases = [("root", "root"), ("child rsf=False", "child rsf=False"), ("child rsf=True", "child rsf=False")]
+    gathers = []
+    real_all_gather = collectives.all_gather
+
+    def counting(*args, **kw):
+        gathers.append(1)
+        return real_all_gather(*args, **kw)
+
+    for grad in (True, False):
+        for case, torch_case in cases if grad else [*cases, ("twice", "twice")]:
+            _, want = _run_generator(tf, torch_case, grad, x)
+            gathers.clear()
+            with patched(collectives, all_gather=counting):
+                model, got = _run_generator(fs, case, grad, x)
+            what = f"{case}, grad={grad}"
+            assert len(got) == len(want), what
+            for g, w in zip(got, want):
+                assert_close(g, w, True, what)
+            units = [fsdp_state(m).unit for m in model.modules() if fsdp_state(m) is not None]
+            assert all(u.shard_state is ShardState.SHARDED and u.training_state is TrainingState.IDLE for u in units)
+            if not grad:  # no backward: each unit gathered once
+                assert len(gathers) == len(units), (what, len(gathers))
+
+
 def corners_body(rank: int, world: int) -> list[str]:
     """Corners a helper's audit found fullshard parting from torch's fully_shard: each side by
     side with torch's, or refused with a message where fullshard does not follow."""
@@ -627,9 +709,16 @@ def corners_body(rank: int, world: int) -> list[str]:
         with pytest.raises(RuntimeError, match=words.replace("(", r"\(").replace(")", r"\)")):
             m(torch.tensor([[1, 2]]))
     done.append("refusals")
+    _forward_inside_method(rank)
+    done.append("forward inside a registered method")
     return done
 
 
 @pytest.mark.timeout(120)
 def test_corners_found_by_an_audit_follow_torch_or_refuse() -> None:
-    assert run_ranks(corners_body, 2, timeout=100)[0] == ["cast_forward_inputs", "root after forward", "refusals"]
+    assert run_ranks(corners_body, 2, timeout=100)[0] == [
+        "cast_forward_inputs",
+        "root after forward",
+        "refusals",
+        "forward inside a registered method",
+    ]

@@ -2,8 +2,11 @@
 
 - pre-forward: all-gather the unit (waiting on a prefetch if one is in flight), put the full
   parameters in place, and with ``forward_prefetch`` start the next unit's all-gather.
-- post-forward: put the shards back; free the full parameters under FULL_SHARD (or when no
-  backward can follow); hook the outputs so the unit knows when its backward begins.
+- post-forward: put the shards back; free the full parameters under FULL_SHARD, or when no
+  backward can follow (a unit that keeps them after forward: when the root's forward ends, so
+  a second call in it gathers nothing); hook the outputs so the unit knows when its backward
+  begins. Inside a method registered with ``register_fsdp_forward_method`` a forward's end is
+  not the pass's end: the method's is.
 - pre-backward (a hook on the unit's outputs): all-gather again if freed; with BACKWARD_PRE
   start the all-gather of the unit that runs next in backward (the previous one in forward).
 - post-backward (the unit's post-accumulate-grad hook): launch the gradient reduce-scatter,
@@ -115,6 +118,9 @@ class RootState:
     post_optim_event: Any = None  # a CUDA event the next forward's all-gathers wait for
     units_checked: bool = False  # whether every rank was found to wrap the same units
     kept: Unit | None = None  # left gathered after forward by keeps_last_gathered, until its backward
+    # During a root forward without grad: the reshard_after_forward=False units it left gathered
+    # (a second call in the same forward gathers nothing), resharded when that forward ends.
+    held_without_grad: list[Unit] | None = None
 
 
 @dataclasses.dataclass
@@ -141,6 +147,10 @@ class FSDPState:
     # the unit (torch's ``modules_to_run``); the unit's post-forward runs when it empties, or
     # at the end of the root's forward for a pass that some member never joined.
     modules_to_run: set[int] = dataclasses.field(default_factory=set)
+    # How many calls of methods registered with register_fsdp_forward_method are running on the
+    # unit: a forward called inside one (``generate`` calling ``self(...)``) does not end the
+    # pass, so the method goes on with the full parameters; the method's own end does.
+    methods_running: int = 0
 
 
 _STATE_ATTR = "_fsdp_state"
@@ -297,6 +307,8 @@ def root_pre_forward(state: FSDPState) -> None:
     if root.post_optim_event is not None:
         torch.cuda.current_stream().wait_event(root.post_optim_event)
         root.post_optim_event = None
+    _reshard_held(root)  # left by a forward without grad that raised
+    root.held_without_grad = None if torch.is_grad_enabled() else []
     for h in root.states:  # a pass left open by the last iteration (a chunked loss's head)
         if h is not state:  # the root's own pass has just begun
             h.modules_to_run.clear()
@@ -407,10 +419,15 @@ def post_forward(state: FSDPState, output: Any) -> Any:
         unit.training_state = TrainingState.IDLE
         if grad and unit.reshard_after_forward and not state.is_root and unit.post_forward_shard is not None:
             unit.reshard_post_forward()  # reshard_after_forward=M: 1/M kept for backward's smaller gather
+        elif not grad and not unit.reshard_after_forward and not state.is_root and root.held_without_grad is not None:
+            if unit not in root.held_without_grad:
+                root.held_without_grad.append(unit)
         elif not grad or (unit.reshard_after_forward and not state.is_root and not keeps_last_gathered(state)):
             unit.reshard()
         elif unit.reshard_after_forward and not state.is_root:
             root.kept = unit
+        if state.is_root:
+            _reshard_held(root)
     if grad and not in_recompute:
         register_pre_backward(state, output)
         if state.is_root:
@@ -431,6 +448,14 @@ def _release_kept(root: RootState, unit: Unit) -> None:
     kept, root.kept = root.kept, None
     if kept is not None and kept is not unit and kept.shard_state is ShardState.UNSHARDED:
         kept.reshard()
+
+
+def _reshard_held(root: RootState) -> None:
+    """Reshard the units a root forward without grad kept gathered (``root.held_without_grad``):
+    no backward follows, and the next forward must not read them after an optimizer step."""
+    held, root.held_without_grad = root.held_without_grad, None
+    for unit in held or ():
+        unit.reshard()
 
 
 def keeps_last_gathered(state: FSDPState) -> bool:

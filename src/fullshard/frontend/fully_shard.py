@@ -298,6 +298,9 @@ def _register_forward_hooks(
     def post(module: nn.Module, args: tuple, output: Any) -> Any:
         if recomputing():
             output = hooks.post_forward(state, output)
+        elif state.methods_running:  # a forward inside a registered method: the method ends the pass
+            if torch.is_grad_enabled():
+                output = hooks.register_pre_backward(state, output)
         elif id(module) in to_run and len(to_run) == 1:
             to_run.clear()
             output = hooks.post_forward(state, output)
@@ -321,18 +324,27 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """Make ``module.<method_name>(...)`` gather and free parameters as ``forward`` does (for
     methods such as ``generate`` called instead of forward).
 
+    The full parameters stay in place until the method returns, also when it calls
+    ``self(...)`` first and uses the parameters after that forward (torch's keep them only for
+    the root and ``reshard_after_forward=False`` units).
+
     Raises:
         ValueError: ``module`` was not given to fully_shard.
         AttributeError: it has no such method.
     """
-    if not hooks.is_unit(module):
+    state = hooks.fsdp_state(module)
+    if state is None:
         raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} was not given to fully_shard")
     method = getattr(type(module), method_name)
 
     @functools.wraps(method)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         args, kwargs = _run_pre_hooks(module, args, kwargs)
-        output = method(module, *args, **kwargs)
+        state.methods_running += 1
+        try:
+            output = method(module, *args, **kwargs)
+        finally:
+            state.methods_running -= 1
         return _run_post_hooks(module, args, output)
 
     setattr(module, method_name, wrapped)
