@@ -1,4 +1,5 @@
-"""torch.compile on fully_shard models, against torch's own fully_shard in the same process group.
+"""torch.compile on fully_shard models, against torch's own fully_shard in the same process group;
+and on FullyShardedDataParallel (FSDP1) models, against the same wrapper uncompiled.
 
 fullshard's FSDP hooks run outside dynamo (as torch's FSDP2 hooks do), so:
 
@@ -15,6 +16,10 @@ parameters must be torch's bitwise (fp32, 2 ranks: the same reductions). The bac
 "aot_eager" for the blocks (dynamo and AOT autograd: compiled forward and backward graphs, no
 code generation) and "eager" for the whole model (graph breaks are dynamo's alone): inductor
 needs 2-3 minutes of C++ compilation for one tiny block on this machine.
+
+The FSDP1 wrapper's pre- and post-forward run outside dynamo as well (torch's FSDP1 breaks its
+graphs around its hooks too): ``torch.compile`` of a wrapped TinyLM, one unit or one per block,
+trains as the uncompiled wrapper does.
 """
 
 from __future__ import annotations
@@ -63,8 +68,32 @@ def _train(model, opt, rank: int, world: int, steps: int) -> tuple[list[torch.Te
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach())
-        params.append([p.to_local().detach().clone() for p in model.parameters()])
+        params.append([_local(p).detach().clone() for p in model.parameters()])
     return losses, params
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """This rank's shard: a fully_shard parameter's local tensor, an FSDP1 parameter itself."""
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+def _optimizer(model: torch.nn.Module, optim: str) -> torch.optim.Optimizer:
+    if optim == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def _dynamo_result(losses: list[torch.Tensor], params: list[list[torch.Tensor]]) -> dict:
+    from torch._dynamo.utils import counters
+
+    return {
+        "losses": losses,
+        "params": params,
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "break_reasons": list(counters["graph_break"]),
+        "graphs": counters["stats"]["unique_graphs"],
+        "ops": counters["stats"]["calls_captured"],
+    }
 
 
 def _run(impl: str, base: TinyLM, mode: str, backend: str, rank: int, world: int, optim: str, steps: int = 3) -> dict:
@@ -87,22 +116,11 @@ def _run(impl: str, base: TinyLM, mode: str, backend: str, rank: int, world: int
             block.compile(fullgraph=True, backend=backend)
     fully_shard(model)
     compiled = torch.compile(model, backend=backend) if mode == "compile model" else model
-    if optim == "adamw":
-        opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    else:
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    losses, params = _train(compiled, opt, rank, world, steps)
+    losses, params = _train(compiled, _optimizer(model, optim), rank, world, steps)
     if impl == "fullshard":
         states = {fsdp_state(m).unit.training_state.name for m in model.modules() if fsdp_state(m) is not None}
         assert states == {"IDLE"}, states
-    result = {
-        "losses": losses,
-        "params": params,
-        "graph_breaks": sum(counters["graph_break"].values()),
-        "break_reasons": list(counters["graph_break"]),
-        "graphs": counters["stats"]["unique_graphs"],
-        "ops": counters["stats"]["calls_captured"],
-    }
+    result = _dynamo_result(losses, params)
     torch._dynamo.reset()
     return result
 
@@ -179,6 +197,76 @@ def test_model_compile_breaks_only_at_units() -> None:
     bitwise, and graph breaks only where units' hooks run, exactly as many as torch's FSDP2."""
     counts = run_ranks(model_compile_body, 2, timeout=600)
     assert counts[0] == EXPECTED_MODEL_BREAKS
+
+
+# torch.compile(model) of a FullyShardedDataParallel model: (units, sharding strategy, backend,
+# optimizer). The wrapper's pre- and post-forward run outside dynamo, as fully_shard's hooks do.
+# Dynamo must trace each wrapper's forward past a graph break at a nested unit's hooks: it gives
+# up on a frame at a graph break inside a try block, and then on every wrapper's forward (they
+# share one code object), compiling only what user-defined modules' own frames hold.
+FSDP1_CASES = (
+    ("whole model", "SHARD_GRAD_OP", "eager", "sgd"),
+    ("each block", "FULL_SHARD", "aot_eager", "adamw"),
+)
+
+
+def _run_fsdp1(base: TinyLM, units: str, strategy: str, backend: str | None, rank: int, world: int, optim: str) -> dict:
+    """Wrap a copy of ``base`` in fullshard's FullyShardedDataParallel (one unit, or one per
+    block as well), compile it with ``backend`` (None: not at all) and train it from fresh
+    dynamo caches and counters; the results and dynamo's counters."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    import fullshard
+    from fullshard.wrap import ModuleWrapPolicy
+
+    torch._dynamo.reset()
+    counters.clear()
+    policy = ModuleWrapPolicy({type(base.layers[0])}) if units == "each block" else None
+    model = fullshard.FSDP(
+        copy.deepcopy(base), auto_wrap_policy=policy, sharding_strategy=fullshard.ShardingStrategy[strategy]
+    )
+    compiled = model if backend is None else torch.compile(model, backend=backend)
+    losses, params = _train(compiled, _optimizer(model, optim), rank, world, steps=3)
+    assert {s.name for s in model.training_states()} == {"IDLE"}, model.training_states()
+    result = _dynamo_result(losses, params)
+    torch._dynamo.reset()
+    return result
+
+
+def fsdp1_compile_body(rank: int, world: int) -> list[str]:
+    torch.manual_seed(0)
+    base = TinyLM(layers=2)
+    done = []
+    for units, strategy, backend, optim in FSDP1_CASES:
+        what = f"torch.compile(FSDP(TinyLM)), {units}, {strategy}, {backend}, {optim}"
+        ref = _run_fsdp1(base, units, strategy, None, rank, world, optim)
+        ours = _run_fsdp1(base, units, strategy, backend, rank, world, optim)
+        # Something compiled, and every break is at a unit's hooks, skipped whole: none inside
+        # fullshard's engine. Dynamo traced the wrapper's forward through to its post-forward
+        # (having given up on it at the first hook, it would never reach the second).
+        reasons = ours["break_reasons"]
+        assert ours["graphs"] >= 1 and ours["ops"] >= 1, (what, ours)
+        assert all("torch.compiler.disable()" in reason for reason in reasons), reasons
+        assert all(any(f"function {hook} at" in r for r in reasons) for hook in ("_pre_forward", "_post_forward")), (
+            reasons
+        )
+        for step, (a, b) in enumerate(zip(ours["losses"], ref["losses"])):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=f"{what}: step {step} loss")
+        for step, (ps, qs) in enumerate(zip(ours["params"], ref["params"])):
+            for i, (p, q) in enumerate(zip(ps, qs)):
+                torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=f"{what}: step {step} parameter #{i}")
+        done.append(units)
+    return done
+
+
+@pytest.mark.timeout(600)
+def test_compiled_fsdp1_model_trains_as_the_uncompiled_one() -> None:
+    """``torch.compile`` of a FullyShardedDataParallel model, one unit or nested ones, trains at
+    2 ranks as the uncompiled wrapper does: the wrapper's hooks (the first forward's unit check
+    is a collective of Python objects) run outside dynamo, and the wrapped modules compile."""
+    done = run_ranks(fsdp1_compile_body, 2, timeout=600)
+    assert done[0] == [units for units, *_ in FSDP1_CASES]
 
 
 def test_bench_compile_refuses_a_warmup_that_would_time_compilation() -> None:

@@ -229,20 +229,23 @@ class FullyShardedDataParallel(StateDictMethods):
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._lazy_init()
-        args, kwargs = hooks.prepare_inputs(self._unit_state, (args, kwargs))
-        hooks.pre_forward(self._unit_state)
-        try:
+        # torch.compile traces only the wrapped module's forward: the unit's pre- and
+        # post-forward run outside dynamo, as fully_shard's hooks do (a compiled model breaks
+        # its graph at each). Traced, the call goes without the try: dynamo cannot resume after
+        # a graph break inside a try block (a nested unit's hooks are one), so it would run this
+        # forward, and every nested unit's (they share its code), uncompiled. A compiled forward
+        # that raises leaves its unit gathered and in FORWARD until the root's next forward,
+        # which tidies up what the last iteration left.
+        args, kwargs = _pre_forward(self, args, kwargs)
+        if torch.compiler.is_compiling():
             output = self.module(*args, **kwargs)
-        except BaseException:
-            # A failed forward leaves the unit usable: shards back, full parameters freed, IDLE.
-            # A recomputation in backward (activation checkpointing stops it early by raising)
-            # must keep the unit gathered for the rest of its backward.
-            if self.unit.training_state is TrainingState.FORWARD:
-                self.unit.reshard()
-                self.unit.training_state = TrainingState.IDLE
-            raise
-        return hooks.post_forward(self._unit_state, output)
+        else:
+            try:
+                output = self.module(*args, **kwargs)
+            except BaseException:
+                _forward_failed(self)
+                raise
+        return _post_forward(self, output)
 
     # ------------------------------------------------------------------ gradient accumulation
     @contextlib.contextmanager
@@ -288,6 +291,31 @@ class FullyShardedDataParallel(StateDictMethods):
     def training_states(self) -> list[TrainingState]:
         """The training state of every unit in this tree (all IDLE between steps)."""
         return [m.unit.training_state for m in self.fsdp_modules(self)]
+
+
+@hooks.outside_dynamo
+def _pre_forward(wrapper: FullyShardedDataParallel, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Become the root at the first forward, prepare the inputs, gather the unit."""
+    wrapper._lazy_init()
+    args, kwargs = hooks.prepare_inputs(wrapper._unit_state, (args, kwargs))
+    hooks.pre_forward(wrapper._unit_state)
+    return args, kwargs
+
+
+@hooks.outside_dynamo
+def _post_forward(wrapper: FullyShardedDataParallel, output: Any) -> Any:
+    return hooks.post_forward(wrapper._unit_state, output)
+
+
+@hooks.outside_dynamo
+def _forward_failed(wrapper: FullyShardedDataParallel) -> None:
+    """A failed forward leaves the unit usable: shards back, full parameters freed, IDLE. A
+    recomputation in backward (activation checkpointing stops it early by raising) must keep
+    the unit gathered for the rest of its backward."""
+    unit = wrapper.unit
+    if unit.training_state is TrainingState.FORWARD:
+        unit.reshard()
+        unit.training_state = TrainingState.IDLE
 
 
 FSDP = FullyShardedDataParallel
