@@ -31,6 +31,7 @@ RAY_LOCK = os.path.join(tempfile.gettempdir(), "fullshard-tests-ray.lock")
 LONGEST_FIRST = [
     "test_torchtitan.py",  # 239 s
     "test_elastic.py",  # 180 s
+    "test_launcher_signals.py",  # 160 s
     "test_gpt_job.py",  # 128 s
     "test_watchdog.py",  # 121 s
     "test_torchrun_elastic.py",  # 117 s

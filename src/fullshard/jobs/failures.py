@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from fullshard.comm.peers import CollectiveFailed, CollectiveTimeout
+from fullshard.jobs import launcher_watch
 from fullshard.state.checkpoint_errors import CheckpointError, one_line
 
 _CONSEQUENCE_DELAY_S = 0.5  # how long a worker whose collective failed waits before it exits
@@ -100,12 +102,19 @@ def _take_stdio(handles: tuple[Any, Any]) -> None:
 class Guarded:
     """``fn`` as a worker runs it: a failure prints one line and logs its traceback (picklable,
     named like ``fn`` for torch's launcher). With ``env``, the worker first takes that
-    environment (see :func:`adopt_environment`)."""
+    environment (see :func:`adopt_environment`); with ``launcher``, it ends when that process
+    ends (:func:`launcher_watch.watch`). A KeyboardInterrupt (Ctrl-C reaches every process of
+    the terminal's group; the agent passes a SIGINT on) ends it quietly with exit code 130."""
 
     def __init__(
-        self, fn: Callable[..., Any], log: Path, env: dict[str, str] | None = None, stdio: tuple[Any, Any] | None = None
+        self,
+        fn: Callable[..., Any],
+        log: Path,
+        env: dict[str, str] | None = None,
+        stdio: tuple[Any, Any] | None = None,
+        launcher: launcher_watch.Launcher | None = None,
     ) -> None:
-        self.fn, self.log, self.env, self._stdio = fn, log, env, stdio
+        self.fn, self.log, self.env, self._stdio, self.launcher = fn, log, env, stdio, launcher
         self.__name__ = getattr(fn, "__name__", "worker")
         self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
 
@@ -118,9 +127,11 @@ class Guarded:
         stdio = None
         if context.get_spawning_popen() is not None:  # multiprocessing passes these descriptors along
             stdio = (reduction.DupFd(1), reduction.DupFd(2))
-        return (Guarded, (self.fn, self.log, self.env, stdio))
+        return (Guarded, (self.fn, self.log, self.env, stdio, self.launcher))
 
     def __call__(self, *args: Any) -> Any:
+        if self.launcher is not None:
+            launcher_watch.watch(self.launcher)
         if self._stdio is not None:
             _take_stdio(self._stdio)
             self._stdio = None
@@ -128,6 +139,8 @@ class Guarded:
             adopt_environment(self.env)
         try:
             return self.fn(*args)
+        except KeyboardInterrupt:
+            raise SystemExit(130) from None  # the launcher prints the one line
         except Exception as e:
             report(e, self.log, int(os.environ.get("RANK", "0")))
             if isinstance(e, (CollectiveFailed, CollectiveTimeout)):
@@ -137,21 +150,63 @@ class Guarded:
             raise
 
 
+class _RestartLine(logging.Handler):
+    """Prints a line for each worker failure that torch's agent answers with a restart.
+
+    The agent logs each failure it sees (an ERROR record of its multiprocessing module naming the
+    exit code and local rank, the rank on one node) and restarts the workers while restarts are
+    left; its record of the restart itself is INFO, below its loggers' level.
+    """
+
+    def __init__(self, max_restarts: int) -> None:
+        super().__init__(logging.ERROR)
+        self.max_restarts, self.failures = max_restarts, 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not (isinstance(record.msg, str) and record.msg.startswith("failed (exitcode: ")):
+            return
+        if not (isinstance(record.args, tuple) and len(record.args) >= 2):
+            return
+        exitcode, rank = record.args[0], record.args[1]
+        self.failures += 1
+        if self.failures > self.max_restarts:
+            return  # the job fails; the launcher's last line says so
+        how = f"exit code {exitcode}"
+        if isinstance(exitcode, int) and exitcode < 0:
+            how = f"killed by {_signal_name(-exitcode)}"
+        sys.stderr.write(
+            f"fullshard: worker rank {rank} failed ({how}); restarting the workers "
+            f"(restart {self.failures} of {self.max_restarts}), from the newest complete checkpoint\n"
+        )
+        sys.stderr.flush()
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
 @contextlib.contextmanager
-def agent_logs_to(log: Path) -> Iterator[None]:
+def agent_logs_to(log: Path, max_restarts: int = 0) -> Iterator[None]:
     """Send torch's elastic agent's log records to ``log`` (created only if one comes) instead
-    of the console while the block runs."""
+    of the console while the block runs; print one line for each restart after a worker
+    failure (of at most ``max_restarts``)."""
     handler = logging.FileHandler(log, delay=True)
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
+    restarts = _RestartLine(max_restarts)
     loggers = [logging.getLogger(name) for name in _AGENT_LOGGERS]
     saved = [lg.propagate for lg in loggers]
     for lg in loggers:
         lg.addHandler(handler)
+        lg.addHandler(restarts)
         lg.propagate = False
     try:
         yield
     finally:
         for lg, propagate in zip(loggers, saved):
             lg.removeHandler(handler)
+            lg.removeHandler(restarts)
             lg.propagate = propagate
         handler.close()

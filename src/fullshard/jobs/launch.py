@@ -5,7 +5,10 @@
 same under ``torchrun``. If a worker fails, the launcher's agent stops the others (no hang) and
 ``launch`` raises :class:`WorkerFailed` with the first failure's message. Each failing worker
 prints one line and writes its traceback to the job's log file (:mod:`fullshard.jobs.failures`);
-``run_job`` ends with a line naming the failed rank and that file.
+``run_job`` ends with a line naming the failed rank and that file. A restart after a failure
+(``max_restarts``) prints a line naming the rank. SIGTERM or Ctrl-C to the launching process
+stops the workers and ``run_job`` prints one line (:class:`JobInterrupted`); when the launching
+process dies (SIGKILL), its workers end by themselves (:mod:`fullshard.jobs.launcher_watch`).
 
 Inside a worker, ``init_process_group()`` creates the default process group from the
 launcher's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK): gloo on CPU,
@@ -25,8 +28,10 @@ memory-bound step is 1.65x longer without them).
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
+import threading
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -36,7 +41,7 @@ import torch
 
 from fullshard import compat
 from fullshard.comm import collectives, process_groups
-from fullshard.jobs import failures
+from fullshard.jobs import failures, launcher_watch
 
 # The environment benchmark workers run with (``fullshard bench``): huge pages for large CPU
 # tensors, unless the caller's environment says otherwise. torch FSDP2 allocates fresh
@@ -65,6 +70,29 @@ class WorkerFailed(RuntimeError):
         """One line for the launcher's user: the worker's own line (printed above) is not repeated."""
         head = f"worker rank {self.rank} failed (exit code {self.exitcode})" if self.reported else str(self)
         return head + (f"; tracebacks in {self.log}" if self.log is not None else "")
+
+
+class JobInterrupted(RuntimeError):
+    """The launching process got a termination signal (SIGTERM, SIGINT, SIGHUP, SIGQUIT: the
+    ones torch's elastic agent handles); its agent has stopped the workers.
+
+    Attributes:
+        signum: the signal's number.
+    """
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal's number, the shell's convention (130 for Ctrl-C, 143 for SIGTERM)."""
+        return 128 + self.signum
+
+
+# The signals torch's agent replaces the handlers of while it runs (TORCHELASTIC_SIGNALS_TO_HANDLE's
+# default), restored after it: torch leaves its own in place.
+_AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
 def default_nproc() -> int:
@@ -97,10 +125,15 @@ def launch(
         env: more environment variables for the workers, each unless the environment already
             sets it (as :func:`worker_environment`'s).
 
+    The workers end as soon as this process ends, even by SIGKILL (see :mod:`launcher_watch`).
+
     Raises:
         ValueError: ``nproc`` < 1 or ``max_restarts`` < 0.
         WorkerFailed: a worker failed (after the restarts ran out).
+        JobInterrupted: this process got SIGTERM, SIGINT (Ctrl-C), SIGHUP or SIGQUIT; the workers
+            were stopped.
     """
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -127,14 +160,31 @@ def launch(
     )
     os.environ.update(added)
     log = failures.log_path(config.run_id)
+    guarded = failures.Guarded(fn, log, dict(os.environ), launcher=launcher_watch.this_process())
+    handlers = {s: signal.getsignal(s) for s in _AGENT_SIGNALS}
     try:
-        with failures.agent_logs_to(log):
-            return elastic_launch(config, failures.Guarded(fn, log, dict(os.environ)))(*args)
+        with failures.agent_logs_to(log, max_restarts):
+            return elastic_launch(config, guarded)(*args)
     except ChildFailedError as e:
         raise _failed(e, log) from None
+    except SignalException as e:  # the agent has stopped the workers
+        raise JobInterrupted(e.sigval) from None
+    except KeyboardInterrupt:  # before the agent's handlers were in place, or after
+        raise JobInterrupted(signal.SIGINT) from None
     finally:
         for k in added:
             os.environ.pop(k, None)
+        _restore_handlers(handlers)
+
+
+def _restore_handlers(handlers: dict[signal.Signals, Any]) -> None:
+    """Put back the signal handlers torch's agent replaced (it leaves its own, which raise its
+    SignalException wherever this process is next, long after the job)."""
+    if threading.current_thread() is not threading.main_thread():
+        return  # torch's agent did not replace them either
+    for sig, handler in handlers.items():
+        if handler is not None:  # None: not set from Python; leave it
+            signal.signal(sig, handler)
 
 
 FORKSERVER_PRELOAD = ("torch", "torch.distributed", compat.DYNAMO, "fullshard", "fullshard.jobs.launch")
@@ -239,7 +289,9 @@ def run_job(name: str, worker: Callable[[Any], Any], cfg: Any, nproc: int, max_r
     Returns:
         (exit code, rank 0's return value or None). A worker failure gives exit code 1: each
         failing worker prints its one line (``fullshard: ...``), then a line prefixed with
-        ``name`` names the failed rank and the log file holding the tracebacks.
+        ``name`` names the failed rank and the log file holding the tracebacks. A termination
+        signal to this process (Ctrl-C, SIGTERM) stops the workers and gives 128 + the signal's
+        number, after one line naming the signal and the newest complete checkpoint.
     """
     if getattr(cfg, "launcher", "torch") == "ray":
         from fullshard.jobs import ray_launcher
@@ -258,7 +310,27 @@ def run_job(name: str, worker: Callable[[Any], Any], cfg: Any, nproc: int, max_r
     except WorkerFailed as e:
         print(f"{name}: {e.summary()}", file=sys.stderr)
         return 1, None
+    except JobInterrupted as e:
+        print(f"{name}: {e}; the workers were stopped; {_newest_checkpoint(cfg)}", file=sys.stderr)
+        return e.exit_code, None
     return 0, results.get(0)
+
+
+def _newest_checkpoint(cfg: Any) -> str:
+    """Where the job's newest complete checkpoint is, in words for the interrupted job's line."""
+    root = getattr(cfg, "checkpoint_dir", None)
+    if not root:
+        return "no checkpoints (no --checkpoint-dir)"
+    import warnings
+
+    from fullshard import checkpoint
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the newer, unfinished folders it passes over: not news here
+        newest = checkpoint.latest(root) if os.path.isdir(root) else None
+    if newest is None:
+        return f"no complete checkpoint in {root} yet"
+    return f"newest complete checkpoint: {newest} (a rerun resumes from it)"
 
 
 def init_process_group(timeout_s: float = 300.0) -> torch.device:
