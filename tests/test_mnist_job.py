@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from dist import patched, run_ranks
 from mnist_idx import train_subset
 
 BIN = Path(sys.executable).parent
@@ -116,3 +121,80 @@ def test_mnist_under_torchrun_bf16_learns_in_one_epoch_of_an_eighth_of_the_data(
     (last,) = _records(metrics)
     assert last["epoch"] == 1 and last["test_accuracy"] >= 0.45, last
     assert len(last["sharded_state_bytes"]) == 2, last
+
+
+class _Noted(torch.utils.data.Dataset):
+    """A training set that notes the index of every image it hands out, in order."""
+
+    def __init__(self, inner: torch.utils.data.Dataset) -> None:
+        self.inner, self.seen = inner, []
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.seen.append(i)
+        return self.inner[i]
+
+
+def mnist_body(rank: int, world: int, argv: list[str]) -> tuple[dict | None, str, list[int]]:
+    """The job's ranks in kept test ranks (no launcher): rank 0's record, what the rank printed,
+    and the training images it trained, in order."""
+    from fullshard.jobs.data import mnist as mnist_data
+    from fullshard.jobs.train import mnist
+
+    real, noted = mnist_data.load, []
+
+    def load(data_dir: str | None) -> tuple[_Noted, torch.utils.data.Dataset]:
+        train, test = real(data_dir)
+        noted.append(_Noted(train))
+        return noted[0], test
+
+    out = io.StringIO()
+    with patched(mnist_data, load=load), contextlib.redirect_stdout(out):
+        record = mnist._run(mnist.parse_args(["--nproc", str(world), *argv]), torch.device("cpu"))
+    return record, out.getvalue(), noted[0].seen
+
+
+def _train(tmp: Path, nproc: int, ckpt: str, *more: str) -> tuple[dict, str, list[list[int]]]:
+    """One epoch on ``tmp/data`` (1,000 training images) at ``nproc`` ranks: rank 0's record and
+    output, and each rank's images in the order trained."""
+    args = ["--epochs", "1", "--data-dir", str(tmp / "data"), "--checkpoint-dir", str(tmp / ckpt), "--no-progress"]
+    ranks = run_ranks(mnist_body, nproc, [*args, *more], timeout=200)
+    return ranks[0][0], ranks[0][1], [seen for _, _, seen in ranks]
+
+
+@pytest.mark.timeout(600)
+def test_mnist_resumes_at_other_world_sizes_with_the_samples_not_yet_trained(tmp_path: Path) -> None:
+    """A 2-rank epoch of 1,000 images (8 steps of 64 per rank) saves at steps 4 (512 samples of
+    the epoch's order trained) and 8 (the epoch's end). Resumed from step 4 at 1 rank, the epoch
+    trains the other 488, each once (8 steps; it trained the 1-rank order's batches 4-15:
+    repeats and omissions); at 3 ranks too, 163 per rank, one image twice as padding. Rank 2 did
+    not exist at the save and continues where ranks 0 and 1 do (it crashed). Resumed from step 8
+    at 3 ranks, nothing is left to train: the epoch's record is the 2-rank run's, and its
+    throughput that of this run, 0 (it was the restored samples over the time of the test set)."""
+    train_subset(tmp_path / "data", 0.25, 0.2)
+    ref, _, ref_seen = _train(tmp_path, 2, "c2", "--checkpoint-every", "4")
+    assert sorted(i for seen in ref_seen for i in seen) == list(range(1000))
+    before = [i for seen in ref_seen for i in seen[: 4 * 64]]  # what the checkpoint of step 4 trained
+    for name, step, nproc in (("a3", 4, 3), ("a1", 4, 1), ("b3", 8, 3)):
+        saved = f"step_{step:08d}"
+        shutil.copytree(tmp_path / "c2" / saved, tmp_path / name / saved)
+        rec, out, seen = _train(tmp_path, nproc, name)
+        if step == 4:
+            count = collections.Counter(before + [i for s in seen for i in s])
+            assert sorted(count) == list(range(1000)), f"{1000 - len(count)} images left out"
+            assert sum(count.values()) == (1000 if nproc == 1 else 1001), f"{sum(count.values())} handed out"
+            assert len({len(s) for s in seen}) == 1, [len(s) for s in seen]  # the same steps on every rank
+        at = 512 if step == 4 else 1000
+        assert f"{saved} at epoch 1, sample {at} of its order (saved at 2 ranks)" in out, out[-2000:]
+        assert len(rec["peak_rss_bytes"]) == nproc, rec
+        if step == 4:
+            assert rec["train_samples"] == sum(count.values()), rec
+            assert rec["samples_per_second"] > 0 and 0 < rec["mfu"] < 1 and rec["train_loss"] > 0, rec
+        else:
+            assert seen == [[]] * nproc
+            for key in ("train_loss", "train_samples", "grad_norm", "lr"):
+                assert rec[key] == pytest.approx(ref[key], rel=1e-12), key
+            assert rec["samples_per_second"] == 0 and rec["mfu"] == 0, rec
+    assert ref["train_samples"] == 1000 and ref["samples_per_second"] > 0, ref

@@ -20,11 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.optim.lr_scheduler import StepLR
-from torch.utils.data import DataLoader, DistributedSampler, Subset
+from torch.utils.data import DataLoader, Subset
 
 from fullshard import distributed, memory_report, model_state_bytes
 from fullshard.jobs import launch
 from fullshard.jobs.data import mnist as mnist_data
+from fullshard.jobs.data.sampler import ResumableSampler
 from fullshard.jobs.models.net import Net
 from fullshard.jobs.train import fsdp_options, launcher_options, observe, plan_options, resume_options
 from fullshard.jobs.train.report import MetricsFile, mib
@@ -119,11 +120,9 @@ def parse_args(argv: Sequence[str]) -> MnistConfig:
         raise  # unreachable: p.exit exits
 
 
-def _loaders(cfg: MnistConfig, rank: int, world: int) -> tuple[DataLoader, DataLoader, DistributedSampler]:
+def _loaders(cfg: MnistConfig, rank: int, world: int) -> tuple[DataLoader, DataLoader, ResumableSampler]:
     train_set, test_set = mnist_data.load(cfg.data_dir)
-    sampler: DistributedSampler = DistributedSampler(
-        train_set, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed
-    )
+    sampler = ResumableSampler(train_set, num_replicas=world, rank=rank, seed=cfg.seed)
     train = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler)
     # Test on a strided, unpadded share of the test set so every image counts exactly once.
     test = DataLoader(Subset(test_set, range(rank, len(test_set), world)), batch_size=cfg.test_batch_size)
@@ -132,12 +131,16 @@ def _loaders(cfg: MnistConfig, rank: int, world: int) -> tuple[DataLoader, DataL
 
 @dataclasses.dataclass
 class _Position:
-    """Where training stands: what a checkpoint must restore for an exact resume."""
+    """Where training stands, the same on every rank: what a checkpoint must restore for an
+    exact resume. It is global, so it holds at any world size: rank 0's checkpoint extra carries
+    it and every rank loads it from there; each rank's extra carries its own RNG state."""
 
     epoch: int = 1
-    batch: int = 0  # batches of ``epoch`` already trained
+    sample: int = 0  # samples of ``epoch``'s order trained, all ranks together (ResumableSampler)
     step: int = 0  # optimizer steps in all
-    stats: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.0])  # this epoch's loss sum, samples
+    # this epoch's loss sum and samples, all ranks together, trained before this run's part of it
+    stats: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.0])
+    norm: float = 0.0  # the global grad norm of the epoch's last step, once it is trained
     rng: Any = None  # this rank's torch RNG state after ``step`` (dropout)
 
 
@@ -151,29 +154,30 @@ def _train_epoch(
     after_step: Any,
     obs: observe.Observer,
 ) -> torch.Tensor:
-    """Train the rest of an epoch; (loss sum, samples, the last step's grad norm), float64, this rank."""
+    """Train the rest of an epoch (the loader's sampler starts at ``pos.sample``); this rank's
+    (loss sum, samples) of this part and the epoch's last grad norm, float64."""
     model.train()
     obs.start_window()
-    stats = torch.tensor([*pos.stats, 0.0], dtype=torch.float64, device=device)  # loss sum, samples, norm
+    world = loader.sampler.num_replicas  # type: ignore[attr-defined]
+    stats = torch.tensor([0.0, 0.0, pos.norm], dtype=torch.float64, device=device)  # loss sum, samples, norm
     batches = iter(loader)  # creating it draws from the RNG, so a resume restores the RNG after
-    for _ in range(pos.batch):
-        next(batches)
     if pos.rng is not None:
         torch.set_rng_state(pos.rng)
         pos.rng = None
-    for data, target in batches:
+    for i, (data, target) in enumerate(batches):
         data, target = data.to(device), target.to(device)
         optimizer.zero_grad()
         obs.step_started(pos.step)
         loss = F.nll_loss(model(data).float(), target, reduction="sum")
         loss.backward()
-        if pos.batch == len(loader) - 1:  # the epoch's last step: its global norm goes in the record
+        if i == len(loader) - 1:  # the epoch's last step: its global norm goes in the record
             stats[2] = fsdp_options.clip_grad_norm_(model, math.inf).item()
         optimizer.step()
         stats[0] += loss.item()
         stats[1] += len(data)
-        pos.batch, pos.step, pos.stats = pos.batch + 1, pos.step + 1, stats[:2].tolist()
-        after_step(pos)
+        # Every rank's batch has this length (the sampler deals each the same count).
+        pos.sample, pos.step, pos.norm = pos.sample + world * len(data), pos.step + 1, stats[2].item()
+        after_step(pos, stats)
         obs.step_finished(pos.step - 1)
         if bar is not None:
             bar.update(1)
@@ -236,43 +240,46 @@ def _run(cfg: MnistConfig, device: torch.device) -> dict[str, Any] | None:
         print(f"{model}\n{memory_report(model, optimizer).summary()}", flush=True)
     scheduler = StepLR(optimizer, step_size=1, gamma=cfg.gamma)
     session = open_session(cfg)
-    pos = _resume(session, model, optimizer, scheduler)
+    pos = _resume(session, model, optimizer, scheduler, cfg.batch_size)
     metrics = MetricsFile(cfg.metrics_file, rank == 0, append=pos.step > 0)
     bar = _progress(cfg, rank, len(train_loader))
     obs = _observer(cfg, device, cfg.epochs * len(train_loader))
     record: dict[str, Any] | None = None
 
-    def after_step(p: _Position) -> None:
+    def after_step(p: _Position, trained: torch.Tensor) -> None:
         if cfg.checkpoint_every and p.step % cfg.checkpoint_every == 0:
-            extra = {**dataclasses.asdict(p), "rng": torch.get_rng_state(), "scheduler": scheduler.state_dict()}
-            session.save(p.step, model, optimizer, extra)
+            session.save(p.step, model, optimizer, _checkpoint_extra(p, trained, scheduler))
 
     for epoch in range(pos.epoch, cfg.epochs + 1):
         sampler.set_epoch(epoch)
+        sampler.set_start(pos.sample)
         start = time.perf_counter()
         if bar is not None:
             bar.reset()
             bar.set_description(f"epoch {epoch}/{cfg.epochs}")
-        steps = len(train_loader) - pos.batch
-        train_stats = _train_epoch(model, train_loader, optimizer, device, bar, pos, after_step, obs)
-        pos.epoch, pos.batch, pos.stats = epoch + 1, 0, [0.0, 0.0]
+        steps, before = len(train_loader), torch.tensor(pos.stats, dtype=torch.float64, device=device)
+        trained = _train_epoch(model, train_loader, optimizer, device, bar, pos, after_step, obs)
+        pos.epoch, pos.sample, pos.stats, pos.norm = epoch + 1, 0, [0.0, 0.0], 0.0
         test_stats = _test(model, test_loader, device)
         lr = scheduler.get_last_lr()[0]
         scheduler.step()
         seconds = time.perf_counter() - start
-        norm = train_stats[2].item()  # the same on every rank: read before the sum
-        distributed.all_reduce(train_stats, group)
+        norm = trained[2].item()  # the same on every rank: read before the sum
+        distributed.all_reduce(trained, group)
         distributed.all_reduce(test_stats, group)
+        train_stats = before + trained[:2]  # the epoch's, with the part trained before a resume
         record = {
             "epoch": epoch,
             "train_loss": train_stats[0].item() / train_stats[1].item(),
+            "train_samples": round(train_stats[1].item()),
             "test_loss": test_stats[0].item() / test_stats[2].item(),
             "test_accuracy": test_stats[1].item() / test_stats[2].item(),
             "grad_norm": norm,
             "lr": lr,
             "epoch_seconds": seconds,
         }
-        samples = round(train_stats[1].item())
+        # Throughput of what this run trained: samples restored from a checkpoint took no time here.
+        samples = round(trained[1].item())
         record.update(obs.window(steps, samples, model_state_bytes(model, optimizer)["total"]))
         _print_epoch(record, cfg.epochs, bar if rank == 0 else False)
         metrics.write(record)
@@ -292,17 +299,55 @@ def _observer(cfg: MnistConfig, device: torch.device, total_steps: int) -> obser
     return observe.Observer(cfg, device, flops, peak, total_steps, bar=False)  # the job has its own bar
 
 
-def _resume(session: Session, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: StepLR) -> _Position:
-    """The session's newest checkpoint loaded, if any; where to continue."""
+def _checkpoint_extra(pos: _Position, trained: torch.Tensor, scheduler: StepLR) -> dict[str, Any]:
+    """This rank's extra state for a checkpoint after ``pos.step`` (collective: it sums the
+    ranks' statistics): its RNG state, and on rank 0 the position with the whole epoch's
+    statistics so far and the scheduler, which every rank loads from rank 0's file."""
+    group = distributed.default_group()
+    done = trained[:2].clone()  # this rank's loss sum and samples of this run's part of the epoch
+    distributed.all_reduce(done, group)
+    extra: dict[str, Any] = {"rng": torch.get_rng_state()}
+    if distributed.group_rank(group) == 0:
+        saved = dataclasses.replace(pos, stats=[a + b for a, b in zip(pos.stats, done.tolist())], rng=None)
+        position = {k: v for k, v in dataclasses.asdict(saved).items() if k != "rng"}
+        extra["position"] = {**position, "world": distributed.group_size(group), "scheduler": scheduler.state_dict()}
+    return extra
+
+
+def _resume(
+    session: Session, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: StepLR, batch_size: int
+) -> _Position:
+    """The session's newest checkpoint loaded, if any; where to continue (collective).
+
+    The position comes from rank 0's extra, broadcast, so ranks that did not exist when the
+    checkpoint was saved continue from the same sample as the others; each rank restores its own
+    RNG state if the checkpoint has one for it (a new rank keeps its own)."""
     resumed = session.resume(model, optimizer)
     if resumed is None:
         return _Position()
-    extra = dict(resumed.extra)
-    scheduler.load_state_dict(extra.pop("scheduler"))
-    pos = _Position(**extra)
-    if distributed.group_rank(distributed.default_group()) == 0:
-        print(f"resumed from {resumed.path} at epoch {pos.epoch}, batch {pos.batch}", flush=True)
+    group = distributed.default_group()
+    rank = distributed.group_rank(group)
+    shared = {k: v for k, v in resumed.extra.items() if k != "rng"} if rank == 0 else None
+    shared = distributed.broadcast_object(shared, 0, group)
+    saved = shared["position"] if "position" in shared else _legacy_position(shared, resumed.extra, batch_size)
+    scheduler.load_state_dict(saved["scheduler"])
+    fields = {f.name for f in dataclasses.fields(_Position)}
+    pos = _Position(**{k: v for k, v in saved.items() if k in fields}, rng=resumed.extra.get("rng"))
+    if rank == 0:
+        at = f"at epoch {pos.epoch}, sample {pos.sample} of its order"
+        print(f"resumed from {resumed.path} {at} (saved at {saved['world'] or '?'} ranks)", flush=True)
     return pos
+
+
+def _legacy_position(shared: dict[str, Any], mine: dict[str, Any], batch_size: int) -> dict[str, Any]:
+    """The position of a checkpoint saved before positions were global: every rank's extra held
+    its own ``batch`` count and ``stats``. Exact only at the world size and batch size that saved
+    it, which it does not record (collective: sums the ranks' statistics)."""
+    group = distributed.default_group()
+    stats = torch.tensor(mine.get("stats", [0.0, 0.0]), dtype=torch.float64)
+    distributed.all_reduce(stats, group)
+    sample = shared["batch"] * batch_size * distributed.group_size(group)
+    return {**shared, "sample": sample, "stats": stats.tolist(), "world": None}
 
 
 def _progress(cfg: MnistConfig, rank: int, total: int) -> Any:
