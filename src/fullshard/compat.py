@@ -162,6 +162,19 @@ def version_counter(t: torch.Tensor) -> int:
     return int(t._version)
 
 
+def optimizer_step_hooks(optimizer: torch.optim.Optimizer) -> tuple[list[Any], list[Any], list[Any], list[Any]]:
+    """The step hooks torch runs around ``optimizer.step()``, each list in its order: global
+    pre-hooks, the optimizer's own pre-hooks, its own post-hooks, global post-hooks."""
+    from torch.optim import optimizer as module
+
+    return (
+        list(module._global_optimizer_pre_hooks.values()),
+        list(optimizer._optimizer_step_pre_hooks.values()),
+        list(optimizer._optimizer_step_post_hooks.values()),
+        list(module._global_optimizer_post_hooks.values()),
+    )
+
+
 def is_view(t: torch.Tensor) -> bool:
     """Whether ``t`` is a view of another tensor (``Tensor._base``, documented but underscored)."""
     return t._base is not None

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fullshard import probes
+from fullshard import compat, probes
 from fullshard.comm import buffers, collectives, quantized
 from fullshard.engine.layout import UnitLayout
 from fullshard.engine.sharded_param import ShardedParam, ShardSpec
@@ -200,12 +200,12 @@ class GradReducer:
         assert sp.shard is not None
         grad = sp.shard.grad
         if grad is not None:
-            return sp, grad, grad._version, False
+            return sp, grad, compat.version_counter(grad), False
         placeholder = torch.zeros_like(sp.local)  # its own storage: a zero_() of another leaves it
         sp.set_grad(placeholder)
         grad = sp.shard.grad
         assert grad is not None
-        return sp, grad, grad._version, True
+        return sp, grad, compat.version_counter(grad), True
 
     def drop_if_zeroed(self) -> None:
         """Before the next forward or backward: drop the unsynced gradient of each shard whose
@@ -220,7 +220,7 @@ class GradReducer:
         for sp, grad, version, placeholder in marks:
             assert sp.shard is not None
             now = sp.shard.grad
-            if now is None or now is not grad or (now._version != version and not bool(now.any())):
+            if now is None or now is not grad or (compat.version_counter(now) != version and not bool(now.any())):
                 zeroed.append(sp)
             if placeholder and now is grad:
                 sp.shard.grad = None

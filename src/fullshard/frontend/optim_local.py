@@ -178,12 +178,9 @@ def _step_sees_params(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) 
     # torch passes the hooks step's own arguments, the optimizer first: (optimizer, closure).
     if (len(args) > 1 and args[1] is not None) or kwargs.get("closure") is not None:
         return True
-    if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
+    pre, own_pre, own_post, post = compat.optimizer_step_hooks(optimizer)
+    if own_pre or own_post:
         return True
-    from torch.optim import optimizer as torch_optimizer
-
-    pre = list(torch_optimizer._global_optimizer_pre_hooks.values())
-    post = list(torch_optimizer._global_optimizer_post_hooks.values())
     harmless = {_post_step, getattr(sys.modules.get("torch.profiler"), "_optimizer_post_hook", None)}
     inside = pre[pre.index(_pre_step) + 1 :] if _pre_step in pre else pre
     inside += post[: post.index(_post_step)] if _post_step in post else post
