@@ -17,7 +17,7 @@ vocabulary (row, block, scale, packed row) is :mod:`fullshard.comm.quantize`'s.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -154,6 +154,25 @@ def rounding_generator(device: torch.device) -> torch.Generator:
         generator = _GENERATORS[key] = torch.Generator(device=device)
         generator.manual_seed(_SEED + rank)
     return generator
+
+
+def rounding_state() -> dict[str, torch.Tensor]:
+    """The state of this process's rounding generators, by device (``{}`` before any int8
+    reduce-scatter): what a checkpoint keeps so that a resumed run rounds as an uninterrupted
+    one would."""
+    return {key: generator.get_state() for key, generator in _GENERATORS.items()}
+
+
+def set_rounding_state(states: Mapping[str, torch.Tensor]) -> None:
+    """Restore generators saved by :func:`rounding_state`, as a resumed run does (after the
+    process group is up). A device without a saved state keeps its generator seeded from the
+    global rank (a rank that did not exist at the save starts as in a new run); a state for a
+    device this process cannot use (CUDA without a GPU) is ignored."""
+    for key, state in states.items():
+        device = torch.device(key)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            continue
+        rounding_generator(device).set_state(state)
 
 
 def reset_generators() -> None:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fullshard import apply_activation_checkpointing, distributed, memory_report, model_state_bytes, set_step
+from fullshard.comm import quantized
 from fullshard.jobs import launch
 from fullshard.jobs.data import text as text_data
 from fullshard.jobs.data.text import ByteCorpus
@@ -287,7 +288,7 @@ def train_loop(
             obs.write(record, step + 1)
             session.report(record)
         if cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps):
-            session.save(step + 1, model, optimizer, {"step": step + 1, "rng": torch.get_rng_state()})
+            session.save(step + 1, model, optimizer, _extra(step + 1))
         if logged:
             window.zero_()
             obs.start_window()
@@ -327,18 +328,26 @@ def _observer(cfg: GPTJobConfig, device: torch.device, plain: Callable[[], nn.Mo
     return obs
 
 
+def _extra(step: int) -> dict[str, Any]:
+    """This rank's state a checkpoint keeps besides the model and optimizer: the step, torch's
+    RNG state and the stochastic rounding generators' (``--comm-quant`` int8 gradients)."""
+    return {"step": step, "rng": torch.get_rng_state(), "rounding_rng": quantized.rounding_state()}
+
+
 def _resume(session: Session, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Load the newest checkpoint of the session, if any; the step to continue from.
 
     Everything that decides the rest of the run comes back: parameters, optimizer state, the
-    step (which fixes the learning rate and the data), and the RNG state (a rank that did not
-    exist when the checkpoint was saved keeps its own).
+    step (which fixes the learning rate and the data), and the RNG states, torch's and the
+    stochastic rounding's (a rank that did not exist when the checkpoint was saved keeps its own:
+    the job's seed, and its rank's rounding seed).
     """
     resumed = session.resume(model, optimizer)
     if resumed is None:
         return 0
     if "rng" in resumed.extra:
         torch.set_rng_state(resumed.extra["rng"])
+    quantized.set_rounding_state(resumed.extra.get("rounding_rng", {}))
     if distributed.group_rank(distributed.default_group()) == 0:
         print(f"resumed from {resumed.path} at step {resumed.step}", flush=True)
     return resumed.step

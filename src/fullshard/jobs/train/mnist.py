@@ -23,6 +23,7 @@ from torch.optim.lr_scheduler import StepLR
 from torch.utils.data import DataLoader, Subset
 
 from fullshard import distributed, memory_report, model_state_bytes
+from fullshard.comm import quantized
 from fullshard.jobs import launch
 from fullshard.jobs.data import mnist as mnist_data
 from fullshard.jobs.data.sampler import ResumableSampler
@@ -306,7 +307,7 @@ def _checkpoint_extra(pos: _Position, trained: torch.Tensor, scheduler: StepLR) 
     group = distributed.default_group()
     done = trained[:2].clone()  # this rank's loss sum and samples of this run's part of the epoch
     distributed.all_reduce(done, group)
-    extra: dict[str, Any] = {"rng": torch.get_rng_state()}
+    extra: dict[str, Any] = {"rng": torch.get_rng_state(), "rounding_rng": quantized.rounding_state()}
     if distributed.group_rank(group) == 0:
         saved = dataclasses.replace(pos, stats=[a + b for a, b in zip(pos.stats, done.tolist())], rng=None)
         position = {k: v for k, v in dataclasses.asdict(saved).items() if k != "rng"}
@@ -327,10 +328,12 @@ def _resume(
         return _Position()
     group = distributed.default_group()
     rank = distributed.group_rank(group)
-    shared = {k: v for k, v in resumed.extra.items() if k != "rng"} if rank == 0 else None
+    own = ("rng", "rounding_rng")  # each rank's own
+    shared = {k: v for k, v in resumed.extra.items() if k not in own} if rank == 0 else None
     shared = distributed.broadcast_object(shared, 0, group)
     saved = shared["position"] if "position" in shared else _legacy_position(shared, resumed.extra, batch_size)
     scheduler.load_state_dict(saved["scheduler"])
+    quantized.set_rounding_state(resumed.extra.get("rounding_rng", {}))  # --comm-quant's stochastic rounding
     fields = {f.name for f in dataclasses.fields(_Position)}
     pos = _Position(**{k: v for k, v in saved.items() if k in fields}, rng=resumed.extra.get("rng"))
     if rank == 0:
