@@ -251,3 +251,25 @@ def test_int8_gradients_resume_exactly(tmp_path: Path) -> None:
     a, b = torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt")
     assert a.keys() == b.keys()
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
+
+
+@pytest.mark.timeout(300)
+def test_a_finished_run_started_again_says_so(tmp_path: Path) -> None:
+    """Started again on its own checkpoint at ``--steps``, the job trains nothing and says so,
+    with the final validation loss (it printed nothing and left an empty metrics file); a
+    ``--steps`` below the checkpoint's step is refused, naming --steps."""
+    job = ["--nproc", "2", "--seq-len", "32", "--batch-size", "2", "--eval-batches", "1", "--peak-tflops", "1"]
+    job += ["--checkpoint-every", "2", "--checkpoint-dir", str(tmp_path / "ckpt")]
+    first = _run([*job, "--steps", "2"], tmp_path, 280)
+    loss = first.stdout.split("final validation loss ")[1].split()[0]
+    again = _run([*job, "--steps", "2", "--metrics-file", str(tmp_path / "m.jsonl")], tmp_path, 280)
+    assert "the checkpoint is at --steps 2 already: nothing to train" in again.stdout, again.stdout[-2000:]
+    assert f"final validation loss {loss} nats/byte after 2 steps" in again.stdout, again.stdout[-2000:]
+    assert not (tmp_path / "m.jsonl").exists()
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
+    below = subprocess.run(
+        [str(BIN / "fullshard"), "train", "gpt", *job, "--steps", "1"], capture_output=True, text=True, env=env
+    )
+    assert below.returncode == 1, below.stdout[-2000:] + below.stderr[-2000:]
+    assert "ValueError: --steps 1 is below the step of the checkpoint resumed from, 2" in below.stderr, below.stderr
+    assert "pass --steps 2 or more" in below.stderr and "final validation loss" not in below.stdout

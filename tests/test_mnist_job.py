@@ -198,3 +198,28 @@ def test_mnist_resumes_at_other_world_sizes_with_the_samples_not_yet_trained(tmp
                 assert rec[key] == pytest.approx(ref[key], rel=1e-12), key
             assert rec["samples_per_second"] == 0 and rec["mfu"] == 0, rec
     assert ref["train_samples"] == 1000 and ref["samples_per_second"] > 0, ref
+def _past_epochs_body(rank: int, world: int) -> str:
+    """``mnist._resume`` on a stand-in session whose checkpoint is in epoch 3, with --epochs 2."""
+    from torch.optim.lr_scheduler import StepLR
+
+    from fullshard.jobs.train import mnist
+    from fullshard.jobs.train.session import Resumed
+
+    class Saved:
+        def resume(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Resumed:
+            position = {"epoch": 3, "sample": 320, "step": 65, "stats": [0.0, 0.0], "world": 1}
+            extra = {"rng": None, "position": {**position, "scheduler": StepLR(optimizer, 1).state_dict()}}
+            return Resumed(65, extra, "ckpt/step_00000065")
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.Adadelta(model.parameters())
+    with pytest.raises(ValueError, match=r"--epochs 2 is below the epoch of the checkpoint resumed from, 3 ") as e:
+        mnist._resume(Saved(), model, optimizer, StepLR(optimizer, 1), 64, 2)  # type: ignore[arg-type]
+    return str(e.value)
+
+
+@pytest.mark.timeout(120)
+def test_epochs_below_the_checkpoints_epoch_are_refused() -> None:
+    """A checkpoint in epoch 3 and ``--epochs 2``: the job trained nothing and exited 0 without a
+    word; now the resume refuses, naming --epochs (one kept test rank; the session is a stand-in)."""
+    assert "--epochs 3 or more" in run_ranks(_past_epochs_body, 1, timeout=100)[0]

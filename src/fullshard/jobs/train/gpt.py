@@ -263,7 +263,9 @@ def train_loop(
     if rank == 0:
         print(memory_report(model, optimizer).summary(), flush=True)
     session = open_session(cfg)
-    first = _resume(session, model, optimizer)
+    first = _resume(session, model, optimizer, cfg.steps)
+    if first == cfg.steps:  # a finished run started again: nothing to train
+        return _already_trained(cfg, model, val, device)
     metrics = MetricsFile(cfg.metrics_file, rank == 0, append=first > 0)
     obs = _observer(cfg, device, plain, first)
     record: dict[str, Any] | None = None
@@ -334,17 +336,37 @@ def _extra(step: int) -> dict[str, Any]:
     return {"step": step, "rng": torch.get_rng_state(), "rounding_rng": quantized.rounding_state()}
 
 
-def _resume(session: Session, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+def _already_trained(cfg: GPTJobConfig, model: nn.Module, val: list, device: torch.device) -> dict[str, Any] | None:
+    """A run whose checkpoint is at ``--steps`` already: say so, evaluate, save the model
+    (``--save-model``) and return the final record on rank 0 (collective)."""
+    loss = evaluate(model, val, device)
+    rank = distributed.group_rank(distributed.default_group())
+    if rank == 0:
+        line = f"the checkpoint is at --steps {cfg.steps} already: nothing to train (raise --steps to go on)"
+        print(line, flush=True)
+    fsdp_options.save_full_model(model, cfg.save_model)
+    return {"step": cfg.steps, "val_loss": loss} if rank == 0 else None
+
+
+def _resume(session: Session, model: nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> int:
     """Load the newest checkpoint of the session, if any; the step to continue from.
 
     Everything that decides the rest of the run comes back: parameters, optimizer state, the
     step (which fixes the learning rate and the data), and the RNG states, torch's and the
     stochastic rounding's (a rank that did not exist when the checkpoint was saved keeps its own:
     the job's seed, and its rank's rounding seed).
+
+    Raises:
+        ValueError: the checkpoint is past ``steps`` (``--steps``), which would train nothing.
     """
     resumed = session.resume(model, optimizer)
     if resumed is None:
         return 0
+    if resumed.step > steps:
+        raise ValueError(
+            f"--steps {steps} is below the step of the checkpoint resumed from, {resumed.step} ({resumed.path}): "
+            f"pass --steps {resumed.step} or more to go on from it, or another --checkpoint-dir to start afresh"
+        )
     if "rng" in resumed.extra:
         torch.set_rng_state(resumed.extra["rng"])
     quantized.set_rounding_state(resumed.extra.get("rounding_rng", {}))

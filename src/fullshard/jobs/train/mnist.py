@@ -241,7 +241,7 @@ def _run(cfg: MnistConfig, device: torch.device) -> dict[str, Any] | None:
         print(f"{model}\n{memory_report(model, optimizer).summary()}", flush=True)
     scheduler = StepLR(optimizer, step_size=1, gamma=cfg.gamma)
     session = open_session(cfg)
-    pos = _resume(session, model, optimizer, scheduler, cfg.batch_size)
+    pos = _resume(session, model, optimizer, scheduler, cfg.batch_size, cfg.epochs)
     metrics = MetricsFile(cfg.metrics_file, rank == 0, append=pos.step > 0)
     bar = _progress(cfg, rank, len(train_loader))
     obs = _observer(cfg, device, cfg.epochs * len(train_loader))
@@ -316,13 +316,22 @@ def _checkpoint_extra(pos: _Position, trained: torch.Tensor, scheduler: StepLR) 
 
 
 def _resume(
-    session: Session, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: StepLR, batch_size: int
+    session: Session,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: StepLR,
+    batch_size: int,
+    epochs: int,
 ) -> _Position:
     """The session's newest checkpoint loaded, if any; where to continue (collective).
 
     The position comes from rank 0's extra, broadcast, so ranks that did not exist when the
     checkpoint was saved continue from the same sample as the others; each rank restores its own
-    RNG state if the checkpoint has one for it (a new rank keeps its own)."""
+    RNG state if the checkpoint has one for it (a new rank keeps its own).
+
+    Raises:
+        ValueError: the checkpoint is in an epoch past ``epochs`` (``--epochs``): nothing to train.
+    """
     resumed = session.resume(model, optimizer)
     if resumed is None:
         return _Position()
@@ -336,6 +345,11 @@ def _resume(
     quantized.set_rounding_state(resumed.extra.get("rounding_rng", {}))  # --comm-quant's stochastic rounding
     fields = {f.name for f in dataclasses.fields(_Position)}
     pos = _Position(**{k: v for k, v in saved.items() if k in fields}, rng=resumed.extra.get("rng"))
+    if pos.epoch > epochs:
+        raise ValueError(
+            f"--epochs {epochs} is below the epoch of the checkpoint resumed from, {pos.epoch} ({resumed.path}): "
+            f"pass --epochs {pos.epoch} or more to go on from it, or another --checkpoint-dir to start afresh"
+        )
     if rank == 0:
         at = f"at epoch {pos.epoch}, sample {pos.sample} of its order"
         print(f"resumed from {resumed.path} {at} (saved at {saved['world'] or '?'} ranks)", flush=True)
