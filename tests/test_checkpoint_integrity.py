@@ -401,6 +401,33 @@ def test_jobs_check_their_arguments_before_starting_workers(tmp_path: Path, caps
         assert exit_.value.code == 2 and text in err and err.count("\n") == 1, err  # one line, no usage dump
 
 
+def test_a_checkpoint_as_checkpoint_dir_is_refused(tmp_path: Path, capsys) -> None:
+    """Given a checkpoint as its --checkpoint-dir, a job resumed from it on every start and saved
+    its new checkpoints inside it, where no start looked: every restart lost the progress since.
+    Both jobs refuse it at start-up, naming the argument and the parent to pass instead."""
+    from fullshard.jobs.train import gpt, mnist
+
+    saved = tmp_path / "ckpt" / "step_00000003"
+    saved.mkdir(parents=True)
+    (saved / "manifest.json").write_text("{}")
+    dcp = tmp_path / "dcp"  # a checkpoint by its files, not its name
+    dcp.mkdir()
+    (dcp / ".metadata").write_bytes(b"")
+    for parse_args in (gpt.parse_args, mnist.parse_args):  # what `fullshard train JOB` runs first
+        for path, parent in (
+            (saved, saved.parent),
+            (tmp_path / "new" / "step_00000006", tmp_path / "new"),
+            (dcp, tmp_path),
+        ):
+            with pytest.raises(SystemExit) as exit_:
+                parse_args(["--checkpoint-dir", f"{path}/"])
+            err = capsys.readouterr().err
+            assert exit_.value.code == 2 and err.count("\n") == 1, err
+            assert f"--checkpoint-dir {path}/ is a checkpoint (or named like one)" in err, err
+            assert f"pass its parent, --checkpoint-dir {parent} " in err, err
+    assert not (tmp_path / "new").exists()
+
+
 def test_a_mesh_of_the_wrong_type_is_a_type_error() -> None:
     from fullshard import FSDP, fully_shard
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 from typing import Any
+
+from fullshard.state.checkpoint_select import is_checkpoint
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,7 +25,9 @@ def validate(cfg: Any) -> None:
 
     Raises:
         ValueError: negative counts, --checkpoint-every without --checkpoint-dir, a
-            --checkpoint-dir that exists and is not a directory.
+            --checkpoint-dir that exists and is not a directory, or that is a checkpoint itself
+            (named ``step_N`` or holding its files): the job would resume from it on every start
+            and save its new checkpoints inside it, where no restart looks.
     """
     if cfg.checkpoint_every < 0 or cfg.keep_checkpoints < 1 or cfg.max_restarts < 0:
         raise ValueError("--checkpoint-every and --max-restarts must be >= 0, --keep-checkpoints >= 1")
@@ -31,4 +36,11 @@ def validate(cfg: Any) -> None:
     if cfg.checkpoint_dir and os.path.exists(cfg.checkpoint_dir) and not os.path.isdir(cfg.checkpoint_dir):
         raise ValueError(
             f"--checkpoint-dir {cfg.checkpoint_dir} is a file, not a directory: give a directory (created if missing)"
+        )
+    if cfg.checkpoint_dir and is_checkpoint(Path(cfg.checkpoint_dir)):
+        parent = Path(cfg.checkpoint_dir).parent
+        raise ValueError(
+            f"--checkpoint-dir {cfg.checkpoint_dir} is a checkpoint (or named like one), not a folder of them: "
+            f"pass its parent, --checkpoint-dir {parent} (the job resumes from the newest step_* folder in it "
+            "and saves its checkpoints beside it)"
         )
