@@ -284,6 +284,46 @@ def test_pruning_keeps_the_new_checkpoint_and_counts_only_complete_ones(tmp_path
     assert results == [["step_00000003", "step_00000005", "step_00000007"]] * 2  # 2 and 9 pruned
 
 
+def corrupt_newer_body(rank: int, world: int, root: str) -> tuple[list[str], list[str]]:
+    """A job's checkpoints 3 and 6, step 6's shard damaged; the job resumes from 3 and saves 4
+    and 5 with keep=2."""
+    import torch.distributed as dist
+
+    from fullshard import checkpoint
+
+    model, opt = _trained(rank, world)
+    checkpoint.save(root, 3, model, opt)
+    checkpoint.save(root, 6, model, opt)
+    dist.barrier()
+    if rank == 0:
+        shard = Path(root) / "step_00000006" / "__1_0.distcp"
+        _flip(shard, shard.stat().st_size // 2)
+    dist.barrier()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert checkpoint.resume(root, model, opt)[0] == Path(root) / "step_00000003"
+        checkpoint.save(root, 4, model, opt, keep=2)
+        checkpoint.save(root, 5, model, opt, keep=2)
+    return sorted(p.name for p in Path(root).iterdir()), _checkpoint_warnings(seen)
+
+
+@pytest.mark.timeout(200)
+def test_pruning_counts_only_verified_checkpoints(tmp_path: Path) -> None:
+    """A newer checkpoint that fails verification (resuming skipped it) was counted by keep=K
+    and pushed out the good ones: checkpoints 3 and 6 (damaged), saves of 4 and 5 with keep=2
+    ended with 5 and the damaged 6. It is neither counted nor removed, with one warning."""
+    root = tmp_path / "ckpt"
+    (names0, warned0), (names1, warned1) = run_ranks(corrupt_newer_body, 2, str(root), timeout=180)
+    assert names0 == names1 == ["step_00000004", "step_00000005", "step_00000006"]
+    bad = f"{root / 'step_00000006'}: __1_0.distcp (written by rank 1): checksum mismatch"
+    assert warned0 == [
+        f"fullshard: skipping checkpoint {bad}",  # resume, on rank 0
+        f"fullshard: not counting checkpoint {root / 'step_00000006'} towards keep=2, nor removing it: "
+        "__1_0.distcp (written by rank 1): checksum mismatch",  # the save of 4, by its leader; not again at 5
+    ], warned0
+    assert warned1 == [], warned1
+
+
 def full_disk_body(rank: int, world: int, root: str, fill: bool) -> str:
     """A save that runs out of space: on a small tmpfs filled up (``fill``), else on rank 1 by a
     write that raises ENOSPC. Every rank gets the same one line; the previous checkpoint stays."""

@@ -6,7 +6,7 @@ extra state, such as RNG states) and ``manifest.json`` (every file's size, write
 :mod:`fullshard.state.checkpoint_manifest`). A save writes into ``step_00000120.tmp/``, hashes
 every file, writes the manifest last, and renames the directory, so a directory without ``.tmp``
 is complete: a crash during a save leaves the previous checkpoint as the newest complete one.
-``keep`` prunes older complete checkpoints, never the one just written.
+``keep`` prunes older verified checkpoints, never the one just written.
 
 Loads verify every file's checksum first (the ranks share the hashing) and are all-or-nothing:
 everything is read and checked (checksums, keys, shapes, the optimizer's state keys) before the
@@ -94,8 +94,9 @@ def save(
         model: the root FullyShardedDataParallel, or the root module given to ``fully_shard``.
         optimizer: an optimizer over ``model.parameters()``.
         extra: this rank's own picklable state (RNG states, a scheduler, data position).
-        keep: keep only this many newest complete checkpoints, the new one among them (None:
-            all). Only checkpoints with a manifest count; the new one is never removed.
+        keep: keep only this many newest verified checkpoints, the new one among them (None:
+            all). Only checkpoints with a manifest that verify count; one that fails is left,
+            with a :class:`CheckpointWarning`; the new one is never removed.
 
     Returns:
         the directory of the new, complete checkpoint.
@@ -147,7 +148,8 @@ def _publish(tmp: Path, final: Path, manifest: Manifest, keep: int | None) -> No
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _prune(final.parent, keep, final)
+    _remember(final, [])  # its manifest was made from the bytes on disk
+    _prune(final.parent, keep, final, here_only=any(not (final / name).exists() for name in manifest.files))
 
 
 _CLAIM = ".fullshard-claim-"
@@ -187,14 +189,58 @@ def _claim(tmp: Path, action: str) -> int:
     return everywhere(action, clean)
 
 
-def _prune(root: Path, keep: int | None, new: Path) -> None:
-    """Remove all but the ``keep`` newest complete checkpoints, ``new`` kept whatever its step."""
+def _prune(root: Path, keep: int | None, new: Path, here_only: bool = False) -> None:
+    """Remove all but the ``keep`` newest verified checkpoints, ``new`` kept whatever its step.
+
+    Newest first, each checkpoint with a manifest is verified (every byte hashed, once per process:
+    :func:`_problems`) until ``keep - 1`` have passed; one that fails is neither counted nor
+    removed, with a warning (resuming passes over it), and all older than the last one counted go.
+    Folders without a manifest are left alone. ``here_only``: ``root`` is a directory per rank or
+    node, which holds only some ranks' files (the manifest lists all of them).
+    """
     if keep is None:
         return
-    # In a per-rank directory the manifest lists every rank's files; .metadata is only in rank 0's.
-    others = sorted(p for p in select.step_folders(root) if p != new and (p / MANIFEST).is_file())
-    for old in others[: max(0, len(others) - (keep - 1))]:
-        shutil.rmtree(old, ignore_errors=True)
+    others = [p for p in select.step_folders(root) if p != new and (p / MANIFEST).is_file()]  # newest first
+    counted = 0
+    for old in others:
+        if counted == keep - 1:
+            shutil.rmtree(old, ignore_errors=True)
+            continue
+        problems = _problems(old, here_only)
+        if problems is None:
+            counted += 1
+        elif problems:
+            warnings.warn(
+                f"fullshard: not counting checkpoint {old} towards keep={keep}, nor removing it: "
+                + "; ".join(problems),
+                CheckpointWarning,
+                stacklevel=2,
+            )
+
+
+_VERDICTS: dict[tuple[Path, int], list[str]] = {}  # (checkpoint, its manifest's mtime): its problems
+
+
+def _remember(directory: Path, problems: list[str]) -> None:
+    """Note what verifying ``directory`` found (``[]``: verified), for this process's prunes."""
+    try:
+        _VERDICTS[(directory, (directory / MANIFEST).stat().st_mtime_ns)] = problems
+    except OSError:
+        pass
+
+
+def _problems(directory: Path, here_only: bool) -> list[str] | None:
+    """None when the checkpoint in ``directory`` verifies; else its problems, the first time
+    they are found in this process (``[]`` after that, or when it is gone meanwhile)."""
+    try:
+        key = (directory, (directory / MANIFEST).stat().st_mtime_ns)
+    except OSError:
+        return []
+    if key in _VERDICTS:
+        return None if not _VERDICTS[key] else []
+    problems = manifests.check(directory, here_only=here_only)[1]
+    _VERDICTS[key] = problems
+    return None if not problems else problems
 
 
 @flight_recorder.labelled("checkpoint load")
@@ -220,6 +266,8 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     chosen = select.choose_together(Path(path))
     if chosen is None:
         raise CheckpointError(_nothing_to_load(Path(path)))
+    if chosen[1] is not None:
+        _remember(chosen[0], [])
     return _read_and_apply(*chosen, model, optimizer)
 
 
@@ -254,6 +302,9 @@ def resume(
     chosen = select.choose_together(Path(root))
     if chosen is None:
         return None
+    _VERDICTS.clear()  # what this process wrote may have been damaged since: a start verifies afresh
+    if chosen[1] is not None:  # verified: a later prune need not hash it again
+        _remember(chosen[0], [])
     return chosen[0], _read_and_apply(*chosen, model, optimizer)
 
 

@@ -123,9 +123,13 @@ def read(directory: Path) -> Manifest | None:
         raise ValueError(f"{MANIFEST}: malformed ({type(e).__name__}: {e})") from None
 
 
-def check(directory: Path, hashed: Collection[str] | None = None) -> tuple[Manifest | None, list[str]]:
+def check(
+    directory: Path, hashed: Collection[str] | None = None, here_only: bool = False
+) -> tuple[Manifest | None, list[str]]:
     """Check the checkpoint in ``directory`` against its manifest: every listed file present at
     its listed size, and the checksums of the files in ``hashed`` (default: all of them).
+    ``here_only``: check only the listed files that are present (a directory per rank or node
+    holds only its own ranks' files).
 
     Returns:
         (the manifest, or None when there is none; the problems found, one string per bad file,
@@ -141,6 +145,8 @@ def check(directory: Path, hashed: Collection[str] | None = None) -> tuple[Manif
         return None, [] if (directory / METADATA).is_file() else [f"{METADATA}: missing"]
     problems = []
     for name, entry in sorted(manifest.files.items()):
+        if here_only and not (directory / name).exists():
+            continue
         problem = _file_problem(directory / name, entry, hashed is None or name in hashed)
         if problem:
             problems.append(f"{name} (written by rank {entry.rank}): {problem}")

@@ -53,8 +53,11 @@ class Session:
         return Resumed(checkpoint.step_of(found[0]), found[1], str(found[0]))
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any]) -> None:
-        """Save a sharded checkpoint of the state after optimizer step ``step`` (collective)."""
-        checkpoint.save(self.cfg.checkpoint_dir, step, model, optimizer, extra, keep=self.cfg.keep_checkpoints)
+        """Save a sharded checkpoint of the state after optimizer step ``step`` (collective);
+        a checkpoint that ``--keep-checkpoints`` leaves because it fails verification is named
+        in one line on stderr."""
+        with warnings_as_lines():
+            checkpoint.save(self.cfg.checkpoint_dir, step, model, optimizer, extra, keep=self.cfg.keep_checkpoints)
 
     def report(self, record: dict[str, Any]) -> None:
         """Hand one log record to the launcher (nothing to do here; the jobs print and write it)."""
