@@ -245,3 +245,14 @@ def test_convert_to_one_full_state_dict(
 
     assert main(["convert", str(tmp_path), str(out)]) == 1
     assert "is not a checkpoint" in capsys.readouterr().err
+    # An output that cannot be written is one line, exit status 1 (it was a raw traceback).
+    for bad, why in (
+        (out / f"x{suffix}", f"its folder {out} cannot be made: {out} is a file, not a directory"),
+        (root, f"output {root} must end in .safetensors or .pt"),
+    ):
+        assert main(["convert", str(root), str(bad)]) == 1
+        err = capsys.readouterr().err
+        assert why in err and err.count("\n") == 1, err
+    (tmp_path / f"folder{suffix}").mkdir()
+    assert main(["convert", str(root), str(tmp_path / f"folder{suffix}")]) == 1
+    assert "is a directory: give the path of a file in it" in capsys.readouterr().err

@@ -144,6 +144,8 @@ def _check_observability(records: list[dict], tb: Path, prof: Path) -> None:
 def test_gpt_rejects_bad_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from fullshard.jobs.train.gpt import parse_args
 
+    afile = tmp_path / "afile"
+    afile.write_text("")
     for args, text in (
         (["--preset", "huge"], "--preset 'huge': use one of tiny"),
         (["--data", str(tmp_path / "none*.txt"), "--nproc", "1", "--steps", "1"], "matches no files"),
@@ -152,11 +154,26 @@ def test_gpt_rejects_bad_options(tmp_path: Path, capsys: pytest.CaptureFixture[s
         (["--profile-steps", "7:5"], "--profile-steps '7:5': need 1 <= A <= B"),
         (["--peak-tflops", "0"], "--peak-tflops 0.0: give a positive number"),
         (["--api", "fsdp2", "--sharding-strategy", "no_shard"], "--api fsdp2 --sharding-strategy no_shard"),
+        # values the workers took (or failed on with torch's wording, or that turned clipping off)
+        (["--lr", "inf"], "--lr inf: give a positive, finite learning rate"),
+        (["--lr", "nan"], "--lr nan: give a positive, finite learning rate"),
+        (["--min-lr-ratio", "-1"], "--min-lr-ratio -1.0: give the final lr's fraction of --lr, 0 to 1"),
+        (["--min-lr-ratio", "nan"], "--min-lr-ratio nan: give"),
+        (["--warmup", "-5"], "--warmup -5: give a number of steps, 0 or more"),
+        (["--grad-clip", "-1"], "--grad-clip -1.0: give a max gradient norm, or 0 for no clipping"),
+        (["--grad-clip", "nan"], "--grad-clip nan: give"),
+        (["--weight-decay", "nan"], "--weight-decay nan: give a finite number, 0 or more"),
+        # output paths that could not be written (after training, or as an OSError in each worker)
+        (["--save-model", str(afile / "x.pt")], f"--save-model {afile / 'x.pt'}: {afile} is a file, not a directory"),
+        (["--metrics-file", str(afile / "d" / "m.jsonl")], f"{afile} is a file, not a directory"),
+        (["--checkpoint-dir", str(afile / "sub")], f"--checkpoint-dir {afile / 'sub'}: {afile} is a file"),
+        (["--save-model", str(tmp_path)], f"--save-model {tmp_path} is a directory: give the path of a file"),
     ):
         with pytest.raises(SystemExit) as e:
             parse_args(args)  # what `fullshard train gpt ARGS` runs first
         err = capsys.readouterr().err
-        assert e.value.code == 2 and text in err, err[-2000:]
+        assert e.value.code == 2 and text in err and err.count("\n") == 1, err[-2000:]
+    assert parse_args(["--warmup", "0", "--grad-clip", "0", "--min-lr-ratio", "1", "--weight-decay", "0"]).warmup == 0
     r = subprocess.run([str(BIN / "fullshard"), "train", "gpt", "--preset", "huge"], capture_output=True, text=True)
     assert r.returncode == 2 and "--preset 'huge': use one of tiny" in r.stderr, r.stderr[-2000:]
 
@@ -246,9 +263,10 @@ def test_int8_gradients_resume_exactly(tmp_path: Path) -> None:
     _run([*job, "--checkpoint-dir", str(tmp_path / "a"), "--save-model", str(tmp_path / "a.pt")], tmp_path, 280)
     (tmp_path / "b").mkdir()
     shutil.copytree(tmp_path / "a" / "step_00000002", tmp_path / "b" / "step_00000002")
-    r = _run([*job, "--checkpoint-dir", str(tmp_path / "b"), "--save-model", str(tmp_path / "b.pt")], tmp_path, 280)
+    b_pt = tmp_path / "out" / "b.pt"  # --save-model makes its missing folders
+    r = _run([*job, "--checkpoint-dir", str(tmp_path / "b"), "--save-model", str(b_pt)], tmp_path, 280)
     assert "at step 2" in r.stdout, r.stdout[-2000:]
-    a, b = torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt")
+    a, b = torch.load(tmp_path / "a.pt"), torch.load(b_pt)
     assert a.keys() == b.keys()
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
 

@@ -223,3 +223,26 @@ def test_epochs_below_the_checkpoints_epoch_are_refused() -> None:
     """A checkpoint in epoch 3 and ``--epochs 2``: the job trained nothing and exited 0 without a
     word; now the resume refuses, naming --epochs (one kept test rank; the session is a stand-in)."""
     assert "--epochs 3 or more" in run_ranks(_past_epochs_body, 1, timeout=100)[0]
+
+
+def test_mnist_rejects_bad_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Values the workers took (a negative or NaN --gamma, a negative --min-num-params) or failed
+    on with torch's wording (--lr -1), and an output path under a file: one line, exit status 2,
+    before any worker starts."""
+    from fullshard.jobs.train.mnist import parse_args
+
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for args, text in (
+        (["--lr", "-1"], "--lr -1.0: give a positive, finite learning rate"),
+        (["--lr", "inf"], "--lr inf: give a positive, finite learning rate"),
+        (["--gamma", "-1"], "--gamma -1.0: give the lr's positive factor per epoch"),
+        (["--gamma", "nan"], "--gamma nan: give the lr's positive factor per epoch"),
+        (["--min-num-params", "-5"], "--min-num-params -5: give a parameter count, 0 or more"),
+        (["--save-model", str(afile / "net.pt")], f"--save-model {afile / 'net.pt'}: {afile} is a file, not a"),
+        (["--metrics-file", str(afile / "m.jsonl")], f"--metrics-file {afile / 'm.jsonl'}: {afile} is a file"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            parse_args(args)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and text in err and err.count("\n") == 1, err

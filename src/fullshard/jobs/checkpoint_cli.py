@@ -26,7 +26,7 @@ def convert_main(args: Sequence[str]) -> int:
     with warnings_as_lines():
         try:
             out, failure = consolidate(args[0], args[1]), None
-        except (CheckpointError, ValueError) as e:
+        except (CheckpointError, ValueError, OSError) as e:
             failure = e
     if failure is not None:
         print(f"fullshard convert: {failure}", file=sys.stderr)

@@ -359,7 +359,8 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> Path:
 
     Raises:
         CheckpointError: ``path`` holds no verified checkpoint, or is one that fails verification.
-        ValueError: ``out`` ends in neither ``.safetensors`` nor ``.pt``.
+        ValueError: ``out`` ends in neither ``.safetensors`` nor ``.pt``, or cannot be written
+            (checked for its folder before the checkpoint is read).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -367,6 +368,14 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> Path:
     out = Path(out)
     if out.suffix not in (".safetensors", ".pt"):
         raise ValueError(f"output {out} must end in .safetensors or .pt")
+    if out.is_dir():
+        raise ValueError(f"output {out} is a directory: give the path of a file in it")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        blocker = next((p for p in (out.parent, *out.parent.parents) if p.exists()), out.parent)
+        why = f"{blocker} is a file, not a directory" if not blocker.is_dir() else e.strerror or str(e)
+        raise ValueError(f"output {out}: its folder {out.parent} cannot be made: {why}") from None
     chosen = select.choose_here(Path(path))
     if chosen is None:
         raise CheckpointError(_nothing_to_load(Path(path)))
@@ -387,11 +396,13 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike) -> Path:
         detail = "; ".join(text for _, text in reasons(e, 0))
         raise CheckpointError(f"checkpoint {directory} could not be read: {detail}") from e
     model = {k[len("model.") :]: v.contiguous() for k, v in state.items()}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if out.suffix == ".safetensors":
-        from safetensors.torch import save_file
+    try:
+        if out.suffix == ".safetensors":
+            from safetensors.torch import save_file
 
-        save_file(model, str(out))
-    else:
-        torch.save(model, out)
+            save_file(model, str(out))
+        else:
+            torch.save(model, out)
+    except (OSError, RuntimeError) as e:  # torch.save reports a missing folder as a RuntimeError
+        raise ValueError(f"output {out} could not be written: {getattr(e, 'strerror', None) or e}") from None
     return out

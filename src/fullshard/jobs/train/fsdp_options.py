@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -170,12 +171,13 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def save_full_model(model: nn.Module, path: str | None) -> None:
     """``--save-model``: gather the full state dict (collective: every rank) and write it to
-    ``path`` with torch.save on rank 0; nothing when ``path`` is None."""
+    ``path`` with torch.save on rank 0 (its missing folders made); nothing when ``path`` is None."""
     from fullshard import distributed
 
     if path is None:
         return
     state = full_state_dict(model)
     if distributed.group_rank(distributed.default_group()) == 0:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
         torch.save(state, path)
         print(f"saved the full state dict to {path}", flush=True)

@@ -25,7 +25,15 @@ from fullshard.jobs import launch
 from fullshard.jobs.data import text as text_data
 from fullshard.jobs.data.text import ByteCorpus
 from fullshard.jobs.models.gpt import GPT, PRESETS, Block, init_module
-from fullshard.jobs.train import fsdp_options, global_batch, launcher_options, observe, plan_options, resume_options
+from fullshard.jobs.train import (
+    fsdp_options,
+    global_batch,
+    launcher_options,
+    observe,
+    output_paths,
+    plan_options,
+    resume_options,
+)
 from fullshard.jobs.train.report import MetricsFile, mib
 from fullshard.jobs.train.session import Session, open_session
 from fullshard.wrap import transformer_auto_wrap_policy, unit_count
@@ -85,19 +93,32 @@ class GPTJobConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         resume_options.validate(self)
         launcher_options.validate(self)
-        if not self.lr > 0:
-            raise ValueError(f"--lr must be positive, got {self.lr}")
+        self._check_optimizer_options()
         if self.seq_len > PRESETS[self.preset].max_seq_len:
             raise ValueError(f"--seq-len {self.seq_len} exceeds the model's {PRESETS[self.preset].max_seq_len}")
         fsdp_options.validate(self)
         plan_options.validate(self)
         global_batch.validate(self)
         observe.validate(self)
+        output_paths.validate(self)
         if self.data is not None:  # here, in the launching process: not as a worker's traceback
             try:
                 text_data.check_fits(self.data, self.seq_len)
             except FileNotFoundError as e:
                 raise ValueError(str(e)) from None
+
+    def _check_optimizer_options(self) -> None:
+        """--lr, --warmup, --min-lr-ratio, --weight-decay and --grad-clip (NaN fails every test)."""
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"--lr {self.lr}: give a positive, finite learning rate")
+        if self.warmup < 0:
+            raise ValueError(f"--warmup {self.warmup}: give a number of steps, 0 or more")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"--min-lr-ratio {self.min_lr_ratio}: give the final lr's fraction of --lr, 0 to 1")
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            raise ValueError(f"--weight-decay {self.weight_decay}: give a finite number, 0 or more")
+        if not self.grad_clip >= 0:
+            raise ValueError(f"--grad-clip {self.grad_clip}: give a max gradient norm, or 0 for no clipping")
 
 
 def parse_args(argv: Sequence[str]) -> GPTJobConfig:

@@ -28,7 +28,7 @@ from fullshard.jobs import launch
 from fullshard.jobs.data import mnist as mnist_data
 from fullshard.jobs.data.sampler import ResumableSampler
 from fullshard.jobs.models.net import Net
-from fullshard.jobs.train import fsdp_options, launcher_options, observe, plan_options, resume_options
+from fullshard.jobs.train import fsdp_options, launcher_options, observe, output_paths, plan_options, resume_options
 from fullshard.jobs.train.report import MetricsFile, mib
 from fullshard.jobs.train.session import Session, open_session
 from fullshard.wrap import size_based_auto_wrap_policy
@@ -79,11 +79,18 @@ class MnistConfig:
         for name in ("epochs", "batch_size", "test_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):  # NaN fails every comparison
+            raise ValueError(f"--lr {self.lr}: give a positive, finite learning rate")
+        if not (self.gamma > 0 and math.isfinite(self.gamma)):
+            raise ValueError(f"--gamma {self.gamma}: give the lr's positive factor per epoch (0.7: 30% less each)")
+        if self.min_num_params < 0:
+            raise ValueError(f"--min-num-params {self.min_num_params}: give a parameter count, 0 or more")
         fsdp_options.validate(self)
         plan_options.validate(self)
         resume_options.validate(self)
         launcher_options.validate(self)
         observe.validate(self)
+        output_paths.validate(self)
         if self.data_dir is not None:
             if not os.path.isdir(self.data_dir):
                 raise ValueError(f"--data-dir {self.data_dir} is not a directory")
