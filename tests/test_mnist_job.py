@@ -198,6 +198,8 @@ def test_mnist_resumes_at_other_world_sizes_with_the_samples_not_yet_trained(tmp
                 assert rec[key] == pytest.approx(ref[key], rel=1e-12), key
             assert rec["samples_per_second"] == 0 and rec["mfu"] == 0, rec
     assert ref["train_samples"] == 1000 and ref["samples_per_second"] > 0, ref
+
+
 def _past_epochs_body(rank: int, world: int) -> str:
     """``mnist._resume`` on a stand-in session whose checkpoint is in epoch 3, with --epochs 2."""
     from torch.optim.lr_scheduler import StepLR

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fullshard import apply_activation_checkpointing, distributed, memory_report, model_state_bytes, set_step
-from fullshard.comm import quantized
+from fullshard import checkpoint as checkpoints
 from fullshard.jobs import launch
 from fullshard.jobs.data import text as text_data
 from fullshard.jobs.data.text import ByteCorpus
@@ -354,7 +354,7 @@ def _observer(cfg: GPTJobConfig, device: torch.device, plain: Callable[[], nn.Mo
 def _extra(step: int) -> dict[str, Any]:
     """This rank's state a checkpoint keeps besides the model and optimizer: the step, torch's
     RNG state and the stochastic rounding generators' (``--comm-quant`` int8 gradients)."""
-    return {"step": step, "rng": torch.get_rng_state(), "rounding_rng": quantized.rounding_state()}
+    return {"step": step, "rng": torch.get_rng_state(), "rounding_rng": checkpoints.rounding_state()}
 
 
 def _already_trained(cfg: GPTJobConfig, model: nn.Module, val: list, device: torch.device) -> dict[str, Any] | None:
@@ -390,7 +390,7 @@ def _resume(session: Session, model: nn.Module, optimizer: torch.optim.Optimizer
         )
     if "rng" in resumed.extra:
         torch.set_rng_state(resumed.extra["rng"])
-    quantized.set_rounding_state(resumed.extra.get("rounding_rng", {}))
+    checkpoints.set_rounding_state(resumed.extra.get("rounding_rng", {}))
     if distributed.group_rank(distributed.default_group()) == 0:
         print(f"resumed from {resumed.path} at step {resumed.step}", flush=True)
     return resumed.step

@@ -22,8 +22,8 @@ from torch import nn
 from torch.optim.lr_scheduler import StepLR
 from torch.utils.data import DataLoader, Subset
 
+from fullshard import checkpoint as checkpoints
 from fullshard import distributed, memory_report, model_state_bytes
-from fullshard.comm import quantized
 from fullshard.jobs import launch
 from fullshard.jobs.data import mnist as mnist_data
 from fullshard.jobs.data.sampler import ResumableSampler
@@ -314,7 +314,7 @@ def _checkpoint_extra(pos: _Position, trained: torch.Tensor, scheduler: StepLR) 
     group = distributed.default_group()
     done = trained[:2].clone()  # this rank's loss sum and samples of this run's part of the epoch
     distributed.all_reduce(done, group)
-    extra: dict[str, Any] = {"rng": torch.get_rng_state(), "rounding_rng": quantized.rounding_state()}
+    extra: dict[str, Any] = {"rng": torch.get_rng_state(), "rounding_rng": checkpoints.rounding_state()}
     if distributed.group_rank(group) == 0:
         saved = dataclasses.replace(pos, stats=[a + b for a, b in zip(pos.stats, done.tolist())], rng=None)
         position = {k: v for k, v in dataclasses.asdict(saved).items() if k != "rng"}
@@ -349,7 +349,7 @@ def _resume(
     shared = distributed.broadcast_object(shared, 0, group)
     saved = shared["position"] if "position" in shared else _legacy_position(shared, resumed.extra, batch_size)
     scheduler.load_state_dict(saved["scheduler"])
-    quantized.set_rounding_state(resumed.extra.get("rounding_rng", {}))  # --comm-quant's stochastic rounding
+    checkpoints.set_rounding_state(resumed.extra.get("rounding_rng", {}))  # --comm-quant's stochastic rounding
     fields = {f.name for f in dataclasses.fields(_Position)}
     pos = _Position(**{k: v for k, v in saved.items() if k in fields}, rng=resumed.extra.get("rng"))
     if pos.epoch > epochs:

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from fullshard.state.checkpoint_select import is_checkpoint
+from fullshard.checkpoint import is_checkpoint
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
