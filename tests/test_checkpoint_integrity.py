@@ -120,6 +120,7 @@ def corruption_body(rank: int, world: int, base: str) -> list[str]:
 
     model, opt = _trained(rank, world)
     good = checkpoint.save(Path(base) / "good", 1, model, opt, extra={"rank": rank})
+    good2 = checkpoint.save(Path(base) / "good", 2, model, opt, extra={"rank": rank})  # the same, named 2
     saved = _snapshot(model, opt)
     data = [None] * world  # rank 1's first 64 bytes of a parameter shard, as saved
     dist.all_gather_object(data, next(p for p in model.parameters() if p.numel() * 4 >= 64).detach().numpy().tobytes())
@@ -132,7 +133,7 @@ def corruption_body(rank: int, world: int, base: str) -> list[str]:
         expected = [""]
         if rank == 0:
             shutil.copytree(good, root / "step_00000001")
-            shutil.copytree(good, bad)
+            shutil.copytree(good2, bad)
             expected = [_corrupt(bad, case, data[1][:64])]
         dist.broadcast_object_list(expected, 0)
         assert checkpoint.verify(bad) == expected
@@ -304,7 +305,16 @@ def corrupt_newer_body(rank: int, world: int, root: str) -> tuple[list[str], lis
         assert checkpoint.resume(root, model, opt)[0] == Path(root) / "step_00000003"
         checkpoint.save(root, 4, model, opt, keep=2)
         checkpoint.save(root, 5, model, opt, keep=2)
-    return sorted(p.name for p in Path(root).iterdir()), _checkpoint_warnings(seen)
+    names = sorted(p.name for p in Path(root).iterdir())
+    dist.barrier()
+    # A copy of step 4 named step_00000009 would resume "at step 9" with step 4's state.
+    if rank == 0:
+        shutil.copytree(Path(root) / "step_00000004", Path(root) / "step_00000009")
+    dist.barrier()
+    with warnings.catch_warnings(record=True) as renamed:
+        warnings.simplefilter("always")
+        assert checkpoint.resume(root, model, opt)[0] == Path(root) / "step_00000005"
+    return names, _checkpoint_warnings(seen) + _checkpoint_warnings(renamed)
 
 
 @pytest.mark.timeout(200)
@@ -320,6 +330,9 @@ def test_pruning_counts_only_verified_checkpoints(tmp_path: Path) -> None:
         f"fullshard: skipping checkpoint {bad}",  # resume, on rank 0
         f"fullshard: not counting checkpoint {root / 'step_00000006'} towards keep=2, nor removing it: "
         "__1_0.distcp (written by rank 1): checksum mismatch",  # the save of 4, by its leader; not again at 5
+        f"fullshard: skipping checkpoint {root / 'step_00000009'}: manifest.json: saved at step 4, but the "
+        "folder is named step_00000009 (renamed or copied?)",  # the second resume
+        f"fullshard: skipping checkpoint {bad}",
     ], warned0
     assert warned1 == [], warned1
 

@@ -52,7 +52,17 @@ def step_folders(root: Path) -> list[Path]:
 
 def verify_here(directory: Path) -> Verdict:
     """Verify the checkpoint in ``directory`` in this process alone (every byte hashed here)."""
-    return manifests.check(directory)
+    manifest, problems = manifests.check(directory)
+    return manifest, problems + _renamed(directory, manifest)
+
+
+def _renamed(directory: Path, manifest: Manifest | None) -> list[str]:
+    """A ``step_N`` folder whose manifest says it was saved at another step (a renamed or copied
+    checkpoint would resume at the wrong step: the jobs take the step from the name)."""
+    m = STEP.match(directory.name)
+    if manifest is None or manifest.step is None or m is None or int(m.group(1)) == manifest.step:
+        return []
+    return [f"{MANIFEST}: saved at step {manifest.step}, but the folder is named {directory.name} (renamed or copied?)"]
 
 
 def verify_together(directory: Path) -> Verdict:
@@ -73,7 +83,7 @@ def verify_together(directory: Path) -> Verdict:
     has = [bool(h) for h, _ in gathered]
     if any(has) and not all(has):
         seen += [f"{MANIFEST}: missing on rank {r}" for r, h in enumerate(has) if not h]
-    return (manifest if all(has) else None), seen
+    return (manifest if all(has) else None), seen + _renamed(directory, manifest)
 
 
 def candidates_together(path: Path) -> list[Path]:
