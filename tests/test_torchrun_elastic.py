@@ -27,7 +27,9 @@ import pytest
 from fullshard.jobs import launch
 
 BIN = Path(sys.executable).parent
-STEPS = 80
+# Long enough that node C joins while the 1-rank job still runs: with 80 steps the 1-rank part
+# (about 24 s) ended before C got in once, under the whole suite's load.
+STEPS = 160
 JOB = ["--steps", str(STEPS), "--seq-len", "32", "--batch-size", "4", "--global-batch-size", "8"]
 JOB += ["--log-interval", "1", "--eval-batches", "1", "--checkpoint-every", "4"]
 
