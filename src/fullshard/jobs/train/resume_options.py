@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 from typing import Any
 
@@ -25,18 +24,14 @@ def validate(cfg: Any) -> None:
 
     Raises:
         ValueError: negative counts, --checkpoint-every without --checkpoint-dir, a
-            --checkpoint-dir that exists and is not a directory, or that is a checkpoint itself
-            (named ``step_N`` or holding its files): the job would resume from it on every start
-            and save its new checkpoints inside it, where no restart looks.
+            --checkpoint-dir that is a checkpoint itself (named ``step_N`` or holding its files):
+            the job would resume from it on every start and save its new checkpoints inside it,
+            where no restart looks. (That it can be written is :mod:`output_paths`'s check.)
     """
     if cfg.checkpoint_every < 0 or cfg.keep_checkpoints < 1 or cfg.max_restarts < 0:
         raise ValueError("--checkpoint-every and --max-restarts must be >= 0, --keep-checkpoints >= 1")
     if cfg.checkpoint_every and not cfg.checkpoint_dir:
         raise ValueError("--checkpoint-every needs --checkpoint-dir DIR")
-    if cfg.checkpoint_dir and os.path.exists(cfg.checkpoint_dir) and not os.path.isdir(cfg.checkpoint_dir):
-        raise ValueError(
-            f"--checkpoint-dir {cfg.checkpoint_dir} is a file, not a directory: give a directory (created if missing)"
-        )
     if cfg.checkpoint_dir and is_checkpoint(Path(cfg.checkpoint_dir)):
         parent = Path(cfg.checkpoint_dir).parent
         raise ValueError(
