@@ -10,9 +10,11 @@ a warning naming the skipped one and why.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import copy
 import errno
+import io
 import os
 import shutil
 import subprocess
@@ -152,6 +154,23 @@ def corruption_body(rank: int, world: int, base: str) -> list[str]:
         assert _checkpoint_warnings(seen) == want, (case, _checkpoint_warnings(seen))
         assert _same(_snapshot(model, opt), saved), case
         done.append(case)
+    # A job whose every checkpoint fails verification says so once and starts from step 0.
+    from fullshard.jobs.train.session import Session
+
+    root = Path(base) / "all_bad"
+    if rank == 0:
+        shutil.copytree(Path(base) / "deleted_rank_file" / "step_00000002", root / "step_00000002")
+    dist.barrier()
+    before = _snapshot(model, opt)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert Session(argparse.Namespace(checkpoint_dir=str(root))).resume(model, opt) is None
+    lines = [
+        f"fullshard: skipping checkpoint {root / 'step_00000002'}: __1_0.distcp (written by rank 1): missing",
+        f"fullshard: none of the 1 checkpoint(s) in {root} verified (each is named above): training from step 0",
+    ]
+    assert err.getvalue().splitlines() == (lines if rank == 0 else []), err.getvalue()
+    assert _same(_snapshot(model, opt), before)
     return done
 
 

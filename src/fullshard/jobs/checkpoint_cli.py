@@ -36,15 +36,16 @@ def convert_main(args: Sequence[str]) -> int:
 
 
 @contextlib.contextmanager
-def warnings_as_lines() -> Iterator[None]:
+def warnings_as_lines() -> Iterator[list[warnings.WarningMessage]]:
     """Print the checkpoint warnings raised in the block as one line each on stderr (no source
-    line under them); other warnings are shown as usual."""
+    line under them); other warnings are shown as usual. Yields the list the block's warnings
+    are recorded in (complete once the block ends)."""
     from fullshard.state.checkpoint import CheckpointWarning
 
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always", CheckpointWarning)
         try:
-            yield
+            yield seen
         finally:
             for w in seen:
                 if issubclass(w.category, CheckpointWarning):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -43,12 +44,21 @@ class Session:
     def resume(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Resumed | None:
         """Load the newest verified checkpoint into ``model`` and ``optimizer`` (collective);
         None when there is none. Newer ones that fail verification are skipped with a warning
-        naming each and why (``fullshard.checkpoint.resume``)."""
+        naming each and why (``fullshard.checkpoint.resume``); when every one fails, rank 0 also
+        says that training starts from step 0."""
         if not self.cfg.checkpoint_dir:
             return None
-        with warnings_as_lines():  # rank 0's line per checkpoint skipped
+        with warnings_as_lines() as seen:  # rank 0's line per checkpoint skipped
             found = checkpoint.resume(self.cfg.checkpoint_dir, model, optimizer)
         if found is None:
+            skipped = sum(isinstance(w.message, checkpoint.CheckpointWarning) for w in seen)
+            if skipped:  # issued on rank 0 alone
+                print(
+                    f"fullshard: none of the {skipped} checkpoint(s) in {self.cfg.checkpoint_dir} verified "
+                    "(each is named above): training from step 0",
+                    file=sys.stderr,
+                    flush=True,
+                )
             return None
         return Resumed(checkpoint.step_of(found[0]), found[1], str(found[0]))
 
