@@ -21,85 +21,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import weakref
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import nn
 
 from fullshard import compat, probes
-from fullshard.comm import buffers, collectives, exposed_comm, flight_recorder
+from fullshard.comm import buffers, exposed_comm, flight_recorder
 from fullshard.engine.config import BackwardPrefetch, FrontEnd, MixedPrecision
-from fullshard.engine.layout import UnitConfig
+from fullshard.engine.dynamo_guard import outside_dynamo
 from fullshard.engine.module_wrapper import clean_name
 from fullshard.engine.unit import ShardState, TrainingState, Unit
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-class _Eager:
-    """What one :func:`outside_dynamo` wrapper calls: the function itself until dynamo is
-    imported, then its dynamo-disabled wrapper."""
-
-    __slots__ = ("call", "fn", "__weakref__")
-
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self.fn = self.call = fn
-
-
-_EAGER: weakref.WeakSet[_Eager] = weakref.WeakSet()  # every wrapper's, alive
-
-
-def _disable_under_dynamo() -> None:
-    """Once dynamo is imported: every wrapper's frames are skipped (they share one code object)
-    and each calls its function through ``torch._dynamo.disable``."""
-    compat.dynamo_skip_frames_of(_CALL_CODE)
-    for eager in list(_EAGER):
-        eager.call = compat.dynamo_disable(eager.fn)
-
-
-def outside_dynamo(fn: F) -> F:
-    """``fn``, never traced by ``torch.compile``: it and everything it calls run eagerly.
-
-    fullshard's hooks gather and free memory, issue collectives (some of Python objects), read
-    clocks, take locks and compare data pointers: none of that belongs in a graph, and dynamo
-    cannot trace most of it. Registered as a module hook, ``fn`` is skipped by a compiled
-    block's ``_call_impl`` and by a compiled model (which breaks its graph at the call, once
-    per unit boundary), as torch's FSDP2 hooks are.
-
-    Marking a function for dynamo imports dynamo, 2.6 s per process here (most of what importing
-    fullshard cost), which a program that never compiles does not need. So the marking waits
-    for dynamo: the wrapper calls ``fn`` directly until something imports dynamo (a
-    ``torch.compile``), and from then on dynamo skips the wrapper's frames and the wrapper calls
-    ``fn`` through dynamo's disable (:func:`compat.after_import`). Costs about 0.2 us per call
-    before, 2 us after.
-    """
-    eager = _Eager(fn)
-    if _DYNAMO_IMPORTED:
-        eager.call = compat.dynamo_disable(fn)
-    _EAGER.add(eager)
-    return functools.wraps(fn)(_calling(eager))  # type: ignore[return-value]
-
-
-def _calling(eager: _Eager | None) -> Callable[..., Any]:
-    def call(*args: Any, **kwargs: Any) -> Any:
-        return eager.call(*args, **kwargs)  # type: ignore[union-attr]
-
-    return call
-
-
-_CALL_CODE = _calling(None).__code__  # the code object of every outside_dynamo wrapper
-_DYNAMO_IMPORTED = False
-
-
-def _on_dynamo_import() -> None:
-    global _DYNAMO_IMPORTED
-    _DYNAMO_IMPORTED = True
-    _disable_under_dynamo()
-
-
-compat.after_import(compat.DYNAMO, _on_dynamo_import)
+from fullshard.engine.unit_check import check_same_units
 
 
 @dataclasses.dataclass
@@ -315,64 +248,13 @@ def root_pre_forward(state: FSDPState) -> None:
     for u in root.units:
         u.grads.drop_if_zeroed()
     if not root.units_checked:
-        check_same_units(root)
+        root.units_checked = True
+        check_same_units(root.units)
     if torch.is_grad_enabled():
         flight_recorder.root_forward()
         if root.forward_order:
             root.last_forward_order = root.forward_order
         root.forward_order = []
-
-
-def _wire_settings(config: UnitConfig) -> tuple[str, ...]:
-    """The settings of a unit that decide what its collectives carry and how many there are,
-    as "name=value" strings: ranks that differ in them would pair mismatched buffers (a crash,
-    or, where the sizes happen to agree, silently wrong values)."""
-    return (
-        f"reshard_after_forward={config.reshard_after_forward}",
-        f"param_dtype={config.param_dtype}",
-        f"reduce_dtype={config.reduce_dtype}",
-        f"comm_quantization={config.comm_quantization!r}",
-    )
-
-
-def check_same_units(root: RootState) -> None:
-    """At the first forward: every rank of the root's group must wrap the same units, in the
-    same order, of the same sizes, with the same sharding strategy, mixed precision and
-    ``comm_quantization``; else their collectives would pair up wrongly or hang.
-
-    Raises:
-        RuntimeError: on every rank, naming the first unit that differs and, per rank, what
-            differs (its name and size, or its settings).
-    """
-    first = root.units[0]
-    group = first.shard_group if first.shard_size > 1 else collectives.default_group()
-    root.units_checked = True
-    if collectives.group_size(group) == 1:
-        return
-    mine = [(u.name, u.full_nbytes, _wire_settings(u.config)) for u in root.units]
-    with flight_recorder.at(phase="unit order check"):
-        every = collectives.all_gather_object(mine, group)
-    if all(units == every[0] for units in every):
-        return
-    i = next(
-        k for k in range(max(map(len, every))) if len({units[k] if k < len(units) else None for units in every}) > 1
-    )
-    shapes = {units[i][:2] if i < len(units) else None for units in every}
-    if len(shapes) == 1:  # the same unit everywhere, set up differently
-        differ = [k for k in range(len(every[0][i][2])) if len({units[i][2][k] for units in every}) > 1]
-        seen = "; ".join(f"rank {r}: " + ", ".join(units[i][2][k] for k in differ) for r, units in enumerate(every))
-        raise RuntimeError(
-            f"FSDP unit {every[0][i][0]!r} is set up differently across ranks ({seen}): every rank must pass "
-            "the same sharding strategy, mixed_precision and comm_quantization (rank-dependent arguments?)"
-        )
-    seen = "; ".join(
-        f"rank {r}: " + (f"{units[i][0]!r} ({units[i][1]} bytes)" if i < len(units) else "no such unit")
-        for r, units in enumerate(every)
-    )
-    raise RuntimeError(
-        f"FSDP units differ across ranks at unit #{i} in construction order ({seen}): every rank must wrap "
-        "the same model with the same policy (rank-dependent model code or wrapping?)"
-    )
 
 
 def pre_forward(state: FSDPState) -> None:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from fullshard.comm import collectives
-from fullshard.engine import build, hooks
+from fullshard.engine import build, dynamo_guard, hooks
 from fullshard.engine.config import (
     BackwardPrefetch,
     CommQuantization,
@@ -293,7 +293,7 @@ class FullyShardedDataParallel(StateDictMethods):
         return [m.unit.training_state for m in self.fsdp_modules(self)]
 
 
-@hooks.outside_dynamo
+@dynamo_guard.outside_dynamo
 def _pre_forward(wrapper: FullyShardedDataParallel, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Become the root at the first forward, prepare the inputs, gather the unit."""
     wrapper._lazy_init()
@@ -302,12 +302,12 @@ def _pre_forward(wrapper: FullyShardedDataParallel, args: tuple, kwargs: dict) -
     return args, kwargs
 
 
-@hooks.outside_dynamo
+@dynamo_guard.outside_dynamo
 def _post_forward(wrapper: FullyShardedDataParallel, output: Any) -> Any:
     return hooks.post_forward(wrapper._unit_state, output)
 
 
-@hooks.outside_dynamo
+@dynamo_guard.outside_dynamo
 def _forward_failed(wrapper: FullyShardedDataParallel) -> None:
     """A failed forward leaves the unit usable: shards back, full parameters freed, IDLE. A
     recomputation in backward (activation checkpointing stops it early by raising) must keep

@@ -25,7 +25,7 @@ from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 
 from fullshard import compat
-from fullshard.engine import hooks
+from fullshard.engine import dynamo_guard, hooks
 from fullshard.engine.unit import ShardState, Unit
 
 
@@ -180,7 +180,7 @@ class FSDPModule(_TorchFSDPModule):
         assert state.root is not None
         state.root.post_optim_event = event
 
-    @hooks.outside_dynamo  # called from compiled code (a chunked loss), it runs eagerly
+    @dynamo_guard.outside_dynamo  # called from compiled code (a chunked loss), it runs eagerly
     def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
         """All-gather this module's parameters now; while gathered, ``parameters(recurse=False)``
         yields the full parameters (in ``param_dtype``), as torch's does. The next forward then
@@ -193,7 +193,7 @@ class FSDPModule(_TorchFSDPModule):
         _register_unsharded(unit)
         return None
 
-    @hooks.outside_dynamo
+    @dynamo_guard.outside_dynamo
     def reshard(self) -> None:
         """Free this module's full parameters; the shards are registered again."""
         self._units(recurse=False)[0].reshard()

@@ -34,7 +34,7 @@ from torch import nn
 from fullshard import compat
 from fullshard.comm import collectives
 from fullshard.compat import tree_map
-from fullshard.engine import all_gather_extension, build, hooks
+from fullshard.engine import all_gather_extension, build, dynamo_guard, hooks
 from fullshard.engine.config import BackwardPrefetch, CommQuantization, FrontEnd, MixedPrecision, ShardingStrategy
 from fullshard.engine.groups import resolve_groups
 from fullshard.engine.shard_sync import register_dtensors
@@ -314,7 +314,7 @@ def _register_forward_hooks(
             )
         return output
 
-    pre, post = hooks.outside_dynamo(pre), hooks.outside_dynamo(post)  # compiled code never traces them
+    pre, post = dynamo_guard.outside_dynamo(pre), dynamo_guard.outside_dynamo(post)  # compiled code never traces them
     for m in modules:
         m.register_forward_pre_hook(pre, prepend=True, with_kwargs=True)
         m.register_forward_hook(post)

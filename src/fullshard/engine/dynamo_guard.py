@@ -1,0 +1,80 @@
+"""Running fullshard's hooks outside ``torch.compile``: :func:`outside_dynamo`.
+
+The marking waits for dynamo's import (2.6 s per process here), so a program that never compiles
+does not pay for it.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from fullshard import compat
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class _Eager:
+    """What one :func:`outside_dynamo` wrapper calls: the function itself until dynamo is
+    imported, then its dynamo-disabled wrapper."""
+
+    __slots__ = ("call", "fn", "__weakref__")
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = self.call = fn
+
+
+_EAGER: weakref.WeakSet[_Eager] = weakref.WeakSet()  # every wrapper's, alive
+
+
+def _disable_under_dynamo() -> None:
+    """Once dynamo is imported: every wrapper's frames are skipped (they share one code object)
+    and each calls its function through ``torch._dynamo.disable``."""
+    compat.dynamo_skip_frames_of(_CALL_CODE)
+    for eager in list(_EAGER):
+        eager.call = compat.dynamo_disable(eager.fn)
+
+
+def outside_dynamo(fn: F) -> F:
+    """``fn``, never traced by ``torch.compile``: it and everything it calls run eagerly.
+
+    fullshard's hooks gather and free memory, issue collectives (some of Python objects), read
+    clocks, take locks and compare data pointers: none of that belongs in a graph, and dynamo
+    cannot trace most of it. Registered as a module hook, ``fn`` is skipped by a compiled
+    block's ``_call_impl`` and by a compiled model (which breaks its graph at the call, once
+    per unit boundary), as torch's FSDP2 hooks are.
+
+    Marking a function for dynamo imports dynamo, 2.6 s per process here (most of what importing
+    fullshard cost), which a program that never compiles does not need. So the marking waits
+    for dynamo: the wrapper calls ``fn`` directly until something imports dynamo (a
+    ``torch.compile``), and from then on dynamo skips the wrapper's frames and the wrapper calls
+    ``fn`` through dynamo's disable (:func:`compat.after_import`). Costs about 0.2 us per call
+    before, 2 us after.
+    """
+    eager = _Eager(fn)
+    if _DYNAMO_IMPORTED:
+        eager.call = compat.dynamo_disable(fn)
+    _EAGER.add(eager)
+    return functools.wraps(fn)(_calling(eager))  # type: ignore[return-value]
+
+
+def _calling(eager: _Eager | None) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return eager.call(*args, **kwargs)  # type: ignore[union-attr]
+
+    return call
+
+
+_CALL_CODE = _calling(None).__code__  # the code object of every outside_dynamo wrapper
+_DYNAMO_IMPORTED = False
+
+
+def _on_dynamo_import() -> None:
+    global _DYNAMO_IMPORTED
+    _DYNAMO_IMPORTED = True
+    _disable_under_dynamo()
+
+
+compat.after_import(compat.DYNAMO, _on_dynamo_import)

@@ -1,0 +1,58 @@
+"""The first forward's check that every rank wraps the same units, set up the same way."""
+
+from __future__ import annotations
+
+from fullshard.comm import collectives, flight_recorder
+from fullshard.engine.layout import UnitConfig
+from fullshard.engine.unit import Unit
+
+
+def _wire_settings(config: UnitConfig) -> tuple[str, ...]:
+    """The settings of a unit that decide what its collectives carry and how many there are,
+    as "name=value" strings: ranks that differ in them would pair mismatched buffers (a crash,
+    or, where the sizes happen to agree, silently wrong values)."""
+    return (
+        f"reshard_after_forward={config.reshard_after_forward}",
+        f"param_dtype={config.param_dtype}",
+        f"reduce_dtype={config.reduce_dtype}",
+        f"comm_quantization={config.comm_quantization!r}",
+    )
+
+
+def check_same_units(units: list[Unit]) -> None:
+    """At the first forward: every rank of the root's group must wrap the same units, in the
+    same order, of the same sizes, with the same sharding strategy, mixed precision and
+    ``comm_quantization``; else their collectives would pair up wrongly or hang.
+
+    Raises:
+        RuntimeError: on every rank, naming the first unit that differs and, per rank, what
+            differs (its name and size, or its settings).
+    """
+    first = units[0]
+    group = first.shard_group if first.shard_size > 1 else collectives.default_group()
+    if collectives.group_size(group) == 1:
+        return
+    mine = [(u.name, u.full_nbytes, _wire_settings(u.config)) for u in units]
+    with flight_recorder.at(phase="unit order check"):
+        every = collectives.all_gather_object(mine, group)
+    if all(units == every[0] for units in every):
+        return
+    i = next(
+        k for k in range(max(map(len, every))) if len({units[k] if k < len(units) else None for units in every}) > 1
+    )
+    shapes = {units[i][:2] if i < len(units) else None for units in every}
+    if len(shapes) == 1:  # the same unit everywhere, set up differently
+        differ = [k for k in range(len(every[0][i][2])) if len({units[i][2][k] for units in every}) > 1]
+        seen = "; ".join(f"rank {r}: " + ", ".join(units[i][2][k] for k in differ) for r, units in enumerate(every))
+        raise RuntimeError(
+            f"FSDP unit {every[0][i][0]!r} is set up differently across ranks ({seen}): every rank must pass "
+            "the same sharding strategy, mixed_precision and comm_quantization (rank-dependent arguments?)"
+        )
+    seen = "; ".join(
+        f"rank {r}: " + (f"{units[i][0]!r} ({units[i][1]} bytes)" if i < len(units) else "no such unit")
+        for r, units in enumerate(every)
+    )
+    raise RuntimeError(
+        f"FSDP units differ across ranks at unit #{i} in construction order ({seen}): every rank must wrap "
+        "the same model with the same policy (rank-dependent model code or wrapping?)"
+    )
