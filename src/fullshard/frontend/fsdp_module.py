@@ -129,8 +129,13 @@ class FSDPModule(_TorchFSDPModule):
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """With False, the full parameters stay gathered after backward (for gradient
-        accumulation without a new all-gather); set True again before the optimizer step's
-        last backward, or the next forward would use parameters from before the step."""
+        accumulation without a new all-gather), and the next forward reuses them: while the flag
+        stays False they are the values from before any optimizer step in between, as in torch.
+        Set True again before the last backward of an accumulation. Unlike torch, a unit still
+        gathered at the next root forward whose flag is True by then is resharded and gathered
+        afresh (torch reuses the kept, older values). While gathered, the module's attributes
+        are plain full tensors (torch's are full ``nn.Parameter``); ``parameters()`` gives the
+        sharded DTensors."""
         for unit in self._units(recurse):
             unit.reshard_after_backward = reshard_after_backward
 
