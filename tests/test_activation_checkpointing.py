@@ -12,19 +12,28 @@ from torch import nn
 
 
 def parity_body(rank: int, world: int) -> list[str]:
+    from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as torch_ac
+
     from fullshard import (
         FSDP,
         CheckpointWrapper,
+        StateDictType,
         apply_activation_checkpointing,
         checkpoint_wrapper,
     )
     from fullshard.frontend.wrap import ModuleWrapPolicy
 
     done = []
-    for placement in ("inside", "outside", "offload"):
+    for placement in ("inside", "outside", "offload", "torch's inside", "torch's before wrapping"):
         ref = make_stack()
         model = copy.deepcopy(ref)
-        if placement == "inside":  # FSDP(CheckpointWrapper(Block)): applied after wrapping
+        if placement == "torch's inside":  # pytorch/examples' T5: wrap, then torch's checkpointing
+            model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
+            torch_ac.apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+        elif placement == "torch's before wrapping":  # torch's checkpointing, then FSDP over its wrappers
+            torch_ac.apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+            model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({torch_ac.CheckpointWrapper}))
+        elif placement == "inside":  # FSDP(CheckpointWrapper(Block)): applied after wrapping
             model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
             apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
             assert isinstance(model.blocks[0].module, CheckpointWrapper)
@@ -45,6 +54,10 @@ def parity_body(rank: int, world: int) -> list[str]:
         assert list(full) == list(ref.state_dict())
         for k, v in ref.state_dict().items():
             torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{placement} {k}: {m}")
+        for kind in (StateDictType.SHARDED_STATE_DICT, StateDictType.LOCAL_STATE_DICT):
+            with FSDP.state_dict_type(model, kind):
+                assert list(model.state_dict()) == list(ref.state_dict()), (placement, kind)
+        model.load_state_dict(ref.state_dict())  # the plain model's names load back
         done.append(placement)
     return done
 
@@ -52,7 +65,13 @@ def parity_body(rank: int, world: int) -> list[str]:
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("world", [1, 2])
 def test_checkpointing_parity(world: int) -> None:
-    assert run_ranks(parity_body, world, timeout=180)[0] == ["inside", "outside", "offload"]
+    assert run_ranks(parity_body, world, timeout=180)[0] == [
+        "inside",
+        "outside",
+        "offload",
+        "torch's inside",
+        "torch's before wrapping",
+    ]
 
 
 def test_seed_example_runs_on_one_rank_without_fsdp() -> None:

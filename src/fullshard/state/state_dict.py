@@ -23,7 +23,7 @@ from torch import nn
 from fullshard import compat
 from fullshard.comm import collectives
 from fullshard.engine.hooks import fsdp_state
-from fullshard.engine.module_wrapper import ModuleWrapper
+from fullshard.engine.module_wrapper import CHECKPOINT_WRAPPED, ModuleWrapper
 from fullshard.engine.sharded_param import ShardedParam, unshifted
 from fullshard.engine.unit import Unit
 
@@ -54,8 +54,8 @@ def _entries(root: nn.Module, ignored: Modules) -> Iterator[tuple[str, nn.Module
             if b is not None and name not in compat.non_persistent_buffers(module):
                 yield prefix + name, module, name, False
         for name, child in compat.module_children(module).items():
-            if child is not None:
-                yield from walk(child, f"{prefix}{name}.")
+            if child is not None:  # torch's checkpoint wrappers: transparent too, as torch's hooks make them
+                yield from walk(child, prefix if name == CHECKPOINT_WRAPPED else f"{prefix}{name}.")
 
     yield from walk(root, "")
 
