@@ -59,7 +59,7 @@ def _steps(case: str, rank: int, group: object) -> None:
     torch.manual_seed(0)
     net = Net()
     model = FSDP(net, process_group=group, auto_wrap_policy=ModuleWrapPolicy({Block}))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9 if case == "optim_state" else 0.0)
     for step in range(1, 5):
         x = torch.randn(4, 8)
         odd = step == 3
@@ -71,6 +71,8 @@ def _steps(case: str, rank: int, group: object) -> None:
         model(x).sum().backward()
         if case == "clip" and odd and rank == 0:
             model.clip_grad_norm_(1.0)
+        if case == "optim_state" and odd and rank == 0:
+            FSDP.optim_state_dict(model, opt)  # gathers through torch's DTensor.full_tensor()
         if case == "state_dict" and odd:
             if rank == 1:
                 continue  # skips the optimizer step and the state dict: on to the next forward
@@ -102,7 +104,7 @@ def diverge_body(rank: int, world: int, cases: list[str], dumps: str) -> dict[st
     return seen
 
 
-CASES = ["state_dict", "clip", "skip_unit", "extra_forward"]
+CASES = ["state_dict", "clip", "skip_unit", "extra_forward", "optim_state"]
 
 
 @pytest.mark.timeout(300)
@@ -113,7 +115,7 @@ def test_divergent_collectives_are_named_on_both_ranks_before_the_backend_runs_t
     for case in CASES:
         assert seen[0][case] == seen[1][case], case  # the same sentence on both ranks
         assert seen[0][case].startswith("CollectiveDiverged: ranks diverged at collective #"), seen[0][case]
-    state_dict, clip, skip_unit, extra = (seen[0][c] for c in CASES)
+    state_dict, clip, skip_unit, extra, optim_state = (seen[0][c] for c in CASES)
     assert re.search(
         r"rank 0 issued state_dict all-gather of unit 'head' \(136 bytes, step 3\), rank 1 issued forward "
         r"all-gather of unit 'inp' \(288 bytes, step 4\); rank 1 skipped ahead \(step 4 against step 3\)",
@@ -135,6 +137,12 @@ def test_divergent_collectives_are_named_on_both_ranks_before_the_backend_runs_t
         r"step 3\)",  # 'head', last in forward, stays gathered into backward (hooks.keeps_last_gathered)
         extra,
     ), extra
+    # torch issues the gathers of the optimizer state (DTensor.full_tensor()): fullshard marks their start
+    assert re.search(
+        r"rank 0 issued start of optim_state_dict gather \(step 3\), rank 1 issued forward all-gather of unit 'inp' "
+        r"\(288 bytes, step 4\); rank 1 skipped ahead \(step 4 against step 3\)",
+        optim_state,
+    ), optim_state
     # A rank that leaves (its process lives on) is named with its last completed collective, exact:
     # its watchdog's final heartbeat. (A process that exits: test_watchdog.py.) Step 2 has one
     # all-gather fewer than step 1: 'head', last in forward, stays gathered into backward.

@@ -313,3 +313,38 @@ def test_a_late_watchdog_signals_the_main_thread_before_its_grace_period_ends_th
     dog.stop_at -= watchdog._GRACE_S + 0.1
     watchdog.Watchdog.watch(dog)  # type: ignore[arg-type]
     assert len(calls) == 2 and calls[1].startswith("still running"), calls
+
+
+def _wait_in_torch() -> None:
+    import torch.distributed as dist
+
+    dist.all_reduce(torch.ones(1))  # torch's own collective, not fullshard's
+
+
+def where_body(rank: int, world: int) -> str:
+    """The watchdog's words for where the main thread is: rank 0 while it waits in torch's
+    all_reduce for rank 1, rank 1 while it sleeps before joining it."""
+    import threading
+
+    from fullshard.comm import diagnosis
+
+    seen: list[str] = []
+    look = threading.Thread(target=lambda: (time.sleep(1.0 - rank), seen.append(diagnosis.stack())))
+    look.start()
+    if rank == 1:
+        time.sleep(2.0)
+    _wait_in_torch()
+    look.join()
+    return seen[0]
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_inside_torch_is_named_by_the_user_line_and_torch_collective() -> None:
+    """The stack shown is the user's innermost frames (not torch's internals), with the torch
+    function called; inside torch.distributed it is "not in a fullshard collective"."""
+    inside, sleeping = run_ranks(where_body, 2, timeout=40)
+    assert inside.startswith("not in a fullshard collective, at test_watchdog.py:"), inside
+    assert " _wait_in_torch < test_watchdog.py:" in inside and "where_body" in inside, inside
+    assert inside.endswith(", in torch.distributed.distributed_c10d.all_reduce"), inside
+    assert sleeping.startswith("not in a collective, at test_watchdog.py:") and " where_body < " in sleeping, sleeping
+    assert "_ops.py" not in inside + sleeping and "threading.py" not in inside + sleeping

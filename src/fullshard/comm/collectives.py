@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from fullshard import compat, probes
-from fullshard.comm import exposed_comm, watchdog
+from fullshard.comm import exposed_comm, flight_recorder, watchdog
 from fullshard.comm.buffers import POOL
 from fullshard.comm.flight_recorder import RECORDER, Entry
 from fullshard.comm.handle import Handle
@@ -70,7 +70,11 @@ def _note(op: str, dtype: torch.dtype, numel: int, nbytes: int, group: ProcessGr
     """Count a collective in the probes and record it in the flight recorder (issued)."""
     if probes.ACTIVE is not None:
         probes.ACTIVE.collectives.record(op, dtype, numel, nbytes)
-    entry = RECORDER.issue(op, dtype, numel, nbytes, _group_name(group))
+    return _checked(RECORDER.issue(op, dtype, numel, nbytes, _group_name(group)))
+
+
+def _checked(entry: Entry | None) -> Entry | None:
+    """``entry`` (just issued), after the divergence check (starting the watchdog if wanted)."""
     if watchdog.ACTIVE is None:
         if entry is None or not watchdog.wanted():
             return entry
@@ -79,6 +83,16 @@ def _note(op: str, dtype: torch.dtype, numel: int, nbytes: int, group: ProcessGr
     if entry is not None and guard is not None:
         guard.check(entry)  # raises before the backend sees a collective another rank did not issue
     return entry
+
+
+def mark_start(phase: str, group: ProcessGroup) -> None:
+    """Record that every rank of ``group`` starts ``phase``, whose collectives torch issues, not
+    fullshard (DTensor's ``full_tensor()``): with the watchdog on, a rank that starts it alone is
+    named by the divergence check (a "start" entry at once, not a timeout inside torch). Nothing
+    goes to the backend. Call it on every rank of ``group``, outside the training loop's hot path."""
+    with flight_recorder.at(phase=phase):
+        entry = _checked(RECORDER.issue("start", torch.uint8, 0, 0, _group_name(group)))
+    RECORDER.complete(entry)
 
 
 def _start_watchdog() -> None:

@@ -3,15 +3,20 @@ a collective that timed out or failed in the backend."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
+import re
 import socket
 import sys
+import sysconfig
 import threading
 import time
 import traceback
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from fullshard.comm import peers
 from fullshard.comm.flight_recorder import RECORDER, Entry
@@ -19,13 +24,73 @@ from fullshard.comm.flight_recorder import RECORDER, Entry
 _RECENT = 64  # entries a heartbeat carries, to find where two ranks' collectives stopped matching
 
 
+# Where library code lives: frames there are not the user's (the stack names the user's line).
+_TORCH = str(Path(torch.__file__).resolve().parent) + os.sep
+_FULLSHARD = str(Path(__file__).resolve().parents[1]) + os.sep
+_STDLIB = str(Path(sysconfig.get_paths()["stdlib"]).resolve()) + os.sep
+_SITE = tuple(str(Path(sysconfig.get_paths()[k]).resolve()) + os.sep for k in ("purelib", "platlib"))
+_TORCH_DISTRIBUTED = _TORCH + "distributed" + os.sep
+# Functions of torch.distributed that issue or wait for a collective (c10d, functional collectives).
+_COLLECTIVE_NAME = re.compile(r"(all_|reduce|broadcast|barrier|wait|gather|scatter|send|recv|redistribute)")
+_SHOWN = 4  # user frames shown
+_WRAPPERS = {"wrapper", "inner", "decorate_context", "wrapped"}  # decorators' frames: not the function called
+
+
 def stack() -> str:
-    """The main thread's innermost frames, outermost first: ``file:line func`` joined by " < "."""
+    """Where the main thread is, for a rank in no fullshard collective: ``not in a collective, at
+    <stack>``, the stack being its innermost frames outside torch, fullshard and the standard
+    library (the user's code), ``file:line func`` joined by " < "; then the library function the
+    innermost of them called, and, when the stack is inside torch.distributed, the collective it
+    is in (``not in a fullshard collective``: one of torch's own may be what waits)."""
     frame = sys._current_frames().get(threading.main_thread().ident or 0)
     if frame is None:
-        return "unknown"
-    frames = traceback.extract_stack(frame)[-4:]
-    return " < ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames))
+        return "not in a collective, at an unknown place"
+    return describe_stack(traceback.extract_stack(frame))
+
+
+def describe_stack(frames: list[traceback.FrameSummary]) -> str:
+    """:func:`stack`'s sentence for ``frames`` (outermost first)."""
+    paths = [_resolved(f.filename) for f in frames]
+    user = [i for i, p in enumerate(paths) if not _is_library(p)]
+    shown = [frames[i] for i in user[-_SHOWN:]] or frames[-_SHOWN:]
+    text = " < ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(shown))
+    inner = user[-1] + 1 if user else 0
+    library = [i for i in range(inner, len(frames)) if paths[i].startswith((_TORCH, _FULLSHARD))]
+    public = [i for i in library if not frames[i].name.startswith("_") and frames[i].name not in _WRAPPERS]
+    called = (public or library or [-1])[0]
+    if user and called >= 0:
+        text += f", in {_qualified(paths[called], frames[called].name)}"
+    in_dist = [i for i in library if paths[i].startswith(_TORCH_DISTRIBUTED)]
+    if not in_dist:
+        return f"not in a collective, at {text}"
+    named = [i for i in in_dist if _COLLECTIVE_NAME.match(frames[i].name.lstrip("_"))]
+    i = (named or in_dist)[-1]
+    if i != called:
+        text += f" (inside {_qualified(paths[i], frames[i].name)})"
+    return f"not in a fullshard collective, at {text}"
+
+
+@functools.lru_cache(maxsize=4096)
+def _resolved(filename: str) -> str:
+    return filename if filename.startswith("<") else str(Path(filename).resolve())
+
+
+def _is_library(path: str) -> bool:
+    """Whether ``path`` is torch's, fullshard's or the standard library's (not what a user wrote)."""
+    if path.startswith((_TORCH, _FULLSHARD)):
+        return True
+    return path.startswith(_STDLIB) and not path.startswith(_SITE)
+
+
+def _qualified(path: str, name: str) -> str:
+    """``torch.nn.utils.clip_grad.clip_grad_norm_`` for function ``name`` of the file at ``path``."""
+    for root in (_TORCH, _FULLSHARD):
+        if path.startswith(root):
+            module = Path(path[len(root) :]).with_suffix("").parts
+            package = Path(root).name
+            parts = [package, *module] if module[-1:] != ("__init__",) else [package, *module[:-1]]
+            return ".".join([*parts, name])
+    return name
 
 
 def heartbeat(final: bool = False) -> dict[str, Any]:
@@ -52,9 +117,9 @@ def _recent(n: int) -> list[Entry]:
 
 
 def where(rank: int) -> str:
-    """``rank 1 waits in <collective>`` or ``rank 1 is not in a collective, at <stack>``."""
+    """``rank 1 waits in <collective>`` or ``rank 1 is not in a collective, at <stack>`` (:func:`stack`)."""
     pending = RECORDER.oldest_pending()
-    return f"rank {rank} " + (f"waits in {pending.describe()}" if pending else f"is not in a collective, at {stack()}")
+    return f"rank {rank} " + (f"waits in {pending.describe()}" if pending else f"is {stack()}")
 
 
 def timed_out(channel: peers.Channel, e: Entry, timeout: float, stale: float) -> str:
@@ -84,7 +149,7 @@ def _not_joined(channel: peers.Channel, rank: int, e: Entry, stale: float) -> st
         return None
     if hb["pending"]:
         return f"rank {rank} waits in {hb['pending']}"
-    return f"rank {rank} is alive, not in a collective, at {hb['stack']} (last completed: {hb['completed']})"
+    return f"rank {rank} is alive, {hb['stack']} (last completed: {hb['completed']})"
 
 
 def _divergence(channel: peers.Channel, rank: int) -> str | None:

@@ -162,6 +162,8 @@ class Guard:
 def _what(d: dict[str, Any]) -> str:
     """``state_dict all-gather of unit 'layers.0' (544 bytes, step 3)``."""
     op, _dtype, _numel, unit, phase = d["identity"]
+    if op == "start":  # collectives.mark_start: torch's collectives follow
+        return f"start of {phase} (step {d['step']})"
     name = _OP_NAMES.get(op, op)
     of = "" if unit is None else (" of the root" if unit == "" else f" of unit {unit!r}")
     return f"{phase + ' ' if phase else ''}{name}{of} ({d['nbytes']} bytes, step {d['step']})"

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from fullshard import compat
+from fullshard.comm import collectives
 from fullshard.engine.module_wrapper import clean_name
 from fullshard.state.state_dict import _sharded, _unit_of_param, as_dtensor, unit_mesh
 
@@ -249,12 +250,25 @@ def full_optim_state_dict(
     from torch.distributed.tensor import DTensor
 
     osd = sharded_optim_state_dict(model, optimizer)
+    _mark_gathers([v for entry in osd["state"].values() for v in entry.values() if isinstance(v, DTensor)])
     state: dict[str, dict[str, Any]] = {}
     for name, entry in osd["state"].items():
         full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in entry.items()}
         if keep:
             state[name] = {k: _snapshot(entry[k], v, offload_to_cpu) for k, v in full.items()}
     return {"state": state, "param_groups": osd["param_groups"]}
+
+
+def _mark_gathers(values: list[Any]) -> None:
+    """Mark the start of the gathers of ``values`` (DTensors) on each of their groups, in order
+    of first use: torch issues them, so the divergence check sees them only through this."""
+    groups: dict[int, Any] = {}
+    for v in values:
+        for dim in range(v.device_mesh.ndim):
+            group = v.device_mesh.get_group(dim)
+            groups.setdefault(id(group), group)
+    for group in groups.values():
+        collectives.mark_start("optim_state_dict gather", group)
 
 
 def _snapshot(before: Any, value: Any, offload_to_cpu: bool) -> Any:
