@@ -384,3 +384,49 @@ def test_bench_gpu_code_path_runs_the_same_model_everywhere(tmp_path: Path) -> N
     assert "tiny" in rows and "did not train" not in rows["tiny"][3], r.stdout
     text = md.read_text()
     assert "compare table" in text and "| fullshard |" in text and "bench gpu --allow-cpu" in text
+
+
+def _first_forward_error(rank: int, change: object) -> str:
+    """The error of the first forward of an FSDP model of three Linear units that ``change``
+    (rank, model) -> kwargs alters on some ranks before wrapping."""
+    from fullshard import FSDP
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    kwargs = change(rank, net)  # type: ignore[operator]
+    try:
+        FSDP(net, auto_wrap_policy={nn.Linear}, **kwargs)(torch.ones(2, 4)).sum().backward()
+    except (RuntimeError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _freeze_layer(rank: int, net: nn.Module) -> dict:
+    if rank == 1:
+        net[0].requires_grad_(False)
+    return {}
+
+
+def _freeze_bias(rank: int, net: nn.Module) -> dict:
+    if rank == 0:
+        net[2].bias.requires_grad_(False)
+    return {}
+
+
+def rank_dependent_body(rank: int, world: int) -> list[str]:
+    return [_first_forward_error(rank, change) for change in (_freeze_layer, _freeze_bias)]
+
+
+@pytest.mark.timeout(120)
+def test_rank_dependent_setups_are_named_at_the_first_forward_on_every_rank() -> None:
+    results = run_ranks(rank_dependent_body, 2, timeout=100)
+    assert results[0] == results[1]  # the same sentence on every rank
+    frozen, bias = results[0]
+    assert frozen == (
+        "RuntimeError: FSDP unit '0' has different trainable parameters across ranks: parameter '0.bias' has "
+        "requires_grad=False on rank(s) [1] and True on rank(s) [0] (rank 0: all trainable; rank 1: frozen: "
+        "0.weight, 0.bias): every rank must freeze the same parameters (requires_grad_(False)) before wrapping "
+        "(rank-dependent code?)"
+    ), frozen
+    assert "parameter '2.bias' has requires_grad=False on rank(s) [0] and True on rank(s) [1]" in bias, bias
+

@@ -19,20 +19,44 @@ def _wire_settings(config: UnitConfig) -> tuple[str, ...]:
     )
 
 
+def _frozen(unit: Unit) -> tuple[str, ...]:
+    """The names of ``unit``'s parameters that do not require gradients: ranks that differ in them
+    lay out and reduce different gradients (a mismatch at the first backward)."""
+    prefix = "" if not unit.name or unit.name.startswith("<") else f"{unit.name}."  # "<root>": names are the model's
+    return tuple(prefix + sp.fqn for sp in unit.params if not sp.requires_grad)
+
+
+def _raise_frozen_differ(unit: str, frozen: list[tuple[str, ...]]) -> None:
+    """Raise for unit ``unit`` whose frozen parameters (per rank, ``frozen``) differ across ranks."""
+    names = sorted({n for f in frozen for n in f})
+    first = next(n for n in names if len({n in f for f in frozen}) > 1)
+    where = "; ".join(
+        f"rank {r}: " + (f"frozen: {', '.join(f)}" if f else "all trainable") for r, f in enumerate(frozen)
+    )
+    frozen_on = [r for r, f in enumerate(frozen) if first in f]
+    trainable_on = [r for r, f in enumerate(frozen) if first not in f]
+    raise RuntimeError(
+        f"FSDP unit {unit!r} has different trainable parameters across ranks: parameter {first!r} has "
+        f"requires_grad=False on rank(s) {frozen_on} and True on rank(s) {trainable_on} ({where}): every rank "
+        "must freeze the same parameters (requires_grad_(False)) before wrapping (rank-dependent code?)"
+    )
+
+
 def check_same_units(units: list[Unit]) -> None:
     """At the first forward: every rank of the root's group must wrap the same units, in the
-    same order, of the same sizes, with the same sharding strategy, mixed precision and
-    ``comm_quantization``; else their collectives would pair up wrongly or hang.
+    same order, of the same sizes, with the same sharding strategy, mixed precision,
+    ``comm_quantization`` and frozen (``requires_grad=False``) parameters; else their collectives
+    would pair up wrongly or hang.
 
     Raises:
         RuntimeError: on every rank, naming the first unit that differs and, per rank, what
-            differs (its name and size, or its settings).
+            differs (its name and size, its settings, or which parameters are frozen).
     """
     first = units[0]
     group = first.shard_group if first.shard_size > 1 else collectives.default_group()
     if collectives.group_size(group) == 1:
         return
-    mine = [(u.name, u.full_nbytes, _wire_settings(u.config)) for u in units]
+    mine = [(u.name, u.full_nbytes, _wire_settings(u.config), _frozen(u)) for u in units]
     with flight_recorder.at(phase="unit order check"):
         every = collectives.all_gather_object(mine, group)
     if all(units == every[0] for units in every):
@@ -41,6 +65,8 @@ def check_same_units(units: list[Unit]) -> None:
         k for k in range(max(map(len, every))) if len({units[k] if k < len(units) else None for units in every}) > 1
     )
     shapes = {units[i][:2] if i < len(units) else None for units in every}
+    if len(shapes) == 1 and len({units[i][2] for units in every}) == 1:  # the same settings: requires_grad differs
+        _raise_frozen_differ(every[0][i][0], [units[i][3] for units in every])
     if len(shapes) == 1:  # the same unit everywhere, set up differently
         differ = [k for k in range(len(every[0][i][2])) if len({units[i][2][k] for units in every}) > 1]
         seen = "; ".join(f"rank {r}: " + ", ".join(units[i][2][k] for k in differ) for r, units in enumerate(every))
