@@ -430,3 +430,64 @@ def test_rank_dependent_setups_are_named_at_the_first_forward_on_every_rank() ->
     ), frozen
     assert "parameter '2.bias' has requires_grad=False on rank(s) [0] and True on rank(s) [1]" in bias, bias
 
+
+def _fsdp1(**kwargs: object) -> object:
+    from fullshard import FSDP
+
+    return FSDP(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)), **kwargs)
+
+
+def _child_after_parent() -> None:
+    from fullshard import fully_shard
+
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    fully_shard(net)
+    fully_shard(net[0])
+
+
+def arguments_body(rank: int, world: int) -> list[str]:
+    """Constructor arguments of the wrong kind: each a ValueError / TypeError naming the argument
+    and the fix, on every rank, before any collective."""
+    from fullshard import CPUOffload, fully_shard
+
+    cases = [
+        (lambda: _fsdp1(process_group="world"), TypeError, "process_group must be a torch.distributed ProcessGroup"),
+        (lambda: _fsdp1(ignored_modules=nn.Linear(2, 2)), TypeError, "pass ignored_modules=[module]"),
+        (lambda: fully_shard(3), TypeError, "fully_shard: module must be an nn.Module"),
+        (lambda: _fsdp1(device_id=torch.device("meta")), ValueError, "device_id=meta cannot hold the shards"),
+        (lambda: CPUOffload(offload_params="yes"), TypeError, "CPUOffload(offload_params=...) must be True or False"),
+        (_child_after_parent, ValueError, "apply fully_shard bottom-up, to submodules first"),
+    ]
+    if not torch.cuda.is_available():
+        cases += [
+            (lambda: _fsdp1(device_id=0), ValueError, "device_id=0 is a CUDA device, but this torch has no CUDA"),
+            (lambda: _fsdp1(device_id=torch.device("cuda", 0)), ValueError, "on CPU pass device_id=None"),
+        ]
+    return [_raises(fn, exc, text) for fn, exc, text in cases]
+
+
+def outside_body(rank: int, world: int) -> list[str]:
+    """A process group or mesh of rank 0 only: rank 1 (outside it) is told so; rank 0 wraps."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from fullshard import fully_shard
+
+    group, mesh = dist.new_group([0]), DeviceMesh("cpu", [0])
+    if rank == 0:
+        _fsdp1(process_group=group)
+        fully_shard(nn.Linear(2, 2), mesh=mesh)
+        return []
+    return [
+        _raises(lambda: _fsdp1(process_group=group), ValueError, "this rank (1) is not in process_group"),
+        _raises(
+            lambda: fully_shard(nn.Linear(2, 2), mesh=mesh), ValueError, "this rank (1) is not in the mesh (ranks [0])"
+        ),
+    ]
+
+
+@pytest.mark.timeout(120)
+def test_constructor_arguments_of_the_wrong_kind_are_named() -> None:
+    results = run_ranks(arguments_body, 2, timeout=100)
+    assert results[0] == results[1] and len(results[0]) == (6 if torch.cuda.is_available() else 8), results
+    assert run_ranks(outside_body, 2, timeout=100) == [[], ["ValueError", "ValueError"]]

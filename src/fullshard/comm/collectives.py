@@ -145,6 +145,21 @@ def default_group() -> ProcessGroup:
     return dist.group.WORLD
 
 
+def is_group(obj: Any) -> bool:
+    """Whether ``obj`` is a torch ProcessGroup."""
+    return isinstance(obj, dist.ProcessGroup)
+
+
+def is_outside(obj: Any) -> bool:
+    """Whether ``obj`` is what ``torch.distributed.new_group`` returns to a rank not in the group."""
+    return obj is dist.GroupMember.NON_GROUP_MEMBER
+
+
+def global_rank() -> int:
+    """This process's rank in the default group."""
+    return dist.get_rank()
+
+
 def group_size(group: ProcessGroup) -> int:
     """The number of ranks in ``group``. Raises RuntimeError when no process group is initialized."""
     return dist.get_world_size(group)

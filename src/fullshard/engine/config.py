@@ -93,6 +93,12 @@ class CPUOffload:
 
     offload_params: bool = False
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.offload_params, bool):
+            raise TypeError(
+                f"CPUOffload(offload_params=...) must be True or False, got {self.offload_params!r}; pass a bool"
+            )
+
 
 class StateDictType(enum.Enum):
     """What ``state_dict()`` returns under ``FullyShardedDataParallel.state_dict_type``.

@@ -61,6 +61,13 @@ def wrapper_config(
         TypeError, ValueError: as ``FullyShardedDataParallel``.
     """
     check_mesh(device_mesh, "FullyShardedDataParallel: device_mesh")
+    _check_process_group(process_group)
+    _check_device_id(device_id)
+    if isinstance(ignored_modules, nn.Module):
+        raise TypeError(
+            f"FullyShardedDataParallel: ignored_modules must be an iterable of modules, got one "
+            f"{type(ignored_modules).__name__}; pass ignored_modules=[module]"
+        )
     strategy = parse_sharding_strategy(sharding_strategy)
     config = WrapperConfig(
         mixed_precision=as_mixed_precision(mixed_precision),
@@ -78,6 +85,56 @@ def wrapper_config(
     )
     _warn_no_effect(module, config, limit_all_gathers, use_orig_params)
     return config
+
+
+def _check_process_group(process_group: Any) -> None:
+    """Refuse a ``process_group`` that is not a ProcessGroup (or, for hybrid sharding, a pair of
+    them), and one that leaves this rank out (raised on that rank only).
+
+    Raises:
+        TypeError: another type.
+        ValueError: this rank is not in the group.
+    """
+    if process_group is None:
+        return
+    groups = process_group if isinstance(process_group, tuple) else (process_group,)
+    for group in groups:
+        if collectives.is_outside(group):
+            raise ValueError(
+                f"FullyShardedDataParallel: this rank ({collectives.global_rank()}) is not in process_group "
+                "(torch.distributed.new_group returned GroupMember.NON_GROUP_MEMBER here): construct FSDP only on "
+                "the group's ranks"
+            )
+        if not collectives.is_group(group):
+            raise TypeError(
+                "FullyShardedDataParallel: process_group must be a torch.distributed ProcessGroup (for "
+                f"HYBRID_SHARD, a tuple (shard group, replicate group)), got {type(group).__name__} {group!r}; "
+                "pass torch.distributed.group.WORLD, torch.distributed.new_group(ranks) or None (the world)"
+            )
+
+
+def _check_device_id(device_id: Any) -> None:
+    """Refuse a ``device_id`` naming a device this build cannot compute on (CUDA without CUDA, meta).
+
+    Raises:
+        ValueError: naming the device and what to pass instead.
+    """
+    if device_id is None or isinstance(device_id, bool) or not isinstance(device_id, (int, str, torch.device)):
+        return  # None, or a type WrapperConfig refuses with its own message
+    try:
+        device = torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"FullyShardedDataParallel: device_id={device_id!r} is not a device ({e})") from None
+    if device.type == "meta":
+        raise ValueError(
+            "FullyShardedDataParallel: device_id=meta cannot hold the shards; pass the device to compute on "
+            "(a module built on meta is materialized there: keep device_id for that device)"
+        )
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"FullyShardedDataParallel: device_id={device_id!r} is a CUDA device, but this torch has no CUDA "
+            "device available; on CPU pass device_id=None (or torch.device('cpu'))"
+        )
 
 
 def _warn_no_effect(module: nn.Module, config: WrapperConfig, limit_all_gathers: Any, use_orig_params: Any) -> None:

@@ -38,7 +38,7 @@ from fullshard.engine import all_gather_extension, build, dynamo_guard, hooks
 from fullshard.engine.config import BackwardPrefetch, CommQuantization, FrontEnd, MixedPrecision, ShardingStrategy
 from fullshard.engine.groups import resolve_groups
 from fullshard.engine.shard_sync import register_dtensors
-from fullshard.engine.sharded_param import unshifted
+from fullshard.engine.sharded_param import is_sharded, unshifted
 from fullshard.engine.unit import TrainingState, Unit
 from fullshard.frontend import meshes, optim_local, tensor_parallel
 from fullshard.frontend.fsdp_module import FSDPModule
@@ -185,14 +185,39 @@ def _modules(module: Union[nn.Module, list[nn.Module]]) -> list[nn.Module]:
     """``fully_shard``'s ``module`` as a list, none of it sharded by torch or the FSDP1 wrapper.
 
     Raises:
-        ValueError: an empty list; a module already sharded elsewhere.
+        TypeError: an entry that is not an nn.Module.
+        ValueError: an empty list; a module already sharded elsewhere, or by a parent's fully_shard.
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules:
         raise ValueError("fully_shard: module is an empty list; pass a module or a non-empty list of modules")
     for m in modules:
+        if not isinstance(m, nn.Module):
+            raise TypeError(
+                f"fully_shard: module must be an nn.Module or a list of them, got {type(m).__name__} {m!r}; "
+                "pass the model or one of its submodules"
+            )
         build.check_not_sharded_elsewhere(m, FrontEnd.FULLY_SHARD)
+        _check_not_inside_a_unit(m)
     return modules
+
+
+def _check_not_inside_a_unit(module: nn.Module) -> None:
+    """Refuse a module whose parameters an earlier ``fully_shard`` of a module containing it
+    sharded (it holds no unit of its own that could have: the parent came first).
+
+    Raises:
+        ValueError: naming the parameters and the order to apply ``fully_shard`` in.
+    """
+    if hooks.is_unit(module) or any(hooks.is_unit(m) for m in module.modules()):
+        return
+    taken = [n for n, p in module.named_parameters() if is_sharded(p)]
+    if taken:
+        raise ValueError(
+            f"fully_shard: the parameters of this {type(module).__name__} ({', '.join(taken[:4])}) are already "
+            "sharded by an earlier fully_shard of a module that contains it: apply fully_shard bottom-up, to "
+            "submodules first and then to their parents (the root last)"
+        )
 
 
 def _build(

@@ -27,10 +27,12 @@ def default_mesh(device_type: str) -> Any:
 
 
 def check_mesh(mesh: Any, argument: str) -> None:
-    """Refuse a ``mesh`` / ``device_mesh`` argument that is neither None nor a DeviceMesh.
+    """Refuse a ``mesh`` / ``device_mesh`` argument that is neither None nor a DeviceMesh, or
+    that leaves this rank out.
 
     Raises:
         TypeError: naming ``argument``, the expected type and the value given.
+        ValueError: this rank is not in the mesh (on that rank only: the others may go on).
     """
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -38,6 +40,13 @@ def check_mesh(mesh: Any, argument: str) -> None:
         raise TypeError(
             f"{argument} must be a torch.distributed.device_mesh.DeviceMesh (e.g. init_device_mesh('cpu', "
             f"(world_size,))) or None, got {type(mesh).__name__} {mesh!r}"
+        )
+    if mesh is not None and mesh.get_coordinate() is None:
+        call = argument.split(":")[0]
+        raise ValueError(
+            f"{argument}: this rank ({collectives.global_rank()}) is not in the mesh (ranks "
+            f"{mesh.mesh.flatten().tolist()}): call {call} only on the mesh's ranks, or pass a mesh of every rank "
+            "that calls it"
         )
 
 
