@@ -153,3 +153,12 @@ def test_divergent_collectives_are_named_on_both_ranks_before_the_backend_runs_t
         r"\[0,1\] \(288 bytes, unit 'inp', post-backward reduce-scatter, step 2\)\)$",
         seen[0]["exit_early"],
     ), seen[0]["exit_early"]
+
+
+def test_a_phase_that_names_its_op_is_not_followed_by_the_op_again() -> None:
+    from fullshard.comm.divergence import _what
+
+    rs = {"identity": ["reduce_scatter", "torch.float32", 9, "head", "post-backward reduce-scatter"], "nbytes": 36}
+    assert _what({**rs, "step": 2}) == "post-backward reduce-scatter of unit 'head' (36 bytes, step 2)"
+    ag = {"identity": ["all_gather", "torch.float32", 9, "head", "forward"], "nbytes": 36, "step": 2}
+    assert _what(ag) == "forward all-gather of unit 'head' (36 bytes, step 2)"

@@ -166,6 +166,8 @@ def _what(d: dict[str, Any]) -> str:
         return f"start of {phase} (step {d['step']})"
     name = _OP_NAMES.get(op, op)
     of = "" if unit is None else (" of the root" if unit == "" else f" of unit {unit!r}")
+    if phase and phase.endswith(name):  # "post-backward reduce-scatter": the phase names the op already
+        name, phase = phase, None
     return f"{phase + ' ' if phase else ''}{name}{of} ({d['nbytes']} bytes, step {d['step']})"
 
 
