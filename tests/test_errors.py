@@ -456,6 +456,7 @@ def arguments_body(rank: int, world: int) -> list[str]:
         (lambda: fully_shard(3), TypeError, "fully_shard: module must be an nn.Module"),
         (lambda: _fsdp1(device_id=torch.device("meta")), ValueError, "device_id=meta cannot hold the shards"),
         (lambda: CPUOffload(offload_params="yes"), TypeError, "CPUOffload(offload_params=...) must be True or False"),
+        (lambda: CPUOffload(offload_params=2), TypeError, "CPUOffload(offload_params=...) must be True or False"),
         (_child_after_parent, ValueError, "apply fully_shard bottom-up, to submodules first"),
     ]
     if not torch.cuda.is_available():
@@ -489,5 +490,5 @@ def outside_body(rank: int, world: int) -> list[str]:
 @pytest.mark.timeout(120)
 def test_constructor_arguments_of_the_wrong_kind_are_named() -> None:
     results = run_ranks(arguments_body, 2, timeout=100)
-    assert results[0] == results[1] and len(results[0]) == (6 if torch.cuda.is_available() else 8), results
+    assert results[0] == results[1] and len(results[0]) == (7 if torch.cuda.is_available() else 9), results
     assert run_ranks(outside_body, 2, timeout=100) == [[], ["ValueError", "ValueError"]]

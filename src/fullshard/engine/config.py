@@ -94,7 +94,8 @@ class CPUOffload:
     offload_params: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.offload_params, bool):
+        # A string would be truthy whatever it says ("False"); 0 and 1 are taken, as torch takes them.
+        if not isinstance(self.offload_params, (bool, int)) or self.offload_params not in (0, 1):
             raise TypeError(
                 f"CPUOffload(offload_params=...) must be True or False, got {self.offload_params!r}; pass a bool"
             )
