@@ -467,6 +467,19 @@ def arguments_body(rank: int, world: int) -> list[str]:
     return [_raises(fn, exc, text) for fn, exc, text in cases]
 
 
+def different_models_body(rank: int, world: int) -> str:
+    """sync_module_states over ranks whose models differ: named on every rank before any broadcast."""
+    from fullshard import FSDP
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4 + rank))
+    return _raises(lambda: FSDP(model, sync_module_states=True), ValueError, "the ranks' modules differ at module #")
+
+
+@pytest.mark.timeout(120)
+def test_sync_module_states_over_different_models_is_named_on_every_rank() -> None:
+    assert run_ranks(different_models_body, 2, timeout=100) == ["ValueError"] * 2
+
+
 def outside_body(rank: int, world: int) -> list[str]:
     """A process group or mesh of rank 0 only: rank 1 (outside it) is told so; rank 0 wraps."""
     import torch.distributed as dist

@@ -408,8 +408,14 @@ def owned_params(
 
 
 def _broadcast_module(region: list[tuple[str, nn.Module]], group: collectives.ProcessGroup) -> None:
-    """Give every rank rank 0's parameters and buffers of one unit's modules (collective)."""
+    """Give every rank rank 0's parameters and buffers of one unit's modules (collective).
+
+    Raises:
+        ValueError: on every rank, before any broadcast, when the ranks' modules hold tensors of
+            other shapes or dtypes (rank-dependent model code): naming the first module that differs.
+    """
     device = collectives.reduction_device(group)
+    _check_same_tensors(region, group)
     with torch.no_grad():
         for _, m in region:
             for t in own_tensors(m):
@@ -417,3 +423,27 @@ def _broadcast_module(region: list[tuple[str, nn.Module]], group: collectives.Pr
                     flat = t.detach().reshape(-1).to(device).contiguous()  # NCCL needs CUDA tensors
                     collectives.broadcast(flat, 0, group)
                     t.detach().copy_(flat.view_as(t))
+
+
+def _check_same_tensors(region: list[tuple[str, nn.Module]], group: collectives.ProcessGroup) -> None:
+    """Refuse ``sync_module_states`` over ranks whose modules differ: mismatched broadcasts abort
+    gloo in C++ or, where the sizes agree, copy the wrong tensors (one object gather per unit, at
+    construction only)."""
+
+    def shapes(m: nn.Module) -> list[str]:
+        return [f"{tuple(t.shape)} {t.dtype}" for t in own_tensors(m) if not is_sharded(t)]
+
+    mine = [(clean_name(name) or "<root>", shapes(m)) for name, m in region]
+    every = collectives.all_gather_object(mine, group)
+    if all(theirs == every[0] for theirs in every):
+        return
+    k = next(i for i in range(max(map(len, every))) if len({str(e[i]) if i < len(e) else None for e in every}) > 1)
+    seen = "; ".join(
+        f"rank {r}: " + (f"{e[k][0]!r} holds [{', '.join(e[k][1])}]" if k < len(e) else "no such module")
+        for r, e in enumerate(every)
+    )
+    raise ValueError(
+        f"sync_module_states=True: the ranks' modules differ at module #{k} of this unit ({seen}): every rank must "
+        "build the same model before wrapping (rank-dependent model code?); sync_module_states copies rank 0's "
+        "values into it, it cannot change its shapes"
+    )
