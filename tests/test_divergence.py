@@ -1,5 +1,5 @@
 """Ranks that issue different collectives are stopped before the backend pairs them, on every
-rank, with one sentence naming both collectives and the rank that skipped ahead.
+rank, with one sentence naming both collectives and the rank that left the usual order.
 
 Each case runs two ordinary steps, then one rank misbehaves at step 3, so the collectives that
 meet at the divergence have different sizes (gloo would abort the process in C++ or exchange the
@@ -68,7 +68,11 @@ def _steps(case: str, rank: int, group: object) -> None:
         if case == "extra_forward" and odd and rank == 0:
             model(x)  # an evaluation forward that only rank 0 runs
         net.skip = 1 if case == "skip_unit" and odd and rank == 1 else None
-        model(x).sum().backward()
+        if case == "no_sync" and odd and rank == 1:
+            with model.no_sync():  # accumulates where rank 0 reduce-scatters
+                model(x).sum().backward()
+        else:
+            model(x).sum().backward()
         if case == "clip" and odd and rank == 0:
             model.clip_grad_norm_(1.0)
         if case == "optim_state" and odd and rank == 0:
@@ -104,7 +108,7 @@ def diverge_body(rank: int, world: int, cases: list[str], dumps: str) -> dict[st
     return seen
 
 
-CASES = ["state_dict", "clip", "skip_unit", "extra_forward", "optim_state"]
+CASES = ["state_dict", "clip", "skip_unit", "extra_forward", "optim_state", "no_sync"]
 
 
 @pytest.mark.timeout(300)
@@ -115,7 +119,7 @@ def test_divergent_collectives_are_named_on_both_ranks_before_the_backend_runs_t
     for case in CASES:
         assert seen[0][case] == seen[1][case], case  # the same sentence on both ranks
         assert seen[0][case].startswith("CollectiveDiverged: ranks diverged at collective #"), seen[0][case]
-    state_dict, clip, skip_unit, extra, optim_state = (seen[0][c] for c in CASES)
+    state_dict, clip, skip_unit, extra, optim_state, no_sync = (seen[0][c] for c in CASES)
     assert re.search(
         r"rank 0 issued state_dict all-gather of unit 'head' \(136 bytes, step 3\), rank 1 issued forward "
         r"all-gather of unit 'inp' \(288 bytes, step 4\); rank 1 skipped ahead \(step 4 against step 3\)",
@@ -128,7 +132,8 @@ def test_divergent_collectives_are_named_on_both_ranks_before_the_backend_runs_t
     ), clip
     assert re.search(
         r"rank 0 issued forward all-gather of unit 'layers.1' \(512 bytes, step 3\), rank 1 issued forward "
-        r"all-gather of unit 'layers.2' \(560 bytes, step 3\); rank 1 skipped ahead \(its collective comes later",
+        r"all-gather of unit 'layers.2' \(560 bytes, step 3\); rank 1 left the usual order \(rank 0's collective is "
+        r"the one that usually comes next\): rank-dependent control flow",
         skip_unit,
     ), skip_unit
     assert re.search(
@@ -143,6 +148,11 @@ def test_divergent_collectives_are_named_on_both_ranks_before_the_backend_runs_t
         r"\(288 bytes, step 4\); rank 1 skipped ahead \(step 4 against step 3\)",
         optim_state,
     ), optim_state
+    assert re.search(
+        r"rank 0 issued post-backward reduce-scatter of unit 'head' \(136 bytes, step 3\), rank 1 issued .*; "
+        r"rank 1 left the usual order .*: one rank reduce-scatters gradients where the other does not: no_sync\(\)",
+        no_sync,
+    ), no_sync
     # A rank that leaves (its process lives on) is named with its last completed collective, exact:
     # its watchdog's final heartbeat. (A process that exits: test_watchdog.py.) Step 2 has one
     # all-gather fewer than step 1: 'head', last in forward, stays gathered into backward.

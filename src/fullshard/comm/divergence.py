@@ -15,7 +15,7 @@ predictions, so when they differ at #N, at least one of them issues something it
 predict. Only then does a rank ask the others, through the store (:mod:`fullshard.comm.peers`),
 for the identity of their #N (their watchdog thread answers once their main thread has issued
 it), before it issues its own. A mismatch raises :class:`~fullshard.comm.peers.CollectiveDiverged`
-on this rank, naming both collectives and which rank skipped ahead, and stops every other rank
+on this rank, naming both collectives and which rank left the usual order, and stops every other rank
 with the same message. In a training loop only the first step, and the first time of anything
 new (a state dict, an evaluation), asks. It runs while the watchdog runs.
 """
@@ -72,11 +72,12 @@ class Guard:
             return
         if len(self.after) > _MAX_LINKS:  # a program whose collectives never repeat: start over
             self.after.clear()
-        self.confirm(e)  # with the predictions every rank shares (the same history up to #N-1)
+        self.confirm(e, self.after.get(link))  # with the predictions every rank shares (the same history up to #N-1)
         self.after[link] = key
 
-    def confirm(self, e: Entry) -> None:
-        """Ask every other rank of ``e``'s group for its collective #``e.seq`` and compare."""
+    def confirm(self, e: Entry, usual: Identity | None = None) -> None:
+        """Ask every other rank of ``e``'s group for its collective #``e.seq`` and compare;
+        ``usual``: the collective that followed the last two before (None: none seen yet)."""
         me = self.channel.rank
         self.asked_at = time.monotonic()
         asked = {}
@@ -91,7 +92,7 @@ class Guard:
         for r, ticket in asked.items():
             theirs = self.await_reply(r, ticket, e)
             if theirs is not None and tuple(theirs["identity"]) != e.identity():
-                message = self.message(e, r, theirs)
+                message = self.message(e, r, theirs, usual)
                 RECORDER.complete(e, "diverged")
                 error = peers.raising(peers.CollectiveDiverged(message))
                 self.channel.tell_others({"kind": "stop", "error": "diverged", "message": message})
@@ -121,42 +122,36 @@ class Guard:
             time.sleep(pause)
             pause = min(pause * 2, 0.001)  # the other rank answers within ~1 ms once it issued #N
 
-    def message(self, e: Entry, rank: int, theirs: dict[str, Any]) -> str:
+    def message(self, e: Entry, rank: int, theirs: dict[str, Any], usual: Identity | None = None) -> str:
         """``ranks diverged at collective #N of group [..]: rank A issued ..., rank B issued ...``
-        (lower rank first, so every rank words it the same), and which rank skipped ahead."""
+        (lower rank first, so every rank words it the same), and which rank left the usual order."""
         mine = {"identity": list(e.identity()), "nbytes": e.nbytes, "step": e.step}
         pair = sorted([(self.channel.rank, mine), (rank, theirs)], key=lambda x: x[0])
         issued = ", ".join(f"rank {r} issued {_what(d)}" for r, d in pair)
         head = f"ranks diverged at collective #{e.seq} of group [{e.group}]: {issued}"
-        return f"{head}; {self.skipped(e.group, pair)}"
+        return f"{head}; {self.skipped(pair, usual)}"
 
-    def skipped(self, group: str, pair: list[tuple[int, dict[str, Any]]]) -> str:
-        """Which of the two ranks went past collectives the other one issues: the one at the
-        later step, else the one whose collective comes later in the other's usual order."""
-        (ra, a), (rb, b) = pair
+    def skipped(self, pair: list[tuple[int, dict[str, Any]]], usual: Identity | None = None) -> str:
+        """Which of the two ranks left the usual order: the one at the later step; else, when
+        one of them issued the collective that usually comes next (``usual``), the other one.
+        One rank reduce-scattering where the other does not points at ``no_sync``."""
+        (_, a), (_, b) = pair
         hint = "rank-dependent control flow around FSDP units or collectives?"
+        ops = {d["identity"][0] for _, d in pair}
+        if "reduce_scatter" in ops and len(ops) > 1:
+            hint = (
+                "one rank reduce-scatters gradients where the other does not: no_sync() or "
+                "set_requires_gradient_sync(False) on one rank only, or rank-dependent control flow?"
+            )
         if a["step"] != b["step"]:
             (r, x), (_, y) = (pair[0], pair[1]) if a["step"] > b["step"] else (pair[1], pair[0])
             return f"rank {r} skipped ahead (step {x['step']} against step {y['step']}): {hint}"
-        for (r, x), (_, y) in ((pair[1], pair[0]), (pair[0], pair[1])):
-            if self.comes_after(group, tuple(y["identity"]), tuple(x["identity"])):
-                return f"rank {r} skipped ahead (its collective comes later in the usual order): {hint}"
+        on_course = [r for r, d in pair if usual is not None and tuple(d["identity"]) == usual]
+        if len(on_course) == 1:
+            off = next(r for r, _ in pair if r != on_course[0])
+            usually = f"rank {on_course[0]}'s collective is the one that usually comes next"
+            return f"rank {off} left the usual order ({usually}): {hint}"
         return hint
-
-    def comes_after(self, group: str, start: Identity, target: Identity) -> bool:
-        """Whether ``target`` follows ``start`` in this rank's predicted order (from any
-        collective that preceded ``start``)."""
-        for link in [k for k in self.after if k[0] == group and k[2] == start]:
-            seen: set[tuple[Any, ...]] = set()
-            while link not in seen and len(seen) < 100_000:
-                seen.add(link)
-                nxt = self.after.get(link)
-                if nxt is None:
-                    break
-                if nxt == target:
-                    return True
-                link = (group, link[2], nxt)
-        return False
 
 
 def _what(d: dict[str, Any]) -> str:
