@@ -69,3 +69,156 @@ def hybrid_body(rank: int, world: int) -> list[str]:
 @pytest.mark.timeout(300)
 def test_hybrid_sharding_2x2() -> None:
     assert len(run_ranks(hybrid_body, 4, timeout=280)[0]) == 6
+
+
+# ---------------------------------------------------------------------------- fully_shard on a slice of a mesh
+# Pipeline parallelism splits the world into stages: each stage's ranks shard their own model over
+# their slice of one mesh (mesh["dp_replicate", "dp_shard"] or mesh["dp"]), beside the other stages.
+# The stages here hold different models (stage s has 2 + s blocks), as pipeline stages do.
+def _stage_pair(stage: int, dp_mesh, seed: int = 0) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """This stage's seeded TinyLM sharded over ``dp_mesh`` by torch's and by fullshard's fully_shard."""
+    import torch.distributed.fsdp as torch_fsdp
+    from models import TinyLM
+
+    import fullshard
+
+    torch.manual_seed(seed + stage)
+    base = TinyLM(layers=2 + stage)
+    out = []
+    for fully_shard in (torch_fsdp.fully_shard, fullshard.fully_shard):
+        model = copy.deepcopy(base)
+        for layer in model.layers:
+            fully_shard(layer, mesh=dp_mesh)
+        out.append(fully_shard(model, mesh=dp_mesh))
+    return out[0], out[1]
+
+
+def _dp_rank(mesh, dp_dims: tuple[str, ...]) -> tuple[int, int]:
+    """(this rank's index among the data-parallel ranks of ``dp_dims``, their number)."""
+    index, size = 0, 1
+    for name in dp_dims:
+        n = mesh.size(mesh.mesh_dim_names.index(name))
+        index, size = index * n + mesh.get_local_rank(name), size * n
+    return index, size
+
+
+def _assert_same(ours, ref, what: str) -> None:
+    """Registered parameters: same names, placements, mesh and shape; same local and full values (bitwise:
+    at most 2 data-parallel ranks, so sums do not depend on the order)."""
+    for (name, p), (name2, q) in zip(ref.named_parameters(), ours.named_parameters()):
+        assert name == name2, (what, name, name2)
+        assert (q.placements, q.device_mesh, q.shape) == (p.placements, p.device_mesh, p.shape), (
+            what,
+            name,
+            (q.placements, q.device_mesh),
+            (p.placements, p.device_mesh),
+        )
+        assert torch.equal(q.to_local(), p.to_local()), f"{what}: {name}"
+        assert torch.equal(q.full_tensor(), p.full_tensor()), f"{what}: {name} full_tensor"
+
+
+def submesh_body(rank: int, world: int, cases: list) -> list[str]:
+    """Per case (mesh shape, dim names, the data-parallel dims to shard over): torch's and
+    fullshard's fully_shard on the slice, trained side by side with AdamW and clipping."""
+    from models import tokens
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fullshard
+    from fullshard.engine.hooks import fsdp_state
+    from fullshard.engine.unit import TrainingState
+
+    done = []
+    for shape, dims, dp_dims in cases:
+        what = f"{shape} {dims} -> {dp_dims}"
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=dims)
+        dp_mesh = mesh[dp_dims] if len(dp_dims) > 1 else mesh[dp_dims[0]]
+        if mesh.ndim == 3:  # the whole 3-D mesh: refused, naming the slice to pass
+            with pytest.raises(ValueError, match=r"got 3 .*mesh=mesh\['dp_replicate', 'dp_shard'\]"):
+                fullshard.fully_shard(torch.nn.Linear(2, 2), mesh=mesh)
+        ref, ours = _stage_pair(mesh.get_local_rank("pp"), dp_mesh)
+        units = [fsdp_state(m).unit for m in ours.modules() if fsdp_state(m) is not None]
+        assert all(u.shard_size * u.replicate_size == dp_mesh.size() for u in units), what
+        _assert_same(ours, ref, f"{what} after fully_shard")
+        ref_opt, opt = torch.optim.AdamW(ref.parameters(), lr=1e-2), torch.optim.AdamW(ours.parameters(), lr=1e-2)
+        dp_rank, dp_size = _dp_rank(mesh, dp_dims)
+        for step in range(3):
+            x = tokens(step, 2 * dp_size)[2 * dp_rank : 2 * dp_rank + 2]
+            loss_ref, loss = ref(x).logsumexp(-1).mean(), ours(x).logsumexp(-1).mean()
+            assert torch.equal(loss, loss_ref), (what, step, loss.item(), loss_ref.item())
+            loss_ref.backward()
+            loss.backward()
+            norm_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+            norm = torch.nn.utils.clip_grad_norm_(ours.parameters(), 0.5)
+            assert torch.equal(norm.full_tensor(), norm_ref.full_tensor()), (what, step, norm, norm_ref)
+            for o in (ref_opt, opt):
+                o.step()
+                o.zero_grad()
+            assert all(u.training_state is TrainingState.IDLE for u in units), what
+            _assert_same(ours, ref, f"{what} step {step}")
+        full = StateDictOptions(full_state_dict=True)
+        want, got = get_model_state_dict(ref, options=full), get_model_state_dict(ours, options=full)
+        assert want.keys() == got.keys(), what
+        for k in want:
+            assert torch.equal(got[k], want[k]), f"{what}: full state dict {k}"
+        fresh = _stage_pair(mesh.get_local_rank("pp"), dp_mesh, seed=10)[1]  # other values, same shapes
+        set_model_state_dict(fresh, want, options=full)
+        _assert_same(fresh, ref, f"{what} loaded from a full state dict")
+        done.append(what)
+    return done
+
+
+def wrapper_submesh_body(rank: int, world: int) -> list[str]:
+    """The FSDP1 wrapper with HYBRID_SHARD on mesh3["dp_replicate", "dp_shard"]: each stage trains its
+    own model as an unsharded reference does, and rank0_only state lands on each stage's first rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fullshard import FSDP, FullStateDictConfig, ShardingStrategy, StateDictType
+    from fullshard.frontend.wrap import ModuleWrapPolicy
+
+    done = []
+    for shape in ((2, 1, 2), (2, 2, 1)):
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
+        stage = mesh.get_local_rank("pp")
+        ref = make_stack(seed=stage)
+        model = FSDP(
+            copy.deepcopy(ref),
+            sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+            device_mesh=mesh["dp_replicate", "dp_shard"],
+            auto_wrap_policy=ModuleWrapPolicy({Block}),
+        )
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        dp_rank, dp_size = _dp_rank(mesh, ("dp_replicate", "dp_shard"))
+        for step in range(3):
+            step_both(model, opt, ref, ref_opt, step, dp_rank, dp_size)
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=True)):
+            full = model.state_dict()
+        assert bool(full) == (dp_rank == 0), (shape, rank, list(full)[:2])
+        for k, v in full.items():
+            torch.testing.assert_close(v, ref.state_dict()[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{shape} {k}: {m}")
+        with FSDP.summon_full_params(model, rank0_only=True, writeback=False):
+            assert (model.stem.weight.shape[0] == 13) == (dp_rank == 0 or shape[2] == 1), (shape, rank)  # 1: unsharded
+        done.append(f"wrapper {shape}")
+    return done
+
+
+HSDP_SLICES = [((2, 1, 2), ("pp", "dp_replicate", "dp_shard"), ("dp_replicate", "dp_shard"))]
+HSDP_SLICES.append(((2, 2, 1), ("pp", "dp_replicate", "dp_shard"), ("dp_replicate", "dp_shard")))
+FLAT_SLICES = [((2, 2), ("pp", "dp"), ("dp",)), ((4, 1), ("pp", "dp"), ("dp",))]
+
+
+@pytest.mark.timeout(300)
+def test_fully_shard_hsdp_on_a_slice_of_a_3d_mesh_matches_torch() -> None:
+    """mesh3["dp_replicate", "dp_shard"] of a (pp, dp_replicate, dp_shard) mesh: the hybrid groups
+    span the slice, not the world (fullshard refused: 'the hybrid groups cover 2 x 1 ranks but the
+    world size is 4')."""
+    assert len(run_ranks(submesh_body, 4, HSDP_SLICES, timeout=140)[0]) == 2
+    assert len(run_ranks(wrapper_submesh_body, 4, timeout=140)[0]) == 2
+
+
+@pytest.mark.timeout(300)
+def test_fully_shard_on_a_flat_slice_matches_torch() -> None:
+    """mesh["dp"] of a (pp, dp) mesh, also of size 1 (the first forward's same-units check
+    compared the whole world, so ranks of other stages, other models, failed it)."""
+    assert len(run_ranks(submesh_body, 4, FLAT_SLICES, timeout=280)[0]) == 2

@@ -39,6 +39,8 @@ def resolve_groups(process_group: Any, device_mesh: Any, strategy: ShardingStrat
     if device_mesh is not None and process_group is not None:
         raise ValueError("pass process_group or device_mesh, not both")
     if device_mesh is not None:
+        # A mesh may be a slice of a bigger one (mesh3["dp_replicate", "dp_shard"] next to "pp"):
+        # its groups tile its own ranks by construction, whatever the world size.
         if device_mesh.ndim == 2 and hybrid:
             shard, replicate = device_mesh.get_group(1), device_mesh.get_group(0)
         elif device_mesh.ndim == 1 and not hybrid:
@@ -55,22 +57,32 @@ def resolve_groups(process_group: Any, device_mesh: Any, strategy: ShardingStrat
                 f"_HYBRID_SHARD_ZERO2, not {strategy.name}"
             )
         shard, replicate = process_group
+        _check_tuple_covers_world(shard, replicate)
     elif hybrid:
         shard, replicate = process_groups.hybrid_groups(process_groups.local_world_size())
     else:
         return _flat(process_group if process_group is not None else collectives.default_group(), strategy)
-    world = collectives.group_size(collectives.default_group())
-    if collectives.group_size(shard) * collectives.group_size(replicate) != world:
-        raise ValueError(
-            f"the hybrid groups cover {collectives.group_size(shard)} x "
-            f"{collectives.group_size(replicate)} ranks but the "
-            f"world size is {world}: build the mesh as init_device_mesh(device, (world // shard_size, shard_size))"
-        )
     return Groups(
         shard=shard if collectives.group_size(shard) > 1 else None,
         replicate=replicate if collectives.group_size(replicate) > 1 else None,
         broadcast_order=(shard, replicate),
     )
+
+
+def _check_tuple_covers_world(shard: collectives.ProcessGroup, replicate: collectives.ProcessGroup) -> None:
+    """A (shard, replicate) tuple must tile the world: nothing else says which ranks it spans.
+
+    Raises:
+        ValueError: replicate size x shard size is not the world size, naming both and the fix.
+    """
+    world = collectives.group_size(collectives.default_group())
+    n_shard, n_replicate = collectives.group_size(shard), collectives.group_size(replicate)
+    if n_shard * n_replicate != world:
+        raise ValueError(
+            f"process_group=(shard_group, replicate_group) covers {n_replicate} (replicate) x {n_shard} (shard) "
+            f"ranks but the world size is {world}: pass groups that tile the world, or, for a part of it "
+            "(beside pipeline stages), device_mesh=mesh['dp_replicate', 'dp_shard'] of one init_device_mesh"
+        )
 
 
 def _flat(group: collectives.ProcessGroup, strategy: ShardingStrategy) -> Groups:

@@ -190,6 +190,13 @@ class UnitLayout:
         self.on_grad_ready: Callable[[Any], None] | None = None  # called with the unit
         self._build(params)
 
+    @property
+    def first_data_parallel_rank(self) -> bool:
+        """Whether this rank is rank 0 of both the shard and the replicate group: where
+        ``rank0_only`` keeps full state. Rank 0 of the world when the groups span it; on a slice of
+        a mesh (beside pipeline stages) the first rank of each slice, which holds another model."""
+        return self.rank == 0 and (self.replicate_group is None or collectives.group_rank(self.replicate_group) == 0)
+
     def _common_dtype(self, params: list[ParamEntry]) -> torch.dtype:
         kinds = {(p.dtype, p.device) for _, p, _ in params}
         if len(kinds) > 1:

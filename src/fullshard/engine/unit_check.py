@@ -43,18 +43,22 @@ def _raise_frozen_differ(unit: str, frozen: list[tuple[str, ...]]) -> None:
 
 
 def check_same_units(units: list[Unit]) -> None:
-    """At the first forward: every rank of the root's group must wrap the same units, in the
-    same order, of the same sizes, with the same sharding strategy, mixed precision,
+    """At the first forward: every rank of the root's data-parallel group must wrap the same
+    units, in the same order, of the same sizes, with the same sharding strategy, mixed precision,
     ``comm_quantization`` and frozen (``requires_grad=False``) parameters; else their collectives
     would pair up wrongly or hang.
+
+    The group is the root unit's shard group, else its replicate group; with neither (one rank)
+    there is nothing to compare. Never the whole world: a mesh may be a slice of a bigger one
+    whose other ranks (other pipeline stages) hold other models.
 
     Raises:
         RuntimeError: on every rank, naming the first unit that differs and, per rank, what
             differs (its name and size, its settings, or which parameters are frozen).
     """
     first = units[0]
-    group = first.shard_group if first.shard_size > 1 else collectives.default_group()
-    if collectives.group_size(group) == 1:
+    group = first.shard_group if first.shard_group is not None else first.replicate_group
+    if group is None or collectives.group_size(group) == 1:
         return
     mine = [(u.name, u.full_nbytes, _wire_settings(u.config), _frozen(u)) for u in units]
     with flight_recorder.at(phase="unit order check"):

@@ -14,10 +14,14 @@ into the unit's local flat buffer. So are the gradients after backward and the v
 the ``torch.distributed.checkpoint.state_dict`` functions save and load full and sharded
 state, and optimizers keep DTensor state.
 
+The mesh may be a slice of a bigger one (``mesh["dp_replicate", "dp_shard"]`` or ``mesh["dp"]``
+beside a pipeline dimension): each unit shards and replicates over the slice's ranks only.
+
 Parameters that are already DTensors on a 1-D tensor-parallel mesh (after
-``parallelize_module(..., mesh["tp"], ...)``, then ``fully_shard(..., mesh=mesh["dp"])``) are
-sharded over dp through their local tensors and registered on the 2-D (dp, tp) mesh, as torch's:
-see :mod:`.tensor_parallel`.
+``parallelize_module(..., mesh["tp"], ...)``, then ``fully_shard(..., mesh=mesh["dp"])``, or
+``mesh=mesh["dp_replicate", "dp_shard"]`` for hybrid sharding) are sharded over dp through their
+local tensors and registered on the (dp, tp) mesh, 2-D or 3-D, as torch's: see
+:mod:`.tensor_parallel`.
 """
 
 from __future__ import annotations
@@ -98,7 +102,10 @@ def fully_shard(
         module: the module, or a list of modules sharded together as one unit (gathered at
             the first of their forwards, freed after the last); changed in place and returned.
         mesh: a 1-D DeviceMesh to shard over, a 2-D one (replicate, shard) for hybrid
-            sharding, or None for the whole world (on the accelerator if there is one).
+            sharding, or None for the whole world (on the accelerator if there is one). It may
+            be a slice of a bigger mesh (``mesh3["dp_replicate", "dp_shard"]`` beside "pp" or
+            "tp"); tensor-parallel DTensor parameters must be on another dimension of the same
+            mesh.
         reshard_after_forward: free the full parameters after forward (the root keeps them);
             an int M keeps 1/M of them so backward gathers within M ranks; see
             :func:`~fullshard.frontend.meshes.as_reshard_after_forward`.
@@ -164,7 +171,12 @@ def _check_fresh(modules: list[nn.Module], mesh: Any) -> None:
                 f"{type(m).__name__} is already sharded (fully_shard or FullyShardedDataParallel); apply it once"
             )
     if mesh is not None and mesh.ndim not in (1, 2):
-        raise ValueError(f"fully_shard: mesh must have 1 or 2 dimensions, got {mesh.ndim}")
+        raise ValueError(
+            f"fully_shard: mesh must have 1 or 2 dimensions (shard, or replicate and shard), got {mesh.ndim} "
+            f"({mesh.mesh_dim_names or 'unnamed'}): pass its data-parallel slice, e.g. "
+            "mesh=mesh['dp_replicate', 'dp_shard'] or mesh=mesh['dp'], and parallelize tensor-parallel layers "
+            "over mesh['tp'] first"
+        )
 
 
 def _make_units(

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from fullshard.comm import collectives, flight_recorder
+from fullshard.comm import flight_recorder
 from fullshard.engine import hooks
 from fullshard.engine.config import FrontEnd
 from fullshard.engine.unit import TrainingState, Unit
@@ -37,7 +37,8 @@ def summon_full_params(
         module: an FSDP module, or a module containing FSDP modules.
         recurse: include nested units (else only ``module``'s own unit).
         writeback: copy changes back to the shards on exit.
-        rank0_only: only rank 0 materializes full parameters; other ranks keep shards.
+        rank0_only: only rank 0 (of the units' data-parallel ranks: on a slice of a mesh, each slice's
+            first) materializes full parameters; other ranks keep shards.
         offload_to_cpu: put the full parameters in CPU memory.
         with_grads: also gather the gradients into the full parameters' ``.grad``.
 
@@ -80,7 +81,7 @@ def _summon(unit: Unit, rank0_only: bool, offload_to_cpu: bool, with_grads: bool
     """Gather ``unit``'s parameters in full precision and register them; None where skipped."""
     full = unit.gather_full(unit.local_flat)
     grads = unit.gather_full(unit.local_grads()) if with_grads else None  # zeros where None
-    if rank0_only and collectives.group_rank(collectives.default_group()) != 0:
+    if rank0_only and not unit.first_data_parallel_rank:
         return None
     if offload_to_cpu:
         full = [t.cpu() for t in full]

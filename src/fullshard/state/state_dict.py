@@ -69,14 +69,18 @@ def full_state_dict(
 ) -> OrderedDict[str, torch.Tensor]:
     """Full tensors under original names, gathering one unit at a time (collective).
 
-    With ``rank0_only`` the other ranks drop each unit right after its all-gather and return an
+    With ``rank0_only`` (rank 0 of the units' shard and replicate groups: each slice's first rank
+    when they span a slice of a mesh) the other ranks drop each unit right after its all-gather and return an
     empty dict, so they never hold more than one unit; with ``offload_to_cpu`` each unit moves to
     CPU memory as soon as it is gathered.
     """
-    keep = not rank0_only or collectives.group_rank(collectives.default_group()) == 0
+    units = tree_units(root)
+    keep = not rank0_only or (
+        units[0].first_data_parallel_rank if units else collectives.group_rank(collectives.default_group()) == 0
+    )
     full: dict[int, torch.Tensor] = {}
     with torch.no_grad():
-        for unit in tree_units(root):
+        for unit in units:
             values = unit.gather_full(unit.local_flat)
             if keep:
                 for sp, value in zip(unit.params, values):
