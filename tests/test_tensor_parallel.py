@@ -5,7 +5,8 @@ The same seeded model is parallelized the same way twice, sharded once by torch 
 fullshard, and trained on the same data: the registered parameters' placements and meshes, the
 losses, ``clip_grad_norm_``'s total norm and the parameters after every step must agree. Then a
 DCP checkpoint saved by either loads into the other and reshards into a 1-D dp=4 fullshard model
-and a tp-only model.
+and a tp-only model. HSDP + TP (torchtitan's ("dp_replicate", "dp_shard", "tp") mesh, fully_shard on
+mesh["dp_replicate", "dp_shard"]) is compared the same way at (2, 1, 2) and (1, 2, 2).
 """
 
 from __future__ import annotations
@@ -66,9 +67,21 @@ def _tp_plan() -> dict:
     return plan
 
 
+def dp_of(mesh):
+    """(the mesh to shard over, this rank's data-parallel index): mesh["dp"] of a (dp, tp) mesh,
+    mesh["dp_replicate", "dp_shard"] of a 3-D HSDP + TP one, ``mesh`` itself when 1-D."""
+    if mesh.ndim == 1:
+        return mesh, mesh.get_local_rank()
+    if mesh.ndim == 2:
+        return mesh["dp"], mesh.get_local_rank("dp")
+    return mesh["dp_replicate", "dp_shard"], mesh.get_local_rank("dp_replicate") * mesh.size(1) + mesh.get_local_rank(
+        "dp_shard"
+    )
+
+
 def build(impl: str, mesh, hidden: int, tp: bool = True, shard: bool = True, variant: str = "") -> Net:
-    """The seeded Net, its blocks tensor-parallel over mesh["tp"], sharded over mesh["dp"] (or
-    ``mesh`` itself when 1-D) by torch's or fullshard's ``fully_shard``. ``variant``: "meta"
+    """The seeded Net, its blocks tensor-parallel over mesh["tp"], sharded over :func:`dp_of`'s
+    mesh by torch's or fullshard's ``fully_shard``. ``variant``: "meta"
     (built on the meta device, then ``to_empty`` and initialized on the DTensors), "bf16"
     (MixedPrecisionPolicy gathering and computing in bfloat16, reducing in float32)."""
     from torch.distributed.tensor import Replicate
@@ -87,7 +100,7 @@ def build(impl: str, mesh, hidden: int, tp: bool = True, shard: bool = True, var
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         else:
             from fullshard import MixedPrecisionPolicy, fully_shard
-        kw = {"mesh": mesh["dp"] if mesh.ndim == 2 else mesh}
+        kw = {"mesh": dp_of(mesh)[0]}
         if variant == "bf16":
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for block in model.blocks:
@@ -153,7 +166,7 @@ def train(mesh, hidden: int, opt_name: str, variant: str = "") -> Trained:
     for p, q in zip(ref.parameters(), ours.parameters()):
         close(q.full_tensor(), p.full_tensor(), "full_tensor")
     ref_opt, opt = OPTIMIZERS[opt_name](ref.parameters()), OPTIMIZERS[opt_name](ours.parameters())
-    dp_rank = mesh.get_local_rank("dp")
+    dp_rank = dp_of(mesh)[1]
     for step in range(3):
         what = f"{opt_name} h{hidden} {variant} step {step}"
         x = batch(step, dp_rank)
@@ -301,3 +314,68 @@ def test_tp_then_fully_shard_matches_torch_2d(tmp_path) -> None:
     done = run_ranks(tp_body, 4, str(tmp_path), timeout=280)
     assert all(d == done[0] for d in done)
     assert len(done[0]) == 1 + 6 + 3 + 5, done[0]
+
+
+def sharded_round_trip(mesh, hidden: int, trained: Trained) -> list[str]:
+    """Sharded (DTensor) state dicts of model and optimizer, from ``get_state_dict``: each side's
+    loads into a fresh model of the other through ``set_state_dict`` and gives the same full values."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    ref, ref_opt, ours, opt = trained
+    want = _full_values(ours, opt)
+    done = []
+    for saved_by, (model, o), into in (("torch", (ref, ref_opt), "fullshard"), ("fullshard", (ours, opt), "torch")):
+        msd, osd = get_state_dict(model, o)
+        fresh = build(into, mesh, hidden)
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+        fresh(batch(0, 0)).sum().backward()  # optimizer state to load into
+        fresh_opt.step()
+        fresh_opt.zero_grad()
+        set_state_dict(fresh, fresh_opt, model_state_dict=msd, optim_state_dict=osd)
+        got = _full_values(fresh, fresh_opt)
+        assert got.keys() == want.keys()
+        for k in want:
+            close(got[k], want[k], f"sharded {saved_by} -> {into}: {k}")
+        done.append(f"sharded {saved_by}->{into}")
+    return done
+
+
+def hsdp_tp_body(rank: int, world: int) -> list[str]:
+    """HSDP + TP on torchtitan's 3-D mesh, at (replicate, shard, tp) = (2, 1, 2) and (1, 2, 2)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+
+    import fullshard
+    from fullshard import compat
+
+    done = []
+    for shape in ((2, 1, 2), (1, 2, 2)):
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        for opt_name in OPTIMIZERS:
+            even = train(mesh, 12, opt_name)
+            done.append(f"{shape} {opt_name}")
+        ref, ref_opt, ours, opt = trained = train(mesh, 10, "adamw")  # 5 rows per tp rank: 3 + 2 over dp_shard
+        w1 = ours.blocks[0].w1.weight
+        assert w1.device_mesh.mesh_dim_names == ("dp_replicate", "dp_shard", "tp"), w1.device_mesh
+        assert w1.placements == (Replicate(), compat.strided_shard(0, 2), Shard(0)), w1.placements
+        w2 = ours.blocks[0].w2.weight
+        assert w2.placements == (Replicate(), Shard(0), Shard(1)), w2.placements
+        with pytest.raises(NotImplementedError, match=r"torch.nn.utils.clip_grad_norm_"):
+            fullshard.clip_grad_norm_(ours.parameters(), 1.0)  # it would sum over dp only
+        want, got = _full_values(ref, ref_opt), _full_values(ours, opt)
+        assert want.keys() == got.keys()
+        for k in want:
+            close(got[k], want[k], f"{shape} full state dict {k}")
+        done += load_full(mesh, even[2], 12)  # also through set_model_state_dict: 12 rows split evenly
+        done += sharded_round_trip(mesh, 10, trained)
+    return done
+
+
+@pytest.mark.timeout(300)
+def test_hsdp_and_tp_on_a_3d_mesh_match_torch() -> None:
+    """fully_shard(..., mesh=mesh["dp_replicate", "dp_shard"]) over tensor-parallel blocks: the
+    parameters are DTensors on the 3-D mesh placed (Replicate(), _StridedShard(0, sf=2), Shard(0))
+    for colwise weights, as torch's (fullshard refused a 2-D dp mesh with TP parameters)."""
+    done = run_ranks(hsdp_tp_body, 4, timeout=280)
+    assert all(d == done[0] for d in done)
+    assert len(done[0]) == 2 * (2 + 2 + 2), done[0]

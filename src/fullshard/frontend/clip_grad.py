@@ -24,8 +24,20 @@ from fullshard.engine.sharded_param import local_tensor
 
 
 def _group_key(param: torch.Tensor) -> Any:
-    """The shard group ``param`` is split over; None when every rank holds it whole."""
+    """The shard group ``param`` is split over; None when every rank holds it whole.
+
+    Raises:
+        NotImplementedError: a tensor-parallel parameter (also split over tp, which the partial
+            sums here do not reduce over).
+    """
     owner = getattr(param, "_fullshard_param", None)
+    if owner is not None and owner.tp_spec is not None:
+        raise NotImplementedError(
+            f"fullshard.clip_grad_norm_: parameter {owner.fqn!r} is tensor-parallel (a DTensor on "
+            f"{param.device_mesh if hasattr(param, 'device_mesh') else 'a (dp, tp) mesh'}), and fullshard's "
+            "clip sums over shard groups only: clip with torch.nn.utils.clip_grad_norm_(model.parameters(), "
+            "max_norm), which reduces over every mesh dimension"
+        )
     return owner.shard_group if owner is not None else None
 
 

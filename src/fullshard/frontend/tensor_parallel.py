@@ -1,21 +1,24 @@
-"""Tensor-parallel parameters under ``fully_shard``: 2-D (dp, tp) sharding, as torch's FSDP2 does.
+"""Tensor-parallel parameters under ``fully_shard``: (dp, tp) sharding, as torch's FSDP2 does.
 
 After ``parallelize_module(block, mesh["tp"], ...)`` some parameters are DTensors on a 1-D
 tensor-parallel mesh; each rank holds their **TP-local** tensor (its ColwiseParallel rows,
 RowwiseParallel columns, or the whole of a Replicate bias). ``fully_shard(block,
 mesh=mesh["dp"])`` shards that TP-local tensor over dp like any plain parameter (dim 0, torch.chunk
 layout), so the engine's flat buffers hold plain local-of-local shards and its all-gather over dp
-gives back the TP-local tensor:
+gives back the TP-local tensor. The dp mesh may also be 2-D, (replicate, shard) for hybrid
+sharding (torchtitan's ``mesh["dp_replicate", "dp_shard"]``): the TP-local tensor is sharded over
+the shard dimension and its gradient all-reduced over the replicate one, as for a plain parameter.
 
 - forward sees it as a DTensor on the tp mesh with the TP placements
   (:meth:`~fullshard.engine.sharded_param.ShardedParam.unsharded`), so TP's own collectives run,
   and its gradient comes back as the TP-local gradient, which is reduce-scattered over dp;
 - the registered parameter (and its gradient, and optimizer state) is a DTensor of the TP
-  parameter's global shape on the 2-D mesh ``DeviceMesh._concatenate([dp, tp])`` with placements
-  ``(dp placement, *tp placements)``: ``Shard(0)`` over dp, or ``_StridedShard(0, split_factor=tp)``
-  when TP also splits dim 0 (the dp shards then interleave with the tp shards). These are torch's
-  placements, so ``clip_grad_norm_``, ``full_tensor()`` and torch.distributed.checkpoint treat the
-  parameter as torch's FSDP2 + TP does, and checkpoints reshard between the two.
+  parameter's global shape on the mesh ``DeviceMesh._concatenate([dp, tp])`` (2-D, or 3-D
+  (replicate, shard, tp) for a hybrid dp mesh) with placements ``([Replicate(),] dp placement,
+  *tp placements)``: ``Shard(0)`` over dp, or ``_StridedShard(0, split_factor=tp)`` when TP also
+  splits dim 0 (the dp shards then interleave with the tp shards). These are torch's placements,
+  so ``clip_grad_norm_``, ``full_tensor()`` and torch.distributed.checkpoint treat the parameter
+  as torch's FSDP2 + TP does, and checkpoints reshard between the two.
 """
 
 from __future__ import annotations
@@ -39,10 +42,10 @@ def take_tp_params(holder: nn.Module, dp_mesh: Any) -> bool:
         whether there was any.
 
     Raises:
-        NotImplementedError: a DTensor on a mesh of more than one dimension, with placements other
-            than Shard / Replicate, or together with a 2-D (hybrid) dp mesh.
+        NotImplementedError: a DTensor on a mesh of more than one dimension, or with placements
+            other than Shard / Replicate.
         ValueError: a DTensor on another device type than ``dp_mesh``, or on a mesh that does not
-            make one 2-D mesh with ``dp_mesh`` (e.g. fully_shard's default mesh of the whole world).
+            make one mesh with ``dp_mesh`` (e.g. fully_shard's default mesh of the whole world).
     """
     from torch.distributed.tensor import DTensor
 
@@ -74,11 +77,6 @@ def _check_tp(name: str, p: Any, dp_mesh: Any) -> None:
             "fullshard composes with 1-D tensor parallelism (Shard or Replicate placements, e.g. "
             "parallelize_module(block, mesh['tp'], {...: ColwiseParallel(), ...: RowwiseParallel()}))"
         )
-    if dp_mesh.ndim != 1:
-        raise NotImplementedError(
-            f"fully_shard: parameter {name!r} is a tensor-parallel DTensor and the mesh is 2-D (hybrid "
-            "sharding); fullshard shards tensor-parallel parameters over a 1-D dp mesh only (mesh=mesh['dp'])"
-        )
     if mesh.device_type != dp_mesh.device_type:
         raise ValueError(
             f"fully_shard: parameter {name!r} lives on a {mesh.device_type} mesh but fully_shard's mesh is "
@@ -89,7 +87,8 @@ def _check_tp(name: str, p: Any, dp_mesh: Any) -> None:
 
 def spmd_specs(unit: Unit, dp_mesh: Any) -> dict[str, Any]:
     """fqn -> the DTensorSpec of the registered parameter for each tensor-parallel parameter
-    of ``unit``: the TP global shape on the (dp, tp) mesh, torch's placements.
+    of ``unit``: the TP global shape on the (dp, tp) mesh (([replicate,] shard, tp) for a 2-D dp
+    mesh), torch's placements.
 
     Raises:
         fullshard.compat.MissingTorchName: this torch has no ``DeviceMesh._concatenate`` (needed to
@@ -101,9 +100,16 @@ def spmd_specs(unit: Unit, dp_mesh: Any) -> dict[str, Any]:
         if tp is None:
             continue
         mesh = _spmd_mesh(dp_mesh, tp.mesh, sp.fqn)
-        placements = (_dp_placement(tp), *tp.placements)
+        placements = (*_replicate_placements(dp_mesh), _dp_placement(tp), *tp.placements)
         specs[sp.fqn] = compat.make_dtensor_spec(mesh, placements, tp.shape, tp.stride, unit.dtype)
     return specs
+
+
+def _replicate_placements(dp_mesh: Any) -> tuple[Any, ...]:
+    """(Replicate(),) for the replicate dimension of a 2-D (hybrid) dp mesh, else ()."""
+    from torch.distributed.tensor import Replicate
+
+    return (Replicate(),) if dp_mesh.ndim == 2 else ()
 
 
 def _dp_placement(tp: Any) -> Any:
@@ -123,7 +129,7 @@ _SPMD_MESHES: dict[tuple[int, int], Any] = {}
 
 
 def _spmd_mesh(dp_mesh: Any, tp_mesh: Any, name: str = "") -> Any:
-    """The 2-D (dp, tp) mesh, one per pair of meshes.
+    """The (dp, tp) mesh, one per pair of meshes: 2-D, or 3-D (replicate, shard, tp) for a 2-D dp mesh.
 
     Raises:
         ValueError: the two are not distinct dimensions of one device mesh.
@@ -137,8 +143,10 @@ def _spmd_mesh(dp_mesh: Any, tp_mesh: Any, name: str = "") -> Any:
         except Exception as e:  # torch's own message is an internal invariant
             raise ValueError(
                 f"fully_shard: parameter {name!r} is a DTensor on {tp_mesh}, which with fully_shard's mesh "
-                f"{dp_mesh} does not make one 2-D mesh: build one mesh = init_device_mesh(device, (dp, tp), "
-                "mesh_dim_names=('dp', 'tp')), parallelize over mesh['tp'] and pass fully_shard(..., mesh=mesh['dp'])"
+                f"{dp_mesh} does not make one mesh: build one mesh = init_device_mesh(device, (dp, tp), "
+                "mesh_dim_names=('dp', 'tp')), parallelize over mesh['tp'] and pass fully_shard(..., mesh=mesh['dp']) "
+                "(for hybrid sharding: dims ('dp_replicate', 'dp_shard', 'tp') and "
+                "mesh=mesh['dp_replicate', 'dp_shard'])"
             ) from e
         _SPMD_MESHES[key] = (both, dp_mesh, tp_mesh)  # keeps both alive, so the ids stay theirs
     return _SPMD_MESHES[key][0]
