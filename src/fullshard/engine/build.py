@@ -29,6 +29,7 @@ from fullshard.engine.meta_init import is_meta, materialize, own_tensors
 from fullshard.engine.module_wrapper import clean_name
 from fullshard.engine.sharded_param import ParamSlot, is_sharded
 from fullshard.engine.unit import Unit, UnitConfig
+from fullshard.engine.unit_check import first_difference, per_rank
 from fullshard.engine.wrapper_config import WrapperConfig
 
 ParamEntry = tuple[str, nn.Parameter, list[ParamSlot]]
@@ -437,11 +438,8 @@ def _check_same_tensors(region: list[tuple[str, nn.Module]], group: collectives.
     every = collectives.all_gather_object(mine, group)
     if all(theirs == every[0] for theirs in every):
         return
-    k = next(i for i in range(max(map(len, every))) if len({str(e[i]) if i < len(e) else None for e in every}) > 1)
-    seen = "; ".join(
-        f"rank {r}: " + (f"{e[k][0]!r} holds [{', '.join(e[k][1])}]" if k < len(e) else "no such module")
-        for r, e in enumerate(every)
-    )
+    k = first_difference(every)
+    seen = per_rank(every, k, lambda m: f"{m[0]!r} holds [{', '.join(m[1])}]", "no such module")
     raise ValueError(
         f"sync_module_states=True: the ranks' modules differ at module #{k} of this unit ({seen}): every rank must "
         "build the same model before wrapping (rank-dependent model code?); sync_module_states copies rank 0's "

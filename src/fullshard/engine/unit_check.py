@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from fullshard.comm import collectives, flight_recorder
 from fullshard.engine.layout import UnitConfig
 from fullshard.engine.unit import Unit
@@ -42,6 +45,17 @@ def _raise_frozen_differ(unit: str, frozen: list[tuple[str, ...]]) -> None:
     )
 
 
+def first_difference(every: list[list[Any]]) -> int:
+    """The first index at which the ranks' lists (``every[r]``, one per rank, not all equal)
+    differ; a list that ended counts as None there."""
+    return next(k for k in range(max(map(len, every))) if len({repr(e[k]) if k < len(e) else None for e in every}) > 1)
+
+
+def per_rank(every: list[list[Any]], k: int, describe: Callable[[Any], str], missing: str) -> str:
+    """``rank 0: <describe(every[0][k])>; rank 1: ...``, ``missing`` for a rank whose list ended."""
+    return "; ".join(f"rank {r}: " + (describe(e[k]) if k < len(e) else missing) for r, e in enumerate(every))
+
+
 def check_same_units(units: list[Unit]) -> None:
     """At the first forward: every rank of the root's data-parallel group must wrap the same
     units, in the same order, of the same sizes, with the same sharding strategy, mixed precision,
@@ -65,9 +79,7 @@ def check_same_units(units: list[Unit]) -> None:
         every = collectives.all_gather_object(mine, group)
     if all(units == every[0] for units in every):
         return
-    i = next(
-        k for k in range(max(map(len, every))) if len({units[k] if k < len(units) else None for units in every}) > 1
-    )
+    i = first_difference(every)
     shapes = {units[i][:2] if i < len(units) else None for units in every}
     if len(shapes) == 1 and len({units[i][2] for units in every}) == 1:  # the same settings: requires_grad differs
         _raise_frozen_differ(every[0][i][0], [units[i][3] for units in every])
@@ -78,10 +90,7 @@ def check_same_units(units: list[Unit]) -> None:
             f"FSDP unit {every[0][i][0]!r} is set up differently across ranks ({seen}): every rank must pass "
             "the same sharding strategy, mixed_precision and comm_quantization (rank-dependent arguments?)"
         )
-    seen = "; ".join(
-        f"rank {r}: " + (f"{units[i][0]!r} ({units[i][1]} bytes)" if i < len(units) else "no such unit")
-        for r, units in enumerate(every)
-    )
+    seen = per_rank(every, i, lambda u: f"{u[0]!r} ({u[1]} bytes)", "no such unit")
     raise RuntimeError(
         f"FSDP units differ across ranks at unit #{i} in construction order ({seen}): every rank must wrap "
         "the same model with the same policy (rank-dependent model code or wrapping?)"
