@@ -52,6 +52,7 @@ from fullshard.comm.buffers import POOL
 from fullshard.comm.flight_recorder import RECORDER, Entry
 from fullshard.comm.handle import Handle
 from fullshard.comm.handle import explained as _explained
+from fullshard.comm.in_place import InPlaceExchange, is_own_chunk
 from fullshard.comm.peers import CollectiveDiverged, CollectiveError, CollectiveFailed, CollectiveTimeout
 
 ProcessGroup = Any  # torch's ProcessGroup type moves between versions
@@ -282,7 +283,7 @@ def reduce_scatter(
     On gloo this is an all-to-all of the N chunks plus a local sum. ``output`` may be this
     rank's own chunk of ``input`` on gloo at two ranks (:func:`reduces_in_place`): the sum is
     then made in place, the other chunk sent in :data:`IN_PLACE_PIECES` pieces, most of the
-    exchange happening when the Handle is waited on (:class:`_InPlaceExchange`).
+    exchange happening when the Handle is waited on (:class:`~fullshard.comm.in_place.InPlaceExchange`).
     Returns a Handle when ``async_op``, else None after completion.
     """
     n = group_size(group)
@@ -294,9 +295,9 @@ def reduce_scatter(
     entry = _note("reduce_scatter", input.dtype, input.numel(), nbytes, group)
     if backend(group) == "gloo":
         chunks = input.view(n, -1)
-        if n == 2 and _is_own_chunk(output, chunks[group_rank(group)]):
+        if n == 2 and is_own_chunk(output, chunks[group_rank(group)]):
             me = group_rank(group)
-            exchange = _InPlaceExchange(chunks[me], chunks[1 - me], group)
+            exchange = InPlaceExchange(chunks[me], chunks[1 - me], group)
             return _finish(
                 exchange, (lambda: output.div_(divide_by)) if divide_by != 1.0 else None, async_op, entry, True
             )
@@ -369,62 +370,6 @@ def reduces_in_place(group: ProcessGroup) -> bool:
     """Whether :func:`reduce_scatter` on ``group`` takes this rank's own chunk of its input as
     its output (gloo at two ranks)."""
     return backend(group) == "gloo" and group_size(group) == 2
-
-
-IN_PLACE_PIECES = 8  # pieces of an in-place reduce-scatter; its staging buffer is 1/8 of a chunk
-
-
-def _is_own_chunk(output: torch.Tensor, chunk: torch.Tensor) -> bool:
-    return output.data_ptr() == chunk.data_ptr() and output.numel() == chunk.numel() and output.is_contiguous()
-
-
-class _InPlaceExchange:
-    """A two-rank reduce-scatter that leaves the sum in this rank's own chunk of the input.
-
-    The other rank's chunk goes out in :data:`IN_PLACE_PIECES` pieces, one all-to-all each, one
-    after another: piece j is received into the place of piece j - 1, sent by the all-to-all
-    before (piece 0 into a staging buffer from :data:`POOL`), and added to the own chunk as it
-    arrives (own + received: the bits of every other path). Piece 0 is issued at once, the rest
-    by :meth:`wait` (a Handle's work: ``wait(timeout)`` may stop between or inside pieces and be
-    called again). The caller's rank order is the same on both ranks, so the pieces pair up.
-    """
-
-    def __init__(self, own: torch.Tensor, other: torch.Tensor, group: ProcessGroup) -> None:
-        self.group = group
-        self.peer = 1 - group_rank(group)
-        pieces = max(1, min(IN_PLACE_PIECES, other.numel()))
-        self.owns = own.tensor_split(pieces)
-        self.sends = other.tensor_split(pieces)  # the same sizes on both ranks, largest first
-        self.stage = POOL.acquire(self.sends[0].numel(), other.dtype, other.device)
-        self.piece = 0
-        self.work: Any = self._issue(0)
-
-    def _received(self, j: int) -> torch.Tensor:
-        """Where piece ``j`` arrives: the stage, or the place of the piece sent before it."""
-        return (self.stage if j == 0 else self.sends[j - 1])[: self.sends[j].numel()]
-
-    def _issue(self, j: int) -> Any:
-        splits = [0, 0]
-        splits[self.peer] = self.sends[j].numel()
-        return dist.all_to_all_single(self._received(j), self.sends[j], splits, splits, group=self.group, async_op=True)
-
-    def wait(self, timeout: Any = None) -> None:
-        """Finish every piece (raises RuntimeError when ``timeout`` ends inside one; call again)."""
-        while self.work is not None:
-            if timeout is None:
-                self.work.wait()
-            else:
-                self.work.wait(timeout)
-            j = self.piece
-            self.owns[j].add_(self._received(j))
-            self.piece, self.work = j + 1, None
-            if self.piece < len(self.sends):
-                self.work = self._issue(self.piece)
-            else:
-                POOL.release(self.stage)
-
-    def is_completed(self) -> bool:
-        return self.work is None
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:

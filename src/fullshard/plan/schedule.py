@@ -63,7 +63,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Sequence
 
-from fullshard.comm.collectives import IN_PLACE_PIECES
+from fullshard.comm.in_place import IN_PLACE_PIECES
 from fullshard.plan.estimate import UnitEstimate
 from fullshard.plan.unit_buffers import ROOT, UnitBuffers, grouped_params, unit_buffers
 
