@@ -138,7 +138,9 @@ def estimate_peak(
         backend: the process group's, "gloo" (CPU) or "nccl" (CUDA).
         cpu_offload: shards, gradients and optimizer state in host memory (CUDA only).
         front_end: "wrapper" (FullyShardedDataParallel, which keeps its last unit of forward
-            gathered under FULL_SHARD) or "fully_shard".
+            gathered under FULL_SHARD, and under mixed precision casts floating-point buffers
+            to ``param_dtype``) or "fully_shard" (buffers keep their dtype, every unit casts its
+            inputs).
 
     Raises:
         ValueError: as :func:`~fullshard.plan.estimate.estimate_model_state`, or
@@ -157,8 +159,11 @@ def estimate_peak(
     units = estimate_model_state(
         plain, is_unit, world_size, sharding_strategy=strategy, param_dtype=mp, optimizer=optimizer, offload=offload
     )
-    context = {"checkpoint_context": checkpoint_context}
-    step = trace_step(make_model, example, loss_fn, mp, checkpoint, device_type(backend), is_unit, **context)
+    cast = front_end == "wrapper"  # the wrapper casts buffers to buffer_dtype, fully_shard leaves them
+    step = trace_step(
+        make_model, example, loss_fn, mp, checkpoint, device_type(backend), is_unit,
+        checkpoint_context=checkpoint_context, cast_buffers=cast,
+    )  # fmt: skip
     keep = [u.name for u in units] if strategy == "shard_grad_op" else []
     return replayed_peak(
         plain, is_unit, step, units, world_size, sharding_strategy=strategy, param_dtype=mp, checkpoint=checkpoint,

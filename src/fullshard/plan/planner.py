@@ -265,16 +265,22 @@ def _score_all(
     names = [n for n in cal.blocks if n != "<root>"]
     offload = offloads(True, backend)
     state = _model_states(cal, make_model, is_unit, param_dtype, offload)
-    traced: dict[int, tuple[nn.Module, StepTrace]] = {}  # AC count -> the tagged model, its traced step
+    # (AC count, buffers cast) -> the tagged model, its traced step: one per AC count serves every
+    # sharding, but for NO_SHARD (the FSDP1 wrapper, buffers cast to param_dtype) where
+    # fully_shard leaves a floating-point buffer in another dtype than param_dtype.
+    traced: dict[tuple[int, bool], tuple[nn.Module, StepTrace]] = {}
+    differs = _buffers_differ(make_model, param_dtype)
     scored = []
     for c in candidates(names, offload=offload):
-        if len(c.checkpoint) not in traced:  # one traced step per AC count serves every sharding
+        key = (len(c.checkpoint), c.no_shard and differs)
+        if key not in traced:
             make = _tagged(make_model, c.checkpoint)
             with torch.device("meta"):
                 plain = make()
-            step = trace_step(make, example, loss_fn, param_dtype, _is_tagged, device_type(backend), is_unit)
-            traced[len(c.checkpoint)] = (plain, step)
-        plain, step = traced[len(c.checkpoint)]
+            cast = c.no_shard or not differs
+            trace = (make, example, loss_fn, param_dtype, _is_tagged, device_type(backend), is_unit)
+            traced[key] = (plain, trace_step(*trace, cast_buffers=cast))
+        plain, step = traced[key]
         peak = _replayed(c, plain, is_unit, step, state[c.no_shard, c.offload], world, param_dtype, backend)
         step_time = predict_step(
             cal,
@@ -315,7 +321,8 @@ def predict_peak(
     make = _tagged(make_model, c.checkpoint)
     with torch.device("meta"):
         plain = make()
-    step = trace_step(make, example, loss_fn, param_dtype, _is_tagged, device_type(backend), is_unit)
+    trace = (make, example, loss_fn, param_dtype, _is_tagged, device_type(backend), is_unit)
+    step = trace_step(*trace, cast_buffers=c.no_shard)
     state = estimate_model_state(
         plain,
         is_unit,
@@ -378,6 +385,16 @@ def _model_states(
         )
         for ns, off in ((False, False), (True, False), *([(False, True)] if offload else []))
     }
+
+
+def _buffers_differ(make_model: Callable[[], nn.Module], param_dtype: torch.dtype | None) -> bool:
+    """Whether a floating-point buffer of the model is in another dtype than ``param_dtype``
+    (the FSDP1 wrapper casts it, ``fully_shard`` does not)."""
+    if param_dtype is None:
+        return False
+    with torch.device("meta"):
+        plain = make_model()
+    return any(b.is_floating_point() and b.dtype != param_dtype for b in plain.buffers())
 
 
 def _tagged(make_model: Callable[[], nn.Module], names: tuple[str, ...]) -> Callable[[], nn.Module]:

@@ -53,12 +53,19 @@ def trace_step(
     is_unit: Callable[[nn.Module], bool] | None = None,
     *,
     checkpoint_context: Callable[[], Any] | None = None,
+    cast_buffers: bool = True,
 ) -> StepTrace:
     """One forward and backward of the unwrapped model on the meta device, sampled at every
     allocation and once after backward has returned (arguments as
     :func:`~fullshard.plan.peak.trace_activations`); gradients are attributed to the unit
     owning each parameter (:func:`~fullshard.plan.estimate.owned_params` of ``is_unit``; every
     parameter to the root without it).
+
+    Under mixed precision (``compute_dtype``) the parameters are traced in that dtype, and the
+    floating-point buffers too with ``cast_buffers`` (the FSDP1 wrapper's ``buffer_dtype``).
+    Without it they keep their own dtype and each unit's floating-point inputs are cast to
+    ``compute_dtype`` as it starts, as ``fully_shard`` with a ``MixedPrecisionPolicy`` runs:
+    an fp32 buffer (a sinusoidal position table) stays fp32 and promotes what it is added to.
 
     Raises:
         MetaValueRead: as :func:`trace_activations`.
@@ -80,7 +87,7 @@ def trace_step(
         with torch.device("meta"):
             model = make_model()
             if compute_dtype is not None:
-                model.to(compute_dtype)
+                _to_compute_dtype(model, compute_dtype, cast_buffers, None if cast_buffers else is_unit)
             owned = owned_params(model, is_unit or (lambda m: False))
             names = [name or "<root>" for name in owned]
             owners.extend(owned.values())
@@ -106,6 +113,20 @@ def trace_step(
         samples.append((live.measure(), grads, True, "<root>"))
     totals = [sum(p.nbytes for p in ps if p.requires_grad) for ps in owners]
     return StepTrace(samples, names, totals, param_bytes, "; ".join(dict.fromkeys(assumed)))
+
+
+def _to_compute_dtype(
+    model: nn.Module, dtype: torch.dtype, cast_buffers: bool, is_unit: Callable[[nn.Module], bool] | None
+) -> None:
+    """``model``'s parameters (and buffers, with ``cast_buffers``) in ``dtype``; each ``is_unit``
+    module's floating-point inputs cast to ``dtype`` before its forward."""
+    kept = [] if cast_buffers else [(m, n, b) for m in model.modules() for n, b in compat.module_buffers(m).items()]
+    model.to(dtype)
+    for m, name, b in kept:
+        compat.module_buffers(m)[name] = b
+    for m in model.modules():
+        if is_unit is not None and is_unit(m):
+            m.register_forward_pre_hook(lambda _, args, kwargs: cast_floats((args, kwargs), dtype), with_kwargs=True)
 
 
 def _sample_each_gradient(params: list[nn.Parameter], live: LiveTensorBytes) -> None:
