@@ -21,6 +21,7 @@ from fullshard.plan.calibrate import BlockTime, CommModel, Link, _fit
 from fullshard.plan.simulate import UnitCost, merge_costs, simulate_step
 
 MS = 1e-3
+CPU = torch.device("cpu")
 BIN = Path(sys.executable).parent
 COMM = CommModel(2, "gloo", all_gather=Link(0.0, MS), reduce_scatter=Link(0.0, 2 * MS), all_reduce=Link(MS, MS))
 
@@ -310,6 +311,62 @@ def test_time_blocks_replays_a_transformers_layers_keyword_inputs() -> None:
     times = time_blocks(make, example, loss, lambda m: type(m).__name__ in layers, torch.device("cpu"), repeats=1)
     assert set(times) == {"<root>", *(f"model.model.layers.{i}" for i in range(4))}
     assert all(t.forward > 0 and t.backward > 0 for t in times.values())
+
+
+class _Permuted(nn.Linear):
+    """A unit whose buffer (an index, as BERT's ``position_ids``) must hold what ``__init__`` made."""
+
+    def __init__(self) -> None:
+        super().__init__(8, 8)
+        self.register_buffer("order", torch.arange(8).flip(0), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.order.device.type != "meta" and not torch.equal(self.order, torch.arange(8).flip(0)):
+            raise ValueError(f"order holds {self.order.tolist()}")
+        return super().forward(x[..., self.order])
+
+
+class _Positions(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.pos = nn.Embedding(11, 8), nn.Embedding(40, 8)
+        self.register_buffer("position_ids", torch.arange(40)[None], persistent=False)
+        self.layers = nn.ModuleList(_Permuted() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = self.position_ids[:, : x.shape[1]]
+        if ids.device.type != "meta" and not torch.equal(ids[0], torch.arange(x.shape[1])):
+            raise ValueError(f"position_ids hold {ids.tolist()}")
+        h = self.emb(x.long()) + self.pos(ids)
+        for layer in self.layers:
+            h = layer(h)
+        return h
+
+
+def test_calibration_runs_the_model_with_the_buffers_its_init_made() -> None:
+    """Calibration materializes a unit, and the root with stand-ins, from the meta device: its
+    buffers held whatever memory was there (``to_empty``), and BERT's ``position_ids`` indexed
+    out of bounds (`fullshard plan` crashed). Now they hold what the model's ``__init__`` made,
+    without building its parameters (they go to meta as they are registered)."""
+    from fullshard.plan.calibrate import time_units
+    from fullshard.plan.real_buffers import buffer_values
+
+    def example() -> torch.Tensor:
+        return torch.zeros(2, 24)
+
+    times = time_units(_Positions, example, lambda m, x: m(x).sum(), lambda m: isinstance(m, _Permuted), CPU, repeats=1)
+    assert set(times.blocks) == {"<root>", "layers.0", "layers.1"}
+    values = buffer_values(_Positions)
+    assert values is not None and set(values) == {"position_ids", "layers.0.order", "layers.1.order"}
+    assert not any(p.device.type != "meta" for p in _built_params(_Positions))
+
+
+def _built_params(make: object) -> list[torch.Tensor]:
+    """The parameters a model built as :func:`buffer_values` builds it holds."""
+    from fullshard.plan.real_buffers import _parameters_on_meta
+
+    with _parameters_on_meta():
+        return list(make().parameters())  # type: ignore[operator]
 
 
 def test_grouped_units_gather_once_and_carry_their_members_times() -> None:

@@ -36,6 +36,7 @@ from fullshard.comm import collectives
 from fullshard.compat import tree_flatten, tree_map
 from fullshard.plan.meta_trace import traced
 from fullshard.plan.peak import cast_floats
+from fullshard.plan.real_buffers import buffer_values, fill_buffers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,11 +231,16 @@ def _like(t: Any, device: torch.device) -> Any:
     return torch.zeros(t.shape, dtype=t.dtype, device=device)
 
 
-def _materialize(module: nn.Module, device: torch.device) -> nn.Module:
+def _materialize(
+    module: nn.Module, device: torch.device, buffers: dict[str, torch.Tensor] | None, prefix: str = ""
+) -> nn.Module:
+    """``module`` (the model's submodule ``prefix``, on meta) on ``device``: random parameters,
+    its buffers' values from ``buffers`` (:func:`~fullshard.plan.real_buffers.buffer_values`)."""
     module = module.to_empty(device=device)
     with torch.no_grad():
         for p in module.parameters():
             p.normal_(0.0, 0.02)
+    fill_buffers(module, buffers, prefix)
     return module
 
 
@@ -366,6 +372,7 @@ def time_units(
             model.to(compute_dtype)
         batch = cast_floats(example(), compute_dtype)
     units = _units(model, is_unit)
+    buffers = buffer_values(make_model) if any(True for _ in model.buffers()) else None
     seen = _unit_calls(model, batch, loss_fn, units, device)
     out: dict[str, BlockTime] = {}
     recomputed: dict[str, BlockTime] = {}
@@ -375,14 +382,14 @@ def time_units(
     for name, m in units.items():
         kind = kind_of[name]
         if kind not in kinds:
-            kinds[kind] = _time_unit(m, seen[name][:2], device, repeats, count[kind], checkpointed)
+            kinds[kind] = _time_unit(m, seen[name][:2], device, repeats, count[kind], checkpointed, (buffers, name))
         out[name], ckpt = kinds[kind]
         if ckpt is not None:
             recomputed[name] = ckpt
     for name, m in units.items():
         parent, _, leaf = name.rpartition(".")
         model.get_submodule(parent).register_module(leaf, _Stub(seen[name][2]))
-    root = _materialize(model, device)
+    root = _materialize(model, device, buffers)
     with torch.device(device):
         real_batch = cast_floats(
             tree_map(lambda t: t.zero_() if isinstance(t, torch.Tensor) else t, example()), compute_dtype
@@ -424,14 +431,16 @@ def _time_unit(
     repeats: int,
     copies: int,
     checkpointed: bool,
+    buffers: tuple[dict[str, torch.Tensor] | None, str],
 ) -> tuple[BlockTime, BlockTime | None]:
     """:func:`_time_each` of a materialized copy of unit ``m`` on (args, kwargs) shaped like
     ``inputs``, ``copies`` at once, and (``checkpointed``) of it under activation checkpointing,
     once, in turns; when ``copies`` outputs at once do not fit the device (CUDA out of memory),
-    one at a time. Returns (plain, checkpointed or None)."""
+    one at a time; ``buffers``: the model's buffer values and ``m``'s name in it. Returns
+    (plain, checkpointed or None)."""
     from fullshard.frontend.activation_checkpointing import checkpoint_wrapper
 
-    real = _materialize(copy.deepcopy(m), device)
+    real = _materialize(copy.deepcopy(m), device, *buffers)
     args, kwargs = tree_map(lambda t: _like(t, device), inputs)
     wrapped = checkpoint_wrapper(real) if checkpointed else None
     while True:
