@@ -100,6 +100,21 @@ def test_estimate_cpu_offload(capsys: pytest.CaptureFixture[str]) -> None:
         (["--model", "hf:gpt2-tiny", "--wrap-cls", "Foo"], "['Foo'] match no module of CausalLMLogits"),
         (["--model", "no_such_module:f", "--input-shape", "1", "--wrap-cls", "X"], "No module named 'no_such_module'"),
         (["--model", "mnist", "--world-size", "0"], "--world-size and --batch-size must be at least 1"),
+        # a module:factory model's options, checked on a meta build and forward (they gave a
+        # root-only estimate, int()'s error and the model's traceback)
+        (
+            ["--model", "test_estimate:make_mlp", "--input-shape", "32,64", "--wrap-cls", "NoSuchLayer"],
+            "--wrap-cls NoSuchLayer: no module of test_estimate:make_mlp is of that class; its classes are "
+            "Sequential, Linear, ReLU",
+        ),
+        (
+            ["--model", "test_estimate:make_mlp", "--input-shape", "32,a", "--wrap-cls", "Linear"],
+            "--input-shape '32,a': give positive integers separated by commas",
+        ),
+        (
+            ["--model", "test_estimate:make_mlp", "--input-shape", "32,65", "--wrap-cls", "Linear"],
+            "--input-shape 32,65: the model's forward failed on a float tensor of that shape (RuntimeError: ",
+        ),
     ],
 )
 def test_estimate_rejects_bad_models(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -109,4 +124,5 @@ def test_estimate_rejects_bad_models(args: list[str], message: str, capsys: pyte
         pytest.importorskip("transformers")
     with pytest.raises(SystemExit) as e:
         cli.main(args)
-    assert e.value.code == 2 and message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and "Traceback" not in err, err

@@ -624,18 +624,42 @@ def test_gpt_job_plan_auto(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(200)
-def test_plan_cli(capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_cli(capfd: pytest.CaptureFixture[str]) -> None:
     from fullshard.jobs.planning import plan_cli
 
     base = ["--model", "gpt:tiny", "--batch-size", "2", "--seq-len", "32", "--world-size", "1"]
     assert plan_cli.main([*base, "--memory-budget", "1GiB"]) == 0
-    out = capsys.readouterr().out
+    out = capfd.readouterr().out
     assert "Plan for 1,024.0 MiB per rank: **NO_SHARD" in out and "predicted step" in out, out
     assert plan_cli.main([*base, "--memory-budget", "1KiB"]) == 1
-    assert "Nothing fits 0.0 MiB per rank" in capsys.readouterr().out
+    assert "Nothing fits 0.0 MiB per rank" in capfd.readouterr().out
     with pytest.raises(SystemExit):
         plan_cli.main([*base, "--memory-budget", "lots"])
-    assert "--memory-budget: 'lots' is not a size" in capsys.readouterr().err
+    assert "--memory-budget: 'lots' is not a size" in capfd.readouterr().err
+    for budget in (["--memory-budget", "-5MiB"], ["--memory-budget=-5MiB"]):  # argparse said "expected one argument"
+        with pytest.raises(SystemExit) as e:
+            plan_cli.main([*base, *budget])
+        err = capfd.readouterr().err
+        assert e.value.code == 2 and "--memory-budget: '-5MiB' is not a size: give a positive" in err, err
+    # a worker's failure: its error in one line (the worker's; capfd reads its stderr) and where the
+    # tracebacks are, not WorkerFailed's traceback
+    real_data = ["--model", "test_plan:refuses_real_data", "--input-shape", "2,8", "--wrap-cls", "_RealDataRefused"]
+    assert plan_cli.main([*real_data, "--world-size", "1", "--memory-budget", "1MiB"]) == 2
+    err = capfd.readouterr().err
+    assert "RuntimeError: this layer refuses real data" in err and "fullshard plan: worker rank 0 failed" in err, err
+    assert "Traceback" not in err, err
+
+
+class _RealDataRefused(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "meta":
+            raise RuntimeError("this layer refuses real data")
+        return super().forward(x)
+
+
+def refuses_real_data() -> nn.Module:
+    """A module:factory model that traces on meta and fails in calibration's real forward."""
+    return nn.Sequential(_RealDataRefused(8, 8), _RealDataRefused(8, 8))
 
 
 def slowest_rank_body(rank: int, world: int) -> tuple[dict, float, dict, object]:

@@ -83,9 +83,52 @@ def _model_parts(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
             "--input-shape and --wrap-cls"
         )
     make = getattr(importlib.import_module(module_name), factory)
-    dims = [int(d) for d in args.input_shape.split(",")]
+    dims = _shape(args.input_shape)
     names = set(args.wrap_cls.split(","))
-    return make, (lambda: torch.zeros(dims)), (lambda m, x: m(x).float().sum()), (lambda m: type(m).__name__ in names)
+    parts = make, (lambda: torch.zeros(dims)), (lambda m, x: m(x).float().sum()), (lambda m: type(m).__name__ in names)
+    _check_factory(args, *parts)
+    return parts
+
+
+def _shape(text: str) -> list[int]:
+    """``--input-shape``'s dimensions; ValueError naming the option when they are not positive ints."""
+    try:
+        dims = [int(d) for d in text.split(",")]
+    except ValueError:
+        dims = []
+    if not dims or min(dims) < 1:
+        raise ValueError(f"--input-shape {text!r}: give positive integers separated by commas, e.g. 16,3,224,224")
+    return dims
+
+
+def _check_factory(args: argparse.Namespace, make: Any, example: Any, loss_fn: Any, is_unit: Any) -> None:
+    """A ``module:factory`` model built and run forward on the meta device: ValueError naming
+    ``--wrap-cls`` classes the model has no module of (with some it has), or ``--input-shape``
+    when the forward fails on it (with the error's last line)."""
+    from fullshard.plan.meta_trace import MetaValueRead, traced
+
+    with torch.device("meta"):
+        model = make()
+        batch = example()
+    kinds = list(dict.fromkeys(type(m).__name__ for m in model.modules()))
+    missing = sorted(set(args.wrap_cls.split(",")) - set(kinds))
+    if missing:
+        shown = ", ".join(kinds[:8]) + (", ..." if len(kinds) > 8 else "")
+        raise ValueError(
+            f"--wrap-cls {','.join(missing)}: no module of {args.model} is of that class; its classes are {shown}"
+        )
+    try:
+        with traced("cpu"):
+            loss_fn(model, batch)
+    except MetaValueRead:
+        pass  # the estimate says so, with what it read
+    except Exception as err:  # noqa: BLE001 (the user's model: any error is the shape's)
+        lines = str(err).strip().splitlines()
+        last = f"{type(err).__name__}: {lines[-1] if lines else ''}"
+        raise ValueError(
+            f"--input-shape {args.input_shape}: the model's forward failed on a float tensor of that shape "
+            f"({last}); give the shape its forward takes"
+        ) from None
 
 
 def table(e: PeakEstimate, world: int) -> list[str]:

@@ -8,11 +8,13 @@ CPU, NCCL when CUDA is there) that calibrate this machine for a few seconds (col
 world size, each block at the batch shape, the optimizer), then rank 0 scores every candidate
 (:mod:`fullshard.plan.planner`) and prints the plan, its predicted peak by category and
 step time, and the runners-up, or the smallest budget that would fit. Exit status 1 when
-nothing fits, 2 on bad options.
+nothing fits, 2 on bad options or when a worker failed (its error in one line).
 """
 
 from __future__ import annotations
 
+import re
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,13 +41,26 @@ def _worker(args: Any) -> list[str] | None:
         launch.destroy_process_group()
 
 
+def _budget_joined(argv: list[str]) -> list[str]:
+    """``--memory-budget -5MiB`` as ``--memory-budget=-5MiB``: argparse takes a value starting
+    with "-" for an option, and would say "expected one argument" instead of what is wrong."""
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1] == "--memory-budget" and re.match(r"-[0-9.]", arg):
+            out[-1] = f"--memory-budget={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: Sequence[str]) -> int:
-    """Entry point of ``fullshard plan``; returns the exit code (1: nothing fits, 2: bad options)."""
+    """Entry point of ``fullshard plan``; returns the exit code (1: nothing fits, 2: bad options or a
+    worker failed)."""
     p = _parser()
     p.prog = "fullshard plan"
     p.description = __doc__
     p.add_argument("--memory-budget", required=True, help="bytes per rank, e.g. 8GiB or 512MiB")
-    args = p.parse_args(list(argv))
+    args = p.parse_args(_budget_joined(list(argv)))
     try:
         args.budget = parse_size(args.memory_budget)
     except ValueError as e:
@@ -56,7 +71,11 @@ def main(argv: Sequence[str]) -> int:
         _model_parts(args)
     except (ValueError, ImportError, AttributeError) as err:
         p.error(str(err))
-    lines = launch.launch(_worker, (args,), args.world_size)[0]
+    try:
+        lines = launch.launch(_worker, (args,), args.world_size)[0]
+    except launch.WorkerFailed as err:
+        print(f"fullshard plan: {err.summary()}", file=sys.stderr)
+        return 2
     assert lines is not None
     fits = lines[0] != "NOTHING FITS"
     print("\n".join(lines if fits else lines[1:]))
