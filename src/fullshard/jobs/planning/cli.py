@@ -85,8 +85,16 @@ def _model_parts(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     make = getattr(importlib.import_module(module_name), factory)
     dims = _shape(args.input_shape)
     names = set(args.wrap_cls.split(","))
-    parts = make, (lambda: torch.zeros(dims)), (lambda m, x: m(x).float().sum()), (lambda m: type(m).__name__ in names)
-    _check_factory(args, *parts)
+    return make, (lambda: torch.zeros(dims)), (lambda m, x: m(x).float().sum()), (lambda m: type(m).__name__ in names)
+
+
+def checked_model_parts(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
+    """:func:`_model_parts`, a ``module:factory`` model also built and run forward on the meta
+    device once (:func:`_check_factory`): for the commands' own process, before any worker starts
+    (the workers take :func:`_model_parts` as checked)."""
+    parts = _model_parts(args)
+    if not args.model.startswith(("gpt:", "hf:")) and args.model != "mnist":
+        _check_factory(args, *parts)
     return parts
 
 
@@ -173,7 +181,7 @@ def main(argv: Sequence[str]) -> int:
     if args.cpu_offload and args.backend == "gloo":
         print("fullshard estimate: --cpu-offload has no effect on gloo (the shards already live in CPU memory)")
     try:
-        make, example, loss_fn, is_unit = _model_parts(args)
+        make, example, loss_fn, is_unit = checked_model_parts(args)
     except (ValueError, ImportError, AttributeError) as err:
         p.error(str(err))
     estimate = estimate_peak(

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from fullshard.jobs import launch
-from fullshard.jobs.planning.cli import PRECISIONS, _model_parts, _parser
+from fullshard.jobs.planning.cli import PRECISIONS, _model_parts, _parser, checked_model_parts
 from fullshard.plan.planner import parse_size
 
 
@@ -68,7 +68,7 @@ def main(argv: Sequence[str]) -> int:
     if args.world_size < 1 or args.batch_size < 1:
         p.error("--world-size and --batch-size must be at least 1")
     try:
-        _model_parts(args)
+        checked_model_parts(args)
     except (ValueError, ImportError, AttributeError) as err:
         p.error(str(err))
     try:
