@@ -156,11 +156,6 @@ def is_outside(obj: Any) -> bool:
     return obj is dist.GroupMember.NON_GROUP_MEMBER
 
 
-def global_rank() -> int:
-    """This process's rank in the default group."""
-    return dist.get_rank()
-
-
 def group_size(group: ProcessGroup) -> int:
     """The number of ranks in ``group``. Raises RuntimeError when no process group is initialized."""
     return dist.get_world_size(group)

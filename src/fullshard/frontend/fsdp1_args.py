@@ -100,8 +100,9 @@ def _check_process_group(process_group: Any) -> None:
     groups = process_group if isinstance(process_group, tuple) else (process_group,)
     for group in groups:
         if collectives.is_outside(group):
+            rank = collectives.group_rank(collectives.default_group())
             raise ValueError(
-                f"FullyShardedDataParallel: this rank ({collectives.global_rank()}) is not in process_group "
+                f"FullyShardedDataParallel: this rank ({rank}) is not in process_group "
                 "(torch.distributed.new_group returned GroupMember.NON_GROUP_MEMBER here): construct FSDP only on "
                 "the group's ranks"
             )

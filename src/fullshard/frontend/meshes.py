@@ -44,7 +44,7 @@ def check_mesh(mesh: Any, argument: str) -> None:
     if mesh is not None and mesh.get_coordinate() is None:
         call = argument.split(":")[0]
         raise ValueError(
-            f"{argument}: this rank ({collectives.global_rank()}) is not in the mesh (ranks "
+            f"{argument}: this rank ({collectives.group_rank(collectives.default_group())}) is not in the mesh (ranks "
             f"{mesh.mesh.flatten().tolist()}): call {call} only on the mesh's ranks, or pass a mesh of every rank "
             "that calls it"
         )
