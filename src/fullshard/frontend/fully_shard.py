@@ -221,7 +221,7 @@ def _check_not_inside_a_unit(module: nn.Module) -> None:
     Raises:
         ValueError: naming the parameters and the order to apply ``fully_shard`` in.
     """
-    if hooks.is_unit(module) or any(hooks.is_unit(m) for m in module.modules()):
+    if any(hooks.is_unit(m) for m in module.modules()):  # modules() starts with module itself
         return
     taken = [n for n, p in module.named_parameters() if is_sharded(p)]
     if taken:
