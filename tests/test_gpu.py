@@ -275,11 +275,13 @@ def test_the_nccl_estimate_bounds_a_cuda_step() -> None:
         assert d.row.estimate.total >= d.row.measured - 8, sweep_bench.format_device_row(d)
         # the planner's budget on NCCL: the prediction and its margin hold the allocator's peak
         assert needs(d.row.estimate.total, CUDA_MARGIN) >= d.allocated, sweep_bench.format_device_row(d)
-    # nothing one configuration leaves behind moves the next one's peaks (the order reversed; the
-    # first run's first MNIST row once measured 1 MiB more at the allocator than its others)
+    # nothing one configuration leaves behind moves the next one's peaks (the order reversed): the
+    # live bytes to 16 bytes; the allocator's peak to 1 MiB, the remainder of a cached block it hands
+    # out whole rather than split (on an H100 Phi 4242#2 peaked 1 MiB apart in the two orders; before
+    # warm_up ran an MNIST model, the first MNIST row peaked 1 MiB higher than later ones and than 256 KiB)
     for d in rows:
         e = again[d.row.config.index, d.offload]
-        assert abs(d.allocated - e.allocated) <= 2**18 and abs(d.row.measured - e.row.measured) <= 16, (d, e)
+        assert abs(d.allocated - e.allocated) <= 2**20 and abs(d.row.measured - e.row.measured) <= 16, (d, e)
 
 
 def gloo_on_one_gpu_body(rank: int, world: int) -> dict:
