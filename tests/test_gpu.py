@@ -256,11 +256,11 @@ def test_the_nccl_estimate_bounds_a_cuda_step() -> None:
     """Drawn configurations at world size 1 on CUDA, with and without CPU offload, measured in
     this process (``fullshard bench estimate --sweep --device cuda``): the estimate for NCCL,
     documented as an upper bound (``plan.peak.NOT_REPLAYED``), is at least the live tensor bytes
-    of the third step on the device (within two 0-dim scalars), and with the planner's margin on
+    of the third step on the device (within two 0-dim scalars), and with the planner's margin and slack on
     NCCL at least the caching allocator's peak; measured again in the reverse order, each
     configuration peaks where it did."""
     from fullshard.jobs.planning import sweep, sweep_bench
-    from fullshard.plan.margin import CUDA_MARGIN
+    from fullshard.plan.margin import CUDA_MARGIN, CUDA_SLACK
     from fullshard.plan.planner import needs
 
     with sweep_bench.one_rank_group("cuda") as device:
@@ -273,8 +273,8 @@ def test_the_nccl_estimate_bounds_a_cuda_step() -> None:
     for d in measured:
         assert d.row.estimate is not None, d
         assert d.row.estimate.total >= d.row.measured - 8, sweep_bench.format_device_row(d)
-        # the planner's budget on NCCL: the prediction and its margin hold the allocator's peak
-        assert needs(d.row.estimate.total, CUDA_MARGIN) >= d.allocated, sweep_bench.format_device_row(d)
+        # the planner's budget on NCCL: the prediction, its margin and slack hold the allocator's peak
+        assert needs(d.row.estimate.total, CUDA_MARGIN) + CUDA_SLACK >= d.allocated, sweep_bench.format_device_row(d)
     # nothing one configuration leaves behind moves the next one's peaks (the order reversed): the
     # live bytes to 16 bytes; the allocator's peak to 1 MiB, the remainder of a cached block it hands
     # out whole rather than split (on an H100 Phi 4242#2 peaked 1 MiB apart in the two orders; before

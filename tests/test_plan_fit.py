@@ -151,27 +151,25 @@ def test_the_margin_tables_are_the_sweep_documents() -> None:
     assert m.margin_for(True) == m.MARGIN and m.margin_for(False) == m.MARGIN_KEPT
 
 
-def _cuda_column(seed: int, commit: str) -> tuple[list[float], list[float]]:
-    """The "error vs allocator" column of ``docs/estimate_cuda_sweep.md``'s re-predicted table of
-    ``seed`` (its third table 4242, its fourth 777), every row that has one, in the printed order,
-    with each row's allocator peak (MiB)."""
-    intro, *tables = (ROOT / "docs/estimate_cuda_sweep.md").read_text().split("\n---\n")
-    table = tables[2 if seed == 4242 else 3]
-    assert f"## Predicted again at {commit} " in table and f"Seed {seed}: " in table and commit in intro
-    column, allocator = [], []
+def _cuda_runs(seed: int, commit: str) -> list[tuple[float, float]]:
+    """The (predicted, allocator peak) MiB of every run of ``docs/estimate_cuda_sweep.md``'s table
+    "Measured at ``commit``, seed ``seed``" that has both, in the printed order."""
+    tables = (ROOT / "docs/estimate_cuda_sweep.md").read_text().split("\n---\n")
+    (table,) = [t for t in tables if f"## Measured at {commit}, seed {seed}:" in t]
+    runs = []
     for line in table.splitlines():
         if line.startswith(f"| {seed}#"):
             cells = [c.strip() for c in line.replace("\\|", "/").split("|")]
-            if re.fullmatch(r"[+-]\d+\.\d%", cells[7]):
-                column.append(float(cells[7][:-1]) / 100)
-                allocator.append(float(cells[6]))
-    return column, allocator
+            if cells[3] != "-" and cells[6] != "-":
+                runs.append((float(cells[3]), float(cells[6])))
+    return runs
 
 
 def test_the_cuda_margin_follows_the_cuda_sweep_document() -> None:
-    """:data:`CUDA_ERRORS` and :data:`CUDA_SECOND_SEED` hold the allocator-error columns of the
-    CUDA sweep's two tables; a candidate on NCCL keeps the larger of the gloo margin and the one
-    they give, on gloo nothing changes, and a plan on NCCL says where its margin comes from."""
+    """:data:`CUDA_SWEEPS` hold the predicted and allocator-peak columns of the CUDA sweep's two
+    measured tables; with :data:`CUDA_SLACK` bytes, :data:`CUDA_MARGIN` is the least share that
+    holds each run (the MiB at their rounding's worst); a candidate on NCCL keeps both free, on
+    gloo nothing changes, and a plan on NCCL says where its margin comes from."""
     from types import SimpleNamespace
 
     from fullshard.plan import margin as m
@@ -179,25 +177,32 @@ def test_the_cuda_margin_follows_the_cuda_sweep_document() -> None:
     from fullshard.plan.candidate import Candidate
 
     worst = 0.0
-    for d, rows in ((m.CUDA_ERRORS, 61), (m.CUDA_SECOND_SEED, 28)):
-        column, allocator = _cuda_column(d.seed, d.commit)
-        assert list(d.errors) == pytest.approx(column, abs=1e-12) and len(column) == rows
-        # each error may be off by the recorded MiB's rounding; the slack covers it on the rows
-        # that could be the worst
-        bounds = [e - m.PRINTED_STEP / 2 - m.RECORDED_STEP_MIB / 2 / a for e, a in zip(column, allocator)]
-        assert min(bounds) == pytest.approx(d.worst_under) and d.slack > 0
-        worst = min(worst, min(bounds))
-    assert m.CUDA_MARGIN == pytest.approx(1 / (1 + worst) - 1) and m.CUDA_MARGIN > m.MARGIN
+    for d, count in zip(m.CUDA_SWEEPS, (65, 52)):
+        runs = _cuda_runs(d.seed, d.commit)
+        assert list(d.runs) == runs and len(runs) == count
+        for p, a in runs:  # what each run needs, computed here from the MiB as recorded
+            need = ((a + 0.005) * 2**20 - m.CUDA_SLACK) / ((p - 0.005) * 2**20) - 1
+            assert d.ratio(m.CUDA_SLACK) >= need - 1e-12
+            worst = max(worst, need)
+    assert m.CUDA_MARGIN == pytest.approx(worst) and m.CUDA_MARGIN > m.MARGIN
+    # the slack is what holds the small models: Phi 777#25 measured 33% above its prediction
+    assert max(d.ratio(0) for d in m.CUDA_SWEEPS) > 0.3
     for regathers in (True, False):
         assert m.margin_for(regathers, "nccl") == max(m.margin_for(regathers), m.CUDA_MARGIN)
-    assert m.margin_for(True, "gloo") == m.MARGIN
+    assert m.margin_for(True, "gloo") == m.MARGIN and m.slack_for("gloo") == 0 and m.slack_for("nccl") == m.CUDA_SLACK
     full = Candidate(False, (), (), False, ("b0",))
-    cand = SimpleNamespace(candidate=full, peak=SimpleNamespace(total=100 * 2**20), step=SimpleNamespace(seconds=1.0))
-    budget = int(102 * 2**20)  # 2% over the peak: within the gloo margin, not within CUDA's (9.1%)
+    peak = 100 * 2**20
+    cand = SimpleNamespace(candidate=full, peak=SimpleNamespace(total=peak), step=SimpleNamespace(seconds=1.0))
+    on_cuda_needs = planner.needs(peak, m.CUDA_MARGIN) + m.CUDA_SLACK
+    budget = on_cuda_needs - 1  # within the gloo margin, one byte short of CUDA's share and slack
     assert planner.choose([cand], budget).best is cand
     on_cuda = planner.choose([cand], budget, backend="nccl")
-    assert on_cuda.best is None and on_cuda.margin_of(cand) == m.CUDA_MARGIN
-    assert "allocator's peak on CUDA" in on_cuda.describe()[-1]
+    assert on_cuda.best is None and on_cuda.margin_of(cand) == m.CUDA_MARGIN and on_cuda.needs(cand) == on_cuda_needs
+    assert "caching allocator's peak" in on_cuda.describe()[-1] and "unsplit blocks" in on_cuda.describe()[0]
+    assert planner.choose([cand], on_cuda_needs, backend="nccl").best is cand
+    # a margin the caller gives replaces both
+    given = planner.choose([cand], budget, margin=0.0, backend="nccl")
+    assert given.best is cand and given.needs(cand) == peak
 
 
 def _fake_scored(peaks_and_steps: list[tuple[int, float]]) -> list:

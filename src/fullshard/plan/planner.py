@@ -44,11 +44,13 @@ from fullshard.plan.estimate import UnitEstimate, estimate_model_state
 from fullshard.plan.margin import (
     CUDA_MARGIN,
     CUDA_MARGIN_FROM,
+    CUDA_SLACK,
     MARGIN,
     MARGIN_FROM,
     MARGIN_KEPT,
     MARGIN_KEPT_FROM,
     margin_for,
+    slack_for,
 )
 from fullshard.plan.peak import PeakEstimate, StepTrace, device_type, offloads, replayed_peak, trace_step
 from fullshard.plan.simulate import StepTime
@@ -86,14 +88,21 @@ class Plan:
         :func:`~fullshard.plan.margin.margin_for` the candidate's strategy and the backend."""
         return self.margin if self.margin is not None else margin_for(regathers(s.candidate), self.backend)
 
+    @property
+    def slack(self) -> int:
+        """Bytes kept free beside the margin: by default :func:`~fullshard.plan.margin.slack_for`
+        the backend (2 MiB on NCCL), none when the caller gives the margin."""
+        return slack_for(self.backend) if self.margin is None else 0
+
     def needs(self, s: Scored) -> int:
-        """The budget (bytes) candidate ``s`` needs: its predicted peak, the margin and the leftover."""
-        return needs(s.peak.total, self.margin_of(s)) + self.leftover
+        """The budget (bytes) candidate ``s`` needs: its predicted peak, the margin, the slack and
+        the leftover."""
+        return needs(s.peak.total, self.margin_of(s)) + self.slack + self.leftover
 
     def margin_line(self) -> str:
         """Where the margin comes from, in one line."""
         if self.margin is None and self.backend == "nccl" and CUDA_MARGIN >= max(MARGIN, MARGIN_KEPT):
-            line = f"{CUDA_MARGIN_FROM.describe()}, the allocator's peak on CUDA"
+            line = CUDA_MARGIN_FROM.describe(CUDA_SLACK)
         elif self.margin is None:
             line = (
                 f"{MARGIN_FROM.describe()}; for candidates whose units all keep their parameters from "
@@ -112,7 +121,9 @@ class Plan:
                 f"Nothing fits {self.budget / mib:,.1f} MiB per rank: the smallest configuration "
                 f"({s.candidate.describe()}) needs {self.needs(s) / mib:,.1f} MiB (its "
                 f"predicted peak {s.peak.total / mib:,.1f} MiB and {100 * self.margin_of(s):.2f}% for the estimate's "
-                "error); raise the budget to that, add "
+                "error"
+                + (f", {self.slack / mib:,.0f} MiB for the allocator's unsplit blocks" if self.slack else "")
+                + "); raise the budget to that, add "
                 "ranks (shards and optimizer state shrink with the world size) or use a smaller batch.",
                 self.margin_line(),
             ]
