@@ -32,8 +32,9 @@ run's prediction and allocator peak on the same generator's draws run at world s
 with and without CPU offload); a candidate on NCCL keeps free :data:`CUDA_SLACK` bytes and the
 larger of the gloo margin and the least share that, with them, holds every run
 (:data:`CUDA_MARGIN`). Never measured there: NCCL at two or more ranks (a one-GPU machine allows
-no more), whose buffers the estimate bounds rather than replays, and models above 90 MiB, where
-the allocator's overhead as a share of the peak is not known.
+no more), whose buffers the estimate bounds rather than replays. Beyond the sweeps' 1-90 MiB models,
+four GPT-2 124M- and 350M-shaped runs of 4-11 GiB (``tools/cuda_large_models.py``, BENCHMARKS.md)
+peaked 0.1-4 MiB above their live bytes at the allocator, within the slack and the share.
 """
 
 from __future__ import annotations
