@@ -278,3 +278,90 @@ def test_a_planned_candidates_estimate_is_rank_zeros_third_step(
     assert not estimate.bound
     assert abs(estimate.total - measured) <= 64, (candidate.describe(), estimate, measured, moment)
     assert estimate.moment == moment, (estimate.moment, moment)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+class _FrozenNet(torch.nn.Module):
+    """An input layer, three blocks (the units) and a head; ``frozen`` blocks, and the input
+    layer with ``frozen_input``, have ``requires_grad=False``."""
+
+    def __init__(self, frozen: tuple[int, ...], frozen_input: bool, d: int = 128) -> None:
+        super().__init__()
+        self.inp, self.out = torch.nn.Linear(16, d), torch.nn.Linear(d, 10)
+        self.blocks = torch.nn.ModuleList(_Block(d) for _ in range(3))
+        for i in frozen:
+            self.blocks[i].requires_grad_(False)
+        self.inp.requires_grad_(not frozen_input)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("frozen", "frozen_input"),
+    [
+        # blocks.0's output needs no gradient: it never runs backward, but blocks.1's pre-backward
+        # prefetches it, and it stays gathered (its all-gather scratch too) to the end of backward
+        ((0,), True),
+        # blocks.0 and blocks.1 run backward with no gradient of their own: no post-backward
+        # reshards them; they stay gathered to the end of backward, and finish no reduction
+        ((0, 1), False),
+    ],
+)
+def test_units_with_every_parameter_frozen_in_the_wrapper_in_bf16(
+    fake_world, frozen: tuple[int, ...], frozen_input: bool
+) -> None:
+    """A unit whose parameters are all frozen has no gradient hook, so the engine never runs its
+    post-backward: the replay neither reshards it nor finishes the last reduction there. Rank 0
+    of 2, the FSDP1 wrapper, bf16: the estimate was 0.92 MiB (d=256) under the measured peak."""
+    import functools
+    import types
+
+    import torch.nn.functional as F
+
+    from fullshard.frontend.wrap import lambda_auto_wrap_policy
+    from fullshard.jobs.train import fsdp_options
+    from fullshard.plan.peak import estimate_peak
+    from fullshard.plan.tracker import LiveTensorBytes
+
+    def make() -> torch.nn.Module:
+        return _FrozenNet(frozen, frozen_input)
+
+    def example() -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.zeros(32, 16), torch.zeros(32, dtype=torch.long)
+
+    def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return F.cross_entropy(model(batch[0]).float(), batch[1])
+
+    def is_unit(m: torch.nn.Module) -> bool:
+        return isinstance(m, _Block)
+
+    estimate = estimate_peak(make, example, loss_fn, is_unit, 2, param_dtype=torch.bfloat16, front_end="wrapper")
+    fake_world(2)
+    opts = types.SimpleNamespace(
+        sharding_strategy="full_shard", mixed_precision="bf16", cpu_offload=False, backward_prefetch="pre",
+        forward_prefetch=False, api="fsdp1",
+    )  # fmt: skip
+    with LiveTensorBytes() as live:
+        torch.manual_seed(0)
+        model = fsdp_options.shard_model(make(), opts, functools.partial(lambda_auto_wrap_policy, lambda_fn=is_unit))
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, fused=True)
+        for _ in range(3):
+            x, y = example()
+            live.reset_peak()
+            loss_fn(model, (x.normal_(), y.random_(0, 10))).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    assert 0 <= estimate.total - live.peak <= 2048, (estimate, live.peak)

@@ -43,10 +43,16 @@ prefetch):
   one eighth of a shard while in flight), which goes back to the pool at its next gather. At
   one rank (and under NO_SHARD) the packed gradient is the gradient: it is never given back;
   cast to the parameter dtype, it is freed once the cast copy is made;
+- a unit with no trainable parameter has no gradient hook, so no post-backward: it stays
+  gathered from its pre-backward (or a prefetch of it, for a unit that never runs backward,
+  scratch included) to the end of backward, and finishes no reduction; a unit with some frozen
+  parameters keeps its full parameters until its post-backward (``reshard_for_packing`` skips
+  it: the frozen ones' users may still run);
 - after a unit's post-backward, when no unit still to run backward will gather (only the
-  root is left, gathered since forward), the pool frees the buffers of sizes only the units
-  already done use: they would sit idle through the root's backward, where a model with large
-  embeddings peaks;
+  root is left, gathered since forward; a prefetch not yet waited on still counts as a gather
+  to come, its unit SHARDED in the engine until then), the pool frees the buffers of sizes
+  only the units already done use: they would sit idle through the root's backward, where a
+  model with large embeddings peaks;
 - end of backward: every reduction finished, every unit resharded.
 
 The pool keeps at most two buffers of each (numel, dtype), counting a packed gradient lent to
@@ -161,6 +167,7 @@ class _Replay:
     def start(self, order: list[str]) -> None:
         self.order = order
         self.gathered: set[str] = set()
+        self.pending: set[str] = set()  # gathers started and not yet waited on (prefetches)
         self.scratch_held: dict[str, list[Key]] = {}
         self.packed: set[str] = set()
         self.grads = 0  # gradient bytes outside the pool: shards' buffers, cast copies
@@ -182,6 +189,7 @@ class _Replay:
                 self.wait(name)
             return
         self.gathered.add(name)
+        self.pending.add(name)
         self.reclaim(name)
         self.pool.acquire(self.key(u.full, u.compute))
         keys = [self.key(s, u.compute) for s in u.scratch]
@@ -193,6 +201,7 @@ class _Replay:
             self.wait(name)
 
     def wait(self, name: str) -> None:
+        self.pending.discard(name)
         for k in self.scratch_held.pop(name, []):
             self.pool.release(k)
 
@@ -214,10 +223,10 @@ class _Replay:
         """``name``'s last gradient came (``grads``: produced per unit): reshard, pack (observed
         with the per-parameter gradients), finish the last reduction, launch this one."""
         u = self.units[name]
-        if name in self.packed:
-            return
+        if name in self.packed or not u.packed:
+            return  # no trainable parameter: no gradient hook, no post-backward (gathered until the end)
         i = self.now[0]
-        if name not in self.recomputed:
+        if name not in self.recomputed:  # frozen parameters share the buffer: kept
             self.reshard(name)
         self.reclaim(name)
         packed = self.key(u.packed, u.compute)
@@ -253,8 +262,10 @@ class _Replay:
         only units already done use (``hooks._drop_buffers_done_with``)."""
         i = self.order.index(name)
         rest, done = self.order[:i], self.order[i:]
-        if not rest or any(self.units[n].full and n not in self.gathered and n not in self.packed for n in rest):
-            return
+        if not rest or any(
+            self.units[n].full and (n not in self.gathered or n in self.pending) and n not in self.packed for n in rest
+        ):
+            return  # a gather still to come (a prefetch not yet waited on counts: the engine's unit is SHARDED)
         needed = {k for n in rest for k in self.sizes(n)}
         for k in {k for n in done for k in self.sizes(n)} - needed:
             self.pool.kept.pop(k, None)
