@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -11,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dist import run_ranks
 
 BIN = Path(sys.executable).parent
 
@@ -253,19 +256,38 @@ def test_global_batch_resumes_at_another_world_size_on_fully_shard(
             assert a[key] == pytest.approx(b[key], rel=1e-4), (a["step"], key, a[key], b[key])
 
 
+def gpt_body(rank: int, world: int, argv: list[str]) -> tuple[dict | None, str]:
+    """The job's ranks in kept test ranks (no launcher, as each rank of ``fullshard train gpt
+    --nproc WORLD ARGV`` runs it): rank 0's final record (None elsewhere) and what the rank printed.
+    A kept rank resets fullshard's process-wide state after each call (the rounding generators
+    among it), so each call starts as a new process would."""
+    from fullshard.jobs.train import gpt
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        record = gpt._run(gpt.parse_args(["--nproc", str(world), *argv]), torch.device("cpu"))
+    return record, out.getvalue()
+
+
+def _in_process(argv: list[str]) -> tuple[dict, str]:
+    """``fullshard train gpt --nproc 2 ARGV``'s ranks in kept test ranks: rank 0's final record and output."""
+    return run_ranks(gpt_body, 2, argv, timeout=280)[0]
+
+
 @pytest.mark.timeout(300)
 def test_int8_gradients_resume_exactly(tmp_path: Path) -> None:
     """``--comm-quant int8`` rounds gradients stochastically from a generator per rank: its state
     goes into the checkpoint with torch's, so a run resumed at step 2 ends bitwise equal to the
-    uninterrupted one (it differed in 31 tensors when each new process reseeded it)."""
-    job = ["--nproc", "2", "--steps", "4", "--seq-len", "32", "--batch-size", "2", "--eval-batches", "1"]
+    uninterrupted one (it differed in 31 tensors when each new process reseeded it). Both runs
+    in kept test ranks, each starting with fresh generators (see :func:`gpt_body`)."""
+    job = ["--steps", "4", "--seq-len", "32", "--batch-size", "2", "--eval-batches", "1"]
     job += ["--log-interval", "1", "--checkpoint-every", "2", "--comm-quant", "int8", "--peak-tflops", "1"]
-    _run([*job, "--checkpoint-dir", str(tmp_path / "a"), "--save-model", str(tmp_path / "a.pt")], tmp_path, 280)
+    _in_process([*job, "--checkpoint-dir", str(tmp_path / "a"), "--save-model", str(tmp_path / "a.pt")])
     (tmp_path / "b").mkdir()
     shutil.copytree(tmp_path / "a" / "step_00000002", tmp_path / "b" / "step_00000002")
     b_pt = tmp_path / "out" / "b.pt"  # --save-model makes its missing folders
-    r = _run([*job, "--checkpoint-dir", str(tmp_path / "b"), "--save-model", str(b_pt)], tmp_path, 280)
-    assert "at step 2" in r.stdout, r.stdout[-2000:]
+    _, out = _in_process([*job, "--checkpoint-dir", str(tmp_path / "b"), "--save-model", str(b_pt)])
+    assert "at step 2" in out, out[-2000:]
     a, b = torch.load(tmp_path / "a.pt"), torch.load(b_pt)
     assert a.keys() == b.keys()
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
@@ -275,18 +297,22 @@ def test_int8_gradients_resume_exactly(tmp_path: Path) -> None:
 def test_a_finished_run_started_again_says_so(tmp_path: Path) -> None:
     """Started again on its own checkpoint at ``--steps``, the job trains nothing and says so,
     with the final validation loss (it printed nothing and left an empty metrics file); a
-    ``--steps`` below the checkpoint's step is refused, naming --steps."""
-    job = ["--nproc", "2", "--seq-len", "32", "--batch-size", "2", "--eval-batches", "1", "--peak-tflops", "1"]
+    ``--steps`` below the checkpoint's step is refused, naming --steps. The first two runs in
+    kept test ranks (their final record is what ``fullshard train gpt`` prints as its final
+    validation loss); the refused one through the command."""
+    job = ["--seq-len", "32", "--batch-size", "2", "--eval-batches", "1", "--peak-tflops", "1"]
     job += ["--checkpoint-every", "2", "--checkpoint-dir", str(tmp_path / "ckpt")]
-    first = _run([*job, "--steps", "2"], tmp_path, 280)
-    loss = first.stdout.split("final validation loss ")[1].split()[0]
-    again = _run([*job, "--steps", "2", "--metrics-file", str(tmp_path / "m.jsonl")], tmp_path, 280)
-    assert "the checkpoint is at --steps 2 already: nothing to train" in again.stdout, again.stdout[-2000:]
-    assert f"final validation loss {loss} nats/byte after 2 steps" in again.stdout, again.stdout[-2000:]
+    first, _ = _in_process([*job, "--steps", "2"])
+    again, out = _in_process([*job, "--steps", "2", "--metrics-file", str(tmp_path / "m.jsonl")])
+    assert "the checkpoint is at --steps 2 already: nothing to train" in out, out[-2000:]
+    assert again == {"step": 2, "val_loss": first["val_loss"]}, (again, first)
     assert not (tmp_path / "m.jsonl").exists()
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
     below = subprocess.run(
-        [str(BIN / "fullshard"), "train", "gpt", *job, "--steps", "1"], capture_output=True, text=True, env=env
+        [str(BIN / "fullshard"), "train", "gpt", "--nproc", "2", *job, "--steps", "1"],
+        capture_output=True,
+        text=True,
+        env=env,
     )
     assert below.returncode == 1, below.stdout[-2000:] + below.stderr[-2000:]
     assert "ValueError: --steps 1 is below the step of the checkpoint resumed from, 2" in below.stderr, below.stderr
