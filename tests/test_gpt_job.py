@@ -241,12 +241,9 @@ def test_global_batch_resumes_at_another_world_size_on_fully_shard(
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     shutil.copytree(run_dir / "ckpt" / "step_00000003", ckpt / "step_00000003")
-    r = _run(
-        [*_FSDP2_JOB, "--nproc", "1", "--checkpoint-dir", str(ckpt), "--metrics-file", str(tmp_path / "one.jsonl")],
-        tmp_path,
-        280,
-    )
-    assert "(4 micro-batch(es) of 2 per rank)" in r.stdout and "step_00000003 at step 3" in r.stdout, r.stdout[-2000:]
+    argv = [*_FSDP2_JOB, "--checkpoint-dir", str(ckpt), "--metrics-file", str(tmp_path / "one.jsonl")]
+    ((_, out),) = run_ranks(gpt_body, 1, argv, timeout=280)  # the 1-rank run in a kept test rank
+    assert "(4 micro-batch(es) of 2 per rank)" in out and "step_00000003 at step 3" in out, out[-2000:]
     two = [json.loads(line) for line in (run_dir / "two.jsonl").read_text().splitlines()]
     one = [json.loads(line) for line in (tmp_path / "one.jsonl").read_text().splitlines()]
     assert [rec["step"] for rec in one] == [4, 5, 6] and [rec["world_size"] for rec in one] == [1] * 3
