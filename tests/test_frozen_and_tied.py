@@ -139,3 +139,89 @@ def tied_body(rank: int, world: int) -> list[str]:
 @pytest.mark.parametrize("world", [1, 2])
 def test_tied_parameters_across_units(world: int) -> None:
     assert run_ranks(tied_body, world, timeout=180)[0] == ["tied"]
+
+
+class FrozenMiddle(nn.Module):
+    """A trainable input layer, four blocks of which the first three are frozen (the lower
+    layers of a fine-tuned model), a trainable head: the frozen blocks run backward for their
+    inputs' gradients alone. The second block runs twice per forward (a shared layer, as
+    ALBERT's)."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(5, d), nn.Linear(d, 3)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(d, d), nn.Tanh()) for _ in range(4))
+        for b in self.blocks[:3]:
+            b.requires_grad_(False)
+
+    def forward(self, x):
+        x = self.inp(x)
+        if torch.is_grad_enabled() and x.requires_grad:
+            x.register_hook(self.seen)  # runs once every block's backward is done
+        for i in (0, 1, 1, 2, 3):
+            x = self.blocks[i](x)
+        return self.out(x)
+
+    def seen(self, grad: torch.Tensor) -> None:
+        self.states_at_input_grad = [str(fsdp_unit_state(b)) for b in self.blocks]
+
+
+def fsdp_unit_state(block: nn.Module) -> object:
+    from fullshard.engine.hooks import fsdp_state
+
+    wrapped = getattr(block, "_fsdp_wrapped_module", None)  # the FSDP1 wrapper's inner module
+    state = fsdp_state(block) or (fsdp_state(wrapped) if wrapped is not None else None)
+    return state.unit.shard_state if state is not None else None
+
+
+def frozen_middle_body(rank: int, world: int, api: str, strategy: str) -> list[str]:
+    from fullshard import FSDP, ShardingStrategy, fully_shard
+    from fullshard.frontend.wrap import ModuleWrapPolicy
+
+    torch.manual_seed(0)
+    ref = FrozenMiddle()
+    model = copy.deepcopy(ref)
+    if api == "fsdp1":
+        wrapper = FSDP(
+            model, auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}), sharding_strategy=ShardingStrategy[strategy]
+        )
+        blocks: list[nn.Module] = list(wrapper.module.blocks)
+    else:
+        for b in model.blocks:
+            fully_shard(b, reshard_after_forward=strategy == "FULL_SHARD")
+        wrapper = fully_shard(model)
+        blocks = list(model.blocks)
+    inner = wrapper.module if api == "fsdp1" else model
+    opt = torch.optim.AdamW([p for p in wrapper.parameters() if p.requires_grad], lr=1e-2)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        x, y = torch.randn(8, 5, generator=g), torch.randn(8, 3, generator=g)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(wrapper(local(x, rank, world)), local(y, rank, world)).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+        # the frozen blocks resharded once their backward was done (before the input layer's
+        # gradient), as torch's FSDP does; before, they stayed gathered to the end of backward
+        sharded = str(fsdp_unit_state(blocks[3]))
+        assert inner.states_at_input_grad == [sharded] * 4, (inner.states_at_input_grad, sharded)
+    full = _full_state(wrapper, api)
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+    return ["frozen middle"]
+
+
+def _full_state(model: nn.Module, api: str) -> dict[str, torch.Tensor]:
+    if api == "fsdp1":
+        return model.state_dict()
+    return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    ("api", "strategy"), [("fsdp1", "FULL_SHARD"), ("fsdp1", "SHARD_GRAD_OP"), ("fsdp2", "FULL_SHARD")]
+)
+def test_frozen_units_reshard_after_their_backward(api: str, strategy: str) -> None:
+    assert run_ranks(frozen_middle_body, 2, api, strategy, timeout=180)[0] == ["frozen middle"]

@@ -54,6 +54,9 @@ class RootState:
     # During a root forward without grad: the reshard_after_forward=False units it left gathered
     # (a second call in the same forward gathers nothing), resharded when that forward ends.
     held_without_grad: list[Unit] | None = None
+    # Per unit with no trainable parameter (by id): the forward calls of this step whose inputs
+    # were hooked by hook_frozen_inputs and whose backward has not reached those inputs yet.
+    frozen_pending: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -169,7 +172,7 @@ def _mark_sole_sizes(units: list[Unit]) -> None:
         u.grads.in_place = u.grad_numel == u.shard_numel > 0 and sizes[own[0]] == 1 and own.count(own[0]) == 2
 
 
-def _neighbour(order: list[Unit], unit: Unit, step: int) -> Unit | None:
+def neighbour(order: list[Unit], unit: Unit, step: int) -> Unit | None:
     """The unit ``step`` places from ``unit`` in ``order``, if any."""
     try:
         i = order.index(unit)
@@ -179,7 +182,7 @@ def _neighbour(order: list[Unit], unit: Unit, step: int) -> Unit | None:
     return order[j] if 0 <= j < len(order) else None
 
 
-def _prefetch(unit: Unit | None) -> None:
+def prefetch(unit: Unit | None) -> None:
     if unit is not None and unit.shard_state is ShardState.SHARDED:
         with flight_recorder.at(phase="backward prefetch" if _in_backward() else "forward prefetch"):
             unit.unshard(async_op=True)
@@ -278,9 +281,9 @@ def pre_forward(state: FSDPState) -> None:
     if unit.training_state is TrainingState.FORWARD:  # not in recomputation
         if state.prefetch_in_forward is not None:
             for other in state.prefetch_in_forward:
-                _prefetch(other)
+                prefetch(other)
         elif root.forward_prefetch:
-            _prefetch(_neighbour(root.last_forward_order, unit, +1))
+            prefetch(neighbour(root.last_forward_order, unit, +1))
 
 
 def post_forward(state: FSDPState, output: Any) -> Any:
@@ -405,13 +408,13 @@ def _pre_backward(state: FSDPState, grad: torch.Tensor) -> torch.Tensor:
     unit.install_full_params(for_recompute=True)  # activation checkpointing may recompute forward on them
     if state.prefetch_in_backward is not None:
         for other in state.prefetch_in_backward:
-            _prefetch(other)
+            prefetch(other)
     elif root.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
-        _prefetch(_neighbour(root.forward_order, unit, -1))
+        prefetch(neighbour(root.forward_order, unit, -1))
     return grad
 
 
-def _drop_buffers_done_with(unit: Unit, root: RootState) -> None:
+def drop_buffers_done_with(unit: Unit, root: RootState) -> None:
     """After ``unit`` resharded in backward: when no unit still to run backward will gather
     (typically only the root is left, gathered since forward), free the pooled buffers of the
     sizes only units already done use (their full parameters, packed gradients, scratch).
@@ -446,11 +449,11 @@ def post_backward(unit: Unit, root: RootState) -> None:
         unit.grads.hold_unsynced()
     if unit.reshard_after_backward:
         unit.reshard()
-        _drop_buffers_done_with(unit, root)
+        drop_buffers_done_with(unit, root)
     exposed_comm.close_range(unit.backward_range)
     unit.backward_range = None
     if root.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
-        _prefetch(_neighbour(root.forward_order, unit, -1))
+        prefetch(neighbour(root.forward_order, unit, -1))
 
 
 @outside_dynamo
@@ -473,3 +476,4 @@ def finish_backward(root: RootState) -> None:
     root.kept = None
     root.callback_queued = False
     root.pre_backward_done.clear()
+    root.frozen_pending.clear()

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from fullshard.comm import collectives
-from fullshard.engine import build, dynamo_guard, hooks
+from fullshard.engine import build, dynamo_guard, frozen_backward, hooks
 from fullshard.engine.config import (
     BackwardPrefetch,
     CommQuantization,
@@ -299,7 +299,7 @@ def _pre_forward(wrapper: FullyShardedDataParallel, args: tuple, kwargs: dict) -
     wrapper._lazy_init()
     args, kwargs = hooks.prepare_inputs(wrapper._unit_state, (args, kwargs))
     hooks.pre_forward(wrapper._unit_state)
-    return args, kwargs
+    return frozen_backward.hook_frozen_inputs(wrapper._unit_state, (args, kwargs))
 
 
 @dynamo_guard.outside_dynamo

@@ -38,7 +38,7 @@ from torch import nn
 from fullshard import compat
 from fullshard.comm import collectives
 from fullshard.compat import tree_map
-from fullshard.engine import all_gather_extension, build, dynamo_guard, hooks
+from fullshard.engine import all_gather_extension, build, dynamo_guard, frozen_backward, hooks
 from fullshard.engine.config import BackwardPrefetch, CommQuantization, FrontEnd, MixedPrecision, ShardingStrategy
 from fullshard.engine.groups import resolve_groups
 from fullshard.engine.shard_sync import register_dtensors
@@ -330,7 +330,7 @@ def _register_forward_hooks(
             to_run.update(ids)
         if state.unit.training_state is not TrainingState.FORWARD:
             hooks.pre_forward(state)
-        return args, kwargs
+        return frozen_backward.hook_frozen_inputs(state, (args, kwargs))
 
     def post(module: nn.Module, args: tuple, output: Any) -> Any:
         if recomputing():

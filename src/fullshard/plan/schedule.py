@@ -43,9 +43,11 @@ prefetch):
   one eighth of a shard while in flight), which goes back to the pool at its next gather. At
   one rank (and under NO_SHARD) the packed gradient is the gradient: it is never given back;
   cast to the parameter dtype, it is freed once the cast copy is made;
-- a unit with no trainable parameter has no gradient hook, so no post-backward: it stays
-  gathered from its pre-backward (or a prefetch of it, for a unit that never runs backward,
-  scratch included) to the end of backward, and finishes no reduction; a unit with some frozen
+- a unit with no trainable parameter has no gradient hook; an identity on its forward inputs
+  stands in for its post-backward: when backward leaves it for the last time (the next unit's
+  backward starts), it reshards, before that unit gathers, and finishes no reduction; one that
+  never runs backward (its output needs no gradient) but was prefetched stays gathered, scratch
+  included, to the end of backward; a unit with some frozen
   parameters keeps its full parameters until its post-backward (``reshard_for_packing`` skips
   it: the frozen ones' users may still run);
 - after a unit's post-backward, when no unit still to run backward will gather (only the
@@ -224,7 +226,7 @@ class _Replay:
         with the per-parameter gradients), finish the last reduction, launch this one."""
         u = self.units[name]
         if name in self.packed or not u.packed:
-            return  # no trainable parameter: no gradient hook, no post-backward (gathered until the end)
+            return  # no trainable parameter: nothing to pack (frozen_done reshards it after its backward)
         i = self.now[0]
         if name not in self.recomputed:  # frozen parameters share the buffer: kept
             self.reshard(name)
@@ -253,13 +255,22 @@ class _Replay:
         self.reshard(name)  # post-backward (a recomputed unit's only now, see the module docstring)
         self.drop_done_with(name)
 
+    def frozen_done(self, name: str) -> None:
+        """``name``, a unit with no trainable parameter, finished its backward (the identity on
+        its inputs ran, ``hooks.hook_frozen_inputs``): it reshards, nothing to reduce."""
+        if self.units[name].packed or name in self.packed:
+            return
+        self.packed.add(name)
+        self.reshard(name)
+        self.drop_done_with(name)
+
     def sizes(self, name: str) -> set[Key]:
         u = self.units[name]
         return {self.key(n, u.compute) for n in (u.full, u.packed, *u.scratch)}
 
     def drop_done_with(self, name: str) -> None:
         """When no unit still to run backward will gather, the pool frees the buffers of sizes
-        only units already done use (``hooks._drop_buffers_done_with``)."""
+        only units already done use (``hooks.drop_buffers_done_with``)."""
         i = self.order.index(name)
         rest, done = self.order[:i], self.order[i:]
         if not rest or any(
@@ -403,6 +414,7 @@ def _step(
     in forward ``order`` (the root first)."""
     idx = r.index
     prev: tuple[str | None, str | None] = (None, None)  # phase, block
+    last_backward = {r.unit_of.get(block, block): i for i, (_, _, back, block) in enumerate(samples) if back}
     r.at(0, 0, ("forward", ROOT))
     r.gather(ROOT, wait=True)
     for i, (_, grads, back, block) in enumerate(samples):
@@ -422,6 +434,9 @@ def _step(
             r.at(before, r.unpacked(samples[before][1]) if back else 0, (phase, name))
             if prev[0] == "forward" and prev[1] not in (None, ROOT):
                 r.post_forward(prev[1])
+            left = r.unit_of.get(prev[1], prev[1]) if back and prev[0] == "backward" and prev[1] else None
+            if left is not None and left not in (name, ROOT) and last_backward.get(left, i) < i:
+                r.frozen_done(left)  # its backward reached its inputs: it reshards before this unit gathers
             if name != ROOT and name not in r.packed:
                 r.gather(name, wait=True)
                 k = order.index(name)
