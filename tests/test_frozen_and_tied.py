@@ -225,3 +225,58 @@ def _full_state(model: nn.Module, api: str) -> dict[str, torch.Tensor]:
 )
 def test_frozen_units_reshard_after_their_backward(api: str, strategy: str) -> None:
     assert run_ranks(frozen_middle_body, 2, api, strategy, timeout=180)[0] == ["frozen middle"]
+
+
+class FrozenBottom(nn.Module):
+    """A frozen input layer and two frozen blocks under two trainable ones: the frozen blocks'
+    outputs need no gradient, so they never run backward (a frozen vision tower, or lower
+    layers under a frozen embedding)."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(5, d), nn.Linear(d, 3)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(d, d), nn.Tanh()) for _ in range(4))
+        for m in (self.inp, self.blocks[0], self.blocks[1]):
+            m.requires_grad_(False)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
+def frozen_bottom_body(rank: int, world: int) -> list[str]:
+    from fullshard import FSDP
+    from fullshard.frontend.wrap import ModuleWrapPolicy
+
+    torch.manual_seed(0)
+    ref = FrozenBottom()
+    model = FSDP(copy.deepcopy(ref), auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    g = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        x, y = torch.randn(8, 5, generator=g), torch.randn(8, 3, generator=g)
+        with probes.enabled(events=True) as p:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(local(x, rank, world)), local(y, rank, world)).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+        gathers = [name for event, name in p.events or [] if event == "unshard"]
+        # the frozen blocks are gathered for forward only: backward never reaches them, so the
+        # trainable block above them prefetches none (before, blocks.1 was gathered again and
+        # held to the end of backward); blocks.2 gathers again for backward
+        counts = {f"blocks.{i}": gathers.count(f"blocks.{i}") for i in range(3)}
+        assert counts == {"blocks.0": 1, "blocks.1": 1, "blocks.2": 2}, (counts, gathers)
+    full = model.state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+    return ["frozen bottom"]
+
+
+@pytest.mark.timeout(200)
+def test_units_that_never_run_backward_are_not_prefetched_for_it() -> None:
+    assert run_ranks(frozen_bottom_body, 2, timeout=180)[0] == ["frozen bottom"]

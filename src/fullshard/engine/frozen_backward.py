@@ -79,4 +79,4 @@ def _frozen_post_backward(state: FSDPState) -> None:
     exposed_comm.close_range(unit.backward_range)
     unit.backward_range = None
     if root.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
-        hooks.prefetch(hooks.neighbour(root.forward_order, unit, -1))
+        hooks.prefetch(hooks.backward_neighbour(root, unit))

@@ -57,6 +57,9 @@ class RootState:
     # Per unit with no trainable parameter (by id): the forward calls of this step whose inputs
     # were hooked by hook_frozen_inputs and whose backward has not reached those inputs yet.
     frozen_pending: dict[int, int] = dataclasses.field(default_factory=dict)
+    # The units (by id) whose forward this step gave an output that requires grad: only these
+    # run backward, so only these are worth a backward prefetch (backward_neighbour).
+    backward_units: set[int] = dataclasses.field(default_factory=set)
 
 
 @dataclasses.dataclass
@@ -180,6 +183,18 @@ def neighbour(order: list[Unit], unit: Unit, step: int) -> Unit | None:
         return None
     j = i + step
     return order[j] if 0 <= j < len(order) else None
+
+
+def backward_neighbour(root: RootState, unit: Unit) -> Unit | None:
+    """The unit backward reaches after ``unit``: the nearest before it in this step's forward
+    order whose output required grad. A unit whose output needed no gradient (frozen lower
+    layers under a frozen embedding, a frozen vision tower) never runs backward: prefetching it
+    would gather it for nothing and hold it to the end of backward."""
+    try:
+        i = root.forward_order.index(unit)
+    except ValueError:
+        return None
+    return next((u for u in reversed(root.forward_order[:i]) if id(u) in root.backward_units), None)
 
 
 def prefetch(unit: Unit | None) -> None:
@@ -384,6 +399,8 @@ def register_pre_backward(state: FSDPState, output: Any) -> Any:
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.requires_grad:
             t.register_hook(functools.partial(_pre_backward, state))
+            if state.root is not None:
+                state.root.backward_units.add(id(state.unit))
     return output
 
 
@@ -410,7 +427,7 @@ def _pre_backward(state: FSDPState, grad: torch.Tensor) -> torch.Tensor:
         for other in state.prefetch_in_backward:
             prefetch(other)
     elif root.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
-        prefetch(neighbour(root.forward_order, unit, -1))
+        prefetch(backward_neighbour(root, unit))
     return grad
 
 
@@ -453,7 +470,7 @@ def post_backward(unit: Unit, root: RootState) -> None:
     exposed_comm.close_range(unit.backward_range)
     unit.backward_range = None
     if root.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
-        prefetch(neighbour(root.forward_order, unit, -1))
+        prefetch(backward_neighbour(root, unit))
 
 
 @outside_dynamo
@@ -477,3 +494,4 @@ def finish_backward(root: RootState) -> None:
     root.callback_queued = False
     root.pre_backward_done.clear()
     root.frozen_pending.clear()
+    root.backward_units.clear()

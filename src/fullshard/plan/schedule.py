@@ -27,7 +27,8 @@ prefetch):
   NO_SHARD keep them, and so do the units ``kept`` names (the planner's last units kept
   gathered) and, for the wrapper (``keep_last``), the last unit of forward;
 - pre-backward (a unit's backward starts): it gathers again if it had resharded, and starts the
-  gather of the unit before it in forward order (its scratch held until that unit waits on it);
+  gather of the nearest unit before it in forward order that runs backward (its scratch held
+  until that unit waits on it; a unit whose output needs no gradient is never prefetched);
 - the last gradient of a unit: its full parameters go back to the pool and the packed gradient
   (``world x S_t`` elements, compute dtype) is taken from it while the per-parameter gradients
   still exist (a unit that activation checkpointing recomputes keeps its full parameters until
@@ -46,8 +47,7 @@ prefetch):
 - a unit with no trainable parameter has no gradient hook; an identity on its forward inputs
   stands in for its post-backward: when backward leaves it for the last time (the next unit's
   backward starts), it reshards, before that unit gathers, and finishes no reduction; one that
-  never runs backward (its output needs no gradient) but was prefetched stays gathered, scratch
-  included, to the end of backward; a unit with some frozen
+  never runs backward (its output needs no gradient) is not gathered in backward; a unit with some frozen
   parameters keeps its full parameters until its post-backward (``reshard_for_packing`` skips
   it: the frozen ones' users may still run);
 - after a unit's post-backward, when no unit still to run backward will gather (only the
@@ -415,6 +415,7 @@ def _step(
     idx = r.index
     prev: tuple[str | None, str | None] = (None, None)  # phase, block
     last_backward = {r.unit_of.get(block, block): i for i, (_, _, back, block) in enumerate(samples) if back}
+    runs_backward = set(last_backward) | {u for u in order if grad_totals[idx[u]]}
     r.at(0, 0, ("forward", ROOT))
     r.gather(ROOT, wait=True)
     for i, (_, grads, back, block) in enumerate(samples):
@@ -440,8 +441,11 @@ def _step(
             if name != ROOT and name not in r.packed:
                 r.gather(name, wait=True)
                 k = order.index(name)
-                if back and k > 1 and order[k - 1] not in r.packed:  # the unit before it in forward order
-                    r.gather(order[k - 1], wait=False)
+                # the nearest unit before it in forward order that runs backward (one whose
+                # output needs no gradient is never prefetched: hooks.backward_neighbour)
+                before_it = next((u for u in reversed(order[1:k]) if u in runs_backward), None) if back else None
+                if before_it is not None and before_it not in r.packed:
+                    r.gather(before_it, wait=False)
                 elif not back and r.forward_prefetch and k + 1 < len(order):
                     r.gather(order[k + 1], wait=False)
             prev = (phase, block)
