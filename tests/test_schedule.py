@@ -112,6 +112,28 @@ def test_the_estimate_is_rank_zeros_third_step(
     assert estimate.moment == moment, (estimate.moment, moment)
 
 
+# Four blocks as wide as the sweep's 8-block GPT that was 260,608 bytes under in bf16.
+WIDE_D = Shape(4, heads=8, kv_heads=8, head_dim=64, ffn=2048, vocab=1000, tied=True)
+
+
+@pytest.mark.timeout(120)
+def test_a_units_gradients_arrive_when_autograd_reaches_its_full_parameters_node(fake_world) -> None:
+    """A unit's gradients reach the engine together, when autograd runs the node that made its
+    full parameters (in its pre-forward: a low sequence number), after the rest of the unit's
+    ready backward. In bf16 the first block's first RMSNorm still holds its float32 input at
+    the last weight gradient, and frees it before that node runs. The trace took the gradients
+    as each landed: 260,608 bytes under (that 2 x 64 x 512 float32 tensor, less 1,536 bytes of
+    the norm's own backward)."""
+    from fullshard.jobs.planning.sweep_bench import measure_rank, predict
+
+    c = sweep.Config(0, 0, "gpt", WIDE_D, 2, 64, "full_shard", "none", "bf16", 2, "fsdp1")
+    estimate = predict(c)
+    fake_world(2)
+    measured, moment, _ = measure_rank(c, torch.device("cpu"))
+    assert 0 <= estimate.total - measured <= 64, (estimate, measured, moment)
+    assert estimate.moment == moment == "backward of blocks.0", (estimate.moment, moment)
+
+
 def test_gather_pieces_split_at_large_parameters_on_gloo_only() -> None:
     from fullshard.engine.layout import gather_pieces
 

@@ -162,7 +162,7 @@ def estimate_peak(
     cast = front_end == "wrapper"  # the wrapper casts buffers to buffer_dtype, fully_shard leaves them
     step = trace_step(
         make_model, example, loss_fn, mp, checkpoint, device_type(backend), is_unit,
-        checkpoint_context=checkpoint_context, cast_buffers=cast,
+        checkpoint_context=checkpoint_context, cast_buffers=cast, engine_gradients=True,
     )  # fmt: skip
     keep = [u.name for u in units] if strategy == "shard_grad_op" else []
     return replayed_peak(

@@ -290,7 +290,7 @@ def _score_all(
                 plain = make()
             cast = c.no_shard or not differs
             trace = (make, example, loss_fn, param_dtype, _is_tagged, device_type(backend), is_unit)
-            traced[key] = (plain, trace_step(*trace, cast_buffers=cast))
+            traced[key] = (plain, trace_step(*trace, cast_buffers=cast, engine_gradients=True))
         plain, step = traced[key]
         peak = _replayed(c, plain, is_unit, step, state[c.no_shard, c.offload], world, param_dtype, backend)
         step_time = predict_step(
@@ -333,7 +333,7 @@ def predict_peak(
     with torch.device("meta"):
         plain = make()
     trace = (make, example, loss_fn, param_dtype, _is_tagged, device_type(backend), is_unit)
-    step = trace_step(*trace, cast_buffers=c.no_shard)
+    step = trace_step(*trace, cast_buffers=c.no_shard, engine_gradients=True)
     state = estimate_model_state(
         plain,
         is_unit,

@@ -5,6 +5,9 @@ under :class:`~fullshard.plan.tracker.LiveTensorBytes` and records, at every all
 bytes alive, the gradient bytes each FSDP unit's parameters have produced, the phase and the
 unit running (:class:`~fullshard.plan.running_unit.RunningUnit`). :mod:`fullshard.plan.peak`
 takes the peak of it, and :mod:`fullshard.plan.schedule` replays the engine's buffers over it.
+For the replay, each unit's parameters reach its forward through one autograd node made in its
+pre-forward, as the engine's full parameters do, so that their gradients land when the engine
+gets them (``engine_gradients``, :func:`_route_gradients`).
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ def trace_step(
     *,
     checkpoint_context: Callable[[], Any] | None = None,
     cast_buffers: bool = True,
+    engine_gradients: bool = False,
 ) -> StepTrace:
     """One forward and backward of the unwrapped model on the meta device, sampled at every
     allocation and once after backward has returned (arguments as
@@ -66,6 +70,10 @@ def trace_step(
     Without it they keep their own dtype and each unit's floating-point inputs are cast to
     ``compute_dtype`` as it starts, as ``fully_shard`` with a ``MixedPrecisionPolicy`` runs:
     an fp32 buffer (a sinusoidal position table) stays fp32 and promotes what it is added to.
+
+    ``engine_gradients``: each unit's gradients land when the engine receives them (all at once,
+    when autograd reaches the node that made its full parameters, :func:`_route_gradients`),
+    as the replay needs; without it, each as autograd computes it, as in the unwrapped model.
 
     Raises:
         MetaValueRead: as :func:`trace_activations`.
@@ -91,6 +99,8 @@ def trace_step(
             owned = owned_params(model, is_unit or (lambda m: False))
             names = [name or "<root>" for name in owned]
             owners.extend(owned.values())
+            if engine_gradients:
+                _route_gradients(model, is_unit, owned)
             if is_unit is not None:
                 running.append(RunningUnit(model, is_unit))
             if checkpoint is not None:
@@ -127,6 +137,60 @@ def _to_compute_dtype(
     for m in model.modules():
         if is_unit is not None and is_unit(m):
             m.register_forward_pre_hook(lambda _, args, kwargs: cast_floats((args, kwargs), dtype), with_kwargs=True)
+
+
+class _UnitGradients(torch.autograd.Function):
+    """A unit's trainable parameters as its forward sees them: views whose gradients reach
+    the parameters together, when autograd runs this node, as the engine's
+    ``_SplitFull`` (made in the unit's pre-forward) receives them and packs them."""
+
+    @staticmethod
+    def forward(ctx: Any, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        ctx.set_materialize_grads(False)  # an unused parameter gets no gradient, not zeros
+        return tuple(p.view_as(p) for p in params)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        return grads
+
+
+Slot = tuple[nn.Module, str, nn.Parameter]  # a module's attribute holding a parameter
+
+
+def _route_gradients(
+    model: nn.Module, is_unit: Callable[[nn.Module], bool] | None, owned: dict[str, list[nn.Parameter]]
+) -> None:
+    """Each unit's (the root's too) trainable parameters, while its forward runs, replaced by
+    :class:`_UnitGradients` views made in its pre-forward, as the engine installs its full
+    parameters. Their gradients then land when autograd reaches that node: after every node
+    of higher sequence number that is ready (the rest of the unit's own backward, an RMSNorm's
+    float32 input among what it still holds), not the moment the last of them is computed.
+    ``owned``: :func:`~fullshard.plan.estimate.owned_params`' of ``is_unit``."""
+    heads = {"": model} | {n: m for n, m in model.named_modules() if n and is_unit is not None and is_unit(m)}
+    owner = {id(p): name for name, ps in owned.items() for p in ps if p.requires_grad}
+    slots: dict[str, list[Slot]] = {name: [] for name in heads}
+    for m in model.modules():
+        for attr, p in compat.module_parameters(m).items():
+            if p is not None and id(p) in owner:
+                slots[owner[id(p)]].append((m, attr, p))
+    for name, head in heads.items():
+        if slots[name]:
+            head.register_forward_pre_hook(lambda _, args, s=slots[name]: _install_views(s))
+            head.register_forward_hook(lambda _, args, out, s=slots[name]: _uninstall_views(s))
+
+
+def _install_views(slots: list[Slot]) -> None:
+    if not torch.is_grad_enabled():
+        return
+    params = list({id(p): p for _, _, p in slots}.values())
+    views = dict(zip(map(id, params), _UnitGradients.apply(*params)))
+    for m, attr, p in slots:
+        compat.module_parameters(m)[attr] = views[id(p)]
+
+
+def _uninstall_views(slots: list[Slot]) -> None:
+    for m, attr, p in slots:
+        compat.module_parameters(m)[attr] = p
 
 
 def _sample_each_gradient(params: list[nn.Parameter], live: LiveTensorBytes) -> None:
