@@ -39,6 +39,13 @@ class LoRANet(nn.Module):
         return self.out(x)
 
 
+def reference_step(ref: nn.Module, ref_opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+    """One step of the unwrapped reference on the whole batch, as the sharded model takes it."""
+    ref_opt.zero_grad()
+    torch.nn.functional.mse_loss(ref(x), y).backward()
+    ref_opt.step()
+
+
 def frozen_body(rank: int, world: int) -> list[str]:
     from fullshard import FSDP, model_state_bytes
     from fullshard.frontend.wrap import ModuleWrapPolicy
@@ -56,9 +63,7 @@ def frozen_body(rank: int, world: int) -> list[str]:
             torch.nn.functional.mse_loss(model(local(x, rank, world)), local(y, rank, world)).backward()
             opt.step()
         log = p.collectives.log or []
-        ref_opt.zero_grad()
-        torch.nn.functional.mse_loss(ref(x), y).backward()
-        ref_opt.step()
+        reference_step(ref, ref_opt, x, y)
     full = model.state_dict()
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
@@ -200,9 +205,7 @@ def frozen_middle_body(rank: int, world: int, api: str, strategy: str) -> list[s
         opt.zero_grad()
         torch.nn.functional.mse_loss(wrapper(local(x, rank, world)), local(y, rank, world)).backward()
         opt.step()
-        ref_opt.zero_grad()
-        torch.nn.functional.mse_loss(ref(x), y).backward()
-        ref_opt.step()
+        reference_step(ref, ref_opt, x, y)
         # the frozen blocks resharded once their backward was done (before the input layer's
         # gradient), as torch's FSDP does; before, they stayed gathered to the end of backward
         sharded = str(fsdp_unit_state(blocks[3]))
@@ -262,9 +265,7 @@ def frozen_bottom_body(rank: int, world: int) -> list[str]:
             opt.zero_grad()
             torch.nn.functional.mse_loss(model(local(x, rank, world)), local(y, rank, world)).backward()
         opt.step()
-        ref_opt.zero_grad()
-        torch.nn.functional.mse_loss(ref(x), y).backward()
-        ref_opt.step()
+        reference_step(ref, ref_opt, x, y)
         gathers = [name for event, name in p.events or [] if event == "unshard"]
         # the frozen blocks are gathered for forward only: backward never reaches them, so the
         # trainable block above them prefetches none (before, blocks.1 was gathered again and
