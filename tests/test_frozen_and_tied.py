@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from dist import run_ranks
+from dist import patched, run_ranks
 from models import local
 from torch import nn
 
@@ -258,12 +258,26 @@ def frozen_bottom_body(rank: int, world: int) -> list[str]:
     model = FSDP(copy.deepcopy(ref), auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    from fullshard.comm import buffers
+
+    pool_type, dropped = type(buffers.POOL), []
+    drop = pool_type.drop
+
+    def recording_drop(pool: object, sizes: set) -> None:
+        dropped.append(set(sizes))
+        drop(pool, sizes)
+
+    block_size = model.module.blocks[2].unit.pooled_sizes()[0]  # the wrapper auto-wrapped it
     g = torch.Generator().manual_seed(4)
     for _ in range(3):
         x, y = torch.randn(8, 5, generator=g), torch.randn(8, 3, generator=g)
-        with probes.enabled(events=True) as p:
+        dropped.clear()
+        with probes.enabled(events=True) as p, patched(pool_type, drop=recording_drop):
             opt.zero_grad()
             torch.nn.functional.mse_loss(model(local(x, rank, world)), local(y, rank, world)).backward()
+        # after blocks.2, the last unit backward reaches, the pool frees the blocks' buffers for
+        # the root's backward (the frozen blocks below it gather nothing before the next forward)
+        assert any(block_size in d for d in dropped), (block_size, dropped)
         opt.step()
         reference_step(ref, ref_opt, x, y)
         gathers = [name for event, name in p.events or [] if event == "unshard"]

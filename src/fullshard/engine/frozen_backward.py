@@ -15,9 +15,7 @@ from typing import Any
 import torch
 
 from fullshard import compat
-from fullshard.comm import exposed_comm
 from fullshard.engine import hooks
-from fullshard.engine.config import BackwardPrefetch
 from fullshard.engine.dynamo_guard import outside_dynamo
 from fullshard.engine.hooks import FSDPState
 from fullshard.engine.unit import TrainingState
@@ -73,10 +71,4 @@ def _frozen_post_backward(state: FSDPState) -> None:
     if unit.training_state is not TrainingState.PRE_BACKWARD:
         return
     unit.training_state = TrainingState.POST_BACKWARD
-    if unit.reshard_after_backward:
-        unit.reshard()
-        hooks.drop_buffers_done_with(unit, root)
-    exposed_comm.close_range(unit.backward_range)
-    unit.backward_range = None
-    if root.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
-        hooks.prefetch(hooks.backward_neighbour(root, unit))
+    hooks.end_backward(unit, root)

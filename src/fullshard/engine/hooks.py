@@ -54,11 +54,10 @@ class RootState:
     # During a root forward without grad: the reshard_after_forward=False units it left gathered
     # (a second call in the same forward gathers nothing), resharded when that forward ends.
     held_without_grad: list[Unit] | None = None
-    # Per unit with no trainable parameter (by id): the forward calls of this step whose inputs
-    # were hooked by hook_frozen_inputs and whose backward has not reached those inputs yet.
+    # Per unit without trainable parameters (by id): its forward calls whose inputs backward has
+    # not reached yet (engine.frozen_backward).
     frozen_pending: dict[int, int] = dataclasses.field(default_factory=dict)
-    # The units (by id) whose forward this step gave an output that requires grad: only these
-    # run backward, so only these are worth a backward prefetch (backward_neighbour).
+    # The units (by id) whose output this step required grad: the ones backward reaches.
     backward_units: set[int] = dataclasses.field(default_factory=set)
 
 
@@ -186,10 +185,8 @@ def neighbour(order: list[Unit], unit: Unit, step: int) -> Unit | None:
 
 
 def backward_neighbour(root: RootState, unit: Unit) -> Unit | None:
-    """The unit backward reaches after ``unit``: the nearest before it in this step's forward
-    order whose output required grad. A unit whose output needed no gradient (frozen lower
-    layers under a frozen embedding, a frozen vision tower) never runs backward: prefetching it
-    would gather it for nothing and hold it to the end of backward."""
+    """The unit backward reaches after ``unit``: the nearest before it in forward order whose
+    output required grad (one that needed none, a frozen vision tower, never runs backward)."""
     try:
         i = root.forward_order.index(unit)
     except ValueError:
@@ -436,18 +433,18 @@ def drop_buffers_done_with(unit: Unit, root: RootState) -> None:
     (typically only the root is left, gathered since forward), free the pooled buffers of the
     sizes only units already done use (their full parameters, packed gradients, scratch).
 
-    The pool would keep them for the next step's forward; here they would sit idle through the
-    rest of backward, which on a model with large embeddings is where the step peaks (the
-    root's gradients are made then). On the 167M GPT at 2 ranks: two 48 MiB block buffers, one
-    reallocated by the next forward (issue 33). The planner's replay does the same
-    (:mod:`fullshard.plan.schedule`)."""
+    Kept for the next forward, they would sit idle through the rest of backward, where a model
+    with large embeddings peaks (167M GPT, 2 ranks: two 48 MiB block buffers; issue 33). The
+    planner's replay does the same (:mod:`fullshard.plan.schedule`)."""
     held = buffers.POOL.held_sizes()
     order = root.forward_order
-    if not held or unit not in order:
-        return  # nothing to free (at world size 1 the pool typically stays empty)
+    if not held or unit not in order or unit is order[0]:
+        return  # nothing to free (at world size 1 the pool typically stays empty), or the root
     i = order.index(unit)
-    rest, done = order[:i], order[i:]
-    if not rest or any(u.shard_state is ShardState.SHARDED and u.full_nbytes for u in rest):
+    # units backward never reaches (their output needed no gradient) gather nothing until forward
+    rest = [u for u in order[:i] if id(u) in root.backward_units]
+    done = order[i:] + [u for u in order[:i] if id(u) not in root.backward_units]
+    if any(u.shard_state is ShardState.SHARDED and u.full_nbytes for u in rest):
         return  # a gather is still to come
     needed = {size for u in rest for size in u.pooled_sizes()}
     buffers.POOL.drop({size for u in done for size in u.pooled_sizes() if size in held} - needed)
@@ -464,6 +461,12 @@ def post_backward(unit: Unit, root: RootState) -> None:
         root.last_reduced = unit
     else:
         unit.grads.hold_unsynced()
+    end_backward(unit, root)
+
+
+def end_backward(unit: Unit, root: RootState) -> None:
+    """The end of ``unit``'s post-backward (also a frozen unit's, :mod:`.frozen_backward`):
+    reshard, free buffers done with, close its range, ``BACKWARD_POST``'s prefetch."""
     if unit.reshard_after_backward:
         unit.reshard()
         drop_buffers_done_with(unit, root)

@@ -53,8 +53,8 @@ prefetch):
 - after a unit's post-backward, when no unit still to run backward will gather (only the
   root is left, gathered since forward; a prefetch not yet waited on still counts as a gather
   to come, its unit SHARDED in the engine until then), the pool frees the buffers of sizes
-  only the units already done use: they would sit idle through the root's backward, where a
-  model with large embeddings peaks;
+  only the units already done use (units backward never reaches count as done): they would
+  sit idle through the root's backward, where a model with large embeddings peaks;
 - end of backward: every reduction finished, every unit resharded.
 
 The pool keeps at most two buffers of each (numel, dtype), counting a packed gradient lent to
@@ -170,6 +170,7 @@ class _Replay:
         self.order = order
         self.gathered: set[str] = set()
         self.pending: set[str] = set()  # gathers started and not yet waited on (prefetches)
+        self.runs_backward: set[str] = set(order)  # the units backward reaches (set by _step)
         self.scratch_held: dict[str, list[Key]] = {}
         self.packed: set[str] = set()
         self.grads = 0  # gradient bytes outside the pool: shards' buffers, cast copies
@@ -272,8 +273,11 @@ class _Replay:
         """When no unit still to run backward will gather, the pool frees the buffers of sizes
         only units already done use (``hooks.drop_buffers_done_with``)."""
         i = self.order.index(name)
-        rest, done = self.order[:i], self.order[i:]
-        if not rest or any(
+        if i == 0:
+            return
+        rest = [n for n in self.order[:i] if n in self.runs_backward]  # the others gather nothing until forward
+        done = self.order[i:] + [n for n in self.order[:i] if n not in self.runs_backward]
+        if any(
             self.units[n].full and (n not in self.gathered or n in self.pending) and n not in self.packed for n in rest
         ):
             return  # a gather still to come (a prefetch not yet waited on counts: the engine's unit is SHARDED)
@@ -415,7 +419,7 @@ def _step(
     idx = r.index
     prev: tuple[str | None, str | None] = (None, None)  # phase, block
     last_backward = {r.unit_of.get(block, block): i for i, (_, _, back, block) in enumerate(samples) if back}
-    runs_backward = set(last_backward) | {u for u in order if grad_totals[idx[u]]}
+    runs_backward = r.runs_backward = set(last_backward) | {u for u in order if grad_totals[idx[u]]} | {ROOT}
     r.at(0, 0, ("forward", ROOT))
     r.gather(ROOT, wait=True)
     for i, (_, grads, back, block) in enumerate(samples):
