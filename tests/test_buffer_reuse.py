@@ -85,7 +85,7 @@ def test_buffers_come_back_from_the_last_step_and_never_alias_held_gradients() -
         assert r["pooled"] > 0
         # The stack's blocks are each of their own size. Once blocks.0 (first in forward, last in
         # backward) has resharded in backward, only the root is left, gathered: the pool frees the
-        # blocks' buffers (hooks.drop_buffers_done_with), idle through the root's backward. Then
+        # blocks' buffers (backward_buffers.drop_done_with), idle through the root's backward. Then
         # blocks.0's reduction finishes and gives its packed gradient back: step 2's blocks.0
         # gathers into it, the others into new buffers.
         assert r["from_pool"] == [True, False, False, False], r
@@ -118,7 +118,7 @@ def world_one_body(rank: int, world: int) -> dict:
 
 def test_world_size_one_backward_skips_the_pool_bookkeeping() -> None:
     # At world size 1 nothing is gathered and the pool stays empty: each unit's post-backward
-    # must not walk every unit's buffer sizes (hooks.drop_buffers_done_with), a cost that grew
+    # must not walk every unit's buffer sizes (backward_buffers.drop_done_with), a cost that grew
     # with the square of the units (about 3% of a 32-block step).
     (r,) = run_ranks(world_one_body, 1)
     assert r == {"held": set(), "calls": 0}, r

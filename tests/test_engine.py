@@ -29,6 +29,21 @@ def _wrap(strategy: str = "FULL_SHARD", **kw):
     return ref, model
 
 
+class _Detour(torch.nn.Module):
+    """(batch, 6) -> (batch, 3); ``side=True`` adds a branch through ``side`` (5 rows)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(4)
+        self.a = torch.nn.Linear(6, 6)
+        self.side = torch.nn.Linear(6, 5)
+        self.head = torch.nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor, side: bool = False) -> torch.Tensor:
+        y = self.a(x)
+        return self.head(y + self.side(x).mean(-1, keepdim=True) if side else y)
+
+
 def _step(model, opt, rank: int, world: int, step: int = 0) -> None:
     x, y = batch(step, 12)
     n = 12 // world
@@ -279,6 +294,28 @@ def features_body(rank: int, world: int) -> list[str]:
             torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6, msg=lambda msg: f"{how}, {k}: {msg}")
     done.append("zero_grad after no_sync")
 
+    # A unit that only the no_sync micro-batch ran (a branch the synced one skips): its sum is
+    # reduced at the end of the synced backward, not held until its next backward.
+    ref = _Detour()
+    model = FSDP(copy.deepcopy(ref), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(2):
+        (x0, y0), (x1, y1) = micro[step], micro[step + 1]
+        with model.no_sync():
+            loss(lambda t: model(t, side=True), x0, y0, True).backward()
+        loss(model, x1, y1, True).backward()
+        opt.step()
+        opt.zero_grad()
+        loss(lambda t: ref(t, side=True), x0, y0, False).backward()
+        loss(ref, x1, y1, False).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        full = model.state_dict()
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6, msg=lambda msg: f"detour {step}, {k}: {msg}")
+    done.append("unit run only without sync")
+
     # A root that owns no parameters (every Linear is its own unit).
     plain = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
     empty_root = FSDP(copy.deepcopy(plain), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
@@ -343,6 +380,7 @@ def test_no_sync_empty_root_ignored_modules_and_exceptions() -> None:
     assert run_ranks(features_body, 2, timeout=180)[0] == [
         "no_sync",
         "zero_grad after no_sync",
+        "unit run only without sync",
         "empty root",
         "ignored",
         "exception",

@@ -722,3 +722,99 @@ def test_corners_found_by_an_audit_follow_torch_or_refuse() -> None:
         "refusals",
         "forward inside a registered method",
     ]
+
+
+class _Branches(torch.nn.Module):
+    """Two Linear layers and a 5-row ``spare`` (rows do not divide 2 or 3) used only when asked;
+    the root unit owns ``head``, a unit per layer the rest."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = torch.nn.Linear(6, 6)
+        self.spare = torch.nn.Linear(6, 5)
+        self.head = torch.nn.Linear(6, 3)
+        self.head_spare = torch.nn.Linear(6, 3)  # in the root unit
+
+    def forward(self, x: torch.Tensor, spare: bool = False, head_spare: bool = False) -> torch.Tensor:
+        y = self.used(x)
+        if spare:
+            y = y + self.spare(x).sum(-1, keepdim=True)
+        return self.head(y) + (self.head_spare(y) if head_spare else 0)
+
+
+def _branches(fully_shard):
+    torch.manual_seed(3)
+    model = _Branches()
+    for child in (model.used, model.spare):
+        fully_shard(child)
+    return fully_shard(model)
+
+
+def unused_params_body(rank: int, world: int) -> list[str]:
+    """Parameters no backward reached keep ``.grad`` None, as with torch's fully_shard: AdamW's
+    weight decay then leaves them alone. One used on some ranks only gets the reduced gradient."""
+    from torch.distributed.tensor import DTensor
+
+    impls = _impls()
+    models = {name: _branches(fs) for name, (fs, _) in impls.items()}
+    opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for name, m in models.items()}
+    start = {n: p.full_tensor().clone() for n, p in models["fullshard"].named_parameters()}
+    for step in range(3):
+        x = torch.randn(2, 6, generator=torch.Generator().manual_seed(10 * step + rank))
+        grads = {}
+        for name, model in models.items():
+            model(x, spare=step == 1).sum().backward()
+            grads[name] = {n: p.grad for n, p in model.named_parameters()}
+            opts[name].step()
+            opts[name].zero_grad()
+        nones = {name: sorted(n for n, g in gs.items() if g is None) for name, gs in grads.items()}
+        assert nones["fullshard"] == nones["torch"], (step, nones)
+        assert ("spare.weight" in nones["torch"]) == (step != 1) and "head_spare.bias" in nones["torch"]
+        for n, g in grads["fullshard"].items():
+            if g is not None:
+                assert isinstance(g, DTensor), n
+                assert_close(g.to_local(), grads["torch"][n].to_local(), exact(models["torch"]), f"step {step}: {n}")
+    assert_same_params(models["torch"], models["fullshard"], "after 3 steps")
+    after = {n: p.full_tensor() for n, p in models["fullshard"].named_parameters()}
+    assert torch.equal(after["head_spare.weight"], start["head_spare.weight"])  # no decay without a grad
+    assert not torch.equal(after["spare.weight"], start["spare.weight"])  # stepped once, then decayed only by momentum
+
+    # Used on rank 0 only, in a unit every rank runs (torch's fully_shard cannot run this: its
+    # reduce-scatters differ in size across ranks): every rank gets the average as a gradient.
+    model = models["fullshard"]
+    x = torch.randn(2, 6, generator=torch.Generator().manual_seed(99 + rank))
+    model(x, head_spare=rank == 0).sum().backward()
+    local = model.head_spare.weight.grad
+    assert local is not None, rank
+    with torch.no_grad():
+        y = model.used.weight.full_tensor() @ x.T + model.used.bias.full_tensor()[:, None]  # (6, 2)
+    # d(sum of head_spare(y)) / dW: each row is the batch sum of y; averaged over the ranks.
+    want = y.sum(1).expand(3, 6) / world if rank == 0 else torch.zeros(3, 6)
+    torch.distributed.broadcast(want, src=0)
+    torch.testing.assert_close(local.full_tensor(), want, rtol=1e-5, atol=1e-6)
+    model.zero_grad()
+
+    # Gradient accumulation with sync off (torch FSDP2's set_requires_gradient_sync): a unit
+    # that backward reached in the unsynced microbatch only is reduced at the end of the synced
+    # one (its sum used to wait for the unit's next backward: missing in this step, added to the
+    # next); a parameter used in no microbatch keeps .grad None.
+    for step in range(2):
+        for name, m in models.items():
+            m.zero_grad()
+            m.set_requires_gradient_sync(False)
+            m(x, spare=True).sum().backward()
+            m.set_requires_gradient_sync(True)
+            m(x + step).sum().backward()
+            grads[name] = {n: p.grad for n, p in m.named_parameters()}
+        for n, want in grads["torch"].items():
+            got = grads["fullshard"][n]
+            assert (got is None) == (want is None) == n.startswith("head_spare"), (step, n)
+            if want is not None:
+                assert_close(got.to_local(), want.to_local(), exact(models["torch"]), f"accumulated, {step}: {n}")
+    return ["unused"]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("world", [2, 3])
+def test_unused_parameters_keep_grad_none_like_torch(world: int) -> None:
+    assert run_ranks(unused_params_body, world, timeout=180)[0] == ["unused"]

@@ -28,6 +28,7 @@ from torch import nn
 
 from fullshard import compat, probes
 from fullshard.comm import buffers, exposed_comm, flight_recorder
+from fullshard.engine import backward_buffers
 from fullshard.engine.config import BackwardPrefetch, FrontEnd, MixedPrecision
 from fullshard.engine.dynamo_guard import outside_dynamo
 from fullshard.engine.module_wrapper import clean_name
@@ -407,7 +408,7 @@ def _pre_backward(state: FSDPState, grad: torch.Tensor) -> torch.Tensor:
     assert root is not None
     if not root.callback_queued:
         root.callback_queued = True
-        compat.queue_backward_callback(functools.partial(finish_backward, root))
+        compat.queue_backward_callback(functools.partial(_backward_done, root))
     if id(unit) in root.pre_backward_done:
         return grad
     root.pre_backward_done.add(id(unit))
@@ -426,28 +427,6 @@ def _pre_backward(state: FSDPState, grad: torch.Tensor) -> torch.Tensor:
     elif root.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
         prefetch(backward_neighbour(root, unit))
     return grad
-
-
-def drop_buffers_done_with(unit: Unit, root: RootState) -> None:
-    """After ``unit`` resharded in backward: when no unit still to run backward will gather
-    (typically only the root is left, gathered since forward), free the pooled buffers of the
-    sizes only units already done use (their full parameters, packed gradients, scratch).
-
-    Kept for the next forward, they would sit idle through the rest of backward, where a model
-    with large embeddings peaks (167M GPT, 2 ranks: two 48 MiB block buffers; issue 33). The
-    planner's replay does the same (:mod:`fullshard.plan.schedule`)."""
-    held = buffers.POOL.held_sizes()
-    order = root.forward_order
-    if not held or unit not in order or unit is order[0]:
-        return  # nothing to free (at world size 1 the pool typically stays empty), or the root
-    i = order.index(unit)
-    # units backward never reaches (their output needed no gradient) gather nothing until forward
-    rest = [u for u in order[:i] if id(u) in root.backward_units]
-    done = order[i:] + [u for u in order[:i] if id(u) not in root.backward_units]
-    if any(u.shard_state is ShardState.SHARDED and u.full_nbytes for u in rest):
-        return  # a gather is still to come
-    needed = {size for u in rest for size in u.pooled_sizes()}
-    buffers.POOL.drop({size for u in done for size in u.pooled_sizes() if size in held} - needed)
 
 
 @outside_dynamo
@@ -469,11 +448,21 @@ def end_backward(unit: Unit, root: RootState) -> None:
     reshard, free buffers done with, close its range, ``BACKWARD_POST``'s prefetch."""
     if unit.reshard_after_backward:
         unit.reshard()
-        drop_buffers_done_with(unit, root)
+        backward_buffers.drop_done_with(unit, root.forward_order, root.backward_units)
     exposed_comm.close_range(unit.backward_range)
     unit.backward_range = None
     if root.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
         prefetch(backward_neighbour(root, unit))
+
+
+@outside_dynamo
+def _backward_done(root: RootState) -> None:
+    """The backward's final callback: reduce what units accumulated while sync was off and this
+    backward did not reach (their sums would wait for their next backward), then finish."""
+    for unit in root.units:
+        if unit.sync_grads and unit.grads.holds_unreduced and not unit.has_pending_reduce:
+            unit.reduce_grads()
+    finish_backward(root)
 
 
 @outside_dynamo

@@ -118,6 +118,7 @@ class _Pending:
     packed: torch.Tensor | None  # the packed input, given back to the pool when done
     partial_reduce: bool  # ``out`` is a partial sum to keep (the replica all-reduce is off)
     in_place: bool = False  # ``out`` is this rank's chunk of ``packed``
+    used: list[bool] | None = None  # per trainable parameter: a gradient reached it (see note_used)
 
 
 class GradReducer:
@@ -141,6 +142,10 @@ class GradReducer:
         # drops what it accumulated. Per trainable shard: (shard, its .grad then, that grad's
         # version, whether the grad is a zero placeholder of ours); None when nothing is held.
         self.zero_grad_drops_unsynced = True
+        # fully_shard (torch FSDP2's rule): a parameter no backward reached since the last
+        # reduction keeps its ``.grad`` None (an optimizer then skips it), instead of a zero.
+        self.unused_grads_none = False
+        self._used: list[bool] | None = None  # per trainable parameter, since the last launch
         self._marks: list[tuple[ShardedParam, torch.Tensor, int, bool]] | None = None
         # Set by the hooks for a unit whose full buffer's size no other unit of its tree has: its
         # gradient shards may stay in its own chunk of the packed gradient (see launch).
@@ -152,6 +157,12 @@ class GradReducer:
     def has_pending(self) -> bool:
         """Whether a reduction was launched and not yet finished."""
         return self._pending is not None
+
+    @property
+    def holds_unreduced(self) -> bool:
+        """Whether gradients accumulated since the last reduction wait for one (the full flat
+        gradient, or the reduce-dtype sum kept while sync was off)."""
+        return self.unit.full_flat.grad is not None or self._unsynced is not None
 
     @property
     def last_output(self) -> torch.Tensor | None:
@@ -234,9 +245,22 @@ class GradReducer:
             for sp in zeroed:
                 rows[:, sp.local_offset : sp.local_offset + sp.spec.padded_shard_numel].zero_()
 
+    def note_used(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """Record which trainable parameters got a gradient (``grads``: one per parameter, None
+        where the forward did not use it) for :attr:`unused_grads_none`."""
+        if not self.unused_grads_none:
+            return
+        used = self._used
+        if used is None:
+            self._used = [g is not None for g in grads]
+        elif not all(used):
+            for i, g in enumerate(grads):
+                used[i] = used[i] or g is not None
+
     def launch(self) -> None:
         """Launch the reduce-scatter (and replica all-reduce) of the accumulated full gradient."""
         unit = self.unit
+        used, self._used = self._used, None
         grad = unit.full_flat.grad
         unit.full_flat.grad = None
         if self._unsynced is not None:  # sums kept in the reduce dtype while sync was off
@@ -287,7 +311,9 @@ class GradReducer:
         packed = grad if unit.shard_size > 1 else None
         if packed is not None:
             buffers.POOL.lend(packed)  # comes back in finish()
-        self._pending = _Pending(collectives.Handle(works), out, packed, partial_reduce, in_place)
+        if used is not None and all(used):
+            used = None
+        self._pending = _Pending(collectives.Handle(works), out, packed, partial_reduce, in_place, used)
 
     def _reduces_in_place(self, grad: torch.Tensor) -> bool:
         """Whether the gradient shards can stay in this rank's chunk of the packed ``grad``.
@@ -369,9 +395,13 @@ class GradReducer:
             host.copy_(out, non_blocking=host.is_pinned())
             out = host
         viewed = False  # some shard's .grad is now a view of ``out``
-        for sp, g in zip(unit.trainable, unit.trainable_local_views(out)):
+        views = unit.trainable_local_views(out)
+        skipped = _unused_here(pending.used, views)
+        for i, (sp, g) in enumerate(zip(unit.trainable, views)):
             assert sp.shard is not None
             current = sp.local_grad()
+            if current is None and i in skipped:
+                continue
             if current is None:
                 viewed = True
                 if g.dtype != sp.shard.dtype:  # keep_low_precision_grads: .data takes any dtype
@@ -387,8 +417,9 @@ class GradReducer:
                 buffers.POOL.forget_lent(pending.packed)
             else:
                 buffers.POOL.release(pending.packed, lent=True)
-        for sp in unit.trainable:
-            sp.run_grad_hooks()
+        for i, sp in enumerate(unit.trainable):
+            if i not in skipped or sp.local_grad() is not None:
+                sp.run_grad_hooks()
 
     def _grad_buffer(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """Where cast or offloaded gradients land: reused while no shard still holds the last one.
@@ -409,3 +440,12 @@ class GradReducer:
         if unit.config.offload:
             self._host_grad = buffer
         return buffer
+
+
+def _unused_here(used: list[bool] | None, shards: Sequence[torch.Tensor]) -> set[int]:
+    """Indices of the trainable parameters whose ``.grad`` stays None: no gradient reached them
+    on this rank and their reduced shard is all zeros (so none reached them on another rank
+    either; where one did, the shard holds its sum and becomes the ``.grad``)."""
+    if used is None:
+        return set()
+    return {i for i, (u, g) in enumerate(zip(used, shards)) if not u and not bool(g.any())}

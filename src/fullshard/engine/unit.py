@@ -411,6 +411,7 @@ class _SplitFull(torch.autograd.Function):
         unit._open_splits.discard(ctx)
         if all(g is None for g in grads):
             return None, None, None
+        unit.grads.note_used(grads)
         if not unit._open_splits:  # no later backward reads the full parameters
             unit.reshard_for_packing()
         return unit.pack_grads(grads), None, None

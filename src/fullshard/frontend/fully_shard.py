@@ -263,6 +263,7 @@ def _build(
     unit = build.build_unit(holder, prepared, groups, config, materialize_meta=False)
     unit.grads.upcast_unsynced = True  # torch FSDP2 sums unsynced gradients in the reduce dtype
     unit.grads.zero_grad_drops_unsynced = False  # and keeps them through zero_grad
+    unit.grads.unused_grads_none = True  # and leaves a parameter no backward reached with .grad None
     if post_forward_size is not None:
         unit.set_post_forward_group(meshes.post_forward_group(mesh, post_forward_size))
     placements = [Replicate(), Shard(0)] if hybrid else [Shard(0)]

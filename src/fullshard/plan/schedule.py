@@ -271,7 +271,7 @@ class _Replay:
 
     def drop_done_with(self, name: str) -> None:
         """When no unit still to run backward will gather, the pool frees the buffers of sizes
-        only units already done use (``hooks.drop_buffers_done_with``)."""
+        only units already done use (``backward_buffers.drop_done_with``)."""
         i = self.order.index(name)
         if i == 0:
             return
