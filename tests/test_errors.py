@@ -505,3 +505,28 @@ def test_constructor_arguments_of_the_wrong_kind_are_named() -> None:
     results = run_ranks(arguments_body, 2, timeout=100)
     assert results[0] == results[1] and len(results[0]) == (7 if torch.cuda.is_available() else 9), results
     assert run_ranks(outside_body, 2, timeout=100) == [[], ["ValueError", "ValueError"]]
+
+
+def _failed_collective_names_rank(rank: int, world: int) -> str:
+    """A collective that fails in a process started without a launcher (RANK unset, as under
+    the tutorial's mp.spawn): the message names this rank, not -1."""
+    import os
+
+    from fullshard.comm import handle
+    from fullshard.comm.flight_recorder import RECORDER
+    from fullshard.comm.peers import CollectiveFailed
+
+    assert "RANK" not in os.environ
+    from fullshard.comm import flight_recorder
+
+    with flight_recorder.at("layers.0", "forward"):
+        RECORDER.issue("all_gather", torch.float32, 16, 64, "[0,1]")
+    with pytest.raises(CollectiveFailed) as failed:
+        handle._explain(RuntimeError("Connection reset by peer"))
+    return str(failed.value)
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_collective_names_the_rank_without_a_launcher() -> None:
+    for rank, text in enumerate(run_ranks(_failed_collective_names_rank, 2, timeout=40)):
+        assert text.startswith(f"rank {rank}: all_gather"), text

@@ -119,9 +119,19 @@ def _explain(e: RuntimeError) -> NoReturn:
     RECORDER.complete(pending, "failed")
     dog = watchdog.ACTIVE
     channel = watchdog.GUARD.channel if dog is not None and watchdog.GUARD is not None else None
-    rank = channel.rank if channel is not None else int(os.environ.get("RANK", "-1"))
+    rank = channel.rank if channel is not None else _this_rank()
     text = diagnosis.failed(channel, rank, pending, e)
     if peers.STOP is not None:
         peers.RAISED = True
         raise peers.STOP from e
     raise CollectiveFailed(text) from e
+
+
+def _this_rank() -> int:
+    """This process's rank in the default group (started without a launcher, RANK may be unset),
+    or RANK's value, or -1 when neither is known."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "-1"))
