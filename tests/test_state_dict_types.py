@@ -83,7 +83,7 @@ def _optim_rank0_only(model: nn.Module, opt: torch.optim.Optimizer, rank: int, d
     configs = (StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig(rank0_only=True))
     with FSDP.state_dict_type(model, *configs):
         osd = FSDP.optim_state_dict(model, opt)
-    assert bool(osd["state"]) == (rank == 0)
+    assert bool(osd["state"]) if rank == 0 else osd == {}  # torch's gives the other ranks {}
     _, fresh, fresh_opt, _ = _pair()
     with FSDP.state_dict_type(fresh, *configs):
         FSDP.optim_state_dict_to_load(fresh, fresh_opt, osd if rank == 0 else None, load_directly=True)

@@ -27,7 +27,8 @@ def save(
     optim_state_dict: dict[str, Any] | None,
     group: collectives.ProcessGroup | None,
 ) -> dict[str, Any]:
-    """``optim``'s state (or ``optim_state_dict``, a state dict in ``optim``'s layout) keyed by name."""
+    """``optim``'s state (or ``optim_state_dict``, a state dict in ``optim``'s layout) keyed by name;
+    ``{}`` on the ranks that ``rank0_only`` leaves out."""
     _check_optim(optim, "optim_state_dict")
     source: optim_state.Optim = optim
     if optim_state_dict is not None:
@@ -39,7 +40,8 @@ def save(
         warn_sharded_offload(model, config.offload_to_cpu, "optim_state_dict_config", stacklevel=3)
         return optim_state.sharded_optim_state_dict(model, source)
     keep = not rank0_only or collectives.group_rank(group if group is not None else collectives.default_group()) == 0
-    return optim_state.full_optim_state_dict(model, source, keep=keep, offload_to_cpu=config.offload_to_cpu)
+    osd = optim_state.full_optim_state_dict(model, source, keep=keep, offload_to_cpu=config.offload_to_cpu)
+    return osd if keep else {}
 
 
 def to_load(

@@ -200,7 +200,8 @@ class StateDictMethods(ModuleWrapper):
         """The optimizer's state keyed by original parameter names (collective).
 
         Full tensors by default; DTensor shards under SHARDED_STATE_DICT. Format:
-        ``{"state": {name: {key: value}}, "param_groups": [{..., "params": [names]}]}``.
+        ``{"state": {name: {key: value}}, "param_groups": [{..., "params": [names]}]}``; with
+        ``FullOptimStateDictConfig(rank0_only=True)``, ``{}`` on the other ranks (as torch's).
 
         Args:
             model: the root FullyShardedDataParallel whose parameters ``optim`` updates.
