@@ -55,6 +55,8 @@ def sync_shards(unit: UnitLayout) -> None:
     if unit.meta:
         unit.materialize()
     for sp, ptr in zip(unit.params, unit.shard_ptrs):
+        if sp.swapped:
+            continue
         local = sp.local
         if local.data_ptr() != ptr and sp.spec.local_numel > 0 and not local.is_meta:
             view = unit.local_view(sp)

@@ -140,7 +140,7 @@ class ShardedParam:
         self.local_offset = 0  # element offset in the unit's local flat buffer
         self.full_offset = 0  # element offset in the unit's full flat buffer
         self.dtensor_spec: Any = None  # a DTensorSpec when the shard is registered as a DTensor
-        self.swapped = False  # another tensor is registered in the shard's place for now
+        self.swapped = False  # for now another tensor is registered in the shard's place, or the shard shows one
         self.local_param: nn.Parameter | None = (
             None  # a plain Parameter over a DTensor's local shard, for optimizer steps
         )

@@ -1,8 +1,8 @@
 """Full parameters on demand: FSDP1's ``summon_full_params``.
 
-Inside the context every unit of the tree holds its full parameters (original shapes and
-dtypes) registered where its shards were; on exit the shards come back, with changes to the
-full parameters copied into them when asked.
+Inside the context every unit of the tree shows its full parameters (original shapes and
+dtypes) through the Parameter objects registered for its shards; on exit the shards come back,
+with changes to the full parameters copied into them when asked.
 """
 
 from __future__ import annotations
@@ -61,12 +61,18 @@ def summon_full_params(
     try:
         yield
     finally:
-        for unit, full in zip(units, summoned):
-            if writeback and full is not None:
+        for unit, shown in zip(units, summoned):
+            if shown is None:
+                continue
+            full, hidden = shown
+            if writeback:
                 unit.write_back(full)
-            for sp in unit.params:
-                assert sp.shard is not None
-                sp.register_shard(sp.shard)
+            for sp, (data, grad) in zip(unit.params, hidden):
+                shard = sp.shard
+                assert shard is not None
+                shard.grad = None  # the full gradient first: .data and .grad must agree in shape
+                shard.data, shard.grad = data, grad
+                sp.register_shard(shard)
 
 
 def _wrapper_units(module: nn.Module) -> list[Unit]:
@@ -76,9 +82,17 @@ def _wrapper_units(module: nn.Module) -> list[Unit]:
     ]
 
 
+Hidden = list[tuple[torch.Tensor, "torch.Tensor | None"]]  # each shard's data and gradient while summoned
+
+
 @flight_recorder.labelled("summon_full_params")
-def _summon(unit: Unit, rank0_only: bool, offload_to_cpu: bool, with_grads: bool) -> list[torch.Tensor] | None:
-    """Gather ``unit``'s parameters in full precision and register them; None where skipped."""
+def _summon(
+    unit: Unit, rank0_only: bool, offload_to_cpu: bool, with_grads: bool
+) -> tuple[list[torch.Tensor], Hidden] | None:
+    """Gather ``unit``'s parameters in full precision and show them through the registered
+    Parameters themselves (their ``.data``, as torch's FSDP1 with use_orig_params=True: a
+    reference taken before the context sees the full values too); the full tensors and what
+    they hide, or None where skipped."""
     full = unit.gather_full(unit.local_flat)
     grads = unit.gather_full(unit.local_grads()) if with_grads else None  # zeros where None
     if rank0_only and not unit.first_data_parallel_rank:
@@ -86,10 +100,14 @@ def _summon(unit: Unit, rank0_only: bool, offload_to_cpu: bool, with_grads: bool
     if offload_to_cpu:
         full = [t.cpu() for t in full]
         grads = [g.cpu() for g in grads] if grads is not None else None
+    hidden: Hidden = []
     for i, (sp, value) in enumerate(zip(unit.params, full)):
-        param = nn.Parameter(value, requires_grad=sp.requires_grad)
-        assert sp.shard is not None
-        if grads is not None and sp.requires_grad and sp.shard.grad is not None:
-            param.grad = grads[i]
-        sp.swap_registered(param)
-    return full
+        shard = sp.shard
+        assert shard is not None
+        hidden.append((shard.data, shard.grad))
+        shard.grad = None
+        shard.data = value
+        if grads is not None and sp.requires_grad and hidden[-1][1] is not None:
+            shard.grad = grads[i]
+        sp.swapped = True  # its storage is not a replaced shard's (shard_sync leaves it)
+    return full, hidden
