@@ -112,6 +112,14 @@ def summon_body(rank: int, world: int) -> list[str]:
         with FSDP.summon_full_params(model, rank0_only=True):
             pass
     done.append("errors")
+    # Nested (torch's refuses it): the outer context still shows full parameters, and a forward runs.
+    with FSDP.summon_full_params(model, writeback=False):
+        with FSDP.summon_full_params(model.blocks[1], writeback=False):
+            assert model.blocks[1].lin.weight.shape == (7, 13)
+        assert model.blocks[1].lin.weight.shape == (7, 13) and model.stem.weight.shape == (13, 6)
+        model(x[:2])
+    assert model.stem.weight.shape[0] < 13 or world == 1
+    done.append("nested")
     # Training continues from the written values.
     torch.nn.functional.mse_loss(model(x[4 * rank : 4 * rank + 4]), y[4 * rank : 4 * rank + 4]).backward()
     return done
@@ -120,7 +128,8 @@ def summon_body(rank: int, world: int) -> list[str]:
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("world", [1, 3])
 def test_summon_full_params(world: int) -> None:
-    assert run_ranks(summon_body, world, timeout=180)[0] == ["full inside", "writeback", "rank0_only", "errors"]
+    expected = ["full inside", "writeback", "rank0_only", "errors", "nested"]
+    assert run_ranks(summon_body, world, timeout=180)[0] == expected
 
 
 def summon_no_grad_body(rank: int, world: int) -> list[str]:

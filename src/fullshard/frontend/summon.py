@@ -67,12 +67,12 @@ def summon_full_params(
             full, hidden = shown
             if writeback:
                 unit.write_back(full)
-            for sp, (data, grad) in zip(unit.params, hidden):
+            for sp, (data, grad, was_swapped) in zip(unit.params, hidden):
                 shard = sp.shard
                 assert shard is not None
                 shard.grad = None  # the full gradient first: .data and .grad must agree in shape
                 shard.data, shard.grad = data, grad
-                sp.register_shard(shard)
+                sp.swapped = was_swapped  # an enclosing summon_full_params still shows its full tensor
 
 
 def _wrapper_units(module: nn.Module) -> list[Unit]:
@@ -82,7 +82,8 @@ def _wrapper_units(module: nn.Module) -> list[Unit]:
     ]
 
 
-Hidden = list[tuple[torch.Tensor, "torch.Tensor | None"]]  # each shard's data and gradient while summoned
+# Each shard's data, gradient and ``swapped`` flag from before the context, restored after it.
+Hidden = list[tuple[torch.Tensor, "torch.Tensor | None", bool]]
 
 
 @flight_recorder.labelled("summon_full_params")
@@ -104,7 +105,7 @@ def _summon(
     for i, (sp, value) in enumerate(zip(unit.params, full)):
         shard = sp.shard
         assert shard is not None
-        hidden.append((shard.data, shard.grad))
+        hidden.append((shard.data, shard.grad, sp.swapped))
         shard.grad = None
         shard.data = value
         if grads is not None and sp.requires_grad and hidden[-1][1] is not None:
