@@ -92,7 +92,8 @@ def test_async_save_matches_torch(tmp_path) -> None:
 
 def fsdp1_body(rank: int, world: int, tmp: str) -> int:
     """The FSDP1 wrapper's SHARDED_STATE_DICT (DTensors over its flat buffers) async-saved, then
-    loaded into a fresh wrapper: the same parameters. (torch's FSDP1 refuses CPU: no reference.)"""
+    loaded into a fresh wrapper: the same parameters. (tests/test_torch_fsdp1.py loads DCP checkpoints
+    across torch's FSDP1, run on CPU with device_id, and this wrapper.)"""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from models import Block, make_stack, step_both
