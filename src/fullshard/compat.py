@@ -471,3 +471,10 @@ def sdpa_kernels() -> dict[str, Any]:
         "flash": aten._scaled_dot_product_flash_attention,
         "efficient": aten._scaled_dot_product_efficient_attention,
     }
+
+
+def torch_activation_checkpointing() -> tuple[Callable[..., None], Callable[..., nn.Module]]:
+    """torch's own ``apply_activation_checkpointing`` and ``checkpoint_wrapper`` (a private module
+    of torch's), for running torch's FSDP with the checkpointing fullshard's front end applies."""
+    module = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
+    return resolve(f"{module}:apply_activation_checkpointing"), resolve(f"{module}:checkpoint_wrapper")
