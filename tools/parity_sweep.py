@@ -14,12 +14,13 @@ different orders, about 1e-6 of the update in fp32, and bf16 reductions round mo
 
 Usage (nothing is timed: the machine need not be idle)::
 
-    PYTHONPATH=src python tools/parity_sweep.py SEED N [--start I] [--steps 3] [--optim adamw|sgd]
+    PYTHONPATH=src python tools/parity_sweep.py SEED N [--start I] [--steps 3] [--optim adamw|sgd] [--world W]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
@@ -35,6 +36,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("--start", type=int, default=0)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--optim", choices=parity.OPTIMIZERS, default="adamw")
+    p.add_argument("--world", type=int, default=0, help="run every draw at this world size instead of its own")
     a = p.parse_args(argv)
     how = "AdamW steps (lr 1e-3)" if a.optim == "adamw" else "SGD steps (lr 1e-2, momentum 0.9)"
     print(f"Seed {a.seed}, configurations {a.start}-{a.n - 1}, {a.steps} {how}.\n")
@@ -42,6 +44,7 @@ def main(argv: list[str]) -> None:
     print("|---|---|---|---|---|")
     results: list[parity.Result] = []
     for c in draw(a.seed, a.n)[a.start :]:
+        c = dataclasses.replace(c, world=a.world) if a.world else c
         start = time.perf_counter()
         try:
             r = launch.launch(parity.worker, (c, a.steps, a.optim), c.world, env=launch.BENCH_ENV)[0]

@@ -145,9 +145,17 @@ def compare_rank(c: Config, rank: int, steps: int = 3, optim: str = "adamw") -> 
     rank 0 then runs the reference and returns the :class:`Result` (the others None).
 
     Raises:
-        RuntimeError: the two front ends name the parameters differently.
+        RuntimeError: fullshard's run failed (saying whether torch's fails too, as when a kernel
+            refuses the model's shapes), or the two name the parameters differently.
     """
-    ours, ours_params = train_rank(c, rank, "fullshard", steps, optim)
+    try:
+        ours, ours_params = train_rank(c, rank, "fullshard", steps, optim)
+    except Exception as err:  # the model itself may fail (a kernel's limits): torch's run decides
+        try:
+            train_rank(c, rank, "torch", steps, optim)
+        except Exception as theirs_too:
+            raise RuntimeError(f"fails on torch's FSDP too: {type(theirs_too).__name__}: {theirs_too}") from err
+        raise RuntimeError(f"fails on fullshard only: {type(err).__name__}: {err}") from err
     theirs, their_params = train_rank(c, rank, "torch", steps, optim)
     if rank != 0:
         return None
