@@ -29,6 +29,13 @@ def _wrap(strategy: str = "FULL_SHARD", **kw):
     return ref, model
 
 
+def _assert_like(model, ref, what: str) -> None:
+    """The wrapper's full state dict is the unsharded reference's, to rounding."""
+    full = model.state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6, msg=lambda msg: f"{what}, {k}: {msg}")
+
+
 class _Detour(torch.nn.Module):
     """(batch, 6) -> (batch, 3); ``side=True`` adds a branch through ``side`` (5 rows)."""
 
@@ -289,9 +296,7 @@ def features_body(rank: int, world: int) -> list[str]:
             loss(m, *micro[1], part).backward()
         opt.step()
         ref_opt.step()
-        full = model.state_dict()
-        for k, v in ref.state_dict().items():
-            torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6, msg=lambda msg: f"{how}, {k}: {msg}")
+        _assert_like(model, ref, how)
     done.append("zero_grad after no_sync")
 
     # A unit that only the no_sync micro-batch ran (a branch the synced one skips): its sum is
@@ -311,9 +316,7 @@ def features_body(rank: int, world: int) -> list[str]:
         loss(ref, x1, y1, False).backward()
         ref_opt.step()
         ref_opt.zero_grad()
-        full = model.state_dict()
-        for k, v in ref.state_dict().items():
-            torch.testing.assert_close(full[k], v, rtol=1e-5, atol=1e-6, msg=lambda msg: f"detour {step}, {k}: {msg}")
+        _assert_like(model, ref, f"detour {step}")
     done.append("unit run only without sync")
 
     # A root that owns no parameters (every Linear is its own unit).
