@@ -250,6 +250,70 @@ def test_gradient_accumulation_and_an_unused_extension_weight() -> None:
     assert run_ranks(accumulate_body, 2)[0] > 0
 
 
+def _load_assign(m: nn.Module, full: dict[str, torch.Tensor], rank: int, world: int) -> None:
+    """Load ``full`` into ``m`` (sharded on the meta device) as torchtune loads QLoRA's NF4
+    weights: each extension parameter a DTensor over a subclass of this rank's rows, the
+    others ``distribute_tensor``; ``load_state_dict(assign=True)`` puts them in place."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    sharded = {}
+    for name, meta in m.state_dict().items():
+        if isinstance(meta._local_tensor, Bf16CommWeight):
+            rows = torch.chunk(_inner(full[name]), world)[rank].clone()
+            value = DTensor.from_local(
+                Bf16CommWeight(rows),
+                meta.device_mesh,
+                meta.placements,
+                run_check=False,
+                shape=meta.shape,
+                stride=meta.stride(),
+            )
+        else:
+            value = distribute_tensor(full[name], meta.device_mesh, meta.placements)
+        sharded[name] = nn.Parameter(value)
+    m.load_state_dict(sharded, assign=True)
+
+
+def meta_assign_body(rank: int, world: int) -> list[float]:
+    """Extension parameters sharded on the meta device, then assigned (load_state_dict(assign=True)
+    of DTensors over the subclass): fullshard takes them at the first unshard, as torch does at
+    its lazy init. The uneven layer (5 rows) gets rows 3 and 2 at 2 ranks."""
+    full = _model().state_dict()
+    models = []
+    for impl in ("torch", "fullshard"):
+        with torch.device("meta"):
+            m = _shard(_model(), impl, mp=False)
+        _load_assign(m, full, rank, world)
+        models.append(m)
+    assert [t for _, t, _ in _locals(models[1])] == [t for _, t, _ in _locals(models[0])]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    losses = []
+    for step in range(2):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step + 10 * rank))
+        (loss_ref, grads_ref, calls_ref), (loss, grads, calls) = [_step(m, o, x) for m, o in zip(models, opts)]
+        assert _equal(loss, loss_ref) and sorted(calls, key=repr) == sorted(calls_ref, key=repr), step
+        for (name, _, g_ref), (_, _, g) in zip(grads_ref, grads):
+            assert _equal(g, g_ref), (step, name)
+        for u in {id(s.unit): s.unit for s in map(fsdp_state, models[1].modules()) if s is not None}.values():
+            assert u.training_state is TrainingState.IDLE and not u.has_pending_reduce, (step, u.name)
+        losses.append(loss.item())
+    for (name, t_ref, v_ref), (_, t, v) in zip(_locals(models[0]), _locals(models[1])):
+        assert t is t_ref is Bf16CommWeight or name.endswith("bias"), name  # the shards keep their class
+        assert _equal(v, v_ref), name
+    with torch.device("meta"):
+        never_loaded = _shard(_model(), "fullshard", mp=False)
+    with pytest.raises(RuntimeError, match=r"\['4.weight'\] are still on the meta device; load a state dict"):
+        never_loaded(torch.randn(4, 8))
+    return losses
+
+
+@pytest.mark.timeout(200)
+def test_meta_device_then_load_state_dict_assign() -> None:
+    """torchtune's QLoRA loading (sharded on meta, NF4 shards assigned): as torch's fully_shard."""
+    losses = run_ranks(meta_assign_body, 2)[0]
+    assert len(losses) == 2 and losses[0] != losses[1]
+
+
 def signatures_body(rank: int, world: int) -> str:
     """The older one-argument pre hook runs as torch runs it; another arity is refused."""
     import torch.distributed.fsdp as tf

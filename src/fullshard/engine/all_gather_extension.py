@@ -9,6 +9,9 @@ one all-gather, one reduce-scatter) plus its extension parameters beside them:
 - unshard: the pre hooks' all-gather inputs of every extension parameter go out in one more
   all-gather (as bytes, since they may have several dtypes); at the wait the post hooks build
   the unsharded parameters, which the forward sees.
+- a shard the program replaced (``load_state_dict(assign=True)`` of a DTensor over the
+  subclass, as torchtune loads QLoRA's NF4 weights into a model sharded on the meta device) is
+  taken at the next unshard, as torch's FSDP2 takes it at its lazy init.
 - backward: trainable extension parameters reach the forward through one autograd node per
   forward (:class:`_ExtensionFull`) whose backward collects their gradients. The unit's
   post-backward waits for both parts, the plain flat gradient and the extension gradients;
@@ -33,10 +36,11 @@ from torch import nn
 
 from fullshard import compat
 from fullshard.comm import collectives, flight_recorder
+from fullshard.engine import shard_sync
 from fullshard.engine.extension_param import ExtensionParam, has_extension, make_shard
 from fullshard.engine.layout import ParamEntry, ShardState
 from fullshard.engine.reduce import pack_into, predivide_factor
-from fullshard.engine.sharded_param import ShardedParam, ShardSpec
+from fullshard.engine.sharded_param import ShardedParam, ShardSpec, local_tensor
 from fullshard.engine.unit import Unit, UnitConfig
 
 __all__ = ["ExtensionUnit", "attach", "check_plain", "unit_class"]
@@ -103,12 +107,6 @@ class ExtensionUnit(Unit):
         plain = [e for e in params if not has_extension(e[1])]
         super().__init__(name, plain, shard_group, replicate_group, config)
         self._entries = [e for e in params if has_extension(e[1])]
-        meta = [fqn for fqn, p, _ in self._entries if p.is_meta]
-        if meta:
-            raise NotImplementedError(
-                f"FSDP unit {name!r}: all-gather extension parameters {meta} are on the meta device; "
-                "materialize them before fully_shard"
-            )
         self.ext: list[ExtensionParam] = []
         self._mesh: Any = None
         self._mp_policy: Any = None
@@ -128,7 +126,35 @@ class ExtensionUnit(Unit):
         if not async_op:
             self.wait_for_unshard()
 
+    def _take_replaced(self) -> None:
+        """Adopt the extension parameters registered in the shards' place since the last gather.
+
+        Raises:
+            ValueError: one laid out otherwise than its shard, or without the extension hooks.
+            RuntimeError: a shard still on the meta device.
+        """
+        for ep in self.ext:
+            sp, slot = ep.sp, ep.sp.slots[0]
+            registered = compat.module_parameters(slot.module).get(slot.attr)
+            if registered is None or registered is sp.shard or sp.swapped:
+                continue
+            shard_sync.check_replacement(self, sp, registered)
+            if not has_extension(local_tensor(registered)):
+                raise ValueError(
+                    f"FSDP unit {self.name!r}: parameter {sp.fqn} was a {type(sp.local).__name__} (all-gather "
+                    f"extension) and was replaced by a DTensor over a {type(local_tensor(registered)).__name__}; "
+                    "give it a local tensor of the same class (e.g. to_nf4 of this rank's rows)"
+                )
+            sp.register_shard(registered)  # type: ignore[arg-type]
+        meta = [ep.sp.fqn for ep in self.ext if ep.sp.local.is_meta and ep.sp.spec.local_numel > 0]
+        if meta:
+            raise RuntimeError(
+                f"FSDP unit {self.name!r}: all-gather extension parameters {meta} are still on the meta device; "
+                "load a state dict with assign=True (DTensors over this rank's rows) before the first forward"
+            )
+
     def _start_gather(self) -> None:
+        self._take_replaced()
         n = self.shard_size
         inputs = [ep.pre_all_gather(self._mesh, self._mp_policy, self.device) for ep in self.ext]
         for ep, ins in zip(self.ext, inputs):

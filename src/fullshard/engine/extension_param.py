@@ -30,7 +30,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from fullshard import compat
 from fullshard.engine.sharded_param import ShardedParam
 
 
@@ -132,12 +131,6 @@ class ExtensionParam:
             RuntimeError: an unevenly sharded parameter whose inputs lack the padded shard's rows.
         """
         spec = self.sp.spec
-        slot = self.sp.slots[0]
-        if compat.module_parameters(slot.module).get(slot.attr) is not self.sp.shard and not self.sp.swapped:
-            raise NotImplementedError(
-                f"{self.sp.fqn}: the registered all-gather extension parameter was replaced (e.g. "
-                "load_state_dict(assign=True)); copy values into it instead (load_state_dict without assign)"
-            )
         local = self.sp.local
         if local.device != device:  # offloaded shards: the hook sees them on the compute device
             local = local.to(device, non_blocking=True)
@@ -219,6 +212,7 @@ def make_shard(p: torch.Tensor, sp: ShardedParam) -> torch.Tensor:
     with torch.no_grad():
         data = p.detach()
         padded = data.new_zeros((spec.chunk_rows, *spec.row_shape))
-        if spec.local_rows:
-            padded.narrow(0, 0, spec.local_rows).copy_(spec.local_slice(data))
+        if spec.local_rows:  # split, as torch.chunk: subclasses (NF4) may view or slice only from row 0
+            rows = torch.split(data, spec.chunk_rows)[spec.rank] if data.dim() else spec.local_slice(data)
+            padded.narrow(0, 0, spec.local_rows).copy_(rows)
         return padded.narrow(0, 0, spec.local_rows)

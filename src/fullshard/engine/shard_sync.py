@@ -49,7 +49,7 @@ def sync_shards(unit: UnitLayout) -> None:
     for sp in unit.params:
         registered = compat.module_parameters(sp.slots[0].module).get(sp.slots[0].attr)
         if registered is not None and registered is not sp.shard and not sp.swapped:
-            _check_replacement(unit, sp, registered)
+            check_replacement(unit, sp, registered)
             sp.register_shard(registered)  # type: ignore[arg-type]
         _check_unchanged(unit, sp)
     if unit.meta:
@@ -95,10 +95,11 @@ def _check_unchanged(unit: UnitLayout, sp: ShardedParam) -> None:
         )
 
 
-def _check_replacement(unit: UnitLayout, sp: ShardedParam, new: torch.Tensor) -> None:
+def check_replacement(unit: UnitLayout, sp: ShardedParam, new: torch.Tensor) -> None:
     """A parameter put in a shard's place (``load_state_dict(assign=True)``) must be laid
     out like the shard: a DTensor on the unit's mesh with its placements (fully_shard), or
-    a plain tensor of the shard's shape (the FSDP1 wrapper).
+    a plain tensor of the shard's shape (the FSDP1 wrapper). Also for all-gather extension
+    parameters (:mod:`.all_gather_extension`).
 
     Raises:
         ValueError: another mesh, placements or shape, naming the parameter and the fix.
