@@ -126,3 +126,45 @@ def fsdp1_body(rank: int, world: int, tmp: str) -> int:
 @pytest.mark.timeout(200)
 def test_async_save_fsdp1_sharded_state_dict(tmp_path) -> None:
     assert run_ranks(fsdp1_body, 2, str(tmp_path), timeout=180)[0] > 0
+
+
+def checkpointed_body(rank: int, world: int, tmp: str) -> int:
+    """Layers under torch's ``checkpoint_wrapper`` (activation checkpointing applied before
+    fully_shard, as torchtune does): the wrapper's own state-dict hook renames the keys, and
+    ``model.state_dict()`` must still give wrappers at storage offset 0 for ``async_save``."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from models import TinyLM
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    import fullshard
+
+    def sharded(seed: int) -> TinyLM:
+        torch.manual_seed(seed)
+        model = TinyLM(layers=2)
+        apply_activation_checkpointing(model, check_fn=lambda m: m in set(model.layers))
+        for layer in model.layers:
+            fullshard.fully_shard(layer)
+        return fullshard.fully_shard(model)
+
+    model = sharded(0)
+    train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-2), my_tokens(0, rank, world))
+    state = model.state_dict()
+    assert "layers.0.w1.weight" in state, list(state)  # the wrapper's prefix is gone
+    assert all(v.storage_offset() == 0 for v in state.values()), {k: v.storage_offset() for k, v in state.items()}
+    want = {k: v.full_tensor().clone() for k, v in state.items()}
+    dcp.async_save(state, checkpoint_id=tmp, process_group=dist.new_group(backend="gloo")).result()
+    fresh = sharded(5)
+    state = fresh.state_dict()
+    dcp.load(state, checkpoint_id=tmp)
+    fresh.load_state_dict(state)
+    got = {k: v.full_tensor() for k, v in fresh.state_dict().items()}
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    return len(got)
+
+
+@pytest.mark.timeout(200)
+def test_async_save_with_activation_checkpointing(tmp_path) -> None:
+    """It failed: 'Attempted to call copy_() on an invalid python storage' (the keys fullshard's
+    hook looked for had the wrapper's prefix)."""
+    assert run_ranks(checkpointed_body, 2, str(tmp_path), timeout=180)[0] > 0

@@ -415,7 +415,9 @@ def _register_state_dict_hooks(module: nn.Module, unit: Unit) -> None:
     this rank's rows as a DTensor like the parameter, so ``param.copy_`` (or ``assign=True``,
     taken into the unit at the next forward) works. ``state_dict`` gives DTensors whose wrapper
     sits at storage offset 0 (:func:`unshifted`: ``detach`` of a shard viewing the flat buffer
-    at an offset does not, and ``async_save`` fails on it)."""
+    at an offset does not, and ``async_save`` fails on it): every DTensor under the module's
+    prefix, whatever its key, as wrappers' own post hooks may have renamed the keys already
+    (``checkpoint_wrapper`` strips ``_checkpoint_wrapped_module.``)."""
     from torch.distributed.tensor import DTensor
 
     names = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
@@ -441,9 +443,8 @@ def _register_state_dict_hooks(module: nn.Module, unit: Unit) -> None:
     module.register_load_state_dict_pre_hook(from_full)
 
     def unshift(m: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-        for _, rel in keys:
-            value = state_dict.get(prefix + rel)
-            if isinstance(value, DTensor):
-                state_dict[prefix + rel] = unshifted(value)
+        for key, value in state_dict.items():
+            if isinstance(value, DTensor) and key.startswith(prefix):
+                state_dict[key] = unshifted(value)
 
     module.register_state_dict_post_hook(unshift)
