@@ -9,7 +9,8 @@ torchtune 0.6), the recipes' training loop (``CEWithChunkedOutputLoss`` through
 ``set_num_output_chunks``, losses weighted by token counts, gradient accumulation,
 ``training.scale_grads``, gradient clipping), ``training.gather_cpu_state_dict`` (adapter only and
 full), ``training.get_full_optimizer_state_dict`` / ``load_from_full_optimizer_state_dict`` (a
-resumed run continues as the original one does), and the full recipe's optimizer in backward.
+resumed run continues as the original one does), the checkpoint client's async DCP checkpoint
+(``enable_async_checkpointing``), and the full recipe's optimizer in backward.
 QLoRA (NF4 base weights, torchao's all-gather extension) loads its NF4 shards by assignment too.
 
 Each runs at 2 gloo ranks twice, on torch's ``fully_shard`` and after ``fullshard.use_in_torch()``
@@ -243,7 +244,31 @@ def _in_bwd(model: Any) -> Any:
     return wrapper
 
 
-def _full_run(rank: int, world: int, on_fullshard: bool) -> dict[str, Any]:
+def _dcp_round_trip(model: Any, opt: Any, base: dict, mesh: Any, out_dir: str) -> tuple[Any, Any]:
+    """``enable_async_checkpointing``: the checkpoint client's async DCP save of
+    ``model.state_dict()`` and ``optimizer.state_dict()``, then its ``load_distributed_checkpoint``
+    into a model built from ``base``. Returns that model and its optimizer."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state, set_state_dict
+    from torchtune import training
+    from torchtune.training.checkpointing import DistributedCheckpointer
+
+    group = dist.new_group(backend="gloo")  # the save's collectives apart from training's
+    checkpointer = DistributedCheckpointer(checkpoint_dir=out_dir, output_dir=out_dir, process_group=group)
+    state = {training.MODEL_KEY: model.state_dict(), training.OPT_KEY: opt.state_dict(), training.SEED_KEY: 0}
+    checkpointer.save_checkpoint(state, epoch=0, save_async=True)
+    checkpointer._checkpoint_future.result()
+    resumed = _full_model(base, mesh)
+    resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=1e-3)
+    _init_optim_state(resumed_opt)
+    state = {training.MODEL_KEY: resumed.state_dict(), training.OPT_KEY: resumed_opt.state_dict(), training.SEED_KEY: 0}
+    state = checkpointer.load_checkpoint(state)
+    set_state_dict(
+        resumed, resumed_opt, model_state_dict=state[training.MODEL_KEY], optim_state_dict=state[training.OPT_KEY]
+    )
+    return resumed, resumed_opt
+
+
+def _full_run(rank: int, world: int, on_fullshard: bool, out_dir: str) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torchtune import training
     from torchtune.models.llama3 import llama3
@@ -264,8 +289,10 @@ def _full_run(rank: int, world: int, on_fullshard: bool) -> dict[str, Any]:
         resumed = _full_model(_checkpoint(out["full"]), mesh)
         resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=1e-3)
         training.load_from_full_optimizer_state_dict(resumed, resumed_opt, _checkpoint(out["optim"]), _CPU)
+        from_dcp, from_dcp_opt = _dcp_round_trip(model, opt, base, mesh, f"{out_dir}/{on_fullshard}")
         more = _batches(rank, world, 2, first=4)
         out["continued"], out["resumed"] = _train(model, opt, more, world), _train(resumed, resumed_opt, more, world)
+        out["resumed_from_dcp"] = _train(from_dcp, from_dcp_opt, more, world)
 
         # optimizer_in_bwd: True (no accumulation, no clipping); saved per parameter, as its checkpoint client does
         model = _full_model(base, mesh)
@@ -291,8 +318,8 @@ def _full_run(rank: int, world: int, on_fullshard: bool) -> dict[str, Any]:
             binding.undo()
 
 
-def _full_both(rank: int, world: int) -> list[dict[str, Any]]:
-    return [_full_run(rank, world, ours) for ours in (False, True)]
+def _full_both(rank: int, world: int, out_dir: str) -> list[dict[str, Any]]:
+    return [_full_run(rank, world, ours, out_dir) for ours in (False, True)]
 
 
 # ---------------------------------------------------------------------- QLoRA
@@ -366,14 +393,15 @@ def test_lora_recipe_on_fullshard_matches_torch() -> None:
 
 
 @pytest.mark.timeout(240)
-def test_full_finetune_recipe_on_fullshard_matches_torch() -> None:
-    """Sharded embeddings and output, a dp mesh sliced from (dp, tp), resume, optimizer in backward."""
-    results = run_ranks(_full_both, 2, timeout=220)
+def test_full_finetune_recipe_on_fullshard_matches_torch(tmp_path: Any) -> None:
+    """Sharded embeddings and output, a dp mesh sliced from (dp, tp), resume (also from the async
+    DCP checkpoint: it failed before, see test_async_save.py), optimizer in backward."""
+    results = run_ranks(_full_both, 2, str(tmp_path), timeout=220)
     _check_pair(results, "full")
+    for ref, _ in results:
+        assert ref["in_bwd_resumed"] == ref["in_bwd_continued"] and ref["resumed_from_dcp"] == ref["continued"]
     ref = results[0][0]
     assert ref["moved"] == ref["in_bwd_moved"] == sorted(ref["full"]) != []  # every weight trained
-    for ref, _ in results:
-        assert ref["in_bwd_resumed"] == ref["in_bwd_continued"]
     assert "tok_embeddings" in ref["layout"] and "output" in ref["layout"]  # units of their own
 
 
