@@ -6,12 +6,12 @@ and ``lora_B``) is sharded by Accelerate's FSDP2 path (``fully_shard`` per decod
 losses, the adapter file that ``save_fsdp_model(..., adapter_only=True)`` writes (what the HF
 Trainer saves for PEFT) and the adapter loaded back must be bitwise torch's. The FSDP1 wrapper
 runs PEFT's own ``fsdp_auto_wrap_policy`` (each trainable LoRA leaf a unit of its own, inside
-the decoder-layer units) against an unsharded model.
+the decoder-layer units) beside torch's FSDP1 (on CPU with ``device_id``): losses and the adapter
+``get_peft_model_state_dict`` gives under ``FULL_STATE_DICT`` must be bitwise torch's.
 """
 
 from __future__ import annotations
 
-import copy
 import os
 from typing import Any
 
@@ -133,48 +133,51 @@ def test_accelerate_lora_on_fullshard_matches_torch(tmp_path: Any) -> None:
 
 
 def _fsdp1_lora(rank: int, world: int) -> list[str]:
+    """PEFT's FSDP1 recipe on fullshard's wrapper and on torch's FSDP1 (on CPU with device_id)."""
+    import torch.distributed.fsdp as tf
+    from peft import get_peft_model_state_dict
     from peft.utils.other import fsdp_auto_wrap_policy
-    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
 
-    from fullshard import FullyShardedDataParallel as FSDP
+    from fullshard import FullyShardedDataParallel
 
-    ref = _lora_llama()
-    peft_model = copy.deepcopy(ref)
-    model = FSDP(peft_model, auto_wrap_policy=fsdp_auto_wrap_policy(peft_model), use_orig_params=True)
-    units = FSDP.fsdp_modules(model)
-    lora_units = [u for u in units if all(p.requires_grad for p in u.parameters())]
-    assert len(lora_units) == 16 and len(units) == 1 + 4 + 16, len(units)  # root, layers, LoRA leaves
-    trainable = lambda m: [p for p in m.parameters() if p.requires_grad]  # noqa: E731
-    opt = torch.optim.AdamW(trainable(model), lr=1e-2)
-    ref_opt = torch.optim.AdamW(trainable(ref), lr=1e-2)
-    g = torch.Generator().manual_seed(1)
-    for _ in range(3):
-        x = torch.randint(0, 256, (2 * world, 16), generator=g)
-        loss = model(input_ids=local(x, rank, world), labels=local(x, rank, world)).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref_loss = ref(input_ids=x, labels=x).loss
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False)):
-        full = model.state_dict()
-    want = ref.state_dict()
-    assert list(full) == list(want)
-    checked = []
-    for key, value in want.items():
-        if "lora_" in key:  # trained: the sharded model's adapter is the unsharded one's
-            assert torch.allclose(full[key], value, rtol=1e-4, atol=1e-6), key
-            checked.append(key)
-        else:  # frozen: untouched
-            assert torch.equal(full[key], value), key
-    assert all(want[k].abs().max() > 0 for k in checked if "lora_B" in k)
-    return checked
+    runs = []
+    for fsdp, kwargs in (
+        (tf.FullyShardedDataParallel, {"device_id": torch.device("cpu")}),
+        (FullyShardedDataParallel, {}),
+    ):
+        peft_model = _lora_llama()
+        base = {k: v.clone() for k, v in peft_model.state_dict().items() if "lora_" not in k}
+        model = fsdp(peft_model, auto_wrap_policy=fsdp_auto_wrap_policy(peft_model), use_orig_params=True, **kwargs)
+        units = fsdp.fsdp_modules(model)
+        assert len(units) == 1 + 4 + 16, len(units)  # root, decoder layers, each LoRA leaf
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        losses = []
+        for x in _batches(rank, world, 3):
+            loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        # The HF Trainer's FSDP1 save of a PEFT model (accelerate's save_fsdp_model, adapter_only).
+        config = tf.FullStateDictConfig(offload_to_cpu=False, rank0_only=True)
+        with fsdp.state_dict_type(model, tf.StateDictType.FULL_STATE_DICT, config):
+            adapter = get_peft_model_state_dict(model)
+            full = model.state_dict()
+        runs.append((losses, adapter, {k: v for k, v in full.items() if "lora_" not in k}, base))
+    (theirs, their_adapter, _, _), (ours, adapter, frozen, base) = runs
+    assert ours == theirs, (ours, theirs)
+    assert list(adapter) == list(their_adapter) and len(adapter) == (16 if rank == 0 else 0), list(adapter)
+    for key, want in their_adapter.items():
+        assert torch.equal(adapter[key], want), key
+    assert all(adapter[k].abs().max() > 0 for k in adapter if "lora_B" in k)  # trained from zero
+    if rank == 0:  # the frozen base weights are untouched
+        assert frozen.keys() == base.keys() and all(torch.equal(frozen[k], base[k]) for k in base)
+    return list(adapter)
 
 
 @pytest.mark.timeout(240)
-def test_fsdp1_wrapper_with_peft_policy_trains_lora_like_unsharded() -> None:
-    """PEFT's FSDP1 recipe: its wrap policy, ``use_orig_params=True``; only the adapter moves."""
-    for checked in run_ranks(_fsdp1_lora, 2, timeout=220):
-        assert len(checked) == 16
+def test_fsdp1_wrapper_with_peft_policy_matches_torch_fsdp1() -> None:
+    """PEFT's FSDP1 recipe (its wrap policy, ``use_orig_params=True``), as torch's FSDP1 trains
+    it: the same losses and the same adapter from ``get_peft_model_state_dict``, bit for bit."""
+    keys = run_ranks(_fsdp1_lora, 2, timeout=220)
+    assert len(keys[0]) == 16 and keys[1] == []

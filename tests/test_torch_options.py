@@ -624,7 +624,7 @@ def accelerate_body(rank: int, world: int) -> list[Any]:
         state = wrapped.state_dict()
         optim_state = FSDP.optim_state_dict(wrapped, run_a[2])
     assert (len(state) == len(make_stack().state_dict())) == (rank == 0)  # rank0_only=True carried over
-    assert bool(optim_state["state"]) == (rank == 0)
+    assert bool(optim_state.get("state")) == (rank == 0) and (rank == 0 or optim_state == {})  # torch's: {} off rank 0
 
     # FSDP2 (fsdp_version=2): accelerate.utils.fsdp_utils.fsdp2_prepare_model's fully_shard arguments.
     plugin2 = FullyShardedDataParallelPlugin(fsdp_version=2, mixed_precision_policy="bf16", cpu_offload=False)
