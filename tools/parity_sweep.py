@@ -14,7 +14,8 @@ different orders, about 1e-6 of the update in fp32, and bf16 reductions round mo
 
 Usage (nothing is timed: the machine need not be idle)::
 
-    PYTHONPATH=src python tools/parity_sweep.py SEED N [--start I] [--steps 3] [--optim adamw|sgd] [--world W]
+    PYTHONPATH=src python tools/parity_sweep.py SEED N [--start I] [--steps 3] [--optim adamw|sgd]
+        [--world W] [--accumulate K]
 """
 
 from __future__ import annotations
@@ -37,9 +38,11 @@ def main(argv: list[str]) -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--optim", choices=parity.OPTIMIZERS, default="adamw")
     p.add_argument("--world", type=int, default=0, help="run every draw at this world size instead of its own")
+    p.add_argument("--accumulate", type=int, default=1, help="micro-batches per step, sync off for all but the last")
     a = p.parse_args(argv)
     how = "AdamW steps (lr 1e-3)" if a.optim == "adamw" else "SGD steps (lr 1e-2, momentum 0.9)"
-    print(f"Seed {a.seed}, configurations {a.start}-{a.n - 1}, {a.steps} {how}.\n")
+    micro = f", {a.accumulate} micro-batches each (sync off for all but the last)" if a.accumulate > 1 else ""
+    print(f"Seed {a.seed}, configurations {a.start}-{a.n - 1}, {a.steps} {how}{micro}.\n")
     print("| configuration | = torch, bitwise | update error: fullshard / torch | loss error: fullshard / torch | s |")
     print("|---|---|---|---|---|")
     results: list[parity.Result] = []
@@ -47,7 +50,7 @@ def main(argv: list[str]) -> None:
         c = dataclasses.replace(c, world=a.world) if a.world else c
         start = time.perf_counter()
         try:
-            r = launch.launch(parity.worker, (c, a.steps, a.optim), c.world, env=launch.BENCH_ENV)[0]
+            r = launch.launch(parity.worker, (c, a.steps, a.optim, a.accumulate), c.world, env=launch.BENCH_ENV)[0]
             assert r is not None
             results.append(r)
             row = (

@@ -20,8 +20,10 @@ parity_sweep.py`` runs it over a seed's draws.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -97,14 +99,33 @@ def _optimizer(params: Any, optim: str) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-3)
 
 
-def _batch(c: Config, example: Any, step: int, rank: int) -> Any:
-    torch.manual_seed(1000 * step + rank)  # each rank its own batch, the same for every run
+def _batch(c: Config, example: Any, step: int, rank: int, micro: int = 0) -> Any:
+    torch.manual_seed(1000 * step + 100 * micro + rank)  # each rank its own batch, the same for every run
     return families.random_batch(c.family, example, c.shape.vocab)
 
 
-def train_rank(c: Config, rank: int, which: str, steps: int, optim: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+@contextlib.contextmanager
+def _sync_off(model: nn.Module, c: Config) -> Iterator[None]:
+    """Gradient sync off for a micro-batch: ``no_sync()`` on an FSDP1 wrapper (torch's or
+    fullshard's), ``set_requires_gradient_sync(False)`` on ``fully_shard``."""
+    if c.api == "fsdp1":
+        with model.no_sync():  # type: ignore[operator]
+            yield
+        return
+    model.set_requires_gradient_sync(False)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+
+def train_rank(
+    c: Config, rank: int, which: str, steps: int, optim: str, accumulate: int = 1
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     """On one rank of a started process group: ``c`` sharded by ``which`` ("fullshard" or
-    "torch") and trained ``steps`` steps; rank ``rank``'s losses and the final parameters."""
+    "torch") and trained ``steps`` steps of ``accumulate`` micro-batches each (gradient sync off
+    for all but the last); rank ``rank``'s losses (the mean over a step's micro-batches) and the
+    final parameters."""
     make, example, loss_fn, is_unit = families.parts(c.family, c.shape, c.batch, c.seq)
     torch.manual_seed(0)
     model = make()
@@ -112,19 +133,23 @@ def train_rank(c: Config, rank: int, which: str, steps: int, optim: str) -> tupl
     opt = _optimizer(model.parameters(), optim)
     losses = []
     for step in range(steps):
-        loss = loss_fn(model, _batch(c, example, step, rank))
-        loss.backward()
+        total = 0.0
+        for micro in range(accumulate):
+            with _sync_off(model, c) if micro < accumulate - 1 else contextlib.nullcontext():
+                loss = loss_fn(model, _batch(c, example, step, rank, micro)) / accumulate
+                loss.backward()
+            total += loss.item()
         opt.step()
         opt.zero_grad()
-        losses.append(loss.item())
+        losses.append(total)
     return losses, full_params(model, which if c.api == "fsdp1" else "")
 
 
 def reference(
-    c: Config, steps: int, optim: str
+    c: Config, steps: int, optim: str, accumulate: int = 1
 ) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """One process, fp32, unsharded: each step descends the mean of the ranks' losses. Returns
-    rank 0's losses, the initial and the final parameters."""
+    """One process, fp32, unsharded: each step descends the mean of the ranks' and micro-batches'
+    losses. Returns rank 0's losses, the initial and the final parameters."""
     make, example, loss_fn, _ = families.parts(c.family, c.shape, c.batch, c.seq)
     torch.manual_seed(0)
     model = make()
@@ -132,15 +157,18 @@ def reference(
     opt = _optimizer(model.parameters(), optim)
     losses = []
     for step in range(steps):
-        per_rank = [loss_fn(model, _batch(c, example, step, r)) for r in range(c.world)]
-        (sum(per_rank) / c.world).backward()
+        rank0 = 0.0
+        for micro in range(accumulate):
+            per_rank = [loss_fn(model, _batch(c, example, step, r, micro)) / accumulate for r in range(c.world)]
+            (sum(per_rank) / c.world).backward()
+            rank0 += per_rank[0].item()
         opt.step()
         opt.zero_grad()
-        losses.append(per_rank[0].item())
+        losses.append(rank0)
     return losses, initial, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def compare_rank(c: Config, rank: int, steps: int = 3, optim: str = "adamw") -> Result | None:
+def compare_rank(c: Config, rank: int, steps: int = 3, optim: str = "adamw", accumulate: int = 1) -> Result | None:
     """On each rank of a started process group of ``c.world`` ranks: train fullshard and torch;
     rank 0 then runs the reference and returns the :class:`Result` (the others None).
 
@@ -149,17 +177,17 @@ def compare_rank(c: Config, rank: int, steps: int = 3, optim: str = "adamw") -> 
             refuses the model's shapes), or the two name the parameters differently.
     """
     try:
-        ours, ours_params = train_rank(c, rank, "fullshard", steps, optim)
+        ours, ours_params = train_rank(c, rank, "fullshard", steps, optim, accumulate)
     except Exception as err:  # the model itself may fail (a kernel's limits): torch's run decides
         try:
-            train_rank(c, rank, "torch", steps, optim)
+            train_rank(c, rank, "torch", steps, optim, accumulate)
         except Exception as theirs_too:
             raise RuntimeError(f"fails on torch's FSDP too: {type(theirs_too).__name__}: {theirs_too}") from err
         raise RuntimeError(f"fails on fullshard only: {type(err).__name__}: {err}") from err
-    theirs, their_params = train_rank(c, rank, "torch", steps, optim)
+    theirs, their_params = train_rank(c, rank, "torch", steps, optim, accumulate)
     if rank != 0:
         return None
-    ref, initial, ref_params = reference(c, steps, optim)
+    ref, initial, ref_params = reference(c, steps, optim, accumulate)
     if not set(ours_params) == set(their_params) == set(ref_params):
         raise RuntimeError(f"parameter names differ: {sorted(set(ours_params) ^ set(their_params))[:4]}")
     bitwise = ours == theirs and all(torch.equal(ours_params[n], their_params[n]) for n in ref_params)
@@ -179,11 +207,11 @@ def compare_rank(c: Config, rank: int, steps: int = 3, optim: str = "adamw") -> 
     )
 
 
-def worker(c: Config, steps: int, optim: str) -> Result | None:
+def worker(c: Config, steps: int, optim: str, accumulate: int = 1) -> Result | None:
     """:func:`compare_rank` in a process started by :func:`fullshard.jobs.launch.launch`."""
     launch.init_process_group()
     try:
-        return compare_rank(c, launch.rank(), steps, optim)
+        return compare_rank(c, launch.rank(), steps, optim, accumulate)
     finally:
         launch.destroy_process_group()
 
