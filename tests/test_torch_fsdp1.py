@@ -132,6 +132,7 @@ def _training_cases(world: int) -> list[tuple[str, str, dict[str, Any]]]:
         ("no backward_prefetch sgd", "sgd", {"backward_prefetch": None}),
         ("no_sync sgd", "sgd", {"_no_sync": True}),
         ("ignored_modules sgd", "sgd", {"_ignore": True}),
+        ("ignored_states parameters adamw", "adamw", {"_ignore": "params"}),
         ("clip_grad_norm_ sgd", "sgd", {"_clip": 0.05}),
     ]
     if world == 2:
@@ -152,7 +153,9 @@ def _train(kind: str, optim: str, kw: dict[str, Any], rank: int, world: int) -> 
     no_sync, ignore, clip = kw.pop("_no_sync", False), kw.pop("_ignore", False), kw.pop("_clip", None)
     kw.setdefault("use_orig_params", True)
     module = make_stack(scale_shape=(1,))
-    if ignore:
+    if ignore == "params":  # one in a Block's unit, one in the root's: whole, never reduced
+        kw["ignored_states"] = [module.blocks[1].lin.weight, module.head.bias]
+    elif ignore:
         kw["ignored_modules"] = [module.blocks[1]]
     model = _wrap(kind, module, **kw)
     opt = _opt(optim, model.parameters())

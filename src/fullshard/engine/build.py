@@ -308,23 +308,28 @@ def _cast_buffers(module: nn.Module, dtype: torch.dtype, ignored: Modules) -> No
 def ignored_modules(
     ignored_modules: Iterable[nn.Module] | None, ignored_states: Iterable[Any] | None
 ) -> frozenset[nn.Module]:
-    """The modules a wrapper leaves alone: those given, with all their submodules.
+    """The modules a wrapper leaves alone: those given, with all their submodules. Parameters in
+    ``ignored_states`` are marked instead (as ``fully_shard``'s ``ignored_params``): no unit
+    shards, gathers or reduces them, and they stay where they are.
 
     Raises:
         ValueError: both arguments given; an FSDP unit among them.
-        TypeError: an entry that is not an nn.Module.
-        NotImplementedError: a parameter in ``ignored_states``.
+        TypeError: an entry that is neither an nn.Module nor (in ``ignored_states``) a parameter.
     """
     if ignored_modules is not None and ignored_states is not None:
         raise ValueError("pass ignored_modules or ignored_states, not both")
     chosen = list(ignored_modules or []) + list(ignored_states or [])
     out: set[nn.Module] = set()
     for m in chosen:
-        if isinstance(m, nn.Parameter):
-            raise NotImplementedError("ignored_states with parameters is not built yet; pass the modules that own them")
+        if isinstance(m, nn.Parameter) and ignored_states is not None:
+            if is_sharded(m):
+                raise ValueError("ignored_states must not contain parameters an FSDP unit already sharded")
+            m._fullshard_ignored = True  # type: ignore[attr-defined]
+            continue
         if not isinstance(m, nn.Module):
             raise TypeError(
-                f"ignored_modules must hold nn.Module objects, got {type(m).__name__}; pass the submodules to ignore"
+                f"ignored_modules must hold nn.Module objects (ignored_states: modules or parameters), got "
+                f"{type(m).__name__}; pass the submodules or parameters to ignore"
             )
         if is_unit(m):
             raise ValueError("ignored_modules must not contain FSDP units (wrapped or fully_shard modules)")

@@ -78,8 +78,8 @@ class FullyShardedDataParallel(StateDictMethods):
         use_orig_params: None or True; False warns: names and shapes are always the original
             ones, and the original Parameter objects stay registered (their ``.data`` becomes
             this rank's shard), so an optimizer built before wrapping trains the model.
-        ignored_states: modules to ignore (like ``ignored_modules``); parameters, which torch's
-            takes too, raise NotImplementedError: pass the modules that own them.
+        ignored_states: modules to ignore (like ``ignored_modules``) or parameters: left whole,
+            where they are, and never reduced (each rank keeps its own gradient), as torch's.
         device_mesh: a 1-D DeviceMesh whose group to shard over.
         comm_quantization: keyword only, fullshard's own: a :class:`~fullshard.CommQuantization`
             to all-gather parameters as int8 blocks and/or reduce-scatter gradients in bf16 or
