@@ -20,10 +20,8 @@ parity_sweep.py`` runs it over a seed's draws.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
-from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -33,6 +31,7 @@ from fullshard import compat
 from fullshard.jobs import launch
 from fullshard.jobs.planning import families, sweep_bench
 from fullshard.jobs.planning.sweep import Config, selective_context
+from fullshard.jobs.train.global_batch import gradient_sync
 
 _STRATEGY = {"full_shard": "FULL_SHARD", "shard_grad_op": "SHARD_GRAD_OP", "no_shard": "NO_SHARD"}
 OPTIMIZERS = ("adamw", "sgd")
@@ -104,21 +103,6 @@ def _batch(c: Config, example: Any, step: int, rank: int, micro: int = 0) -> Any
     return families.random_batch(c.family, example, c.shape.vocab)
 
 
-@contextlib.contextmanager
-def _sync_off(model: nn.Module, c: Config) -> Iterator[None]:
-    """Gradient sync off for a micro-batch: ``no_sync()`` on an FSDP1 wrapper (torch's or
-    fullshard's), ``set_requires_gradient_sync(False)`` on ``fully_shard``."""
-    if c.api == "fsdp1":
-        with model.no_sync():  # type: ignore[operator]
-            yield
-        return
-    model.set_requires_gradient_sync(False)  # type: ignore[operator]
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)  # type: ignore[operator]
-
-
 def train_rank(
     c: Config, rank: int, which: str, steps: int, optim: str, accumulate: int = 1
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -135,7 +119,7 @@ def train_rank(
     for step in range(steps):
         total = 0.0
         for micro in range(accumulate):
-            with _sync_off(model, c) if micro < accumulate - 1 else contextlib.nullcontext():
+            with gradient_sync(model, enabled=micro == accumulate - 1):
                 loss = loss_fn(model, _batch(c, example, step, rank, micro)) / accumulate
                 loss.backward()
             total += loss.item()
