@@ -13,7 +13,9 @@ makes each unit's forward start the all-gathers of the next N units in module or
 ``"local_gather": true`` is a diagnosis, not training: every all-gather of that implementation's
 steps stays on its rank (each rank's own shard is copied into every rank's slice, so the values
 are wrong but finite), so its step shows what the engine costs without the wire),
-or ``fullshard quantized=SPEC``: the wrapper with ``--comm-quant SPEC`` (as ``bench compare``'s row).
+or ``fullshard quantized=SPEC``: the wrapper with ``--comm-quant SPEC`` (as ``bench compare``'s row),
+or ``torch FSDP1``: torch's own FullyShardedDataParallel over the same units (on CPU with
+``device_id``).
 
     python tools/interleave.py memory "DDP;fullshard;fullshard quantized=on" 6
 
@@ -71,6 +73,8 @@ def _build(workload: str, spec: str, dev: torch.device, rank: int) -> workloads.
     name, _, kw_text = spec.partition(":")
     if name.startswith(workloads.QUANTIZED + "="):
         return workloads.build_job(workload, workloads.QUANTIZED, dev, rank, name.partition("=")[2])
+    if name == TORCH_FSDP1:
+        return _torch_fsdp1_job(workload, dev, rank)
     if not kw_text:
         return workloads.build_job(workload, name, dev, rank)
     kw = json.loads(kw_text)
@@ -102,6 +106,31 @@ def _build(workload: str, spec: str, dev: torch.device, rank: int) -> workloads.
         for i, st in enumerate(states):
             st.prefetch_in_forward = [o.unit for o in states[i + 1 : i + 1 + depth]]  # type: ignore[union-attr]
     return job
+
+
+TORCH_FSDP1 = "torch FSDP1"  # torch's own FullyShardedDataParallel, on CPU through device_id
+
+
+def _torch_fsdp1_job(workload: str, dev: torch.device, rank: int) -> workloads.Job:
+    """The workload under torch's FSDP1 wrapper, the same units as fullshard's wrapper
+    (``use_orig_params=True``, BACKWARD_PRE; on CPU torch's FSDP1 needs ``device_id``)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+    orig = workloads.wrap
+
+    def _wrap(impl, model, units, device, comm_quant=None):  # type: ignore[no-untyped-def]
+        chosen = {id(u) for u in units}
+
+        def policy(module, recurse, nonwrapped_numel):  # type: ignore[no-untyped-def]
+            return recurse or id(module) in chosen
+
+        return TorchFSDP(model, auto_wrap_policy=policy, use_orig_params=True, device_id=device)
+
+    workloads.wrap = _wrap  # type: ignore[assignment]
+    try:
+        return workloads.build_job(workload, "fullshard", dev, rank)
+    finally:
+        workloads.wrap = orig  # type: ignore[assignment]
 
 
 Phases = list[list[tuple[float, ...]]]  # per implementation, per round: 3 wall, then 3 CPU seconds
