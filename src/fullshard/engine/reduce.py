@@ -396,11 +396,13 @@ class GradReducer:
             out = host
         viewed = False  # some shard's .grad is now a view of ``out``
         views = unit.trainable_local_views(out)
-        skipped = _unused_here(pending.used, views)
+        unused = _unused_here(pending.used, views)
+        left_none: set[int] = set()  # unused parameters without a .grad: it stays None
         for i, (sp, g) in enumerate(zip(unit.trainable, views)):
             assert sp.shard is not None
             current = sp.local_grad()
-            if current is None and i in skipped:
+            if current is None and i in unused:
+                left_none.add(i)
                 continue
             if current is None:
                 viewed = True
@@ -418,7 +420,7 @@ class GradReducer:
             else:
                 buffers.POOL.release(pending.packed, lent=True)
         for i, sp in enumerate(unit.trainable):
-            if i not in skipped or sp.local_grad() is not None:
+            if i not in left_none:
                 sp.run_grad_hooks()
 
     def _grad_buffer(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
@@ -443,9 +445,9 @@ class GradReducer:
 
 
 def _unused_here(used: list[bool] | None, shards: Sequence[torch.Tensor]) -> set[int]:
-    """Indices of the trainable parameters whose ``.grad`` stays None: no gradient reached them
-    on this rank and their reduced shard is all zeros (so none reached them on another rank
-    either; where one did, the shard holds its sum and becomes the ``.grad``)."""
+    """Indices of the trainable parameters no gradient reached on this rank whose reduced shard
+    is all zeros (so none reached them on another rank either; where one did, the shard holds
+    its sum and becomes the ``.grad``): a ``.grad`` they lack stays None."""
     if used is None:
         return set()
     return {i for i, (u, g) in enumerate(zip(used, shards)) if not u and not bool(g.any())}
