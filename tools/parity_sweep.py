@@ -15,7 +15,10 @@ different orders, about 1e-6 of the update in fp32, and bf16 reductions round mo
 Usage (nothing is timed: the machine need not be idle)::
 
     PYTHONPATH=src python tools/parity_sweep.py SEED N [--start I] [--steps 3] [--optim adamw|sgd]
-        [--world W] [--accumulate K]
+        [--world W] [--accumulate K] [--extras]
+
+``--extras`` adds to each configuration the options :func:`fullshard.jobs.planning.parity.draw_extras`
+draws for it (clipping, prefetch, CPU offload), the same on fullshard, torch and the reference.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("--optim", choices=parity.OPTIMIZERS, default="adamw")
     p.add_argument("--world", type=int, default=0, help="run every draw at this world size instead of its own")
     p.add_argument("--accumulate", type=int, default=1, help="micro-batches per step, sync off for all but the last")
+    p.add_argument("--extras", action="store_true", help="draw clipping, prefetch and CPU offload per configuration")
     a = p.parse_args(argv)
     how = "AdamW steps (lr 1e-3)" if a.optim == "adamw" else "SGD steps (lr 1e-2, momentum 0.9)"
     micro = f", {a.accumulate} micro-batches each (sync off for all but the last)" if a.accumulate > 1 else ""
@@ -48,9 +52,12 @@ def main(argv: list[str]) -> None:
     results: list[parity.Result] = []
     for c in draw(a.seed, a.n)[a.start :]:
         c = dataclasses.replace(c, world=a.world) if a.world else c
+        extras = parity.draw_extras(c) if a.extras else parity.NO_EXTRAS
         start = time.perf_counter()
         try:
-            r = launch.launch(parity.worker, (c, a.steps, a.optim, a.accumulate), c.world, env=launch.BENCH_ENV)[0]
+            r = launch.launch(
+                parity.worker, (c, a.steps, a.optim, a.accumulate, extras), c.world, env=launch.BENCH_ENV
+            )[0]
             assert r is not None
             results.append(r)
             row = (
@@ -59,7 +66,8 @@ def main(argv: list[str]) -> None:
             )
         except launch.WorkerFailed as err:
             row = f"failed: {str(err).splitlines()[0][:160]} | - | -"
-        print(f"| {sweep_bench.cell(c)} | {row} | {time.perf_counter() - start:.0f} |", flush=True)
+        cell = sweep_bench.cell(c) + (f" \\| {extras.describe()}" if extras.describe() else "")
+        print(f"| {cell} | {row} | {time.perf_counter() - start:.0f} |", flush=True)
     print()
     for line in parity.summary(results):
         print(line)

@@ -74,10 +74,18 @@ def predict(c: Config, backend: str = "gloo", cpu_offload: bool = False) -> Peak
     )
 
 
-def wrap(c: Config, model: nn.Module, is_unit: Any, cpu_offload: bool = False) -> nn.Module:
+def wrap(
+    c: Config,
+    model: nn.Module,
+    is_unit: Any,
+    cpu_offload: bool = False,
+    forward_prefetch: bool = False,
+    backward_prefetch: str = "pre",
+) -> nn.Module:
     """``model`` with ``c``'s activation checkpointing on its units, then sharded by ``c``'s
     front end, one FSDP unit per ``is_unit`` module (as the training jobs shard), its shards
-    in host memory with ``cpu_offload``."""
+    in host memory with ``cpu_offload``, prefetching as the jobs' ``--forward-prefetch`` and
+    ``--backward-prefetch`` (pre, post or none) say."""
     from fullshard.frontend.activation_checkpointing import apply_activation_checkpointing, checkpoint_wrapper
     from fullshard.frontend.wrap import lambda_auto_wrap_policy
     from fullshard.jobs.train import fsdp_options
@@ -86,8 +94,8 @@ def wrap(c: Config, model: nn.Module, is_unit: Any, cpu_offload: bool = False) -
         sharding_strategy=c.strategy,
         mixed_precision="bf16" if c.precision == "bf16" else "none",
         cpu_offload=cpu_offload,
-        backward_prefetch="pre",
-        forward_prefetch=False,
+        backward_prefetch=backward_prefetch,
+        forward_prefetch=forward_prefetch,
         api=c.api,
     )
     fsdp_options.validate(opts)
