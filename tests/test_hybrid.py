@@ -63,12 +63,70 @@ def hybrid_body(rank: int, world: int) -> list[str]:
         )
     with pytest.raises(ValueError, match="not FULL_SHARD"):
         FSDP(make_stack(), process_group=(mesh.get_group("shard"), mesh.get_group("replicate")))
+    return done + _against_torch_fsdp1(rank, mesh)
+
+
+def _against_torch_fsdp1(rank: int, mesh) -> list[str]:
+    """Both hybrid strategies against torch's own FSDP1 on the same mesh (on CPU with
+    ``device_id``): steps of two micro-batches (``no_sync`` for the first), SGD with momentum.
+    Losses, parameters and the full state dict are torch's bit for bit (each reduction is a sum
+    of two, in either order the same). Then one step with ``clip_grad_norm_``, whose norm
+    fullshard sums in float64 and torch in float32: the same to float32 rounding."""
+    import torch.distributed.fsdp as tf
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchWrapPolicy
+
+    from fullshard import FSDP, ShardingStrategy
+    from fullshard.frontend.wrap import ModuleWrapPolicy
+
+    done = []
+    for strategy in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"):
+        base = make_stack(scale_shape=(1,))  # torch's FSDP1 refuses 0-dim parameters
+        theirs = tf.FullyShardedDataParallel(
+            copy.deepcopy(base),
+            sharding_strategy=tf.ShardingStrategy[strategy],
+            auto_wrap_policy=TorchWrapPolicy({Block}),
+            device_mesh=mesh,
+            device_id=torch.device("cpu"),
+            use_orig_params=True,
+        )
+        ours = FSDP(
+            copy.deepcopy(base),
+            sharding_strategy=ShardingStrategy[strategy],
+            auto_wrap_policy=ModuleWrapPolicy({Block}),
+            device_mesh=mesh,
+            use_orig_params=True,
+        )
+        runs = []
+        for model in (theirs, ours):
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            losses, norms = [], []
+            for step in range(4):
+                torch.manual_seed(100 * step + rank)  # each rank its own micro-batches
+                x = torch.randn(4, 6)
+                with model.no_sync():
+                    model(x).pow(2).mean().backward()
+                loss = model(2 * x).pow(2).mean()
+                loss.backward()
+                if step == 3:
+                    norms.append(float(model.clip_grad_norm_(0.05)))
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+            runs.append((losses, norms, model.state_dict()))
+        (their_losses, their_norm, their_state), (our_losses, our_norm, our_state) = runs
+        assert our_losses == their_losses, (strategy, our_losses, their_losses)
+        assert our_norm == pytest.approx(their_norm, rel=1e-6), (strategy, our_norm, their_norm)
+        clean = {k.replace("_fsdp_wrapped_module.", ""): v for k, v in their_state.items()}
+        assert set(clean) == set(our_state), (strategy, sorted(set(clean) ^ set(our_state)))
+        for k, v in our_state.items():  # after the clipped step: float32 rounding of the norm apart
+            torch.testing.assert_close(v, clean[k], rtol=1e-6, atol=1e-7, msg=lambda m: f"{strategy} {k}: {m}")
+        done.append(f"{strategy}/torch FSDP1")
     return done
 
 
 @pytest.mark.timeout(300)
 def test_hybrid_sharding_2x2() -> None:
-    assert len(run_ranks(hybrid_body, 4, timeout=280)[0]) == 6
+    assert len(run_ranks(hybrid_body, 4, timeout=280)[0]) == 8
 
 
 # ---------------------------------------------------------------------------- fully_shard on a slice of a mesh
