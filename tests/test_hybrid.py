@@ -129,6 +129,129 @@ def test_hybrid_sharding_2x2() -> None:
     assert len(run_ranks(hybrid_body, 4, timeout=280)[0]) == 8
 
 
+# ---------------------------------------------------------------------------- fully_shard: HSDP gradient accumulation
+class _BranchNet(torch.nn.Module):
+    """stem -> a -> (branch, when used) -> b -> head: the branch runs in some micro-batches only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = torch.nn.Linear(6, 13)
+        self.a, self.branch, self.b = Block(13, 13), Block(13, 13), Block(13, 7)
+        self.head = torch.nn.Linear(7, 3)
+
+    def forward(self, x: torch.Tensor, use_branch: bool = True) -> torch.Tensor:
+        h = self.a(self.stem(x))
+        return self.head(self.b(self.branch(h) if use_branch else h))
+
+
+def _toggle(model, how: str, micro: int, last: bool) -> None:
+    """Before micro-batch ``micro``: sync only the last one, by ``how``."""
+    if how == "all_reduce":  # reduce-scatter every micro-batch, all-reduce the sum at the last
+        model.set_requires_all_reduce(last)
+    elif how == "sync":  # for HSDP, neither collective until the last
+        model.set_requires_gradient_sync(last)
+    elif micro == 0:  # "mixed": all-reduce off, then sync off, then sync on (which turns both on)
+        model.set_requires_all_reduce(False)
+    else:
+        model.set_requires_gradient_sync(last)
+
+
+# (how, the branch's use per step and micro-batch, optimizer, reshard after the non-final
+# backwards, branch in the root's unit). all_reduce with a final micro-batch that skips the
+# branch: its reduce-scattered sum waits for a later all-reduce, in torch as here (see below).
+_ALL = ((True, True),) * 2
+_SKIP = ((True, True, False), (False, True, True), (True, False, True))
+HSDP_ACCUMULATION = [
+    ("all_reduce", _ALL, "sgd", True, False),
+    ("sync", _ALL, "adamw", True, False),
+    ("all_reduce", _SKIP, "adamw", True, False),
+    ("sync", _SKIP, "sgd", True, False),
+    ("all_reduce", _SKIP, "sgd", False, False),
+    ("all_reduce", _SKIP, "adamw", True, True),
+]
+
+
+def hsdp_accumulation_body(rank: int, world: int, cases: list) -> list[str]:
+    """Per case: torch's fully_shard, fullshard's, and an unsharded model on the whole batch, trained
+    side by side with micro-batches; after each last backward the gradients, after each step the
+    parameters, are compared (torch's and fullshard's bitwise: 2 ranks per collective)."""
+    import torch.distributed.fsdp as torch_fsdp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fullshard
+    from fullshard.engine.hooks import fsdp_state
+    from fullshard.engine.unit import TrainingState
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    done = []
+    for how, uses, opt_name, reshard, in_root in cases:
+        what = f"{how} {opt_name} reshard={reshard} in_root={in_root} {uses}"
+        torch.manual_seed(0)
+        ref = _BranchNet()
+        models = []
+        for fully_shard in (torch_fsdp.fully_shard, fullshard.fully_shard):
+            model = copy.deepcopy(ref)
+            for sub in (model.a, model.b) if in_root else (model.a, model.branch, model.b):
+                fully_shard(sub, mesh=mesh)
+            models.append(fully_shard(model, mesh=mesh))
+        if in_root:  # torch's partial sums then keep one layout (else 'size of tensor a (177) must match ... (65)')
+            models[0].set_reduce_scatter_unused_params(True)
+        units = [fsdp_state(m).unit for m in models[1].modules() if fsdp_state(m) is not None]
+        if opt_name == "sgd":
+            opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (*models, ref)]
+        else:
+            opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (*models, ref)]
+        # The reference's gradients are torch's only where the last micro-batch's all-reduce takes
+        # every sum: an all_reduce case whose last micro-batch skips the branch (no backward reaches
+        # it) keeps the branch's sum, across the step, until a later all-reduce reaches it.
+        exact_ref = how != "all_reduce" or in_root or all(u[-1] for u in uses)
+        for step, use in enumerate(uses):
+            g = torch.Generator().manual_seed(step)
+            xs, ys = torch.randn(len(use), 4 * world, 6, generator=g), torch.randn(len(use), 4 * world, 3, generator=g)
+            mine = slice(4 * rank, 4 * rank + 4)
+            for model in models:
+                for i, branch in enumerate(use):
+                    last = i == len(use) - 1
+                    _toggle(model, how, i, last)
+                    model.set_reshard_after_backward(reshard or last)
+                    with probes.enabled() as probe:
+                        torch.nn.functional.mse_loss(model(xs[i, mine], branch), ys[i, mine]).backward()
+                    calls = probe.collectives.calls
+                    if model is models[1] and step > 0 and not last:  # no all-reduce; no reduce-scatter with sync off
+                        scatters = how == "all_reduce" or (how == "mixed" and i == 0)
+                        assert (calls["all_reduce"], calls["reduce_scatter"] > 0) == (0, scatters), (what, i, calls)
+            for i, branch in enumerate(use):
+                torch.nn.functional.mse_loss(ref(xs[i], branch), ys[i]).backward()
+            assert all(u.training_state is TrainingState.IDLE for u in units), what
+            for (name, p), q, r in zip(models[0].named_parameters(), models[1].parameters(), ref.parameters()):
+                at = f"{what} step {step}: {name}.grad"
+                assert (q.grad is None) == (p.grad is None), (at, q.grad is None)
+                if p.grad is not None:
+                    assert torch.equal(q.grad.full_tensor(), p.grad.full_tensor()), at
+                if exact_ref and step == 0:  # later steps: parameters already differ by rounding
+                    torch.testing.assert_close(p.grad.full_tensor(), r.grad, msg=lambda m: f"{at} vs unsharded: {m}")
+                elif not exact_ref and step == 0 and name.startswith("branch"):
+                    assert p.grad is None, at  # the sum waits (the reference has the branch's gradient)
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+            for (name, p), q, r in zip(models[0].named_parameters(), models[1].parameters(), ref.parameters()):
+                at = f"{what} step {step}: {name}"
+                assert torch.equal(q.full_tensor(), p.full_tensor()), at
+                if exact_ref:
+                    torch.testing.assert_close(p.full_tensor(), r, rtol=1e-4, atol=1e-5, msg=lambda m: f"{at}: {m}")
+        done.append(what)
+    return done
+
+
+@pytest.mark.timeout(200)
+def test_fully_shard_hsdp_gradient_accumulation_matches_torch() -> None:
+    """set_requires_all_reduce(False) / set_requires_gradient_sync(False) before the last
+    micro-batch on a 2 x 2 mesh, with a branch some micro-batches skip: torch's numbers, and
+    the unsharded model's where torch's are."""
+    assert len(run_ranks(hsdp_accumulation_body, 4, HSDP_ACCUMULATION, timeout=180)[0]) == len(HSDP_ACCUMULATION)
+
+
 # ---------------------------------------------------------------------------- fully_shard on a slice of a mesh
 # Pipeline parallelism splits the world into stages: each stage's ranks shard their own model over
 # their slice of one mesh (mesh["dp_replicate", "dp_shard"] or mesh["dp"]), beside the other stages.

@@ -123,7 +123,10 @@ class FSDPModule(_TorchFSDPModule):
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """Hybrid sharding: with False, gradients are reduce-scattered within the shard group and
         summed locally; the all-reduce across replicas happens (on the sum) at the next backward
-        with True. No effect without a replicate dimension."""
+        with True that reaches the unit. A unit that backward does not reach (a branch the last
+        micro-batch skipped) keeps its sum, its shards' ``.grad`` unchanged, across optimizer
+        steps and ``zero_grad``, until a later backward all-reduces it: torch's FSDP2 does the
+        same. No effect without a replicate dimension."""
         for unit in self._units(recurse):
             unit.all_reduce_grads = requires_all_reduce
 
