@@ -116,9 +116,13 @@ class FSDPModule(_TorchFSDPModule):
         return list(units.values())
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """With False, backward accumulates unsharded gradients locally and reduces nothing."""
+        """With False, backward accumulates unsharded gradients locally and reduces nothing.
+
+        For hybrid sharding it sets the replica all-reduce too, as torch's does: True after
+        ``set_requires_all_reduce(False)`` turns both collectives back on."""
         for unit in self._units(recurse):
             unit.sync_grads = requires_gradient_sync
+            unit.all_reduce_grads = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """Hybrid sharding: with False, gradients are reduce-scattered within the shard group and
