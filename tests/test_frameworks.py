@@ -119,7 +119,6 @@ def _unit_checks(rank: int, world: int) -> list[str]:
         (lambda: seq.set_custom_all_gather(None), "set_custom_all_gather"),
         (lambda: seq.set_custom_reduce_scatter(None), "set_custom_reduce_scatter"),
         (lambda: seq.set_all_reduce_hook(lambda t: None), "set_all_reduce_hook"),
-        (lambda: seq.reset_iter_state(), "reset_iter_state"),
         # a torch method fullshard did not define (as one torch adds later would be) names itself
         (lambda: tf.FSDPModule.set_unshard_in_backward(seq, False), "FSDPModule.set_unshard_in_backward"),
         (lambda: seq._get_fsdp_state(), "FSDPModule.<lambda>"),
@@ -133,7 +132,6 @@ def _unit_checks(rank: int, world: int) -> list[str]:
         lambda: seq.set_reduce_scatter_max_input_buffers(2),
         lambda: seq.set_allocate_memory_from_process_group_for_comm(True),
         seq.set_separate_reduce_scatter_group,
-        lambda: seq.set_reduce_scatter_unused_params(False),  # fullshard always reduce-scatters them
     ):
         with pytest.warns(UserWarning, match="is ignored by fullshard"):
             call()

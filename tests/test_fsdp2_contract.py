@@ -811,6 +811,22 @@ def unused_params_body(rank: int, world: int) -> list[str]:
             assert (got is None) == (want is None) == n.startswith("head_spare"), (step, n)
             if want is not None:
                 assert_close(got.to_local(), want.to_local(), exact(models["torch"]), f"accumulated, {step}: {n}")
+
+    # set_reduce_scatter_unused_params(True): every parameter gets a .grad, as torch's: zeros for
+    # one no rank used (AdamW's weight decay then moves it), also in a unit backward did not reach
+    # (spare: its forward did not run), which reduces zeros at the end. False again: None.
+    for flag in (True, False):
+        for name, m in models.items():
+            m.zero_grad()
+            m.set_reduce_scatter_unused_params(flag)
+            m(x).sum().backward()
+            grads[name] = {n: p.grad for n, p in m.named_parameters()}
+        for n, want in grads["torch"].items():
+            got = grads["fullshard"][n]
+            none = not flag and n.startswith(("spare", "head_spare"))
+            assert (got is None) == (want is None) == none, (flag, n, got is None, want is None)
+            if want is not None:
+                assert_close(got.to_local(), want.to_local(), exact(models["torch"]), f"unused params {flag}: {n}")
     return ["unused"]
 
 

@@ -458,9 +458,14 @@ def end_backward(unit: Unit, root: RootState) -> None:
 @outside_dynamo
 def _backward_done(root: RootState) -> None:
     """The backward's final callback: reduce what units accumulated while sync was off and this
-    backward did not reach (their sums would wait for their next backward), then finish."""
+    backward did not reach (their sums would wait for their next backward), and zeros for the
+    units it did not reach under ``reduce_unreached``; then finish."""
     for unit in root.units:
-        if unit.sync_grads and unit.grads.holds_unreduced and not unit.has_pending_reduce:
+        if not unit.sync_grads or unit.has_pending_reduce:
+            continue
+        if unit.grads.reduce_unreached and unit.training_state is not TrainingState.POST_BACKWARD:
+            unit.grads.fill_zeros()
+        if unit.grads.holds_unreduced:
             unit.reduce_grads()
     finish_backward(root)
 

@@ -146,6 +146,9 @@ class GradReducer:
         # reduction keeps its ``.grad`` None (an optimizer then skips it), instead of a zero.
         self.unused_grads_none = False
         self._used: list[bool] | None = None  # per trainable parameter, since the last launch
+        # fully_shard's set_reduce_scatter_unused_params(True) (torch FSDP2's rule): a unit the
+        # backward did not reach reduces zeros at its end, so its parameters get a .grad too.
+        self.reduce_unreached = False
         self._marks: list[tuple[ShardedParam, torch.Tensor, int, bool]] | None = None
         # Set by the hooks for a unit whose full buffer's size no other unit of its tree has: its
         # gradient shards may stay in its own chunk of the packed gradient (see launch).
@@ -422,6 +425,34 @@ class GradReducer:
         for i, sp in enumerate(unit.trainable):
             if i not in left_none:
                 sp.run_grad_hooks()
+
+    def fill_zeros(self) -> None:
+        """Give a unit that backward did not reach a zero full gradient to reduce (see
+        :attr:`reduce_unreached`), unless it holds gradients already."""
+        unit = self.unit
+        if not self.holds_unreduced and unit.grad_numel > 0:
+            full = unit.full_flat
+            unit.full_flat.grad = torch.zeros(full.shape, dtype=full.dtype, device=full.device)
+
+    def discard(self) -> None:
+        """Drop every gradient not yet in the shards' ``.grad`` (an iteration an exception
+        aborted: :func:`fullshard.engine.recovery.reset_iteration`): wait for a reduction in
+        flight and throw its result away, and drop what was accumulated since the last reduction
+        (the full flat gradient, the sums kept while gradient sync or the replica all-reduce was
+        off). The shards' ``.grad`` stay as they are, but for the zero placeholders of
+        :meth:`hold_unsynced`, which go."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.handle.wait()  # the other ranks' parts arrive into ``out`` until then
+            if pending.packed is not None:
+                buffers.POOL.release(pending.packed, lent=True)
+        self.unit.full_flat.grad = None
+        self._unsynced = self._partial_sum = None
+        self._used = None
+        marks, self._marks = self._marks, None
+        for sp, grad, _, placeholder in marks or ():
+            if placeholder and sp.shard is not None and sp.shard.grad is grad:
+                sp.shard.grad = None
 
     def _grad_buffer(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """Where cast or offloaded gradients land: reused while no shard still holds the last one.

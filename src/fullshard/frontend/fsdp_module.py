@@ -25,7 +25,7 @@ from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 
 from fullshard import compat
-from fullshard.engine import dynamo_guard, hooks
+from fullshard.engine import dynamo_guard, hooks, recovery
 from fullshard.engine.unit import ShardState, Unit
 
 
@@ -233,15 +233,15 @@ class FSDPModule(_TorchFSDPModule):
             _ignored("set_unshard_in_backward(False)", "it gathers every unit for backward (same results)")
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
-        """True is fullshard's behaviour, always: every parameter of a unit is reduce-scattered,
-        so one no rank used gets a zero gradient (not None), and ranks that used it and ranks
-        that did not sum correctly. False (torch's default, which leaves None) is accepted with
-        a UserWarning that it changes nothing."""
-        if not reduce_scatter_unused_params:
-            _ignored(
-                "set_reduce_scatter_unused_params(False)",
-                "it reduce-scatters every parameter of a unit: an unused one gets a zero gradient, not None",
-            )
+        """With True, every trainable parameter gets a ``.grad`` after a synced backward, as
+        torch's does: one no backward reached gets the reduced gradient (zeros where no rank
+        used it), and a unit that backward did not reach at all reduces zeros at its end. With
+        False (the default) such a parameter keeps ``.grad`` None. Within a unit that backward
+        reaches, fullshard reduce-scatters every parameter either way, so ranks that used a
+        parameter and ranks that did not (torch needs True for them) sum correctly with both."""
+        for unit in self._units(recurse):
+            unit.grads.unused_grads_none = not reduce_scatter_unused_params
+            unit.grads.reduce_unreached = reduce_scatter_unused_params
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         """Accepted with a UserWarning: fullshard keeps its own reduce-scatter buffers."""
@@ -261,9 +261,27 @@ class FSDPModule(_TorchFSDPModule):
         """Accepted with a UserWarning: fullshard does not use symmetric memory."""
         _ignored("set_symm_mem_for_comm", "it does not use symmetric memory")
 
-    def reset_iter_state(self) -> NoReturn:
-        """Raises NotImplementedError: not supported by fullshard."""
-        _unsupported("reset_iter_state")
+    def reset_iter_state(self) -> None:
+        """After an exception aborted a forward or backward, make the tree ready for the next
+        iteration (torch's FSDP2 API): wait for the collectives in flight, reshard every unit,
+        and discard the aborted iteration's gradients that had not reached the shards' ``.grad``
+        (reductions in flight, sums accumulated with gradient sync or the replica all-reduce
+        off): a gradient-accumulation sequence starts again. Call it on the root on every rank
+        (each waits for its peers' parts of the collectives in flight), then ``zero_grad`` if
+        the aborted backward may have set some ``.grad``.
+
+        Raises:
+            RuntimeError: called on a unit that is not the root of its tree.
+        """
+        state = _state(self)  # type: ignore[arg-type]
+        if state.root is None:
+            return  # no forward yet: nothing to reset
+        if not state.is_root:
+            raise RuntimeError(
+                f"reset_iter_state must be called on the root FSDP module (the module whose forward runs "
+                f"first, fully_shard's last call), not on {type(self).__name__} (unit {state.unit.name!r})"
+            )
+        recovery.reset_iteration(state.root)
 
     def set_custom_all_gather(self, comm: Any) -> NoReturn:
         """Raises NotImplementedError: fullshard's all-gathers are its own."""

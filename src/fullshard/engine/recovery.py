@@ -1,0 +1,50 @@
+"""Recovery from an iteration that an exception aborted in forward or backward.
+
+An exception raised inside a unit's forward (or by a hook, or by the model, during backward)
+leaves the tree mid-iteration: units gathered or in FORWARD / PRE_BACKWARD, an all-gather
+prefetched and never waited on, reduce-scatters in flight, gradients accumulated with sync off
+and HSDP partial sums that belong to the micro-batches of the lost step. The next root forward
+tidies up on its own (it finishes the backward that never ended, so those gradients reach the
+shards' ``.grad``); :func:`reset_iteration`, which ``FSDPModule.reset_iter_state`` calls (torch's
+FSDP2 API for this), instead discards them, as torch's does: the failed iteration is lost, and
+gradient accumulation starts again with the next micro-batch.
+"""
+
+from __future__ import annotations
+
+from fullshard.comm import buffers, exposed_comm
+from fullshard.engine.hooks import RootState
+from fullshard.engine.unit import TrainingState
+
+
+def reset_iteration(root: RootState) -> None:
+    """Bring every unit of ``root``'s tree back to SHARDED and IDLE with no gradient in flight.
+
+    Waits for every collective in flight (the other ranks' parts of it arrive: all ranks must
+    call this, as they all raised), drops every gradient not yet in a shard's ``.grad`` (see
+    :meth:`~fullshard.engine.reduce.GradReducer.discard`), frees the full parameters, and clears
+    what the iteration recorded (the units whose backward ran, the unit kept gathered for
+    backward, open passes over several-module units). The shards' ``.grad`` set before the
+    exception stay: ``zero_grad`` drops them. Settings (gradient sync, resharding, prefetch
+    lists) and the last forward order (for prefetching) stay too.
+    """
+    for unit in root.units:
+        unit.grads.discard()
+    held, root.held_without_grad = root.held_without_grad, None
+    for unit in [*root.units, *(held or ())]:
+        unit.reshard()  # waits for a prefetched all-gather first
+        exposed_comm.close_range(unit.backward_range)
+        unit.backward_range = None
+        unit.training_state = TrainingState.IDLE
+    for state in root.states:
+        exposed_comm.close_range(state.forward_range)
+        state.forward_range = None
+        state.modules_to_run.clear()
+        state.methods_running = 0
+    buffers.POOL.clear(keep_cpu=True)
+    root.forward_order = []
+    root.kept = root.last_reduced = None
+    root.callback_queued = False
+    root.pre_backward_done.clear()
+    root.frozen_pending.clear()
+    root.backward_units.clear()
