@@ -132,3 +132,49 @@ class TinyLM(nn.Module):
 def tokens(step: int, n: int, seq: int = 8, vocab: int = 37, seed: int = 200) -> torch.Tensor:
     """A deterministic global batch of token ids, int64 (n, seq), for step ``step``."""
     return torch.randint(0, vocab, (n, seq), generator=torch.Generator().manual_seed(seed + step))
+
+
+class ConvBlock(nn.Module):
+    """Conv2d (3x3, same size) + BatchNorm2d + ReLU."""
+
+    def __init__(self, c_in: int, c_out: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(c_in, c_out, 3, padding=1)
+        self.bn = nn.BatchNorm2d(c_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.bn(self.conv(x)))
+
+
+class SmallCNN(nn.Module):
+    """Two ConvBlocks (5 and 7 channels), a mean over the image, Linear + BatchNorm1d + ReLU, and a
+    3-row head: BatchNorm in a block and outside any. Input float32 (batch, 3, H, W), output (batch, 3)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(ConvBlock(3, 5), ConvBlock(5, 7))
+        self.fc = nn.Linear(7, 9)
+        self.norm = nn.BatchNorm1d(9)
+        self.head = nn.Linear(9, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.blocks(x).mean(dim=(2, 3))
+        return self.head(torch.relu(self.norm(self.fc(x))))
+
+
+def make_cnn(seed: int = 0) -> SmallCNN:
+    """A seeded SmallCNN (BatchNorm's affine parameters perturbed from their ones and zeros)."""
+    torch.manual_seed(seed)
+    model = SmallCNN()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.weight.add_(0.1 * torch.randn_like(m.weight))
+                m.bias.add_(0.1 * torch.randn_like(m.bias))
+    return model
+
+
+def images(step: int, n: int, size: int = 6, seed: int = 300) -> tuple[torch.Tensor, torch.Tensor]:
+    """A deterministic global batch (images (n, 3, size, size), targets (n, 3)) for step ``step``."""
+    g = torch.Generator().manual_seed(seed + step)
+    return torch.randn(n, 3, size, size, generator=g), torch.randn(n, 3, generator=g)

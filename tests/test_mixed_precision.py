@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 from dist import run_ranks
-from models import Block, batch, make_stack
+from models import Block, ConvBlock, batch, images, make_cnn, make_stack
 from torch import nn
 
 from fullshard import probes
@@ -168,3 +168,94 @@ def buffers_body(rank: int, world: int) -> list[str]:
 @pytest.mark.timeout(120)
 def test_buffers_and_root_inputs_are_cast() -> None:
     assert run_ranks(buffers_body, 2, timeout=100)[0] == ["torch.bfloat16"]
+
+
+# ---------------------------------------------------------------------- modules kept in full precision
+def test_module_classes_to_ignore_is_checked() -> None:
+    from fullshard import MixedPrecision
+
+    default = MixedPrecision(torch.bfloat16)._module_classes_to_ignore
+    assert default == (nn.modules.batchnorm._BatchNorm,)  # torch's default
+    assert MixedPrecision(_module_classes_to_ignore=[nn.LayerNorm]) == MixedPrecision(
+        _module_classes_to_ignore=(nn.LayerNorm,)
+    )
+    assert MixedPrecision(_module_classes_to_ignore={nn.BatchNorm2d})._module_classes_to_ignore == (nn.BatchNorm2d,)
+    for bad in ["BatchNorm2d", nn.BatchNorm2d, nn.BatchNorm2d(3), [nn.BatchNorm2d(3)], (int,), ("BatchNorm2d",), 3]:
+        with pytest.raises(TypeError, match="_module_classes_to_ignore"):
+            MixedPrecision(torch.bfloat16, _module_classes_to_ignore=bad)
+
+
+def _cnn_wrapped(policy: bool, net: nn.Module | None = None, **kw):
+    """``net`` (default: a SmallCNN) under fullshard's wrapper (bfloat16 unless ``mixed_precision``
+    says otherwise; a unit per ConvBlock with ``policy``), the warnings naming
+    ``_module_classes_to_ignore``, and the number of units."""
+    import warnings
+
+    from fullshard import FSDP
+    from fullshard.wrap import ModuleWrapPolicy, unit_count
+
+    kw.setdefault("mixed_precision", torch.bfloat16)
+    if policy:
+        kw["auto_wrap_policy"] = ModuleWrapPolicy({ConvBlock})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = FSDP(make_cnn() if net is None else net, **kw)
+    warned = [str(w.message) for w in caught if "_module_classes_to_ignore" in str(w.message)]
+    return model, warned, unit_count(model)
+
+
+def _seen_dtypes(model: nn.Module, x: torch.Tensor) -> dict[str, tuple]:
+    """Per BatchNorm module, (its input's, weight's, running mean's, output's dtype) in a training step."""
+    seen: dict[str, tuple] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):  # registered after fullshard's casts: they ran
+            name = ".".join(part for part in name.split(".") if part != "_fsdp_wrapped_module")
+            m.register_forward_pre_hook(lambda m, a, n=name: seen.__setitem__(n, (a[0].dtype, m.weight.dtype)))
+            m.register_forward_hook(
+                lambda m, a, o, n=name: seen.__setitem__(n, (*seen[n], m.running_mean.dtype, o.dtype))
+            )
+    model(x).float().sum().backward()
+    return seen
+
+
+KEPT = (torch.float32, torch.float32, torch.float32, torch.bfloat16)  # computes in fp32, hands on bf16
+LOW = (torch.bfloat16,) * 4
+
+
+def full_precision_body(rank: int, world: int) -> list[str]:
+    from fullshard import FSDP, MixedPrecision
+
+    x = images(0, 4)[0]
+    model, warned, units = _cnn_wrapped(True)
+    assert units == 6 and len(warned) == 1 and "BatchNorm1d, BatchNorm2d" in warned[0], (units, warned)
+    seen = _seen_dtypes(model, x)
+    assert seen == {"blocks.0.bn": KEPT, "blocks.1.bn": KEPT, "norm": KEPT}, seen
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters() if p.grad is not None)
+    # Without an auto_wrap_policy nothing is kept apart, as torch's: BatchNorm in bfloat16, no warning.
+    model, warned, units = _cnn_wrapped(False)
+    assert units == 1 and not warned and set(_seen_dtypes(model, x).values()) == {LOW}, (units, warned)
+    # () applies mixed precision everywhere; a class list picks the classes kept.
+    bf16 = (torch.bfloat16,) * 3
+    model, warned, units = _cnn_wrapped(True, mixed_precision=MixedPrecision(*bf16, _module_classes_to_ignore=()))
+    assert units == 3 and not warned and set(_seen_dtypes(model, x).values()) == {LOW}, (units, warned)
+    only_1d = MixedPrecision(*bf16, _module_classes_to_ignore=(nn.BatchNorm1d,))
+    model, warned, units = _cnn_wrapped(True, mixed_precision=only_1d)
+    assert units == 4 and len(warned) == 1 and "class BatchNorm1d (" in warned[0], (units, warned)
+    assert _seen_dtypes(model, x) == {"blocks.0.bn": LOW, "blocks.1.bn": LOW, "norm": KEPT}
+    # An ignored BatchNorm stays out of every unit (its parameters and buffers float32, as given);
+    # its casts are registered as torch's are.
+    net = make_cnn()
+    model, warned, units = _cnn_wrapped(True, net, ignored_modules=[net.norm])
+    assert units == 5 and len(warned) == 1 and _seen_dtypes(model, x)["norm"] == KEPT, (units, warned)
+    # A block wrapped before keeps its own settings: its BatchNorm is not split off.
+    net = make_cnn()
+    net.blocks[0] = FSDP(net.blocks[0], mixed_precision=torch.bfloat16)
+    model, warned, units = _cnn_wrapped(True, net)
+    assert units == 5 and "BatchNorm1d, BatchNorm2d" in warned[0], (units, warned)
+    assert _seen_dtypes(model, x) == {"blocks.0.bn": LOW, "blocks.1.bn": KEPT, "norm": KEPT}
+    return ["ok"]
+
+
+@pytest.mark.timeout(120)
+def test_batch_norm_kept_in_full_precision() -> None:
+    assert run_ranks(full_precision_body, 2, timeout=100) == [["ok"], ["ok"]]

@@ -7,7 +7,9 @@ it raises "FSDP needs a non-CPU accelerator device". Compared, at 2 and 3 ranks:
 
 - training: losses every step and the full parameters after it, per option (strategies,
   use_orig_params, mixed precision, prefetch settings, no_sync accumulation, ignored_modules,
-  clip_grad_norm_), with SGD with momentum and with AdamW;
+  clip_grad_norm_), with SGD with momentum and with AdamW; and at 2 ranks a small CNN whose
+  BatchNorm torch's default ``MixedPrecision._module_classes_to_ignore`` keeps in float32, in
+  units of its own (losses, parameters and buffers bitwise, the number of units), and with ``()``;
 - summon_full_params (values, writeback, with_grads, rank0_only) and where both raise;
 - state dicts of the three types (keys, value types, local shapes, values) and the optimizer
   state dicts (``optim_state_dict``, ``full_optim_state_dict``), ``rank0_only`` included;
@@ -41,7 +43,7 @@ from typing import Any
 import pytest
 import torch
 from dist import run_ranks
-from models import Block, batch, local, make_stack
+from models import Block, ConvBlock, batch, images, local, make_cnn, make_stack
 from torch import nn
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -391,10 +393,67 @@ def _cross_load(rank: int, world: int, path: str, done: list[str]) -> None:
             done.append(name)
 
 
+# ---------------------------------------------------------------------------- BatchNorm in full precision
+def _bn_cases() -> list[tuple[str, str, Any]]:
+    """(name, optimizer, torch's MixedPrecision); the default ``_module_classes_to_ignore`` keeps
+    BatchNorm in float32, in units of its own; ``()`` runs it in bfloat16 like every module."""
+    from torch.distributed.fsdp import MixedPrecision
+
+    bn_fp32 = MixedPrecision(BF16, BF16, BF16)
+    bn_bf16 = MixedPrecision(BF16, BF16, BF16, _module_classes_to_ignore=())
+    return [("bn fp32 sgd", "sgd", bn_fp32), ("bn fp32 adamw", "adamw", bn_fp32), ("bn bf16 adamw", "adamw", bn_bf16)]
+
+
+def _train_cnn(kind: str, optim: str, mp: Any, rank: int, world: int) -> tuple[list, dict, dict, int, list[str]]:
+    """Three steps of ``kind``'s wrapper of a SmallCNN, a unit per ConvBlock; (losses, full state
+    dict, live buffer dtypes by name, number of units, fullshard's warnings naming the field)."""
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = _cls(kind)(
+            make_cnn(),
+            auto_wrap_policy=ModuleWrapPolicy({ConvBlock}),
+            mixed_precision=mp,
+            device_id=torch.device("cpu"),
+            use_orig_params=True,
+        )
+    opt = _opt(optim, model.parameters())
+    losses = []
+    for step in range(3):
+        x, y = images(step, 8)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(local(x, rank, world)).float(), local(y, rank, world))
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    buffers = {n.replace("_fsdp_wrapped_module.", ""): b.dtype for n, b in model.named_buffers()}
+    warned = [str(w.message) for w in caught if "_module_classes_to_ignore" in str(w.message)]
+    return losses, _full(model), buffers, len(_cls(kind).fsdp_modules(model)), warned
+
+
+def _batch_norm(rank: int, world: int, done: list[str]) -> None:
+    """BatchNorm2d in the blocks' and BatchNorm1d in the root's: bitwise torch's (the same
+    float32 BatchNorm, bfloat16 elsewhere); as many units as torch's FSDP instances."""
+    for name, optim, mp in _bn_cases():
+        theirs, ours = (_train_cnn(kind, optim, mp, rank, world) for kind in ("torch", "fullshard"))
+        for step, (a, b) in enumerate(zip(theirs[0], ours[0])):
+            _same(a, b, True, f"{name}: loss of step {step}")
+        _same(theirs[1], ours[1], True, f"{name}: parameters and buffers")
+        assert theirs[2] == ours[2], f"{name}: live buffer dtypes {theirs[2]} != {ours[2]}"
+        assert theirs[3] == ours[3] == (6 if mp._module_classes_to_ignore else 3), (name, theirs[3], ours[3])
+        kept = bool(mp._module_classes_to_ignore)
+        assert ours[2]["norm.running_mean"] == (F32 if kept else BF16), ours[2]
+        assert len(ours[4]) == kept and all("BatchNorm1d, BatchNorm2d" in w for w in ours[4]), ours[4]
+        done.append(name)
+
+
 # ---------------------------------------------------------------------------- the grid
 def grid_body(rank: int, world: int, path: str) -> list[str]:
     done: list[str] = []
     _training(rank, world, done)
+    if world == 2:  # bfloat16: at 2 ranks only (see the module docstring)
+        _batch_norm(rank, world, done)
     _summon(rank, world, done)
     _compare_state_dicts(rank, world, done)
     _cross_load(rank, world, path, done)
@@ -404,7 +463,7 @@ def grid_body(rank: int, world: int, path: str) -> list[str]:
 @pytest.mark.parametrize("world", [2, 3])
 def test_against_torch_fsdp1(world: int, tmp_path: Any) -> None:
     results = run_ranks(grid_body, world, str(tmp_path), timeout=240)
-    names = [n for n, _, _ in _training_cases(world)]
+    names = [n for n, _, _ in _training_cases(world)] + ([n for n, _, _ in _bn_cases()] if world == 2 else [])
     directions = (("torch", "fullshard"), ("fullshard", "torch"))
     crosses = [f"{how} {w} -> {r}" for how in ("full", "legacy", "dcp") for w, r in directions]
     expected = [*names, "summon_full_params", "state dicts", *crosses]

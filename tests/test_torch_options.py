@@ -133,7 +133,7 @@ WRAPPER_CASES = [
         dict(
             sharding_strategy=tf.ShardingStrategy.FULL_SHARD,
             backward_prefetch=tf.BackwardPrefetch.BACKWARD_PRE,
-            mixed_precision=tf.MixedPrecision(BF16, F32, BF16, cast_forward_inputs=True, _module_classes_to_ignore=()),
+            mixed_precision=tf.MixedPrecision(BF16, F32, BF16, cast_forward_inputs=True),
         ),
         dict(
             sharding_strategy=fs.ShardingStrategy.FULL_SHARD,
@@ -143,7 +143,7 @@ WRAPPER_CASES = [
     ),
     (
         "bf16 reduce, low-precision grads",
-        dict(mixed_precision=tf.MixedPrecision(BF16, BF16, None, True, True, False, _module_classes_to_ignore=())),
+        dict(mixed_precision=tf.MixedPrecision(BF16, BF16, None, True, True, False)),
         dict(mixed_precision=fs.MixedPrecision(BF16, BF16, None, True, True, False)),
     ),
     (
@@ -475,9 +475,10 @@ def test_every_torch_field_is_carried_over_or_warned() -> None:
         keep_low_precision_grads=True,
         cast_forward_inputs=True,
         cast_root_forward_inputs=False,
+        _module_classes_to_ignore=(nn.LayerNorm, nn.BatchNorm1d),
     )
     pairs = [
-        (options.as_mixed_precision, tf.MixedPrecision(**mp, _module_classes_to_ignore=()), fs.MixedPrecision(**mp)),
+        (options.as_mixed_precision, tf.MixedPrecision(**mp), fs.MixedPrecision(**mp)),
         (options.as_cpu_offload, tf.CPUOffload(offload_params=True), fs.CPUOffload(offload_params=True)),
         (
             options.as_state_dict_config,
@@ -549,15 +550,20 @@ def test_every_torch_field_is_carried_over_or_warned() -> None:
         assert [normalize(m) for m in theirs_enum] == list(ours_enum)
     # Torch's defaults that fullshard does not follow warn, naming the field and why.
     for normalize, theirs in [
-        (options.as_mixed_precision, tf.MixedPrecision(param_dtype=BF16)),
         (options.as_state_dict_config, tf.ShardedStateDictConfig()),
         (options.as_optim_state_dict_config, tf.ShardedOptimStateDictConfig()),
     ]:
         with pytest.warns(UserWarning, match=NO_COUNTERPART) as record:
             normalize(theirs)
-        assert len(record) == 1 and (
-            "_module_classes_to_ignore" in str(record[0].message) or "_use_dtensor=False" in str(record[0].message)
-        )
+        assert len(record) == 1 and "_use_dtensor=False" in str(record[0].message)
+    # torch's MixedPrecision default (BatchNorm kept in full precision) is fullshard's: carried
+    # over silently, and the dtype shortcut takes it too.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = options.as_mixed_precision(tf.MixedPrecision(param_dtype=BF16))
+    torch_default = tf.MixedPrecision()._module_classes_to_ignore
+    assert got == fs.MixedPrecision(param_dtype=BF16) and tuple(got._module_classes_to_ignore) == tuple(torch_default)
+    assert options.as_mixed_precision(BF16) == fs.MixedPrecision(BF16, BF16, BF16)
 
 
 # ---------------------------------------------------------------------- HF Accelerate
@@ -602,8 +608,10 @@ def accelerate_body(rank: int, world: int) -> list[Any]:
     assert isinstance(kwargs["sharding_strategy"], tf.ShardingStrategy) and isinstance(
         kwargs["mixed_precision"], tf.MixedPrecision
     )
-    with pytest.warns(UserWarning, match="_module_classes_to_ignore"):  # torch's default lists _BatchNorm
+    with warnings.catch_warnings(record=True) as caught:  # torch's default _module_classes_to_ignore is carried over
+        warnings.simplefilter("always")
         wrapped = FSDP(model, **kwargs)
+    assert not [w for w in caught if NO_COUNTERPART in str(w.message)], [str(w.message) for w in caught]
     ours = FSDP(
         make_stack(0),
         sharding_strategy=fs.ShardingStrategy.FULL_SHARD,

@@ -35,6 +35,7 @@ from torch.autograd.variable import Variable
 
 __all__ = [
     "PRIVATE_NAMES",
+    "BatchNormBase",
     "IncompatibleKeys",
     "MissingTorchName",
     "TorchDispatchMode",
@@ -86,6 +87,7 @@ PRIVATE_NAMES: dict[str, str] = {
     "torch.utils._pytree:tree_flatten": "import",
     "torch.utils._python_dispatch:TorchDispatchMode": "import",
     "torch.nn.modules.module:_IncompatibleKeys": "import",
+    "torch.nn.modules.batchnorm:_BatchNorm": "import",
     "torch.distributed:ProcessGroup._get_backend": "import",
     "torch.distributed.tensor:DTensor": "use",  # its private constructor and _local_tensor / _spec
     "torch.distributed.tensor._dtensor_spec:DTensorSpec": "use",
@@ -111,7 +113,10 @@ for _path, _when in PRIVATE_NAMES.items():
 # ---- imported by name after the check above (so type checkers see their types) --------------
 # _IncompatibleKeys: what Module.load_state_dict returns; fullshard's returns the same (no public
 # name). TorchDispatchMode: the planner's live-byte tracker (no public base class). pytree: module
-# inputs and outputs (public torch.utils.pytree is announced, not in torch 2.13).
+# inputs and outputs (public torch.utils.pytree is announced, not in torch 2.13). _BatchNorm:
+# the base of BatchNorm1d/2d/3d, their lazy forms and SyncBatchNorm, the default of torch FSDP1's
+# MixedPrecision._module_classes_to_ignore, which fullshard's MixedPrecision shares (no public base).
+from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase  # noqa: E402
 from torch.nn.modules.module import _IncompatibleKeys as IncompatibleKeys  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_flatten, tree_map  # noqa: E402

@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import torch
+from torch import nn
+
+from fullshard.compat import BatchNormBase
 
 
 class ShardingStrategy(enum.Enum):
@@ -66,6 +71,18 @@ class MixedPrecision:
         keep_low_precision_grads: leave the sharded gradients in the reduce dtype.
         cast_forward_inputs: cast floating-point forward inputs of every unit to param_dtype.
         cast_root_forward_inputs: cast the root unit's floating-point inputs to param_dtype.
+        _module_classes_to_ignore: module classes kept in full precision, as torch FSDP1's field
+            of the same name (default: BatchNorm's base class, as torch's). Read by
+            ``FullyShardedDataParallel`` with an ``auto_wrap_policy`` only: every submodule of
+            these classes becomes its own unit with mixed precision disabled (parameters,
+            gradient reduction and buffers in their own dtype), its floating-point positional
+            inputs cast to float32 and its floating-point outputs back to the inputs' dtype.
+            Without an ``auto_wrap_policy`` they are not looked at (as in torch). ``()``:
+            mixed precision everywhere. Stored as a tuple.
+
+    Raises:
+        ValueError: a dtype that is not a floating-point ``torch.dtype``.
+        TypeError: ``_module_classes_to_ignore`` is not a sequence of nn.Module subclasses.
     """
 
     param_dtype: torch.dtype | None = None
@@ -74,8 +91,10 @@ class MixedPrecision:
     keep_low_precision_grads: bool = False
     cast_forward_inputs: bool = False
     cast_root_forward_inputs: bool = True
+    _module_classes_to_ignore: Sequence[type[nn.Module]] = (BatchNormBase,)
 
     def __post_init__(self) -> None:
+        self._module_classes_to_ignore = _module_classes(self._module_classes_to_ignore)
         for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
             value = getattr(self, name)
             if value is None:
@@ -85,6 +104,23 @@ class MixedPrecision:
                     f"MixedPrecision.{name}={value!r} is not a floating-point torch.dtype; use "
                     "torch.bfloat16, torch.float16 or torch.float32 (or None to keep the original)"
                 )
+
+
+def _module_classes(value: Any) -> tuple[type[nn.Module], ...]:
+    """``MixedPrecision._module_classes_to_ignore`` as a tuple, checked."""
+    fix = "pass a tuple of module classes such as (torch.nn.BatchNorm2d,), or () for mixed precision everywhere"
+    if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, AbstractSet)):
+        raise TypeError(
+            f"MixedPrecision._module_classes_to_ignore={value!r} is not a sequence of nn.Module subclasses; {fix}"
+        )
+    classes = tuple(value)
+    for cls in classes:
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise TypeError(
+                f"MixedPrecision._module_classes_to_ignore holds {cls!r}, which is not an nn.Module subclass "
+                f"(a class, not an instance or a name); {fix}"
+            )
+    return classes
 
 
 @dataclasses.dataclass

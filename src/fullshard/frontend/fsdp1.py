@@ -8,6 +8,7 @@ The outermost instance to run forward becomes the root and coordinates the tree.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -28,7 +29,7 @@ from fullshard.engine.config import (
 from fullshard.engine.module_wrapper import FSDP_WRAPPED as WRAPPED
 from fullshard.engine.unit import TrainingState, Unit
 from fullshard.engine.wrapper_config import WrapperConfig
-from fullshard.frontend import summon
+from fullshard.frontend import full_precision, summon
 from fullshard.frontend.clip_grad import clip_grad_norm_
 from fullshard.frontend.fsdp1_args import take_deprecated, wrapper_config
 from fullshard.frontend.fsdp1_state_dict import StateDictMethods, wrappers
@@ -68,6 +69,9 @@ class FullyShardedDataParallel(StateDictMethods):
         auto_wrap_policy: a policy from ``fullshard.wrap`` or torch's (or a set of module classes).
         backward_prefetch: BACKWARD_PRE (default), BACKWARD_POST or None.
         mixed_precision: a MixedPrecision, or a dtype (torch.bfloat16) for all three dtypes.
+            With an ``auto_wrap_policy``, the submodules of its ``_module_classes_to_ignore``
+            (BatchNorm by default) become units of their own in full precision, as torch's
+            (warns naming their classes; see ``fullshard.MixedPrecision``).
         ignored_modules: modules whose parameters are neither sharded nor reduced.
         param_init_fn: initializer for modules on the meta device (warns when none is).
         device_id: a device (or CUDA index) to move the module to before sharding.
@@ -163,11 +167,18 @@ class FullyShardedDataParallel(StateDictMethods):
         prepared = build.prepare(module, config.device_id, config.offload_params, config.ignored)
         if config.auto_wrap_policy is not None:
             nested = config.for_nested(prepared.device)
+            kept = full_precision.prepare(module, config.mixed_precision)  # BatchNorm: units of their own, no MP
+            full = dataclasses.replace(nested, mixed_precision=None)
             holders = build.param_holders(module)
+
+            def wrap(m: nn.Module) -> FullyShardedDataParallel:
+                own = full if isinstance(m, kept) else nested
+                return FullyShardedDataParallel(m, _nested=_Nested(own, build.shared_outside(m, holders)))
+
             apply_policy(
                 module,
-                config.auto_wrap_policy,
-                wrap=lambda m: FullyShardedDataParallel(m, _nested=_Nested(nested, build.shared_outside(m, holders))),
+                full_precision.with_classes(config.auto_wrap_policy, kept),
+                wrap=wrap,
                 is_wrapped=lambda m: isinstance(m, FullyShardedDataParallel),
                 ignored=config.ignored,
             )

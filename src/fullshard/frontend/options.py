@@ -100,8 +100,9 @@ def as_mixed_precision(value: Any) -> MixedPrecision | None:
 
     Args:
         value: None, ``fullshard.MixedPrecision``, ``torch.distributed.fsdp.MixedPrecision``
-            (every field carried over; ``_module_classes_to_ignore``, which has no counterpart,
-            warns unless empty), or a floating-point torch.dtype.
+            (every field carried over, ``_module_classes_to_ignore`` included), or a
+            floating-point torch.dtype (all three dtypes; the other fields, BatchNorm kept in
+            full precision among them, take the dataclass's defaults).
 
     Returns:
         fullshard's MixedPrecision, or None (no mixed precision).
@@ -281,12 +282,6 @@ def as_optim_state_dict_config(value: Any) -> OptimStateDictConfig | None:
 # Any other torch field without a counterpart (a later torch may add one) warns unless it holds
 # torch's default.
 _NO_COUNTERPART: dict[str, tuple[Any, str]] = {
-    "_module_classes_to_ignore": (
-        (),
-        "under an auto_wrap_policy torch's FSDP1 wraps modules of these classes separately and "
-        "keeps them in full precision; fullshard applies mixed precision to every module, those "
-        "included (this matters only if the model has such modules)",
-    ),
     "_use_dtensor": (
         True,
         "torch gives ShardedTensor values when it is False; fullshard's sharded state dicts always "
