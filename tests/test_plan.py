@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -592,6 +593,12 @@ def apply_body(rank: int, world: int) -> dict:
             plain = make()
         wrapped = cand.apply(plain, param_init_fn=lambda m: init_module(m, n_layers=4))
         materialized.append(all(not p.is_meta for p in wrapped.parameters()) and bool(loss(wrapped, batch).isfinite()))
+    # In bf16 the planned units only, as estimated: no BatchNorm unit of the wrapper's own, no warning.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        bn_net = Candidate(True, (), (), False, ("0",)).apply(
+            nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2)), torch.bfloat16
+        )
     return {
         "wrapped": [isinstance(b, CheckpointWrapper) for b in blocks],
         "losses": losses,
@@ -602,6 +609,7 @@ def apply_body(rank: int, world: int) -> dict:
         "net_units": [
             n for n, m in Candidate(True, (), (), False, ("fc1",)).apply(Net()).named_modules() if is_fsdp(m)
         ],
+        "bn_units": [n for n, m in bn_net.named_modules() if is_fsdp(m)],
     }
 
 
@@ -614,6 +622,7 @@ def test_a_plan_applies_and_trains() -> None:
     assert a["no_shard"] == "FullyShardedDataParallel"
     assert a["materialized"] == b["materialized"] == [True, True]
     assert a["net_units"] == ["", "_fsdp_wrapped_module.fc1"]
+    assert a["bn_units"] == ["", "_fsdp_wrapped_module.0"]
 
 
 @pytest.mark.timeout(300)

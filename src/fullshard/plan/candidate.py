@@ -72,7 +72,8 @@ class Candidate:
         """Wrap ``model`` (unwrapped; the units' names as planned) as planned and return it:
         activation checkpointing on the planned units, then NO_SHARD by the FSDP1 wrapper, or
         ``fully_shard`` on each unit (``reshard_after_forward`` as planned) and the root.
-        ``param_dtype``: mixed precision (gathers, compute, reductions). A model on the meta
+        ``param_dtype``: mixed precision (gathers, compute, reductions) for every module, BatchNorm
+        included (the wrapper gets ``_module_classes_to_ignore=()``). A model on the meta
         device is materialized on ``device`` (default CPU) by ``param_init_fn`` (called on every
         module): the wrapper's ``param_init_fn``, or ``to_empty`` then ``param_init_fn`` on the
         DTensor shards after ``fully_shard``; without it the parameters must be on the device.
@@ -91,7 +92,9 @@ class Candidate:
             apply_activation_checkpointing(model, check_fn=lambda m: id(m) in chosen)
         dtype = param_dtype
         if self.no_shard:
-            mp = MixedPrecision(dtype, dtype, dtype) if dtype is not None else None
+            # every module in param_dtype, as the estimate has it: no BatchNorm units of the
+            # wrapper's own (MixedPrecision._module_classes_to_ignore), which the plan does not hold
+            mp = MixedPrecision(dtype, dtype, dtype, _module_classes_to_ignore=()) if dtype is not None else None
             planned = {id(m) for m in units.values()}  # the planned modules, not all of their class
             policy = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: id(m) in planned)
             init: dict[str, Any] = {}

@@ -140,7 +140,11 @@ def estimate_peak(
         front_end: "wrapper" (FullyShardedDataParallel, which keeps its last unit of forward
             gathered under FULL_SHARD, and under mixed precision casts floating-point buffers
             to ``param_dtype``) or "fully_shard" (buffers keep their dtype, every unit casts its
-            inputs).
+            inputs). Either way every module computes in ``param_dtype`` and the units are
+            ``is_unit``'s: the wrapper with ``MixedPrecision(..., _module_classes_to_ignore=())``.
+            Its default makes each BatchNorm a float32 unit of its own under an auto-wrap
+            policy; to estimate that, let ``is_unit`` select them too (their float32
+            parameters and activations are not modelled).
 
     Raises:
         ValueError: as :func:`~fullshard.plan.estimate.estimate_model_state`, or
