@@ -46,3 +46,21 @@ def test_drawn_configuration_is_torchs_bit_for_bit(index: int) -> None:
             continue
         assert result.bitwise, what
         assert result.update_error[0] == result.update_error[1], what
+
+
+def _compare_hybrid(rank: int, world: int, seed: int, index: int) -> parity.Result | None:
+    c = dataclasses.replace(sweep.config_at(seed, index), world=world)
+    return parity.compare_rank(c, rank, steps=2, optim="sgd", extras=parity.draw_extras(c))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("index", [3, 13])  # seed 7272: #3 the FSDP1 wrapper, #13 fully_shard
+def test_drawn_hybrid_configuration_is_torchs_bit_for_bit(index: int) -> None:
+    """At 4 ranks on a (2, 2) mesh each reduction is a sum of two within the shard group, then
+    of two across replicas, in the same order on both sides: bitwise torch's (these two draws
+    do not clip)."""
+    c = dataclasses.replace(sweep.config_at(7272, index), world=4)
+    extras = parity.draw_extras(c)
+    assert extras.hybrid and extras.clip is None, extras
+    result = run_ranks(_compare_hybrid, 4, 7272, index, timeout=280)[0]
+    assert result is not None and result.bitwise, (c.describe(), extras.describe(), result)

@@ -40,6 +40,7 @@ from fullshard.jobs.planning.sweep import Config, selective_context
 from fullshard.jobs.train.global_batch import gradient_sync
 
 _STRATEGY = {"full_shard": "FULL_SHARD", "shard_grad_op": "SHARD_GRAD_OP", "no_shard": "NO_SHARD"}
+_HYBRID = {"full_shard": "HYBRID_SHARD", "shard_grad_op": "_HYBRID_SHARD_ZERO2"}
 OPTIMIZERS = ("adamw", "sgd")
 
 
@@ -52,6 +53,7 @@ class Extras(NamedTuple):
     # Shards in host memory: fullshard warns that a CPU-only run has them there already; torch's
     # fully_shard takes CPUOffloadPolicy(pin_memory=False); torch's FSDP1 refuses it on CPU, so runs without.
     cpu_offload: bool = False
+    hybrid: bool = False  # at 4 ranks: a (2, 2) replicate x shard mesh, hybrid sharding on both
 
     def describe(self) -> str:
         """E.g. ``clip=0.031 fwd-prefetch bwd=post offload``; empty for the defaults."""
@@ -59,6 +61,7 @@ class Extras(NamedTuple):
         parts += ["fwd-prefetch"] if self.forward_prefetch else []
         parts += [f"bwd={self.backward_prefetch}"] if self.backward_prefetch != "pre" else []
         parts += ["offload"] if self.cpu_offload else []
+        parts += ["hsdp 2x2"] if self.hybrid else []
         return " ".join(parts)
 
 
@@ -68,13 +71,15 @@ NO_EXTRAS = Extras()
 def draw_extras(c: Config) -> Extras:
     """``c``'s extra options, drawn from ``random.Random`` seeded by ``c.seed`` and ``c.index``
     alone: clipping half the time (a max norm log-uniform in [0.01, 1]), forward prefetch, CPU
-    offload half the time each, backward prefetch pre / post / none (``fully_shard``: pre / none)."""
+    offload half the time each, backward prefetch pre / post / none (``fully_shard``: pre / none),
+    and at 4 ranks, unless NO_SHARD, hybrid sharding over a (2, 2) mesh half the time."""
     rng = random.Random(f"parity-extras:{c.seed}:{c.index}")
     max_norm = 10 ** rng.uniform(-2.0, 0.0)
     clip = max_norm if rng.random() < 0.5 else None
     forward, offload = rng.random() < 0.5, rng.random() < 0.5
     backward = rng.choice(("pre", "post", "none") if c.api == "fsdp1" else ("pre", "none"))
-    return Extras(clip, forward, backward, offload)
+    hybrid = rng.random() < 0.5 and c.world == 4 and c.strategy != "no_shard"  # drawn last: earlier draws stay
+    return Extras(clip, forward, backward, offload, hybrid)
 
 
 class Result(NamedTuple):
@@ -85,10 +90,11 @@ class Result(NamedTuple):
     loss_error: tuple[float, float]  # fullshard's, torch's: max over steps |l - ref| / |ref|
 
 
-def torch_wrap(c: Config, model: nn.Module, is_unit: Any, extras: Extras = NO_EXTRAS) -> nn.Module:
+def torch_wrap(c: Config, model: nn.Module, is_unit: Any, extras: Extras = NO_EXTRAS, mesh: Any = None) -> nn.Module:
     """``model`` sharded by torch's FSDP as :func:`sweep_bench.wrap` shards it with fullshard:
     the same units, activation checkpointing, mixed precision (bf16 for parameters, reduction
-    and buffers), prefetch and (``fully_shard`` only) CPU offload."""
+    and buffers), prefetch, (``fully_shard`` only) CPU offload, and hybrid sharding over
+    ``mesh`` when one is given."""
     import torch.distributed.fsdp as tf
     from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
 
@@ -103,7 +109,8 @@ def torch_wrap(c: Config, model: nn.Module, is_unit: Any, extras: Extras = NO_EX
         return tf.FullyShardedDataParallel(
             model,
             auto_wrap_policy=functools.partial(lambda_auto_wrap_policy, lambda_fn=is_unit),
-            sharding_strategy=tf.ShardingStrategy[_STRATEGY[c.strategy]],
+            sharding_strategy=tf.ShardingStrategy[_STRATEGY[c.strategy] if mesh is None else _HYBRID[c.strategy]],
+            device_mesh=mesh,
             mixed_precision=tf.MixedPrecision(torch.bfloat16, torch.bfloat16, torch.bfloat16) if bf16 else None,
             backward_prefetch=prefetch.get(extras.backward_prefetch),
             forward_prefetch=extras.forward_prefetch,
@@ -114,6 +121,8 @@ def torch_wrap(c: Config, model: nn.Module, is_unit: Any, extras: Extras = NO_EX
         kw["mp_policy"] = tf.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
     if extras.cpu_offload:
         kw["offload_policy"] = tf.CPUOffloadPolicy(pin_memory=False)
+    if mesh is not None:
+        kw["mesh"] = mesh
     units = [m for m in _post_order(model) if m is not model and is_unit(m)]  # inner units first
     for m in units:
         tf.fully_shard(m, **kw)
@@ -192,6 +201,11 @@ def train_rank(
     (gradient sync off for all but the last); rank ``rank``'s losses (the mean over a step's
     micro-batches) and the final parameters."""
     make, example, loss_fn, is_unit = families.parts(c.family, c.shape, c.batch, c.seq)
+    mesh = None
+    if extras.hybrid:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)
     model = make()
     if which == "fullshard":
@@ -202,9 +216,10 @@ def train_rank(
             cpu_offload=extras.cpu_offload,
             forward_prefetch=extras.forward_prefetch,
             backward_prefetch=extras.backward_prefetch,
+            mesh=mesh,
         )
     else:
-        model = torch_wrap(c, model, is_unit, extras)
+        model = torch_wrap(c, model, is_unit, extras, mesh)
     opt = _optimizer(model.parameters(), optim)
     losses = []
     for step in range(steps):

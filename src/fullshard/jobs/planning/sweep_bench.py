@@ -81,17 +81,21 @@ def wrap(
     cpu_offload: bool = False,
     forward_prefetch: bool = False,
     backward_prefetch: str = "pre",
+    mesh: Any = None,
 ) -> nn.Module:
     """``model`` with ``c``'s activation checkpointing on its units, then sharded by ``c``'s
     front end, one FSDP unit per ``is_unit`` module (as the training jobs shard), its shards
     in host memory with ``cpu_offload``, prefetching as the jobs' ``--forward-prefetch`` and
-    ``--backward-prefetch`` (pre, post or none) say."""
+    ``--backward-prefetch`` (pre, post or none) say. ``mesh``: a 2-D (replicate, shard)
+    DeviceMesh for hybrid sharding (the wrapper's FULL_SHARD becomes HYBRID_SHARD, its
+    SHARD_GRAD_OP _HYBRID_SHARD_ZERO2), or None."""
     from fullshard.frontend.activation_checkpointing import apply_activation_checkpointing, checkpoint_wrapper
     from fullshard.frontend.wrap import lambda_auto_wrap_policy
     from fullshard.jobs.train import fsdp_options
 
+    hybrid = {"full_shard": "hybrid_shard", "shard_grad_op": "_hybrid_shard_zero2"}
     opts = types.SimpleNamespace(
-        sharding_strategy=c.strategy,
+        sharding_strategy=hybrid[c.strategy] if mesh is not None and c.api == "fsdp1" else c.strategy,
         mixed_precision="bf16" if c.precision == "bf16" else "none",
         cpu_offload=cpu_offload,
         backward_prefetch=backward_prefetch,
@@ -105,7 +109,7 @@ def wrap(
             model, checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(m, **kwargs), check_fn=is_unit
         )
     policy = functools.partial(lambda_auto_wrap_policy, lambda_fn=is_unit)
-    return fsdp_options.shard_model(model, opts, policy)
+    return fsdp_options.shard_model(model, opts, policy, mesh=mesh)
 
 
 class Measured(NamedTuple):

@@ -104,13 +104,19 @@ def fsdp_kwargs(cfg: Any) -> dict[str, Any]:
     )
 
 
-def shard_model(model: nn.Module, cfg: Any, policy: Callable[..., bool], **fsdp1_kwargs: Any) -> nn.Module:
+def shard_model(
+    model: nn.Module, cfg: Any, policy: Callable[..., bool], mesh: Any = None, **fsdp1_kwargs: Any
+) -> nn.Module:
     """Shard ``model`` with the front end ``cfg.api`` names: the FSDP1 wrapper with
     ``auto_wrap_policy=policy``, or ``fully_shard`` on each module the same policy selects
-    (bottom-up), then on the root. Returns the model to train (the wrapper, or ``model``)."""
+    (bottom-up), then on the root. ``mesh``: a DeviceMesh to shard over (2-D: replicate x
+    shard, with a hybrid ``cfg.sharding_strategy`` for the wrapper), the wrapper's
+    ``device_mesh``; None: the whole world. Returns the model to train (the wrapper, or ``model``)."""
     if getattr(cfg, "api", "fsdp1") == "fsdp1":
         from fullshard import FullyShardedDataParallel
 
+        if mesh is not None:
+            fsdp1_kwargs["device_mesh"] = mesh
         return FullyShardedDataParallel(model, auto_wrap_policy=policy, **fsdp1_kwargs, **fsdp_kwargs(cfg))
     from fullshard import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     from fullshard.wrap import apply_policy
@@ -126,6 +132,8 @@ def shard_model(model: nn.Module, cfg: Any, policy: Callable[..., bool], **fsdp1
     quant = comm_quantization(cfg)
     if quant is not None:
         kwargs["comm_quantization"] = quant
+    if mesh is not None:
+        kwargs["mesh"] = mesh
     units: list[nn.Module] = []
 
     def shard(m: nn.Module) -> nn.Module:
