@@ -327,7 +327,7 @@ def test_a_padded_parameters_gradient_is_packed_without_a_padded_copy() -> None:
     """pack_rows_into writes rank r's rows, then zeros, into strided columns of the pack: the
     layout of padding each gradient and concatenating, for rows that fill no rank, one rank in
     part, or leave ranks empty; and allocates nothing of the gradient's size."""
-    from fullshard.engine.reduce import pack_rows_into
+    from fullshard.engine.grad_pack import pack_rows_into
     from fullshard.engine.sharded_param import ShardSpec
     from fullshard.plan.tracker import LiveTensorBytes
 
@@ -356,7 +356,7 @@ def test_the_one_concatenation_pack_equals_the_per_parameter_pack() -> None:
     """pack_into's single torch.cat (no parameter padded, no gradient missing, one dtype) writes
     the same bits as pack_rows_into parameter by parameter; a padded, missing or other-dtype
     gradient takes the per-parameter copies for the whole pack, with the same result."""
-    from fullshard.engine.reduce import pack_into, pack_rows_into
+    from fullshard.engine.grad_pack import pack_into, pack_rows_into
     from fullshard.engine.sharded_param import ShardSpec
 
     cases = [

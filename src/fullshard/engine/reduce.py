@@ -1,7 +1,8 @@
 """The gradient side of an FSDP unit: pack, reduce-scatter, hand the shards their gradients.
 
-Per-parameter gradients -> one packing copy, rank-major (N*S_t,), into pooled memory (the unit's
-full parameters were freed just before, see ``Unit.reshard_for_packing``) -> cast to the reduce
+Per-parameter gradients -> one packing copy, rank-major (N*S_t,), into pooled memory
+(:mod:`.grad_pack`; the unit's full parameters were freed just before, see
+``Unit.reshard_for_packing``) -> cast to the reduce
 dtype -> reduce-scatter -> (S_t,) -> cast back (and copied to CPU under offload) -> views of it
 become the shards' ``.grad``. Low-precision reductions divide before and after the sum so float16
 cannot overflow. The vocabulary (S, S_t, padded shard) is :mod:`.layout`'s and :mod:`.sharded_param`'s.
@@ -17,14 +18,14 @@ offload, and the partial sum kept while the replica all-reduce is off (a partial
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from fullshard import compat, probes
 from fullshard.comm import buffers, collectives, quantized
 from fullshard.engine.layout import UnitLayout
-from fullshard.engine.sharded_param import ShardedParam, ShardSpec
+from fullshard.engine.sharded_param import ShardedParam
 
 
 def predivide_factor(ranks: int) -> int:
@@ -37,76 +38,6 @@ def predivide_factor(ranks: int) -> int:
     while ranks % factor == 0 and ranks / factor > factor:
         factor *= 2
     return factor
-
-
-def pack_grads(unit: UnitLayout, grads: Sequence[torch.Tensor | None]) -> torch.Tensor:
-    """The trainable parameters' full gradients packed rank-major, shape (N*S_t,).
-
-    Row block r holds, parameter after parameter, the padded rows rank r owns: the layout
-    of the reduce-scatter input, so the gradient is written once, in place for the
-    collective, and a padded parameter's gradient is not padded in a copy of its own first.
-    ``None`` (a parameter forward did not use) packs as zeros.
-    """
-    n = unit.shard_size
-    ref = next(g for g in grads if g is not None)
-    out = buffers.POOL.acquire(n * unit.grad_numel, ref.dtype, ref.device)
-    pack_into(out.view(n, unit.grad_numel), grads, [sp.spec for sp in unit.trainable])
-    return out
-
-
-def pack_into(rows: torch.Tensor, grads: Sequence[torch.Tensor | None], specs: Sequence[ShardSpec]) -> None:
-    """Pack parameters' full gradients side by side into a rank-major pack, one
-    :func:`pack_rows_into` each.
-
-    Args:
-        rows: shape (N, sum of the specs' ``padded_shard_numel``), contiguous; row r becomes
-            rank r's shard of the reduce-scatter input.
-        grads: one full gradient per spec (shapes ``orig_shape``, any dtype: cast by the copy),
-            None for zeros.
-        specs: the parameters' sharding, in pack order.
-    """
-    n = rows.shape[0]
-    if all(
-        g is not None and g.dtype == rows.dtype and not g.requires_grad and spec.rows == n * spec.chunk_rows
-        for spec, g in zip(specs, grads)
-    ):
-        # No padding and nothing missing: rank r's row of the pack is each gradient's r-th
-        # chunk of rows, side by side, so one concatenation along dim 1 writes the whole pack
-        # (the same bits as the per-parameter copies below, in one call instead of several each).
-        # Not for gradients that require grad (``backward(create_graph=True)``): ``out=``
-        # refuses them, where ``copy_`` into the pack records the copy.
-        torch.cat([g.reshape(n, spec.padded_shard_numel) for spec, g in zip(specs, grads)], dim=1, out=rows)  # type: ignore[union-attr]
-        return
-    offset = 0
-    for spec, g in zip(specs, grads):
-        width = spec.padded_shard_numel
-        pack_rows_into(rows[:, offset : offset + width], g, spec)
-        offset += width
-
-
-def pack_rows_into(dest: torch.Tensor, grad: torch.Tensor | None, spec: ShardSpec) -> None:
-    """Copy one parameter's full gradient into its columns of a rank-major pack.
-
-    Args:
-        dest: shape (N, ``spec.padded_shard_numel``), a view whose rows may be strided: row r
-            receives the ``spec.chunk_rows`` rows of ``grad`` that rank r owns, zeros after the
-            last real row (the padding).
-        grad: shape ``spec.orig_shape`` (any layout and dtype: cast by the copy), or None for
-            zeros.
-        spec: the parameter's sharding (``rows``, ``row_numel``, ``chunk_rows``).
-    """
-    n, chunk = dest.shape[0], spec.chunk_rows
-    if grad is None or chunk == 0:
-        dest.zero_()
-        return
-    blocks = dest.view(n, chunk, spec.row_numel)
-    rows = grad.reshape(spec.rows, spec.row_numel)
-    whole, rest = divmod(spec.rows, chunk)
-    blocks[:whole].copy_(rows[: whole * chunk].reshape(whole, chunk, spec.row_numel))
-    if whole < n:
-        blocks[whole, :rest].copy_(rows[whole * chunk :])
-        blocks[whole, rest:].zero_()
-        blocks[whole + 1 :].zero_()
 
 
 @dataclasses.dataclass
@@ -149,6 +80,9 @@ class GradReducer:
         # fully_shard's set_reduce_scatter_unused_params(True) (torch FSDP2's rule): a unit the
         # backward did not reach reduces zeros at its end, so its parameters get a .grad too.
         self.reduce_unreached = False
+        # FullyShardedDataParallel.register_comm_hook: (state, hook) that reduces instead of
+        # fullshard's collectives, as torch FSDP1's communication hooks do.
+        self.comm_hook: tuple[object, Callable[..., None]] | None = None
         self._marks: list[tuple[ShardedParam, torch.Tensor, int, bool]] | None = None
         # Set by the hooks for a unit whose full buffer's size no other unit of its tree has: its
         # gradient shards may stay in its own chunk of the packed gradient (see launch).
@@ -283,6 +217,9 @@ class GradReducer:
         pre = predivide_factor(ranks) if low and unit.divide_factor is None and wire is None else 1
         if grad.dtype != unit.reduce_dtype and wire is None:
             grad = grad.to(unit.reduce_dtype)
+        if self.comm_hook is not None:
+            self._launch_hooked(grad, used)
+            return
         if pre > 1:
             grad.div_(pre)
         post = (unit.divide_factor or ranks) / pre
@@ -317,6 +254,28 @@ class GradReducer:
         if used is not None and all(used):
             used = None
         self._pending = _Pending(collectives.Handle(works), out, packed, partial_reduce, in_place, used)
+
+    def _launch_hooked(self, grad: torch.Tensor, used: list[bool] | None) -> None:
+        """Reduce ``grad`` (the packed full gradient, (N*S_t,)) with the registered communication
+        hook, synchronously, as torch FSDP1 calls it: ``hook(state, grad)`` in place when the
+        unit is not sharded (NO_SHARD), else ``hook(state, grad, out)`` with ``out`` (S_t,) for
+        this rank's chunk (rank r's is chunk r of ``grad``: ``reduce_scatter_tensor``'s layout).
+        The hook divides (torch's ``DefaultState`` does); fullshard adds no division."""
+        assert self.comm_hook is not None
+        state, hook = self.comm_hook
+        unit = self.unit
+        packed = None
+        if unit.shard_size == 1:
+            hook(state, grad)
+            out = grad
+        else:
+            out = torch.empty(unit.grad_numel, dtype=grad.dtype, device=grad.device)
+            hook(state, grad, out)
+            packed = grad
+            buffers.POOL.lend(packed)  # comes back in finish()
+        if used is not None and all(used):
+            used = None
+        self._pending = _Pending(collectives.Handle(None), out, packed, False, False, used)
 
     def _reduces_in_place(self, grad: torch.Tensor) -> bool:
         """Whether the gradient shards can stay in this rank's chunk of the packed ``grad``.

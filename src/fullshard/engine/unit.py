@@ -18,6 +18,7 @@ import torch
 from fullshard import probes
 from fullshard.comm import buffers, collectives, flight_recorder, quantized
 from fullshard.engine import reshard_guard, shard_sync
+from fullshard.engine.grad_pack import pack_grads
 from fullshard.engine.layout import (
     ParamEntry,
     ShardState,
@@ -27,7 +28,7 @@ from fullshard.engine.layout import (
     real_views,
 )
 from fullshard.engine.post_forward_shard import PostForwardShard
-from fullshard.engine.reduce import GradReducer, pack_grads
+from fullshard.engine.reduce import GradReducer
 
 __all__ = ["ParamEntry", "ShardState", "TrainingState", "Unit", "UnitConfig"]
 
@@ -359,7 +360,7 @@ class Unit(UnitLayout):
 
     # ---------------------------------------------------------------- gradients (see reduce)
     def pack_grads(self, grads: Sequence[torch.Tensor | None]) -> torch.Tensor:
-        """The trainable parameters' full gradients packed rank-major, (N*S_t,): :func:`.reduce.pack_grads`."""
+        """The trainable parameters' full gradients packed rank-major, (N*S_t,): :func:`.grad_pack.pack_grads`."""
         self.grads.reclaim()
         return pack_grads(self, grads)
 

@@ -235,6 +235,56 @@ class FullyShardedDataParallel(StateDictMethods):
     def _lazy_init(self) -> None:
         hooks.lazy_init(self)
 
+    def check_is_root(self) -> bool:
+        """Whether this instance is the root of its tree (the outermost one to run first).
+
+        Before the first forward, the call makes this instance the root of the instances under
+        it, as torch's does."""
+        self._lazy_init()
+        return self._is_root
+
+    def register_comm_hook(self, state: object, hook: Callable[..., None]) -> None:
+        """Reduce the gradients of every unit in this tree with ``hook`` instead of fullshard's
+        collectives (torch FSDP1's communication hooks, e.g. ``torch.distributed.algorithms.
+        _comm_hooks.default_hooks.bf16_compress_hook`` with ``DefaultState(process_group)``).
+
+        After each unit's backward with gradient sync on, the hook runs synchronously:
+        ``hook(state, grad)`` under NO_SHARD (or at world size 1), where ``grad`` (S,) is the
+        unit's full flat gradient to reduce in place; else ``hook(state, grad, output)``, where
+        ``grad`` (N*S,) holds the full gradients packed so that chunk r is rank r's (the layout
+        ``reduce_scatter_tensor`` takes) and ``output`` (S,) receives this rank's reduced chunk.
+        Both are in the reduce dtype, and the hook does any division (torch's ``DefaultState``
+        divides by the world size). Register it once, before training, on the root.
+
+        Raises:
+            RuntimeError: not called on the root, or a hook is registered already.
+            TypeError: ``hook`` is not callable.
+            ValueError: a unit uses hybrid sharding (not supported, as in torch) or
+                ``comm_quantization``.
+        """
+        if not callable(hook):
+            raise TypeError(f"register_comm_hook: hook must be callable, got {type(hook).__name__}")
+        if not self.check_is_root():
+            raise RuntimeError(
+                "register_comm_hook must be called on the root FullyShardedDataParallel (the outermost wrapper)"
+            )
+        units = [m.unit for m in self.fsdp_modules(self)]
+        for unit in units:
+            if unit.shard_size > 1 and unit.replicate_size > 1:
+                raise ValueError(
+                    f"register_comm_hook: unit {unit.name!r} uses hybrid sharding, which communication hooks do not "
+                    "support (nor do torch's): use FULL_SHARD, SHARD_GRAD_OP or NO_SHARD"
+                )
+            if unit.config.comm_quantization is not None:
+                raise ValueError(
+                    f"register_comm_hook: unit {unit.name!r} has comm_quantization, which the hook would bypass: "
+                    "use one or the other"
+                )
+            if unit.grads.comm_hook is not None:
+                raise RuntimeError("register_comm_hook: a communication hook is registered already (register it once)")
+        for unit in units:
+            unit.grads.comm_hook = (state, hook)
+
     @property
     def _is_root(self) -> bool:
         return self._unit_state.is_root

@@ -168,6 +168,27 @@ class StateDictMethods(ModuleWrapper):
         return old
 
     @staticmethod
+    def get_state_dict_type(module: nn.Module) -> StateDictSettings:
+        """The state-dict settings of the FSDP modules in ``module``'s tree (torch's
+        ``FSDP.get_state_dict_type``); ``module`` need not be one itself.
+
+        Raises:
+            ValueError: ``module``'s tree holds no FullyShardedDataParallel.
+            RuntimeError: its FSDP modules have different settings (``set_state_dict_type`` was
+                called on a submodule).
+        """
+        modules = wrappers(module)
+        if not modules:
+            raise ValueError(f"get_state_dict_type: {type(module).__name__} holds no FullyShardedDataParallel module")
+        settings = modules[0]._settings()
+        if any(m._settings() != settings for m in modules[1:]):
+            raise RuntimeError(
+                "get_state_dict_type: the FSDP modules have different state-dict settings: call "
+                "set_state_dict_type on the root, which sets every module under it"
+            )
+        return settings
+
+    @staticmethod
     @contextlib.contextmanager
     def state_dict_type(
         module: nn.Module,
