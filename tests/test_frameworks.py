@@ -118,7 +118,6 @@ def _unit_checks(rank: int, world: int) -> list[str]:
     for call, name in [
         (lambda: seq.set_custom_all_gather(None), "set_custom_all_gather"),
         (lambda: seq.set_custom_reduce_scatter(None), "set_custom_reduce_scatter"),
-        (lambda: seq.set_all_reduce_hook(lambda t: None), "set_all_reduce_hook"),
         # a torch method fullshard did not define (as one torch adds later would be) names itself
         (lambda: tf.FSDPModule.set_unshard_in_backward(seq, False), "FSDPModule.set_unshard_in_backward"),
         (lambda: seq._get_fsdp_state(), "FSDPModule.<lambda>"),

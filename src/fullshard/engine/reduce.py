@@ -83,6 +83,8 @@ class GradReducer:
         # FullyShardedDataParallel.register_comm_hook: (state, hook) that reduces instead of
         # fullshard's collectives, as torch FSDP1's communication hooks do.
         self.comm_hook: tuple[object, Callable[..., None]] | None = None
+        # FSDPModule.set_all_reduce_hook: called on each reduced shard (S_t,), in the reduce dtype.
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         self._marks: list[tuple[ShardedParam, torch.Tensor, int, bool]] | None = None
         # Set by the hooks for a unit whose full buffer's size no other unit of its tree has: its
         # gradient shards may stay in its own chunk of the packed gradient (see launch).
@@ -350,6 +352,8 @@ class GradReducer:
             else:
                 self._partial_sum.add_(out)
             return
+        if self.all_reduce_hook is not None:  # after the replica all-reduce, before the cast, as torch's
+            self.all_reduce_hook(out)
         unit = self.unit
         grad_dtype = out.dtype if unit.config.keep_low_precision_grads else unit.dtype
         if out.dtype != grad_dtype or out.device != unit.shard_device:

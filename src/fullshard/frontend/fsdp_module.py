@@ -291,9 +291,30 @@ class FSDPModule(_TorchFSDPModule):
         """Raises NotImplementedError: fullshard's reduce-scatters are its own."""
         _unsupported("set_custom_reduce_scatter")
 
-    def set_all_reduce_hook(self, hook: Callable[..., None], *, stream: Any = None) -> NoReturn:
-        """Raises NotImplementedError: fullshard runs no user hook on its reductions."""
-        _unsupported("set_all_reduce_hook")
+    def set_all_reduce_hook(self, hook: Callable[[Any], None], *, stream: Any = None) -> None:
+        """Run ``hook(reduced)`` on this module's unit's reduced gradient shard (shape (S_t,),
+        the reduce dtype) after each reduction: after the reduce-scatter, or under HSDP after
+        the replica all-reduce, before it becomes the shards' ``.grad`` (e.g. an all-reduce over
+        a dimension the mesh does not hold). Not on a reduction kept as a partial sum
+        (``set_requires_all_reduce(False)``). As torch's, for this module only (not recursive).
+        fullshard's reduced shard is already divided by the data-parallel size (torch's may
+        still hold a factor of it on some backends): a hook that sums or averages over other
+        ranks gives the same result either way.
+
+        Args:
+            hook: called with the reduced shard, which it may change in place.
+            stream: a CUDA stream for the hook (torch's option): fullshard runs the hook where
+                the reduction finishes and ignores it, with a warning.
+
+        Raises:
+            ValueError: ``stream`` set on a hybrid-sharded unit (as torch's).
+        """
+        unit = _state(self).unit  # type: ignore[arg-type]
+        if stream is not None:
+            if unit.replicate_size > 1:
+                raise ValueError("set_all_reduce_hook: stream cannot be set when using HSDP (as in torch)")
+            _ignored("set_all_reduce_hook(stream=...)", "it runs the hook where the reduction finishes")
+        unit.grads.all_reduce_hook = hook
 
     def _set_unshard_async_op(self, async_op: bool) -> None:
         if async_op:
