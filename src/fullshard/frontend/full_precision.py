@@ -46,7 +46,7 @@ def prepare(root: nn.Module, mp: MixedPrecision | None) -> tuple[type[nn.Module]
     classes = tuple(mp._module_classes_to_ignore)
     found = list(_instances(root, classes))
     for module in found:
-        _register_casts(module)
+        register_casts(module)
     if found:
         names = ", ".join(sorted({type(m).__name__ for m in found}))
         warnings.warn(
@@ -86,7 +86,7 @@ def _instances(root: nn.Module, classes: tuple[type[nn.Module], ...]) -> Iterato
         yield from _instances(child, classes)
 
 
-def _register_casts(module: nn.Module) -> None:
+def register_casts(module: nn.Module) -> None:
     """Run ``module`` in float32 between modules computing in another dtype (see the module docstring)."""
     input_dtype: dict[str, torch.dtype] = {}  # the dtype of the last call's cast inputs, if any
 

@@ -53,6 +53,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fullshard import compat
 from fullshard.plan.estimate import UnitEstimate, estimate_model_state, group_units
 from fullshard.plan.schedule import Peak, model_state, replay, unit_buffers
 from fullshard.plan.step_trace import StepTrace, cast_floats, grouped, trace_step
@@ -125,6 +126,7 @@ def estimate_peak(
     cpu_offload: bool = False,
     checkpoint_context: Callable[[], Any] | None = None,
     front_end: str = "wrapper",
+    full_precision: tuple[type[nn.Module], ...] | None = None,
 ) -> PeakEstimate:
     """Predict rank 0's peak live tensor bytes in a steady training step (see module docstring).
 
@@ -140,11 +142,11 @@ def estimate_peak(
         front_end: "wrapper" (FullyShardedDataParallel, which keeps its last unit of forward
             gathered under FULL_SHARD, and under mixed precision casts floating-point buffers
             to ``param_dtype``) or "fully_shard" (buffers keep their dtype, every unit casts its
-            inputs). Either way every module computes in ``param_dtype`` and the units are
-            ``is_unit``'s: the wrapper with ``MixedPrecision(..., _module_classes_to_ignore=())``.
-            Its default makes each BatchNorm a float32 unit of its own under an auto-wrap
-            policy; to estimate that, let ``is_unit`` select them too (their float32
-            parameters and activations are not modelled).
+            inputs).
+        full_precision: the module classes the wrapper keeps in float32, each module of them a
+            unit of its own (``MixedPrecision._module_classes_to_ignore``); None: the wrapper's
+            default under mixed precision, BatchNorm (none for ``fully_shard``, or without
+            ``param_dtype``). Every other module computes in ``param_dtype``.
 
     Raises:
         ValueError: as :func:`~fullshard.plan.estimate.estimate_model_state`, or
@@ -156,6 +158,12 @@ def estimate_peak(
         raise ValueError(NO_SHARD_OFFLOAD)
     if front_end not in ("wrapper", "fully_shard"):
         raise ValueError(f"front_end={front_end!r}: use 'wrapper' (FullyShardedDataParallel) or 'fully_shard'")
+    if full_precision is None:
+        wrapper_mp = front_end == "wrapper" and param_dtype not in (None, torch.float32)
+        full_precision = (compat.BatchNormBase,) if wrapper_mp else ()
+    if full_precision:
+        classes, select = full_precision, is_unit
+        is_unit = lambda m: select(m) or isinstance(m, classes)  # noqa: E731  (units of their own)
     with torch.device("meta"):
         plain = make_model()
     offload = offloads(cpu_offload, backend)
@@ -167,6 +175,7 @@ def estimate_peak(
     step = trace_step(
         make_model, example, loss_fn, mp, checkpoint, device_type(backend), is_unit,
         checkpoint_context=checkpoint_context, cast_buffers=cast, engine_gradients=True,
+        full_precision=full_precision if param_dtype is not None else (),
     )  # fmt: skip
     keep = [u.name for u in units] if strategy == "shard_grad_op" else []
     return replayed_peak(

@@ -58,6 +58,7 @@ def trace_step(
     checkpoint_context: Callable[[], Any] | None = None,
     cast_buffers: bool = True,
     engine_gradients: bool = False,
+    full_precision: tuple[type[nn.Module], ...] = (),
 ) -> StepTrace:
     """One forward and backward of the unwrapped model on the meta device, sampled at every
     allocation and once after backward has returned (arguments as
@@ -70,6 +71,8 @@ def trace_step(
     Without it they keep their own dtype and each unit's floating-point inputs are cast to
     ``compute_dtype`` as it starts, as ``fully_shard`` with a ``MixedPrecisionPolicy`` runs:
     an fp32 buffer (a sinusoidal position table) stays fp32 and promotes what it is added to.
+
+    ``full_precision``: module classes kept in float32 (:func:`kept_full_precision`).
 
     ``engine_gradients``: each unit's gradients land when the engine receives them (all at once,
     when autograd reaches the node that made its full parameters, :func:`_route_gradients`),
@@ -95,7 +98,7 @@ def trace_step(
         with torch.device("meta"):
             model = make_model()
             if compute_dtype is not None:
-                _to_compute_dtype(model, compute_dtype, cast_buffers, None if cast_buffers else is_unit)
+                _to_compute_dtype(model, compute_dtype, cast_buffers, None if cast_buffers else is_unit, full_precision)
             owned = owned_params(model, is_unit or (lambda m: False))
             names = [name or "<root>" for name in owned]
             owners.extend(owned.values())
@@ -126,10 +129,15 @@ def trace_step(
 
 
 def _to_compute_dtype(
-    model: nn.Module, dtype: torch.dtype, cast_buffers: bool, is_unit: Callable[[nn.Module], bool] | None
+    model: nn.Module,
+    dtype: torch.dtype,
+    cast_buffers: bool,
+    is_unit: Callable[[nn.Module], bool] | None,
+    full_precision: tuple[type[nn.Module], ...] = (),
 ) -> None:
     """``model``'s parameters (and buffers, with ``cast_buffers``) in ``dtype``; each ``is_unit``
-    module's floating-point inputs cast to ``dtype`` before its forward."""
+    module's floating-point inputs cast to ``dtype`` before its forward; the modules of
+    ``full_precision`` back in float32 (:func:`kept_full_precision`)."""
     kept = [] if cast_buffers else [(m, n, b) for m in model.modules() for n, b in compat.module_buffers(m).items()]
     model.to(dtype)
     for m, name, b in kept:
@@ -137,6 +145,21 @@ def _to_compute_dtype(
     for m in model.modules():
         if is_unit is not None and is_unit(m):
             m.register_forward_pre_hook(lambda _, args, kwargs: cast_floats((args, kwargs), dtype), with_kwargs=True)
+    kept_full_precision(model, full_precision)
+
+
+def kept_full_precision(model: nn.Module, classes: tuple[type[nn.Module], ...]) -> None:
+    """Put the submodules of ``model`` of ``classes`` back in float32 (parameters and
+    floating-point buffers) and give them the FSDP1 wrapper's casts (inputs to float32, outputs
+    back: :func:`fullshard.frontend.full_precision.register_casts`), as it runs the modules of
+    its ``MixedPrecision._module_classes_to_ignore`` (BatchNorm by default), each a unit of its
+    own under an auto-wrap policy (the caller's ``is_unit`` selects them too)."""
+    from fullshard.frontend.full_precision import register_casts
+
+    for m in model.modules():
+        if m is not model and classes and isinstance(m, classes):
+            m.float()
+            register_casts(m)
 
 
 class _UnitGradients(torch.autograd.Function):
