@@ -157,3 +157,39 @@ def hsdp_body(rank: int, world: int) -> int:
 @pytest.mark.timeout(300)
 def test_fully_shard_2d_mesh() -> None:
     assert run_ranks(hsdp_body, 4, timeout=280)[0] > 0
+
+
+def test_every_name_torch_fsdp_exports_is_fullshards() -> None:
+    """A program changes its import line only: every name of ``torch.distributed.fsdp.__all__``
+    is fullshard's, ``fully_shard`` takes every keyword torch's does, and the FSDP1 wrapper has
+    every public method torch's has (nn.Module's aside)."""
+    import inspect
+
+    import torch.distributed.fsdp as tf
+    from torch import nn
+
+    import fullshard
+
+    assert [n for n in tf.__all__ if not hasattr(fullshard, n)] == []
+    assert set(inspect.signature(tf.fully_shard).parameters) <= set(inspect.signature(fullshard.fully_shard).parameters)
+    theirs = {n for n in dir(tf.FullyShardedDataParallel) if not n.startswith("_")} - set(dir(nn.Module))
+    assert sorted(theirs - set(dir(fullshard.FullyShardedDataParallel))) == []
+    with pytest.raises(ValueError, match="shard, replicate or both"):
+        fullshard.DataParallelMeshDims()
+
+
+def _names_body(rank: int, world: int) -> list[str]:
+    import fullshard
+
+    model = _shard(make_stack(scale_shape=(1,)))
+    fullshard.share_comm_ctx([model, model.blocks[0]])  # one stream already: checks, changes nothing
+    with pytest.raises(ValueError, match="FSDPModules"):
+        fullshard.share_comm_ctx([model, torch.nn.Linear(2, 2)])
+    with pytest.raises(NotImplementedError, match="dp_mesh_dims"):
+        fullshard.fully_shard(torch.nn.Linear(2, 2), dp_mesh_dims=fullshard.DataParallelMeshDims(shard="dp"))
+    return ["names"]
+
+
+@pytest.mark.timeout(120)
+def test_share_comm_ctx_and_dp_mesh_dims() -> None:
+    assert run_ranks(_names_body, 1, timeout=100)[0] == ["names"]

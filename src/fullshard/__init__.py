@@ -16,10 +16,13 @@ from fullshard.engine.config import (
     LocalOptimStateDictConfig,
     LocalStateDictConfig,
     MixedPrecision,
+    OptimStateDictConfig,
     OptimStateKeyType,
     ShardedOptimStateDictConfig,
     ShardedStateDictConfig,
     ShardingStrategy,
+    StateDictConfig,
+    StateDictSettings,
     StateDictType,
 )
 from fullshard.frontend.activation_checkpointing import (
@@ -36,7 +39,9 @@ from fullshard.frontend.fully_shard import (
     OffloadPolicy,
     fully_shard,
     register_fsdp_forward_method,
+    share_comm_ctx,
 )
+from fullshard.frontend.meshes import DataParallelMeshDims
 from fullshard.frontend.optim_local import register_elementwise_optimizer
 from fullshard.frontend.torch_names import use_in_torch
 from fullshard.plan.memory import model_state_bytes, peak_rss_bytes
@@ -66,6 +71,11 @@ __all__ = [
     "ShardedOptimStateDictConfig",
     "ShardedStateDictConfig",
     "StateDictType",
+    "StateDictConfig",
+    "StateDictSettings",
+    "OptimStateDictConfig",
+    "DataParallelMeshDims",
+    "share_comm_ctx",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "OptimStateKeyType",

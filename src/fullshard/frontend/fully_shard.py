@@ -90,6 +90,7 @@ def fully_shard(
     offload_policy: Optional[OffloadPolicy] = None,
     ignored_params: Optional[Iterable[nn.Parameter]] = None,
     comm_quantization: Optional[CommQuantization] = None,
+    dp_mesh_dims: Optional[Any] = None,
 ) -> Any:
     """Shard ``module``'s parameters (those no earlier ``fully_shard`` took) over ``mesh``.
 
@@ -119,6 +120,8 @@ def fully_shard(
             all-gather this unit's parameters as int8 blocks and/or reduce-scatter its gradients
             in bf16 or int8 (None: exact communication, as torch's). Each call sets its own
             unit's; pass the same to every call for the whole model.
+        dp_mesh_dims: torch 2.13's (:class:`~fullshard.frontend.meshes.DataParallelMeshDims`):
+            only None; pass the data-parallel slice of the mesh as ``mesh`` instead.
 
     Returns:
         ``module``, now also an FSDPModule (the list, for a list).
@@ -130,9 +133,11 @@ def fully_shard(
             parameter (as torch's fully_shard: make it shape (1,) or ignore it); a parameter
             defining only one of fsdp_pre_all_gather / fsdp_post_all_gather.
         NotImplementedError: a placement other than Shard(0); a tensor-subclass parameter
-            without the all-gather extension (with it, its hooks decide what is gathered).
+            without the all-gather extension (with it, its hooks decide what is gathered);
+            ``dp_mesh_dims`` not None.
         RuntimeError: no process group is initialized.
     """
+    meshes.refuse_dp_mesh_dims(dp_mesh_dims)
     modules = _modules(module)
     quant = as_comm_quantization(comm_quantization, "fully_shard")
     mp_policy = as_mp_policy(mp_policy, MixedPrecisionPolicy)
@@ -356,6 +361,19 @@ def _register_forward_hooks(
     for m in modules:
         m.register_forward_pre_hook(pre, prepend=True, with_kwargs=True)
         m.register_forward_hook(post)
+
+
+def share_comm_ctx(modules: list[Any]) -> None:
+    """torch's ``share_comm_ctx``: let several roots (pipeline stages' model chunks) share their
+    communication streams. fullshard runs every collective on the current stream, so they share
+    it already: this checks the modules and changes nothing.
+
+    Raises:
+        ValueError: an element that ``fully_shard`` did not shard (as torch's).
+    """
+    for m in modules:
+        if not (isinstance(m, nn.Module) and hooks.is_unit(m) and isinstance(m, FSDPModule)):
+            raise ValueError(f"share_comm_ctx expects a list of FSDPModules (given to fully_shard), got {m!r}")
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

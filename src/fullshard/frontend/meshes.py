@@ -7,7 +7,8 @@ forward: backward then all-gathers within groups of M consecutive ranks of the s
 
 from __future__ import annotations
 
-from typing import Any, Union
+import dataclasses
+from typing import Any, Optional, Union
 
 import torch
 
@@ -97,3 +98,38 @@ def post_forward_group(mesh: Any, size: int) -> Any:
     if key not in _POST_FORWARD_MESHES:
         _POST_FORWARD_MESHES[key] = DeviceMesh(mesh.device_type, mesh.mesh.reshape(-1, size))
     return _POST_FORWARD_MESHES[key].get_group(1)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataParallelMeshDims:
+    """torch 2.13's name for the data-parallel dimensions of a full SPMD mesh whose parameters
+    are already DTensors on it (``fully_shard(mesh=full_mesh, dp_mesh_dims=...)``): ``shard``
+    and ``replicate``, each a dimension name or a tuple of names to flatten.
+
+    fullshard's ``fully_shard`` does not take it (see :func:`refuse_dp_mesh_dims`); it exists so
+    that programs importing it from here get that error at the call, not an ImportError.
+
+    Raises:
+        ValueError: neither ``shard`` nor ``replicate`` is set.
+    """
+
+    shard: Optional[Union[str, tuple[str, ...]]] = None
+    replicate: Optional[Union[str, tuple[str, ...]]] = None
+
+    def __post_init__(self) -> None:
+        if self.shard is None and self.replicate is None:
+            raise ValueError("DataParallelMeshDims: set shard, replicate or both (mesh dimension names)")
+
+
+def refuse_dp_mesh_dims(dp_mesh_dims: Any) -> None:
+    """``fully_shard``'s ``dp_mesh_dims``: only None is supported.
+
+    Raises:
+        NotImplementedError: any other value, saying what to pass instead.
+    """
+    if dp_mesh_dims is not None:
+        raise NotImplementedError(
+            f"fully_shard(dp_mesh_dims={dp_mesh_dims!r}) is not supported by fullshard: pass the data-parallel "
+            'slice as the mesh (mesh=full_mesh["dp_replicate", "dp_shard"]), with tensor-parallel DTensor '
+            'parameters on another dimension of the same mesh (full_mesh["tp"]), as torch before 2.13 takes them'
+        )
