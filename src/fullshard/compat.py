@@ -105,6 +105,7 @@ PRIVATE_NAMES: dict[str, str] = {
     "torch._dynamo:disable": "use",  # when dynamo is imported (see after_import)
     "torch._dynamo.eval_frame:skip_code": "use",
     "torch._dynamo.utils:counters": "use",
+    "torch.distributed.fsdp.wrap:CustomPolicy": "use",  # the lambda_fn it keeps as _lambda_fn
 }
 for _path, _when in PRIVATE_NAMES.items():
     if _when == "import":
@@ -387,6 +388,18 @@ def import_composable_fsdp() -> Any:
     """Import ``torch.distributed._composable.fsdp`` (and its ``fully_shard`` module)."""
     resolve(f"{COMPOSABLE_FSDP}:fully_shard")
     return sys.modules[COMPOSABLE_FSDP]
+
+
+def is_torch_custom_policy(value: Any) -> bool:
+    """Whether ``value`` is torch's ``torch.distributed.fsdp.wrap.CustomPolicy`` (checked
+    without importing the module when nothing loaded it)."""
+    module = sys.modules.get("torch.distributed.fsdp.wrap")
+    return module is not None and isinstance(value, getattr(module, "CustomPolicy", ()))
+
+
+def custom_policy_fn(policy: Any) -> Callable[[nn.Module], Any]:
+    """The ``lambda_fn`` a torch ``CustomPolicy`` was built with (it keeps it privately)."""
+    return policy._lambda_fn
 
 
 def is_sharded_tensor(value: Any) -> bool:

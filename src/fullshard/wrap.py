@@ -7,8 +7,10 @@ re-exports them.
 
 from fullshard.engine.hooks import is_unit, unit_count
 from fullshard.frontend.wrap import (
+    CustomPolicy,
     ModuleWrapPolicy,
     Policy,
+    always_wrap_policy,
     apply_policy,
     as_policy,
     enable_wrap,
@@ -19,8 +21,10 @@ from fullshard.frontend.wrap import (
 )
 
 __all__ = [
+    "CustomPolicy",
     "ModuleWrapPolicy",
     "Policy",
+    "always_wrap_policy",
     "apply_policy",
     "as_policy",
     "enable_wrap",

@@ -85,6 +85,21 @@ def _check_tuple_covers_world(shard: collectives.ProcessGroup, replicate: collec
         )
 
 
+def regroup(groups: Groups, strategy: ShardingStrategy) -> Groups:
+    """The groups of ``strategy`` over the same ranks as ``groups`` (a tree that is not hybrid):
+    a unit whose wrap policy gives it another strategy than the root's (``CustomPolicy``).
+
+    Raises:
+        ValueError: either side is hybrid (its groups cannot be derived from the other's).
+    """
+    if strategy in _HYBRID or (groups.shard is not None and groups.replicate is not None):
+        raise ValueError(
+            f"a sharding_strategy of {strategy.name} for one unit of a tree sharded otherwise: hybrid strategies "
+            "need the root's own (pass HYBRID_SHARD and a device_mesh to the root)"
+        )
+    return _flat(groups.broadcast_order[0], strategy)
+
+
 def _flat(group: collectives.ProcessGroup, strategy: ShardingStrategy) -> Groups:
     if collectives.group_size(group) == 1:
         return Groups(None, None, (group,))

@@ -31,9 +31,9 @@ from fullshard.engine.unit import TrainingState, Unit
 from fullshard.engine.wrapper_config import WrapperConfig
 from fullshard.frontend import full_precision, summon
 from fullshard.frontend.clip_grad import clip_grad_norm_
-from fullshard.frontend.fsdp1_args import take_deprecated, wrapper_config
+from fullshard.frontend.fsdp1_args import take_deprecated, with_overrides, wrapper_config
 from fullshard.frontend.fsdp1_state_dict import StateDictMethods, wrappers
-from fullshard.frontend.wrap import apply_policy
+from fullshard.frontend.wrap import CustomPolicy, apply_policy
 
 if TYPE_CHECKING:  # torch's option types, accepted as well as fullshard's
     from torch.distributed import fsdp as torch_fsdp
@@ -171,8 +171,13 @@ class FullyShardedDataParallel(StateDictMethods):
             full = dataclasses.replace(nested, mixed_precision=None)
             holders = build.param_holders(module)
 
+            policy = config.auto_wrap_policy
+
             def wrap(m: nn.Module) -> FullyShardedDataParallel:
                 own = full if isinstance(m, kept) else nested
+                overrides = policy.overrides(m) if isinstance(policy, CustomPolicy) else {}
+                if overrides:  # CustomPolicy: this unit's own arguments
+                    own = with_overrides(own, overrides, f"a {type(m).__name__}")
                 return FullyShardedDataParallel(m, _nested=_Nested(own, build.shared_outside(m, holders)))
 
             apply_policy(

@@ -8,6 +8,7 @@ nested wrappers the wrap policy creates take the finished config.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -17,7 +18,7 @@ from torch import nn
 
 from fullshard.comm import collectives
 from fullshard.engine import build
-from fullshard.engine.groups import resolve_groups
+from fullshard.engine.groups import regroup, resolve_groups
 from fullshard.engine.meta_init import is_meta
 from fullshard.engine.wrapper_config import WrapperConfig
 from fullshard.frontend.meshes import check_mesh
@@ -177,3 +178,36 @@ def take_deprecated(deprecated: dict[str, Any], auto_wrap_policy: Any) -> Any:
     if deprecated:
         raise TypeError(f"FullyShardedDataParallel got unexpected keyword argument(s) {sorted(deprecated)}")
     return auto_wrap_policy
+
+
+OVERRIDABLE = ("sharding_strategy", "mixed_precision", "cpu_offload", "backward_prefetch", "forward_prefetch")
+"""The arguments a ``CustomPolicy`` may give one unit beyond the root's."""
+
+
+def with_overrides(config: WrapperConfig, overrides: dict[str, Any], where: str) -> WrapperConfig:
+    """``config`` (a nested wrapper's) with the arguments a ``CustomPolicy`` returned for the
+    module ``where`` names; each converted as the constructor converts it.
+
+    Raises:
+        ValueError: an argument not in :data:`OVERRIDABLE`, or a strategy that cannot share the
+            root's ranks (:func:`fullshard.engine.groups.regroup`).
+        TypeError: a value of the wrong type, as the constructor would raise.
+    """
+    unknown = sorted(set(overrides) - set(OVERRIDABLE))
+    if unknown:
+        raise ValueError(
+            f"CustomPolicy returned {unknown} for {where}: a unit's own arguments may be {', '.join(OVERRIDABLE)}"
+        )
+    changes: dict[str, Any] = {}
+    if "sharding_strategy" in overrides:
+        strategy = parse_sharding_strategy(overrides["sharding_strategy"])
+        changes.update(sharding_strategy=strategy, groups=regroup(config.groups, strategy))
+    if "mixed_precision" in overrides:
+        changes["mixed_precision"] = as_mixed_precision(overrides["mixed_precision"])
+    if "cpu_offload" in overrides:
+        changes["cpu_offload"] = as_cpu_offload(overrides["cpu_offload"])
+    if "backward_prefetch" in overrides:
+        changes["backward_prefetch"] = as_backward_prefetch(overrides["backward_prefetch"])
+    if "forward_prefetch" in overrides:
+        changes["forward_prefetch"] = overrides["forward_prefetch"]
+    return dataclasses.replace(config, **changes)

@@ -19,7 +19,9 @@ from torch import nn
 from fullshard import compat
 
 __all__ = [
+    "CustomPolicy",
     "ModuleWrapPolicy",
+    "always_wrap_policy",
     "enable_wrap",
     "lambda_auto_wrap_policy",
     "size_based_auto_wrap_policy",
@@ -97,17 +99,62 @@ class ModuleWrapPolicy:
         return f"ModuleWrapPolicy({[c.__name__ for c in self._classes]})"
 
 
+def always_wrap_policy(*args: Any, **kwargs: Any) -> bool:
+    """Wrap every submodule (torch's ``always_wrap_policy``)."""
+    return True
+
+
+class CustomPolicy:
+    """Wrap the modules ``lambda_fn`` selects, each with the root's arguments or its own
+    (torch's ``CustomPolicy``).
+
+    ``lambda_fn(module)`` returns False (or ``{}``): not a unit; True: a unit built with the
+    root's arguments; a non-empty dict: a unit built with the root's arguments updated by it
+    (``FullyShardedDataParallel``'s ``sharding_strategy``, ``mixed_precision``,
+    ``cpu_offload``, ``backward_prefetch``, ``forward_prefetch``; another key is refused).
+
+    Raises:
+        TypeError: ``lambda_fn`` is not callable.
+        ValueError: (when the policy runs) ``lambda_fn`` returned neither a bool nor a dict.
+    """
+
+    def __init__(self, lambda_fn: Callable[[nn.Module], bool | dict[str, Any]]) -> None:
+        if not callable(lambda_fn):
+            raise TypeError(f"CustomPolicy takes a callable lambda_fn(module) -> bool | dict, got {lambda_fn!r}")
+        self._lambda_fn = lambda_fn
+
+    def _answer(self, module: nn.Module) -> bool | dict[str, Any]:
+        res = self._lambda_fn(module)
+        if not isinstance(res, (bool, dict)):
+            raise ValueError(
+                f"CustomPolicy: lambda_fn returned {res!r} for a {type(module).__name__}; "
+                "return a bool or a dict of arguments"
+            )
+        return res
+
+    def __call__(self, module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+        return True if recurse else bool(self._answer(module))
+
+    def overrides(self, module: nn.Module) -> dict[str, Any]:
+        """The arguments ``lambda_fn`` gives ``module``'s unit beyond the root's (``{}``: none)."""
+        res = self._answer(module)
+        return res if isinstance(res, dict) else {}
+
+
 Policy = Callable[..., bool]
 
 
 def as_policy(policy: None | Policy | ModuleWrapPolicy | Iterable[Any]) -> Policy | None:
-    """Normalize ``auto_wrap_policy``: a callable, a ModuleWrapPolicy, or a set of classes.
+    """Normalize ``auto_wrap_policy``: a callable, a ModuleWrapPolicy, a set of classes, or
+    torch's ``CustomPolicy`` (made fullshard's).
 
     Raises:
         TypeError: anything else.
     """
     if policy is None or callable(policy):
         return policy
+    if compat.is_torch_custom_policy(policy):
+        return CustomPolicy(compat.custom_policy_fn(policy))
     if isinstance(policy, (set, frozenset, list, tuple)):
         return ModuleWrapPolicy(policy)
     raise TypeError(
