@@ -25,7 +25,7 @@ from fullshard.engine.all_gather_extension import check_plain, unit_class
 from fullshard.engine.config import CommQuantization, FrontEnd, MixedPrecision
 from fullshard.engine.groups import Groups
 from fullshard.engine.hooks import fsdp_state, is_unit
-from fullshard.engine.meta_init import is_meta, materialize, own_tensors
+from fullshard.engine.meta_init import breadth_first, is_meta, materialize, own_tensors
 from fullshard.engine.module_wrapper import clean_name
 from fullshard.engine.sharded_param import ParamSlot, is_sharded
 from fullshard.engine.unit import Unit, UnitConfig
@@ -162,7 +162,7 @@ def build_unit(
     region = list(walk_region(module, ignored))
     params = owned_params(module, ignored, exclude)
     if prepared.meta and materialize_meta:  # nested units have materialized theirs; now this unit's own
-        named = [(clean_name(n).rstrip("."), m) for n, m in region]
+        named = [(clean_name(n).rstrip("."), m) for n, m in breadth_first(region)]
         params = materialize(named, params, prepared.device, param_init_fn)
         _place(module, prepared.device, config.offload, ignored)
         _check_one_device(module, ignored)

@@ -3,9 +3,10 @@
 A model built under ``torch.device("meta")`` has shapes but no storage. Each FSDP unit
 materializes only the modules of its own region (after auto-wrap, so nested units have already
 done theirs): each meta parameter the unit owns, and each meta buffer, gets storage on the
-compute device (tied parameters stay tied), then ``param_init_fn(module)`` or
-``module.reset_parameters()`` fills them. The unit then copies its shards out and drops the full
-tensors, so initialization peaks at about the shards plus one unit's full parameters.
+compute device (tied parameters stay tied), then ``param_init_fn`` is called on every module of
+the region, or each such module's ``reset_parameters()``, breadth first (as torch's FSDP1). The
+unit then copies its shards out and drops the full tensors, so initialization peaks at about the
+shards plus one unit's full parameters.
 """
 
 from __future__ import annotations
@@ -31,6 +32,14 @@ def is_meta(modules: Iterable[nn.Module]) -> bool:
     return any(t.is_meta for m in modules for t in own_tensors(m))
 
 
+def breadth_first(region: Iterable[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """``region``'s (prefix, module) pairs, given in depth-first order with prefixes ending in
+    ".", reordered breadth first: the order torch's FSDP1 initializes a unit's modules in, so
+    that seeded initializations draw the same random numbers. (A tree's depth-first order
+    stably sorted by depth is its breadth-first order.)"""
+    return sorted(region, key=lambda named: named[0].count("."))
+
+
 def materialize(
     region: Iterable[tuple[str, nn.Module]],
     owned: list[tuple[str, nn.Parameter, list[Any]]],
@@ -40,15 +49,18 @@ def materialize(
     """Give the unit's meta parameters and its modules' meta buffers storage, then initialize.
 
     Each meta parameter the unit owns gets one new tensor on ``device``, put at every slot, so
-    tied parameters stay tied (``to_empty`` would untie them). Then each module of ``region``
-    that had meta tensors is initialized by ``param_init_fn(module)``, else by its own
-    ``reset_parameters()``.
+    tied parameters stay tied (``to_empty`` would untie them). Then, when anything of the unit
+    was on the meta device, ``param_init_fn(module)`` is called on every module of ``region``
+    (as torch's FSDP1 does: the function decides what each module needs); without one, each
+    module that had meta tensors calls its own ``reset_parameters()``. Both in ``region``'s
+    order (breadth first, as torch's).
 
     Args:
-        region: (qualified name, module) pairs: the unit's own modules, nested units excluded.
+        region: (qualified name, module) pairs: the unit's own modules, nested units excluded,
+            in initialization order.
         owned: (fqn, parameter, slots) of the parameters the unit owns.
         device: where the materialized tensors live.
-        param_init_fn: called on each materialized module.
+        param_init_fn: called on each module of the region.
 
     Returns:
         ``owned`` with the new parameters in place of the meta ones.
@@ -57,7 +69,8 @@ def materialize(
         ValueError: a meta module has no ``reset_parameters()`` and no ``param_init_fn`` is
             given; the message names the module.
     """
-    touched: dict[int, tuple[str, nn.Module]] = {}  # modules to initialize, in order
+    region = list(region)
+    touched: dict[int, tuple[str, nn.Module]] = {}  # modules that had meta tensors, in order
     out = []
     with torch.no_grad():
         for name, m in region:
@@ -74,15 +87,25 @@ def materialize(
                     compat.module_parameters(slot.module)[slot.attr] = p
                     touched.setdefault(id(slot.module), (fqn.rpartition(".")[0], slot.module))
             out.append((fqn, p, slots))
+        if param_init_fn is not None:
+            if touched:
+                _call_each(param_init_fn, [*region, *touched.values()])
+            return out
         for name, m in touched.values():
-            if param_init_fn is not None:
-                param_init_fn(m)
-            elif callable(getattr(m, "reset_parameters", None)):
-                m.reset_parameters()  # type: ignore[operator]
-            else:
+            if not callable(getattr(m, "reset_parameters", None)):
                 raise ValueError(
                     f"module {name or '<root>'} ({type(m).__name__}) is on the meta device and has no "
                     "reset_parameters(); give it one, or pass param_init_fn=fn where fn(module) fills "
                     "that module's own parameters and buffers"
                 )
+            m.reset_parameters()  # type: ignore[operator]
     return out
+
+
+def _call_each(fn: Callable[[nn.Module], None], modules: Iterable[tuple[str, nn.Module]]) -> None:
+    """``fn(module)`` once per module, in order (a module registered twice is called once)."""
+    seen: set[int] = set()
+    for _, m in modules:
+        if id(m) not in seen:
+            seen.add(id(m))
+            fn(m)
