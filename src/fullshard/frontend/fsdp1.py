@@ -73,7 +73,8 @@ class FullyShardedDataParallel(StateDictMethods):
             (BatchNorm by default) become units of their own in full precision, as torch's
             (warns naming their classes; see ``fullshard.MixedPrecision``).
         ignored_modules: modules whose parameters are neither sharded nor reduced.
-        param_init_fn: initializer for modules on the meta device (warns when none is).
+        param_init_fn: called on every module of a unit that has meta tensors, breadth first,
+            as torch's (warns when nothing is on meta, unless ``sync_module_states``).
         device_id: a device (or CUDA index) to move the module to before sharding.
         sync_module_states: broadcast rank 0's parameters and buffers before sharding.
         forward_prefetch: start the next unit's all-gather during the current forward.

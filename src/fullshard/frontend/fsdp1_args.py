@@ -56,7 +56,8 @@ def wrapper_config(
     """The WrapperConfig for ``FullyShardedDataParallel(module, ...)``'s arguments (see its docstring).
 
     Warns (UserWarning) for ``limit_all_gathers=False``, ``use_orig_params=False`` and a
-    ``param_init_fn`` that nothing on the meta device needs: fullshard does not act on them.
+    ``param_init_fn`` that nothing on the meta device needs (unless ``sync_module_states``, where
+    the other ranks may need it): fullshard does not act on them.
 
     Raises:
         TypeError, ValueError: as ``FullyShardedDataParallel``.
@@ -154,7 +155,9 @@ def _warn_no_effect(module: nn.Module, config: WrapperConfig, limit_all_gathers:
             "as torch's use_orig_params=True) and has no FlatParameter",
             4,
         )
-    if config.param_init_fn is not None and not is_meta(module.modules()):
+    # Under sync_module_states only some ranks may build on meta (Accelerate's low-memory loading:
+    # rank 0 loads the weights, the others take param_init_fn and rank 0's values), as in torch.
+    if config.param_init_fn is not None and not config.sync_module_states and not is_meta(module.modules()):
         warn_unused(
             "param_init_fn",
             "no parameter or buffer of the module is on the meta device, and param_init_fn only "
