@@ -31,7 +31,8 @@ their original names (no ``_fsdp_wrapped_module.`` prefix). Torch's own quirks o
 comparison avoids: a full optimizer state dict of a ``use_orig_params=True`` model returns
 ``exp_avg_sq``'s values as ``exp_avg`` (so its optimizer state comes from ``use_orig_params=False``
 models, which train identically), ``FullStateDictConfig(offload_to_cpu=True)`` crashes the
-process, and ``CPUOffload(offload_params=True)`` and ``sync_module_states`` need an accelerator.
+process, and ``CPUOffload(offload_params=True)`` and ``sync_module_states`` need an accelerator
+(``test_torch_fsdp1_more.py`` lifts the latter's check to compare it).
 """
 
 from __future__ import annotations
