@@ -253,8 +253,11 @@ def root_pre_forward(state: FSDPState) -> None:
         for u in root.units
     ):
         finish_backward(root)
-    if root.post_optim_event is not None:
-        torch.cuda.current_stream().wait_event(root.post_optim_event)
+    if root.post_optim_event is not None:  # a torch.cuda.Event has no device; on the CPU: nothing to wait for
+        kind = getattr(root.post_optim_event, "device", None)
+        kind = "cuda" if kind is None else torch.device(kind).type
+        if kind != "cpu":
+            torch.get_device_module(kind).current_stream().wait_event(root.post_optim_event)
         root.post_optim_event = None
     _reshard_held(root)  # left by a forward without grad that raised
     root.held_without_grad = None if torch.is_grad_enabled() else []

@@ -186,8 +186,9 @@ class FSDPModule(_TorchFSDPModule):
         _state(self).prefetch_in_backward = [_unit_of(m, "set_modules_to_backward_prefetch") for m in modules]  # type: ignore[arg-type]
 
     def set_post_optim_event(self, event: Any) -> None:
-        """A CUDA event (recorded after the optimizer step) that the next forward's all-gathers
-        wait for, instead of the whole current stream. Call on the root module."""
+        """An event (``torch.cuda.Event`` or ``torch.Event``, recorded after the optimizer step)
+        that the next forward's all-gathers wait for, instead of the whole current stream; on the
+        CPU there is nothing to wait for. Call on the root module."""
         state = hooks.lazy_init(self)  # type: ignore[arg-type]
         assert state.root is not None
         state.root.post_optim_event = event

@@ -1,0 +1,373 @@
+"""More of FSDP2's surface against torch's own ``fully_shard``, in the same process group.
+
+A second audit's cases (the first's are in test_fsdp2_contract.py), each building one seeded
+model twice, sharding it with torch's ``fully_shard`` and with fullshard's, and running both
+the same way; at 2 ranks the parameters are compared bitwise after every step:
+
+- ``reshard_after_forward`` as an int (1: keep, 2: the shard group's size), False on the root
+  only, and ``set_reshard_after_forward`` toggled between steps;
+- ``unshard(async_op=True)`` and ``handle.wait()`` by hand before forward, ``reshard()`` by hand
+  (what the module registers in between is torch's: full ``nn.Parameter``s);
+- a custom forward and backward prefetch order, and ``set_post_optim_event`` with a CPU
+  ``torch.Event`` (torch's waits for nothing; fullshard's asked CUDA for its current stream);
+- buffers (persistent, not persistent, an int64 counter) under bf16 ``MixedPrecisionPolicy``:
+  names, dtypes, devices and state-dict values; ``output_dtype`` and ``cast_forward_inputs``;
+- an embedding tied to the output projection (both in the root), and a unit run twice in one
+  forward;
+- ``zero_grad(set_to_none=False)`` then SGD with momentum; ``optimizer.zero_grad()`` between
+  micro-batches with gradient sync off;
+- ``get_total_norm`` (2, inf, 1), ``clip_grads_with_norm_`` and ``clip_grad_norm_(foreach=True,
+  error_if_nonfinite=True)`` with an inf gradient on one rank;
+- ``get_state_dict`` / ``set_state_dict`` with ``flatten_optimizer_state_dict``, and a full state
+  dict saved at 2 ranks loaded at 3 with ``broadcast_from_rank0``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+from dist import run_ranks
+from models import TinyLM, tokens
+from torch import nn
+
+
+def _impls() -> dict:
+    import torch.distributed.fsdp as tf
+
+    import fullshard as fs
+
+    return {"torch": tf, "fullshard": fs}
+
+
+def _toks(step: int, rank: int, world: int, per: int = 2) -> torch.Tensor:
+    return tokens(step, per * world)[rank * per : (rank + 1) * per]
+
+
+def _shard(model: nn.Module, mod, root_kw: dict | None = None, **kw) -> nn.Module:
+    for layer in model.layers:
+        mod.fully_shard(layer, **kw)
+    mod.fully_shard(model, **(kw if root_kw is None else root_kw))
+    return model
+
+
+def _pair(build=lambda: TinyLM(layers=3), **kw) -> list[nn.Module]:
+    """(torch-sharded, fullshard-sharded) copies of one seeded model."""
+    torch.manual_seed(0)
+    base = build()
+    return [_shard(copy.deepcopy(base), mod, **kw) for mod in _impls().values()]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _same(a: nn.Module, b: nn.Module, what: str) -> None:
+    for (name, p), (name2, q) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        assert name == name2 and type(p) is type(q) and p.shape == q.shape, (what, name, type(q), q.shape)
+        assert torch.equal(_local(p), _local(q)), f"{what}: {name}"
+
+
+def _step(model: nn.Module, opt, x: torch.Tensor) -> torch.Tensor:
+    loss = model(x).logsumexp(-1).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+def _adamw(*models: nn.Module) -> list:
+    return [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+
+
+def _registered(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+    return [(type(p).__name__, tuple(p.shape)) for p in model.parameters()]
+
+
+def _reshard_after_forward(rank: int, world: int) -> None:
+    root_kept = {"root_kw": {"reshard_after_forward": False}}
+    for kw in ({"reshard_after_forward": 1}, {"reshard_after_forward": 2}, root_kept):
+        ref, ours = _pair(**kw)
+        opts = _adamw(ref, ours)
+        for step, flag in enumerate((None, False, True)):
+            for model in (ref, ours):
+                if flag is not None:
+                    model.set_reshard_after_forward(flag)
+            losses = [_step(m, o, _toks(step, rank, world)) for m, o in zip((ref, ours), opts)]
+            assert torch.equal(*losses), (kw, step)
+            _same(ref, ours, f"{kw} step {step}")
+
+
+def _by_hand(rank: int, world: int) -> None:
+    """Every unit gathered by hand (async) before forward, the blocks resharded by hand."""
+    ref, ours = _pair()
+    opts = _adamw(ref, ours)
+    for step in range(2):
+        seen = []
+        for model, opt in zip((ref, ours), opts):
+            handles = [layer.unshard(async_op=True) for layer in model.layers] + [model.unshard(async_op=True)]
+            for h in handles:
+                h.wait()
+            gathered = _registered(model.layers[0])
+            for layer in model.layers:
+                layer.reshard()
+            seen.append((gathered, _registered(model.layers[0])))
+            _step(model, opt, _toks(step, rank, world))
+        assert seen[0] == seen[1], seen
+        assert seen[0][0][0][0] == "Parameter" and seen[0][1][0][0] == "DTensor", seen[0]
+        _same(ref, ours, f"by hand {step}")
+
+
+def _prefetch_and_post_optim_event(rank: int, world: int) -> None:
+    ref, ours = _pair(build=lambda: TinyLM(layers=4))
+    for model in (ref, ours):
+        layers = list(model.layers)
+        layers[0].set_modules_to_forward_prefetch([layers[3], layers[1]])
+        layers[3].set_modules_to_backward_prefetch([layers[1], layers[2]])
+        layers[1].set_modules_to_backward_prefetch([layers[0]])
+        layers[2].set_modules_to_backward_prefetch([])
+    opts = _adamw(ref, ours)
+    for step in range(2):
+        for model, opt in zip((ref, ours), opts):
+            _step(model, opt, _toks(step, rank, world))
+            model.set_post_optim_event(torch.Event("cpu"))  # torch's CPU events cannot record
+        _same(ref, ours, f"prefetch {step}")
+
+
+class _BufLM(TinyLM):
+    """TinyLM with a persistent and a non-persistent buffer per block and an int64 counter."""
+
+    def __init__(self) -> None:
+        super().__init__(layers=2)
+        for i, layer in enumerate(self.layers):
+            layer.register_buffer("scale", torch.full((12,), 1.0 + i))
+            layer.register_buffer("tmp", torch.arange(12.0), persistent=False)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(t) + self.pos_embeddings(torch.arange(t.shape[1]))
+        for layer in self.layers:
+            h = layer(h) * layer.scale + layer.tmp * 1e-3
+        self.steps += 1
+        return self.output(self.norm(h.to(self.norm.weight.dtype))).float()
+
+
+def _buffers_and_mixed_precision(rank: int, world: int) -> None:
+    seen: dict[str, list] = {}
+    for name, mod in _impls().items():
+        bf16 = mod.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        torch.manual_seed(0)
+        model = _shard(_BufLM(), mod, mp_policy=bf16)
+        y = model(_toks(0, rank, world))
+        buffers = [(n, b.dtype, b.device.type, type(b)) for n, b in model.named_buffers()]
+        seen[name] = [y.dtype, buffers, model.state_dict()]
+        # output_dtype and cast_forward_inputs on the blocks (the root casts to bf16)
+        for output_dtype, cast in ((torch.float64, True), (torch.bfloat16, True), (None, False)):
+            torch.manual_seed(0)
+            model, inputs, outputs = _BufLM(), [], []
+            policy = mod.MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16,
+                reduce_dtype=torch.float32,
+                output_dtype=output_dtype,
+                cast_forward_inputs=cast,
+            )
+            for layer in model.layers:
+                mod.fully_shard(layer, mp_policy=policy)
+                layer.register_forward_pre_hook(lambda _m, a: inputs.append(a[0].dtype))
+                layer.register_forward_hook(lambda _m, _a, o: outputs.append(o.dtype))
+            mod.fully_shard(model, mp_policy=bf16)
+            try:
+                y = model(_toks(0, rank, world))
+                y.sum().backward()
+                grads = [p.grad.dtype for p in model.parameters()]
+                seen[name].append((inputs, outputs, y.dtype, grads))
+            except RuntimeError as e:  # a float64 block output meets the bf16 norm
+                seen[name].append(str(e)[:60])
+    ref, ours = seen["torch"], seen["fullshard"]
+    assert ref[:2] == ours[:2] and ref[3:] == ours[3:], (ref, ours)
+    assert ref[2].keys() == ours[2].keys()
+    assert all(torch.equal(v, ours[2][k]) for k, v in ref[2].items())
+
+
+class _Tied(nn.Module):
+    """An embedding tied to the output projection (both in the root's unit); ``reuse`` runs the
+    first block's unit twice in one forward."""
+
+    def __init__(self, reuse: bool) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(37, 12)
+        self.layers = nn.ModuleList([nn.Linear(12, 12) for _ in range(2)])
+        self.out = nn.Linear(12, 37, bias=False)
+        self.out.weight = self.emb.weight
+        self.reuse = reuse
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        h = self.emb(t)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        if self.reuse:
+            h = torch.tanh(self.layers[0](h))
+        return self.out(h)
+
+
+def _tied_and_reused(rank: int, world: int) -> None:
+    for reuse in (False, True):
+        ref, ours = _pair(build=lambda: _Tied(reuse))
+        assert ours.out.weight is ours.emb.weight and ref.state_dict().keys() == ours.state_dict().keys()
+        opts = _adamw(ref, ours)
+        for step in range(3):
+            losses = [_step(m, o, _toks(step, rank, world)) for m, o in zip((ref, ours), opts)]
+            assert torch.equal(*losses), (reuse, step)
+            _same(ref, ours, f"tied, reuse={reuse}, step {step}")
+
+
+def _zero_grad(rank: int, world: int) -> None:
+    ref, ours = _pair()
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, ours)]
+    for step in range(3):
+        for model, opt in zip((ref, ours), opts):
+            model(_toks(step, rank, world)).logsumexp(-1).mean().backward()
+            opt.step()
+            model.zero_grad(set_to_none=False)
+        _same(ref, ours, f"zero_grad(set_to_none=False) {step}")
+        for p, q in zip(ref.parameters(), ours.parameters()):
+            assert type(p.grad) is type(q.grad) and torch.equal(_local(p.grad), _local(q.grad))
+    ref, ours = _pair()  # optimizer.zero_grad() between micro-batches with gradient sync off
+    for model, opt in zip((ref, ours), _adamw(ref, ours)):
+        model.set_requires_gradient_sync(False)
+        model(_toks(0, rank, world)).logsumexp(-1).mean().backward()
+        opt.zero_grad()
+        model(_toks(1, rank, world)).logsumexp(-1).mean().backward()
+        model.set_requires_gradient_sync(True)
+        _step(model, opt, _toks(2, rank, world))
+    _same(ref, ours, "zero_grad between micro-batches")
+
+
+def _norms(rank: int, world: int) -> None:
+    from torch.nn.utils import clip_grad_norm_, clip_grads_with_norm_, get_total_norm
+
+    ref, ours = _pair()
+    for model in (ref, ours):
+        model(_toks(0, rank, world)).logsumexp(-1).mean().backward()
+    for norm_type in (2.0, float("inf"), 1.0):
+        a, b = (get_total_norm([p.grad for p in m.parameters()], norm_type, foreach=True) for m in (ref, ours))
+        assert type(a) is type(b) and torch.equal(_local(a), _local(b)), (norm_type, a, b)
+    for model in (ref, ours):
+        clip_grads_with_norm_(list(model.parameters()), 0.5, get_total_norm([p.grad for p in model.parameters()]))
+    assert all(torch.equal(_local(p.grad), _local(q.grad)) for p, q in zip(ref.parameters(), ours.parameters()))
+    errors = []
+    for model in (ref, ours):
+        if rank == 0:
+            _local(next(model.parameters()).grad)[0].fill_(float("inf"))
+        with pytest.raises(RuntimeError, match="non-finite") as info:
+            clip_grad_norm_(model.parameters(), 1.0, foreach=True, error_if_nonfinite=True)
+        errors.append(str(info.value))
+    assert errors[0] == errors[1]
+
+
+def _eq(a, b, what: str) -> None:
+    """Nested state dicts equal: keys, types (a list is a tuple), placements, values bitwise."""
+    from torch.distributed.tensor import DTensor
+
+    assert type(a) is type(b) or {type(a), type(b)} == {list, tuple}, (what, type(a), type(b))
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), (what, list(a)[:5], list(b)[:5])
+        for k in a:
+            _eq(a[k], b[k], f"{what}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), what
+        for i, (x, y) in enumerate(zip(a, b)):
+            _eq(x, y, f"{what}[{i}]")
+    elif isinstance(a, DTensor):
+        assert a.placements == b.placements and torch.equal(a.to_local(), b.to_local()), what
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), what
+    else:
+        assert a == b, (what, a, b)
+
+
+def _flattened_optimizer_state(rank: int, world: int, tmp: str) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    full = StateDictOptions(flatten_optimizer_state_dict=True, full_state_dict=True, cpu_offload=True)
+    ref, ours = _pair()
+    opts = _adamw(ref, ours)
+    for step in range(2):
+        for model, opt in zip((ref, ours), opts):
+            _step(model, opt, _toks(step, rank, world))
+    for options in (flat, full):
+        _eq(get_state_dict(ref, opts[0], options=options), get_state_dict(ours, opts[1], options=options), "flat")
+    saved = get_state_dict(ours, opts[1], options=flat)
+    fresh = _pair()
+    fresh_opts = _adamw(*fresh)
+    for model, opt in zip(fresh, fresh_opts):
+        _step(model, opt, _toks(9, rank, world))  # optimizer state to be overwritten
+        model_sd, optim_sd = copy.deepcopy(saved)
+        set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd, options=flat)
+    for model, opt in zip((ref, ours, *fresh), (*opts, *fresh_opts)):
+        _step(model, opt, _toks(2, rank, world))
+    for model in (ours, *fresh):
+        _same(ref, model, "loaded flattened")
+    model_sd, optim_sd = get_state_dict(ours, opts[1], options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        torch.save({"model": model_sd, "optim": optim_sd}, os.path.join(tmp, "full.pt"))
+
+
+def _load_full_at_another_world_size(rank: int, world: int, tmp: str) -> None:
+    """torchtune's load: the full state dict on rank 0 only, broadcast into the shards."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    saved = torch.load(os.path.join(tmp, "full.pt"), weights_only=False)
+    load = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    models = _pair()
+    for model, opt in zip(models, _adamw(*models)):
+        _step(model, opt, _toks(9, rank, world))
+        given = copy.deepcopy(saved) if rank == 0 else {"model": {}, "optim": {}}
+        set_model_state_dict(model, given["model"], options=load)
+        set_optimizer_state_dict(model, opt, given["optim"], options=load)
+        got = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rank == 0:
+            _eq(list(got), [saved["model"], saved["optim"]], "loaded at 3")
+        _step(model, opt, _toks(3, rank, world))
+    for p, q in zip(*(m.parameters() for m in models)):  # 3 ranks: sums in another order
+        torch.testing.assert_close(q.full_tensor(), p.full_tensor(), rtol=1e-5, atol=1e-6)
+
+
+CASES_2 = (
+    _reshard_after_forward,
+    _by_hand,
+    _prefetch_and_post_optim_event,
+    _buffers_and_mixed_precision,
+    _tied_and_reused,
+    _zero_grad,
+    _norms,
+)
+
+
+def body_2(rank: int, world: int, tmp: str) -> list[str]:
+    done = []
+    for case in CASES_2:
+        case(rank, world)
+        done.append(case.__name__)
+    _flattened_optimizer_state(rank, world, tmp)
+    return [*done, "flattened"]
+
+
+def body_3(rank: int, world: int, tmp: str) -> str:
+    _load_full_at_another_world_size(rank, world, tmp)
+    return "loaded"
+
+
+@pytest.mark.timeout(200)
+def test_more_of_fully_shard_like_torch_at_2_and_3_ranks(tmp_path) -> None:
+    done = run_ranks(body_2, 2, str(tmp_path), timeout=150)[0]
+    assert done == [c.__name__ for c in CASES_2] + ["flattened"]
+    assert run_ranks(body_3, 3, str(tmp_path), timeout=100)[0] == "loaded"
