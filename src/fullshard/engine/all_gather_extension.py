@@ -135,9 +135,9 @@ class ExtensionUnit(Unit):
             RuntimeError: a shard still on the meta device.
         """
         for ep in self.ext:
-            sp, slot = ep.sp, ep.sp.slots[0]
-            registered = compat.module_parameters(slot.module).get(slot.attr)
-            if registered is None or registered is sp.shard or sp.swapped:
+            sp = ep.sp
+            registered = shard_sync.replacement(sp)
+            if registered is None:
                 continue
             shard_sync.check_replacement(self, sp, registered)
             if not has_extension(local_tensor(registered)):

@@ -200,6 +200,8 @@ class GradReducer:
         """Launch the reduce-scatter (and replica all-reduce) of the accumulated full gradient."""
         unit = self.unit
         used, self._used = self._used, None
+        if used is not None and all(used):
+            used = None  # every parameter got a gradient: none is left without one
         grad = unit.full_flat.grad
         unit.full_flat.grad = None
         if self._unsynced is not None:  # sums kept in the reduce dtype while sync was off
@@ -253,8 +255,6 @@ class GradReducer:
         packed = grad if unit.shard_size > 1 else None
         if packed is not None:
             buffers.POOL.lend(packed)  # comes back in finish()
-        if used is not None and all(used):
-            used = None
         self._pending = _Pending(collectives.Handle(works), out, packed, partial_reduce, in_place, used)
 
     def _launch_hooked(self, grad: torch.Tensor, used: list[bool] | None) -> None:
@@ -271,12 +271,10 @@ class GradReducer:
             hook(state, grad)
             out = grad
         else:
-            out = torch.empty(unit.grad_numel, dtype=grad.dtype, device=grad.device)
+            out = self._output(grad.dtype, grad.device)
             hook(state, grad, out)
             packed = grad
             buffers.POOL.lend(packed)  # comes back in finish()
-        if used is not None and all(used):
-            used = None
         self._pending = _Pending(collectives.Handle(None), out, packed, False, False, used)
 
     def _reduces_in_place(self, grad: torch.Tensor) -> bool:
@@ -392,10 +390,9 @@ class GradReducer:
     def fill_zeros(self) -> None:
         """Give a unit that backward did not reach a zero full gradient to reduce (see
         :attr:`reduce_unreached`), unless it holds gradients already."""
-        unit = self.unit
-        if not self.holds_unreduced and unit.grad_numel > 0:
-            full = unit.full_flat
-            unit.full_flat.grad = torch.zeros(full.shape, dtype=full.dtype, device=full.device)
+        full = self.unit.full_flat
+        if not self.holds_unreduced and self.unit.grad_numel > 0:
+            full.grad = torch.zeros(full.shape, dtype=full.dtype, device=full.device)
 
     def discard(self) -> None:
         """Drop every gradient not yet in the shards' ``.grad`` (an iteration an exception

@@ -41,14 +41,23 @@ def register_dtensors(
         sp.register_shard(nn.Parameter(sp.as_registered(local), requires_grad=sp.requires_grad))
 
 
+def replacement(sp: ShardedParam) -> torch.Tensor | None:
+    """The parameter registered in ``sp``'s shard's place since it was last taken
+    (``load_state_dict(assign=True)``), or None if the shard is still the one registered."""
+    registered = compat.module_parameters(sp.slots[0].module).get(sp.slots[0].attr)
+    if registered is None or registered is sp.shard or sp.swapped:
+        return None
+    return registered
+
+
 def sync_shards(unit: UnitLayout) -> None:
     """Take back any shard whose storage was replaced (``param.data = ...``, ``to_empty``, a
     DTensor's local tensor swapped) or whose registered parameter was replaced
     (``load_state_dict(assign=True)``): copy its values into the local flat buffer and make
     it a view of that buffer again."""
     for sp in unit.params:
-        registered = compat.module_parameters(sp.slots[0].module).get(sp.slots[0].attr)
-        if registered is not None and registered is not sp.shard and not sp.swapped:
+        registered = replacement(sp)
+        if registered is not None:
             check_replacement(unit, sp, registered)
             sp.register_shard(registered)  # type: ignore[arg-type]
         _check_unchanged(unit, sp)
