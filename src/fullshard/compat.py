@@ -106,6 +106,8 @@ PRIVATE_NAMES: dict[str, str] = {
     "torch._dynamo.eval_frame:skip_code": "use",
     "torch._dynamo.utils:counters": "use",
     "torch.distributed.fsdp.wrap:CustomPolicy": "use",  # the lambda_fn it keeps as _lambda_fn
+    "torch.distributed.checkpoint.state_dict:FSDP": "use",  # see bind_dsd_fsdp
+    "torch.distributed.checkpoint.state_dict:_get_module_fsdp_state_if_fully_sharded_module": "use",
 }
 for _path, _when in PRIVATE_NAMES.items():
     if _when == "import":
@@ -407,6 +409,28 @@ def is_sharded_tensor(value: Any) -> bool:
     returns). Its private module is loaded only when one exists, so it is not imported here."""
     module = sys.modules.get("torch.distributed._shard.sharded_tensor")
     return module is not None and isinstance(value, module.ShardedTensor)
+
+
+_DSD_NAMES = ("FSDP", "_get_module_fsdp_state_if_fully_sharded_module")
+_dsd_torch: dict[str, Any] = {}  # torch's objects under _DSD_NAMES, kept by bind_dsd_fsdp
+
+
+def bind_dsd_fsdp(stand_in: type, fully_sharded_state: Callable[[nn.Module], Any]) -> None:
+    """In ``torch.distributed.checkpoint.state_dict``, replace torch's FSDP1 class (bound there
+    as ``FSDP``) with ``stand_in`` and its private ``_get_module_fsdp_state_if_fully_sharded_module``
+    with ``fully_sharded_state``. That module finds FSDP1 modules only through these two names and
+    has no public hook for another implementation. Idempotent; torch's originals stay reachable
+    (:func:`dsd_torch_fully_sharded_state`)."""
+    module = sys.modules["torch.distributed.checkpoint.state_dict"]
+    if not _dsd_torch:
+        _dsd_torch.update({name: getattr(module, name) for name in _DSD_NAMES})
+    module.FSDP = stand_in  # type: ignore[attr-defined]
+    module._get_module_fsdp_state_if_fully_sharded_module = fully_sharded_state  # type: ignore[attr-defined]
+
+
+def dsd_torch_fully_sharded_state(module: nn.Module) -> Any:
+    """torch's ``_get_module_fsdp_state_if_fully_sharded_module`` (as kept by :func:`bind_dsd_fsdp`)."""
+    return _dsd_torch["_get_module_fsdp_state_if_fully_sharded_module"](module)
 
 
 # ---- dynamo and aten (benchmarks and the planner) --------------------------------------------

@@ -29,7 +29,7 @@ from fullshard.engine.config import (
 from fullshard.engine.module_wrapper import FSDP_WRAPPED as WRAPPED
 from fullshard.engine.unit import TrainingState, Unit
 from fullshard.engine.wrapper_config import WrapperConfig
-from fullshard.frontend import full_precision, summon
+from fullshard.frontend import dsd_bridge, full_precision, summon
 from fullshard.frontend.clip_grad import clip_grad_norm_
 from fullshard.frontend.fsdp1_args import take_deprecated, with_overrides, wrapper_config
 from fullshard.frontend.fsdp1_state_dict import StateDictMethods, wrappers
@@ -159,6 +159,7 @@ class FullyShardedDataParallel(StateDictMethods):
             comm_quantization=comm_quantization,
         )
         self._shard(module, config, frozenset())
+        dsd_bridge.install()  # torch's DCP get_state_dict / set_state_dict serve this wrapper
 
     def _shard(self, module: nn.Module, config: WrapperConfig, exclude: AbstractSet[int]) -> None:
         """Wrap the policy's submodules, then make ``module``'s remaining parameters this wrapper's unit.
@@ -208,6 +209,12 @@ class FullyShardedDataParallel(StateDictMethods):
     def sharding_strategy(self) -> ShardingStrategy:
         """The sharding strategy this wrapper (and every wrapper of its tree) was built with."""
         return self._config.sharding_strategy
+
+    @property
+    def process_group(self) -> collectives.ProcessGroup:
+        """The process group this wrapper's unit shards over (with a hybrid strategy, the
+        shard group; the replicas' all-reduce runs over another)."""
+        return self.unit.shard_group
 
     @property
     def mixed_precision(self) -> MixedPrecision | None:

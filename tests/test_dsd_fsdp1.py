@@ -1,0 +1,155 @@
+"""torch's DCP state-dict functions (``get_state_dict`` / ``set_state_dict``) on the FSDP1 wrapper.
+
+A script that trains torch's FSDP1 and checkpoints with ``torch.distributed.checkpoint`` runs on
+fullshard with its import line changed. torch's functions used to take fullshard's wrapper for a
+plain module: the optimizer state came back as this rank's rows under whole-tensor names (also
+with ``full_state_dict=True``), and ``dcp.save`` kept one rank's rows, losing the others'.
+
+Checked against torch's own FSDP1 in one process group: the full model and optimizer state
+``get_state_dict`` returns (bitwise at 2 ranks); a sharded DCP checkpoint saved at 2 ranks and
+loaded at 3 (and at 3 loaded at 2) through ``set_state_dict``, by fullshard and across
+implementations (a checkpoint torch's FSDP1 wrote loads into fullshard's wrapper and back),
+restores the saved state bit for bit and trains on as torch's does; a full state dict held by
+rank 0 alone loads with ``broadcast_from_rank0``; a model holding both implementations' wrappers
+is refused.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from dist import run_ranks
+from models import make_stack
+from test_torch_fsdp1 import _opt, _same, _step, _wrap
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def _build(kind: str, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = _wrap(kind, make_stack(seed=seed, scale_shape=(1,)), use_orig_params=True)
+    return model, _opt("adamw", model.parameters())
+
+
+def _copied(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {k: _copied(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_copied(v) for v in tree]
+    return tree.detach().clone() if isinstance(tree, torch.Tensor) else tree
+
+
+def _full_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[dict, dict]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    return _copied(msd), _copied(osd["state"])
+
+
+def save(rank: int, world: int, path: str, kind: str) -> tuple[dict, dict, float]:
+    """Two steps, a sharded DCP checkpoint; (full model state, full optimizer state, next loss)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, opt = _build(kind, 0)
+    for step in range(2):
+        _step(model, opt, step, rank, world)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    full = _full_state(model, opt)
+    return (*full, _step(model, opt, 2, rank, world)[0].item())
+
+
+def load(rank: int, world: int, path: str, kind: str) -> tuple[dict, dict, float]:
+    """A model initialized otherwise loads the checkpoint; (full model state, full optimizer state,
+    the loss of the step after)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, opt = _build(kind, 7)
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    # torch's FSDP1 state holds ShardedTensors, which the default load planner's flattening turns
+    # into a state dict without "optim.param_groups" (its own checkpoints fail to load too)
+    planner = dcp.DefaultLoadPlanner(flatten_sharded_tensors=False) if kind == "torch" else None
+    dcp.load(state, checkpoint_id=path, planner=planner)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    full = _full_state(model, opt)
+    return (*full, _step(model, opt, 2, rank, world)[0].item())
+
+
+def broadcast_load(rank: int, world: int, full: tuple[dict, dict]) -> tuple[dict, dict]:
+    """The full state on rank 0 only, loaded with ``broadcast_from_rank0=True``."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    model, opt = _build("fullshard", 7)
+    _, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    msd = full[0] if rank == 0 else {}
+    osd = {"state": full[1], "param_groups": osd["param_groups"]} if rank == 0 else {}
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    # (separate calls: torch's set_state_dict with {} on the other ranks hangs, torch's own FSDP too)
+    set_model_state_dict(model, msd, options=options)
+    set_optimizer_state_dict(model, opt, osd, options=options)
+    return _full_state(model, opt)
+
+
+def mixed(rank: int, world: int) -> str:
+    """A model holding a torch FSDP1 wrapper and a fullshard one: refused by name."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    stack = make_stack(scale_shape=(1,))
+    model = torch.nn.Sequential(_wrap("torch", stack.blocks[0]), _wrap("fullshard", stack.blocks[1]))
+    with pytest.raises(ValueError, match="both fullshard's and torch's") as info:
+        get_state_dict(model, _opt("adamw", model.parameters()))
+    return str(info.value)
+
+
+def test_full_state_is_torch_fsdp1s(tmp_path) -> None:
+    """``get_state_dict(full_state_dict=True)``: whole tensors, torch FSDP1's bit for bit."""
+    theirs = run_ranks(save, 2, str(tmp_path / "torch"), "torch")
+    ours = run_ranks(save, 2, str(tmp_path / "fullshard"), "fullshard")
+    for rank in range(2):
+        _same(theirs[rank][0], ours[rank][0], True, f"rank {rank} model")
+        _same(theirs[rank][1], ours[rank][1], True, f"rank {rank} optimizer")
+        assert ours[rank][2] == theirs[rank][2]
+
+
+@pytest.mark.parametrize(
+    ("saver", "loader", "worlds"),
+    [
+        ("fullshard", "fullshard", (2, 3)),
+        ("fullshard", "fullshard", (3, 2)),
+        ("torch", "fullshard", (2, 3)),
+        ("fullshard", "torch", (2, 2)),
+        ("fullshard", "torch", (3, 2)),
+    ],
+)
+def test_sharded_checkpoint_reshards(tmp_path, saver: str, loader: str, worlds: tuple[int, int]) -> None:
+    """Saved at one world size, loaded at another: the saved state exactly, and the next step's
+    loss (over the whole batch) is that of the saving run's next step (to float32 rounding: another world size adds in
+    another order)."""
+    path = str(tmp_path / "ckpt")
+    saving = run_ranks(save, worlds[0], path, saver)
+    loaded = run_ranks(load, worlds[1], path, loader)
+    for rank, got in enumerate(loaded):
+        _same(saving[0][0], got[0], True, f"{loader} rank {rank} model")
+        _same(saving[0][1], got[1], True, f"{loader} rank {rank} optimizer")
+    mean = [sum(r[2] for r in run) / len(run) for run in (saving, loaded)]  # equal shares: the batch's loss
+    assert mean[1] == pytest.approx(mean[0], rel=1e-5)
+
+
+def test_broadcast_from_rank0_and_mixed_refused(tmp_path) -> None:
+    saved = run_ranks(save, 2, str(tmp_path / "ckpt"), "fullshard")[0]
+    for rank, got in enumerate(run_ranks(broadcast_load, 2, saved[:2])):
+        _same(saved[0], got[0], True, f"rank {rank} model")
+        _same(saved[1], got[1], True, f"rank {rank} optimizer")
+    assert all("wrap it with one of them" in m for m in run_ranks(mixed, 2))
