@@ -11,7 +11,9 @@ loaded at 3 (and at 3 loaded at 2) through ``set_state_dict``, by fullshard and 
 implementations (a checkpoint torch's FSDP1 wrote loads into fullshard's wrapper and back),
 restores the saved state bit for bit and trains on as torch's does; a full state dict held by
 rank 0 alone loads with ``broadcast_from_rank0``; a model holding both implementations' wrappers
-is refused.
+is refused. A root that is no wrapper, holding wrapped children (torch's functions take it):
+``get_state_dict`` gives torch's state, and ``nn.Module.load_state_dict`` on it (what
+``set_state_dict`` calls) loads each wrapper's part, with torch's missing and unexpected keys.
 """
 
 from __future__ import annotations
@@ -23,13 +25,26 @@ import pytest
 import torch
 from dist import run_ranks
 from models import make_stack
-from test_torch_fsdp1 import _opt, _same, _step, _wrap
+from test_torch_fsdp1 import _cls, _opt, _same, _step, _wrap
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 
-def _build(kind: str, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    model = _wrap(kind, make_stack(seed=seed, scale_shape=(1,)), use_orig_params=True)
+def _build(kind: str, seed: int, plain_root: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The Stack wrapped a unit per Block; ``plain_root``: a Sequential that is no wrapper,
+    holding wrapped children only (torch's functions take such a root too)."""
+    if not plain_root:
+        model = _wrap(kind, make_stack(seed=seed, scale_shape=(1,)), use_orig_params=True)
+        return model, _opt("adamw", model.parameters())
+    stack = make_stack(seed=seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = torch.nn.Sequential(
+            *(
+                _cls(kind)(m, device_id=torch.device("cpu"), use_orig_params=True)
+                for m in (stack.stem, stack.blocks[0], stack.blocks[1], torch.nn.Linear(7, 3))
+            )
+        )
     return model, _opt("adamw", model.parameters())
 
 
@@ -50,12 +65,12 @@ def _full_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[dic
     return _copied(msd), _copied(osd["state"])
 
 
-def save(rank: int, world: int, path: str, kind: str) -> tuple[dict, dict, float]:
+def save(rank: int, world: int, path: str, kind: str, plain_root: bool = False) -> tuple[dict, dict, float]:
     """Two steps, a sharded DCP checkpoint; (full model state, full optimizer state, next loss)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model, opt = _build(kind, 0)
+    model, opt = _build(kind, 0, plain_root)
     for step in range(2):
         _step(model, opt, step, rank, world)
     msd, osd = get_state_dict(model, opt)
@@ -64,13 +79,13 @@ def save(rank: int, world: int, path: str, kind: str) -> tuple[dict, dict, float
     return (*full, _step(model, opt, 2, rank, world)[0].item())
 
 
-def load(rank: int, world: int, path: str, kind: str) -> tuple[dict, dict, float]:
+def load(rank: int, world: int, path: str, kind: str, plain_root: bool = False) -> tuple[dict, dict, float]:
     """A model initialized otherwise loads the checkpoint; (full model state, full optimizer state,
     the loss of the step after)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    model, opt = _build(kind, 7)
+    model, opt = _build(kind, 7, plain_root)
     msd, osd = get_state_dict(model, opt)
     state = {"model": msd, "optim": osd}
     # torch's FSDP1 state holds ShardedTensors, which the default load planner's flattening turns
@@ -102,6 +117,23 @@ def broadcast_load(rank: int, world: int, full: tuple[dict, dict]) -> tuple[dict
     return _full_state(model, opt)
 
 
+def plain_root_load(rank: int, world: int) -> None:
+    """``nn.Module.load_state_dict`` on a root that is no wrapper: each wrapper loads its part;
+    missing and unexpected keys carry the original names."""
+    theirs, _ = _build("torch", 0, plain_root=True)
+    ours, _ = _build("fullshard", 7, plain_root=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        full = {k: v.clone() for k, v in theirs.state_dict().items()}
+    assert not ours.load_state_dict(full).missing_keys
+    _same(full, dict(ours.state_dict()), True, "loaded")
+    broken = {k: v for k, v in full.items() if k != "1.lin.weight"} | {"1.extra": torch.zeros(1)}
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "1.lin.weight"'):
+        ours.load_state_dict(broken)
+    result = ours.load_state_dict(broken, strict=False)
+    assert (result.missing_keys, result.unexpected_keys) == (["1.lin.weight"], ["1.extra"]), result
+
+
 def mixed(rank: int, world: int) -> str:
     """A model holding a torch FSDP1 wrapper and a fullshard one: refused by name."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -113,14 +145,20 @@ def mixed(rank: int, world: int) -> str:
     return str(info.value)
 
 
-def test_full_state_is_torch_fsdp1s(tmp_path) -> None:
-    """``get_state_dict(full_state_dict=True)``: whole tensors, torch FSDP1's bit for bit."""
-    theirs = run_ranks(save, 2, str(tmp_path / "torch"), "torch")
-    ours = run_ranks(save, 2, str(tmp_path / "fullshard"), "fullshard")
+@pytest.mark.parametrize("plain_root", [False, True])
+def test_full_state_is_torch_fsdp1s(tmp_path, plain_root: bool) -> None:
+    """``get_state_dict(full_state_dict=True)``: whole tensors, torch FSDP1's bit for bit; also
+    for a root that is no wrapper, and that model's checkpoint loads at 3 ranks."""
+    theirs = run_ranks(save, 2, str(tmp_path / "torch"), "torch", plain_root)
+    ours = run_ranks(save, 2, str(tmp_path / "fullshard"), "fullshard", plain_root)
     for rank in range(2):
         _same(theirs[rank][0], ours[rank][0], True, f"rank {rank} model")
         _same(theirs[rank][1], ours[rank][1], True, f"rank {rank} optimizer")
         assert ours[rank][2] == theirs[rank][2]
+    if plain_root:
+        for rank, got in enumerate(run_ranks(load, 3, str(tmp_path / "fullshard"), "fullshard", True)):
+            _same(ours[0][0], got[0], True, f"rank {rank} model, loaded at 3")
+            _same(ours[0][1], got[1], True, f"rank {rank} optimizer, loaded at 3")
 
 
 @pytest.mark.parametrize(
@@ -145,6 +183,10 @@ def test_sharded_checkpoint_reshards(tmp_path, saver: str, loader: str, worlds: 
         _same(saving[0][1], got[1], True, f"{loader} rank {rank} optimizer")
     mean = [sum(r[2] for r in run) / len(run) for run in (saving, loaded)]  # equal shares: the batch's loss
     assert mean[1] == pytest.approx(mean[0], rel=1e-5)
+
+
+def test_plain_root_loads_through_module_load_state_dict() -> None:
+    run_ranks(plain_root_load, 2)
 
 
 def test_broadcast_from_rank0_and_mixed_refused(tmp_path) -> None:

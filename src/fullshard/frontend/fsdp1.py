@@ -32,7 +32,7 @@ from fullshard.engine.wrapper_config import WrapperConfig
 from fullshard.frontend import dsd_bridge, full_precision, summon
 from fullshard.frontend.clip_grad import clip_grad_norm_
 from fullshard.frontend.fsdp1_args import take_deprecated, with_overrides, wrapper_config
-from fullshard.frontend.fsdp1_state_dict import StateDictMethods, wrappers
+from fullshard.frontend.fsdp1_state_dict import StateDictMethods, register_load_hooks, wrappers
 from fullshard.frontend.wrap import CustomPolicy, apply_policy
 
 if TYPE_CHECKING:  # torch's option types, accepted as well as fullshard's
@@ -127,6 +127,7 @@ class FullyShardedDataParallel(StateDictMethods):
         **deprecated: Any,
     ) -> None:
         super().__init__()
+        register_load_hooks(self)  # loads its part when a root that is no wrapper loads
         if _nested is not None:  # built by an enclosing wrapper's policy: its config is already checked
             self._shard(module, _nested.config, _nested.exclude)
             return

@@ -225,7 +225,8 @@ class StateDictMethods(ModuleWrapper):
         ``FullOptimStateDictConfig(rank0_only=True)``, ``{}`` on the other ranks (as torch's).
 
         Args:
-            model: the root FullyShardedDataParallel whose parameters ``optim`` updates.
+            model: the root module whose parameters ``optim`` updates: a FullyShardedDataParallel,
+                or (as torch's) a module holding them.
             optim: the optimizer over ``model``'s shards.
             optim_state_dict: ``optim.state_dict()`` (or another state dict of ``optim``'s
                 layout) to convert instead of ``optim``'s current state (default: ``optim``'s).
@@ -233,13 +234,13 @@ class StateDictMethods(ModuleWrapper):
                 world); otherwise not used (each unit gathers over its own group), and warns.
 
         Raises:
-            TypeError: ``model`` is not a FullyShardedDataParallel, ``optim`` not an optimizer,
+            TypeError: ``model`` holds no FullyShardedDataParallel, ``optim`` is not an optimizer,
                 or ``optim_state_dict`` not an optimizer state dict.
             ValueError: ``optim_state_dict`` names a parameter id ``optim`` does not have.
         """
-        wrapper = _root(model, "optim_state_dict")
+        settings = _root(model, "optim_state_dict")._settings()
         with flight_recorder.at(phase="optim_state_dict"):
-            return fsdp1_optim.save(wrapper, wrapper._settings(), optim, optim_state_dict, group)
+            return fsdp1_optim.save(model, settings, optim, optim_state_dict, group)
 
     @staticmethod
     def optim_state_dict_to_load(
@@ -253,7 +254,8 @@ class StateDictMethods(ModuleWrapper):
         """Turn a name-keyed optimizer state dict (full or sharded) into one for ``optim.load_state_dict``.
 
         Args:
-            model: the root FullyShardedDataParallel whose parameters ``optim`` updates.
+            model: the root module whose parameters ``optim`` updates: a FullyShardedDataParallel,
+                or (as torch's) a module holding them.
             optim: the optimizer that will load the result.
             optim_state_dict: what :meth:`optim_state_dict` returned (any world size for full
                 ones). Under FULL_STATE_DICT with ``rank0_only`` only rank 0 of ``group`` needs
@@ -267,18 +269,18 @@ class StateDictMethods(ModuleWrapper):
             ``{"state": {id: {key: value}}, "param_groups": [...]}`` with this rank's rows.
 
         Raises:
-            TypeError: ``model`` is not a FullyShardedDataParallel, ``optim`` not an optimizer,
+            TypeError: ``model`` holds no FullyShardedDataParallel, ``optim`` is not an optimizer,
                 or ``optim_state_dict`` not an optimizer state dict.
             KeyError: ``optim_state_dict`` lacks a parameter of ``optim``; names it.
         """
-        wrapper = _root(model, "optim_state_dict_to_load")
+        settings = _root(model, "optim_state_dict_to_load")._settings()
         if is_named_optimizer:
             warn_unused(
                 "optim_state_dict_to_load(is_named_optimizer=True)",
                 "fullshard returns the id-keyed dict torch.optim.Optimizer.load_state_dict takes",
                 2,
             )
-        result = fsdp1_optim.to_load(wrapper, wrapper._settings(), optim, optim_state_dict, group)
+        result = fsdp1_optim.to_load(model, settings, optim, optim_state_dict, group)
         if load_directly:
             optim.load_state_dict(result)
         return result
@@ -300,19 +302,76 @@ class StateDictMethods(ModuleWrapper):
         return optim_legacy.rekey_optim_state_dict(optim_state_dict, key_type, model, *args, **kwargs)
 
 
+_PENDING = "_fullshard_load_keys"  # on a wrapper between its load hooks: (prefix, missing, unexpected)
+
+
+def register_load_hooks(wrapper: StateDictMethods) -> None:
+    """Let a wrapper load its part when a module above it that is no wrapper loads a state dict.
+
+    ``nn.Module.load_state_dict`` on such a root walks into the wrapper without calling its
+    ``load_state_dict``. The pre-hook takes the entries under the wrapper's prefix out of the
+    state dict and loads them through :meth:`StateDictMethods.load_state_dict` (its subtree,
+    nested wrappers included); the post-hook replaces the keys the walk then reports missing in
+    the wrapper's subtree with those that load found missing or unexpected. Errors go to the
+    root's error list, so a strict load fails with torch's message. A nested wrapper finds its
+    entries gone (the enclosing one loaded them) and does nothing.
+    """
+    wrapper.register_load_state_dict_pre_hook(_load_part)
+    wrapper.register_load_state_dict_post_hook(_report_part)
+
+
+def _load_part(
+    module: nn.Module,
+    state_dict: Any,
+    prefix: str,
+    local_metadata: Any,
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
+) -> None:
+    keys = [k for k in state_dict if k.startswith(prefix)]
+    if not keys:  # an enclosing wrapper loaded this part (or the dict has none: the walk reports it)
+        return
+    if local_metadata.get("assign_to_params_buffers"):
+        error_msgs.append("FullyShardedDataParallel: load_state_dict(assign=True) is not supported by fullshard")
+        return
+    part = {k[len(prefix) :]: state_dict.pop(k) for k in keys}
+    assert isinstance(module, StateDictMethods)
+    try:
+        result = module.load_state_dict(part, strict=False)
+    except RuntimeError as e:
+        error_msgs.append(str(e))
+        result = None
+    missing = [prefix + k for k in result.missing_keys] if result else []
+    unexpected = [prefix + k for k in result.unexpected_keys] if result else []
+    module.__dict__[_PENDING] = (prefix, missing, unexpected)
+
+
+def _report_part(module: nn.Module, incompatible_keys: Any) -> None:
+    pending = module.__dict__.pop(_PENDING, None)
+    if pending is None:
+        return
+    prefix, missing, unexpected = pending
+    for keys, found in ((incompatible_keys.missing_keys, missing), (incompatible_keys.unexpected_keys, unexpected)):
+        keys[:] = [k for k in keys if not k.startswith(prefix)] + found
+
+
 def wrappers(module: nn.Module) -> list[StateDictMethods]:
     """Every FullyShardedDataParallel in ``module``'s tree (``module`` included), in module order."""
     return [m for m in module.modules() if isinstance(m, StateDictMethods)]
 
 
 def _root(model: Any, caller: str) -> StateDictMethods:
-    """``model`` as the wrapper it must be for ``caller``."""
-    if not isinstance(model, StateDictMethods):
+    """The wrapper whose settings ``caller`` follows: ``model`` itself, or (a root that is not a
+    wrapper, as torch's allows) the first wrapper in its tree."""
+    found = wrappers(model) if isinstance(model, nn.Module) else []
+    if not found:
         raise TypeError(
-            f"{caller}: model must be the FullyShardedDataParallel whose parameters the optimizer updates, got "
-            f"{type(model).__name__}; pass the wrapped root model (FullyShardedDataParallel(module))"
+            f"{caller}: model must be the root module whose parameters the optimizer updates, holding "
+            f"FullyShardedDataParallel modules; got {type(model).__name__} with none"
         )
-    return model
+    return found[0]
 
 
 def _warn_rank0_only(settings: StateDictSettings) -> None:
