@@ -35,6 +35,8 @@ ranks' before it reaches the backend when it is not the one this rank predicted
 (:mod:`fullshard.comm.divergence`).
 
 While :mod:`fullshard.probes` are enabled, each call is counted there (calls, bytes sent).
+Collectives through a user's comm object (FSDP2's custom all-gather / reduce-scatter) are
+:mod:`fullshard.comm.custom_collectives`'s, counted and recorded by this module's helpers.
 """
 
 from __future__ import annotations
