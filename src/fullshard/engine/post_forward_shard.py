@@ -14,9 +14,12 @@ The vocabulary (full flat buffer, padded shard, S) is :mod:`.layout`'s and :mod:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from fullshard.comm import buffers, collectives
+from fullshard.comm import buffers, collectives, custom_collectives
+from fullshard.engine import custom_comm
 from fullshard.engine.layout import UnitLayout
 
 
@@ -61,22 +64,32 @@ class PostForwardShard:
             buffers.POOL.release(self.kept)
             self.kept = None
 
-    def gather(self) -> collectives.Handle:
+    def gather(self, comm: Any = None, async_op: bool = True) -> collectives.Handle:
         """Start all-gathering the kept parts of the subgroup into the full flat buffer (its
-        memory already allocated); the kept part goes back to the pool after the copy-out."""
+        memory already allocated); the kept part goes back to the pool after the copy-out.
+
+        ``comm``: the unit's custom all-gather (:mod:`.custom_comm`), which then gets the output
+        from its ``allocate`` and is called with ``async_op``; None: fullshard's own."""
         m, q, kept = self.size, self.per_param, self.kept
         assert kept is not None, "gather without a kept part"
         self.kept = None
-        out = buffers.POOL.acquire(m * kept.numel(), kept.dtype, kept.device)
-        handle = collectives.all_gather(out, kept, self.group, async_op=True)
-        assert handle is not None
+        if comm is None:
+            out = buffers.POOL.acquire(m * kept.numel(), kept.dtype, kept.device)
+            handle = collectives.all_gather(out, kept, self.group, async_op=True)
+            assert handle is not None
+        else:
+            out = custom_comm.allocated(comm, m * kept.numel(), kept.dtype, kept.device, "set_custom_all_gather")
+            own = out.view(m, -1)[self.index]
+            own.copy_(kept)
+            handle = custom_collectives.all_gather(comm, out, own, self.group, async_op=async_op)
         full, params = self.unit.full_data, self.unit.params
         sizes = [q * sp.spec.padded_shard_numel for sp in params]
         targets = [full[sp.full_offset : sp.full_offset + sp.spec.padded_numel].view(m, -1) for sp in params]
 
         def epilogue() -> None:
             torch.split_with_sizes_copy(out.view(m, -1), sizes, dim=1, out=targets)
-            buffers.POOL.release(out)
+            if comm is None:
+                buffers.POOL.release(out)
             buffers.POOL.release(kept)
 
         return collectives.Handle([handle], epilogue)

@@ -24,11 +24,12 @@ import torch
 
 from fullshard import compat, probes
 from fullshard.comm import buffers, collectives, quantized
+from fullshard.engine import custom_comm
 from fullshard.engine.layout import UnitLayout
 from fullshard.engine.sharded_param import ShardedParam
 
 
-def predivide_factor(ranks: int) -> int:
+def predivide_factor(ranks: float) -> int:
     """A power of two near sqrt(ranks) to divide gradients by before a low-precision sum.
 
     torch FSDP's rule (both front ends): double while it divides ``ranks`` and is below
@@ -85,6 +86,10 @@ class GradReducer:
         self.comm_hook: tuple[object, Callable[..., None]] | None = None
         # FSDPModule.set_all_reduce_hook: called on each reduced shard (S_t,), in the reduce dtype.
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        # FSDPModule.set_custom_reduce_scatter: the user's comm (see custom_comm), and
+        # set_force_sum_reduction_for_comms, which only changes the op that comm is given.
+        self.custom_reduce_scatter: object | None = None
+        self.force_sum = False
         self._marks: list[tuple[ShardedParam, torch.Tensor, int, bool]] | None = None
         # Set by the hooks for a unit whose full buffer's size no other unit of its tree has: its
         # gradient shards may stay in its own chunk of the packed gradient (see launch).
@@ -213,6 +218,9 @@ class GradReducer:
             return
         if probes.ACTIVE is not None:
             probes.record_event("reduce", unit.name)
+        if self.custom_reduce_scatter is not None and unit.shard_size > 1:
+            self._launch_custom(grad, used)
+            return
         ranks = unit.shard_size * unit.replicate_size
         quant = unit.config.comm_quantization
         wire = quant.grads if quant is not None and unit.shard_size > 1 else None
@@ -256,6 +264,28 @@ class GradReducer:
         if packed is not None:
             buffers.POOL.lend(packed)  # comes back in finish()
         self._pending = _Pending(collectives.Handle(works), out, packed, partial_reduce, in_place, used)
+
+    def _launch_custom(self, grad: torch.Tensor, used: list[bool] | None) -> None:
+        """Reduce-scatter ``grad`` (the packed full gradient, (N*S_t,)) through the unit's custom
+        comm (:mod:`.custom_comm`), then all-reduce over the replicas as :meth:`launch` does."""
+        unit = self.unit
+        plan = custom_comm.reduce_plan(unit, self.force_sum, predivide_factor)
+        all_reduce = unit.replicate_size > 1 and unit.all_reduce_grads
+        post_here = plan.post if unit.replicate_size == 1 else 1.0  # else after the all-reduce
+        out, handle = custom_comm.reduce_scatter(unit, self.custom_reduce_scatter, grad, plan, post_here)
+        buffers.POOL.release(grad)  # copied into the comm's input: the next unit of this size packs into it
+        works = [handle]
+        if all_reduce:
+            handle.wait()
+            if self._partial_sum is not None:  # reduce-scattered while the all-reduce was off
+                out.add_(self._partial_sum)
+                self._partial_sum = None
+            divide_by = plan.replica_divide * plan.post
+            h2 = collectives.all_reduce(out, unit.replicate_group, divide_by=divide_by, async_op=True)
+            assert h2 is not None
+            works.append(h2)
+        partial_reduce = unit.replicate_size > 1 and not all_reduce
+        self._pending = _Pending(collectives.Handle(works), out, None, partial_reduce, False, used)
 
     def _launch_hooked(self, grad: torch.Tensor, used: list[bool] | None) -> None:
         """Reduce ``grad`` (the packed full gradient, (N*S_t,)) with the registered communication

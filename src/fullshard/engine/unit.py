@@ -17,7 +17,7 @@ import torch
 
 from fullshard import probes
 from fullshard.comm import buffers, collectives, flight_recorder, quantized
-from fullshard.engine import reshard_guard, shard_sync
+from fullshard.engine import custom_comm, reshard_guard, shard_sync
 from fullshard.engine.grad_pack import pack_grads
 from fullshard.engine.layout import (
     ParamEntry,
@@ -74,6 +74,7 @@ class Unit(UnitLayout):
         self.post_forward_shard: PostForwardShard | None = None
         self.on_reshard: Any = None  # called with the unit after each reshard (e.g. register shards again)
         self.backward_range: Any = None  # the open torch.profiler range of this unit's backward
+        self.custom_all_gather: Any = None  # FSDPModule.set_custom_all_gather's comm (see custom_comm)
         reshard_guard.install()
 
     def set_post_forward_group(self, group: collectives.ProcessGroup) -> None:
@@ -113,7 +114,7 @@ class Unit(UnitLayout):
         self._allocate_full()
         shard = self.post_forward_shard
         if shard is not None and shard.kept is not None:  # resharded to a smaller group after forward
-            self._pending_gather = shard.gather()
+            self._pending_gather = shard.gather(self.custom_all_gather, async_op)
             if not async_op:
                 self.wait_for_unshard()
             return
@@ -123,7 +124,9 @@ class Unit(UnitLayout):
             self.shard_state = ShardState.UNSHARDED
             return
         quant = self.config.comm_quantization
-        if quant is not None and quant.params is not None:
+        if self.custom_all_gather is not None:
+            self._pending_gather = custom_comm.gather(self, self.custom_all_gather, async_op)
+        elif quant is not None and quant.params is not None:
             # The shards themselves are quantized (no cast first); dequantized in the compute dtype.
             local = self.local_flat.to(self.device, non_blocking=True)
             self._pending_gather = self._gather_into(self.full_data, local, quant.block_size)
