@@ -115,9 +115,9 @@ def _unit_checks(rank: int, world: int) -> list[str]:
     done.append("guard")
 
     # torch's methods: supported, accepted with a warning, or NotImplementedError naming them.
+    seq.set_custom_all_gather(None)  # supported (tests/test_custom_comm.py); None: fullshard's own
+    seq.set_custom_reduce_scatter(None)
     for call, name in [
-        (lambda: seq.set_custom_all_gather(None), "set_custom_all_gather"),
-        (lambda: seq.set_custom_reduce_scatter(None), "set_custom_reduce_scatter"),
         # a torch method fullshard did not define (as one torch adds later would be) names itself
         (lambda: tf.FSDPModule.set_unshard_in_backward(seq, False), "FSDPModule.set_unshard_in_backward"),
         (lambda: seq._get_fsdp_state(), "FSDPModule.<lambda>"),

@@ -25,7 +25,8 @@ from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 
 from fullshard import compat
-from fullshard.engine import dynamo_guard, hooks, recovery
+from fullshard.engine import custom_comm, dynamo_guard, hooks, recovery
+from fullshard.engine.all_gather_extension import ExtensionUnit
 from fullshard.engine.unit import ShardState, Unit
 
 
@@ -220,10 +221,14 @@ class FSDPModule(_TorchFSDPModule):
         self.set_gradient_divide_factor(factor)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """Accepted: fullshard's reductions always sum (``ReduceOp.SUM``) and divide separately,
-        what torch does with True; False, with which torch may use AVG or PREMUL_SUM, warns
-        (UserWarning) that it changes nothing."""
-        if not enable:
+        """fullshard's own reductions always sum (``ReduceOp.SUM``) and divide separately, what
+        torch does with True. The flag (this module's unit only, as torch's) chooses the op a
+        custom reduce-scatter (:meth:`set_custom_reduce_scatter`) gets: with True always
+        ``SUM``, with False (the default) torch's ``AVG`` or ``PREMUL_SUM``. False on a unit
+        without a custom reduce-scatter warns (UserWarning) that it changes nothing."""
+        unit = _state(self).unit  # type: ignore[arg-type]
+        unit.grads.force_sum = enable
+        if not enable and unit.grads.custom_reduce_scatter is None:
             _ignored("set_force_sum_reduction_for_comms(False)", "its reductions always sum and divide separately")
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
@@ -254,13 +259,36 @@ class FSDPModule(_TorchFSDPModule):
             _ignored("set_separate_reduce_scatter_group", "it reduce-scatters on the unit's own group")
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        """Accepted with a UserWarning: fullshard allocates its own communication buffers."""
+        """Accepted with a UserWarning: fullshard allocates its own communication buffers.
+
+        Raises:
+            ValueError: a custom all-gather or reduce-scatter is set (torch refuses too).
+        """
+        self._no_custom_comm("set_allocate_memory_from_process_group_for_comm")
         if enable:
             _ignored("set_allocate_memory_from_process_group_for_comm", "it allocates its own buffers")
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
-        """Accepted with a UserWarning: fullshard does not use symmetric memory."""
+        """Accepted with a UserWarning: fullshard does not use symmetric memory.
+
+        Raises:
+            ValueError: a custom all-gather or reduce-scatter is set (torch refuses too).
+        """
+        self._no_custom_comm("set_symm_mem_for_comm")
         _ignored("set_symm_mem_for_comm", "it does not use symmetric memory")
+
+    def _no_custom_comm(self, method: str) -> None:
+        unit = _state(self).unit  # type: ignore[arg-type]
+        for setter, comm in (
+            ("set_custom_all_gather", unit.custom_all_gather),
+            ("set_custom_reduce_scatter", unit.grads.custom_reduce_scatter),
+        ):
+            if comm is not None:
+                raise ValueError(
+                    f"FSDPModule.{method} cannot be used on a module with a custom comm ({setter}: "
+                    f"{type(comm).__name__}), which allocates its own buffers (torch refuses it too); "
+                    f"call {setter}(None) first, or leave {method} out"
+                )
 
     def reset_iter_state(self) -> None:
         """After an exception aborted a forward or backward, make the tree ready for the next
@@ -284,13 +312,84 @@ class FSDPModule(_TorchFSDPModule):
             )
         recovery.reset_iteration(state.root)
 
-    def set_custom_all_gather(self, comm: Any) -> NoReturn:
-        """Raises NotImplementedError: fullshard's all-gathers are its own."""
-        _unsupported("set_custom_all_gather")
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """All-gather this module's unit's parameters through ``comm`` (torch's ``AllGather``
+        protocol) instead of fullshard's own collectives: forward, backward, ``unshard()`` and
+        prefetches alike. As torch's, for this module's unit only, not its submodules' units.
 
-    def set_custom_reduce_scatter(self, comm: Any) -> NoReturn:
-        """Raises NotImplementedError: fullshard's reduce-scatters are its own."""
-        _unsupported("set_custom_reduce_scatter")
+        On each unshard fullshard calls ``comm.allocate((N*S,), dtype=..., device=...)`` for the
+        output (S: the unit's padded shard elements, parameters back to back, frozen ones
+        included; the compute dtype, ``param_dtype`` under mixed precision; the compute device),
+        copies this rank's shards into its slice ``[r*S, (r+1)*S)``, and calls
+        ``comm(output_tensor=output, input_tensor=that slice, group=<the unit's shard group>,
+        async_op=...)``; the comm returns None (done) or a Work that fullshard waits on before
+        the gathered values are copied out. ``async_op`` is True for fullshard's prefetches and
+        ``unshard(async_op=True)``, False otherwise (torch passes False for its prefetches too,
+        relying on CUDA streams). Under ``reshard_after_forward=M``, backward's all-gather
+        within the M-rank group goes through ``comm`` too, with that group. The collectives
+        layer counts the call (probes, flight recorder) as an all-gather of the payload it was
+        given; what the comm really sends is its own business. Details:
+        :mod:`fullshard.engine.custom_comm`.
+
+        Args:
+            comm: an object with ``allocate(size, *, dtype, device)`` and ``__call__`` as above;
+                None goes back to fullshard's own all-gather (torch has no way back).
+
+        Raises:
+            TypeError: ``comm`` lacks ``allocate`` or is not callable.
+            ValueError: the unit all-gathers quantized (``comm_quantization`` with ``params``).
+            NotImplementedError: the unit holds all-gather extension parameters
+                (``fsdp_pre_all_gather``, float8), which fullshard gathers separately.
+        """
+        unit = self._custom_comm_unit(comm, "set_custom_all_gather")
+        unit.custom_all_gather = comm
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """Reduce-scatter this module's unit's gradients through ``comm`` (torch's
+        ``ReduceScatter`` protocol) instead of fullshard's own collectives. As torch's, for this
+        module's unit only, not its submodules' units.
+
+        At each synced backward fullshard calls ``comm.allocate((N*S_t,), ...)`` for the input
+        and ``comm.allocate((S_t,), ...)`` for the output (S_t: the trainable parameters' padded
+        shard elements; the reduce dtype; the compute device), copies the packed gradient into
+        the input (rank r's chunk: the rows rank r owns of each parameter), and calls
+        ``comm(output_tensor=output, input_tensor=input, group=<the unit's shard group>,
+        op=<ReduceOp>)`` without ``async_op``, as torch does; a Work it returns is waited on at
+        the end of backward. The op is torch's: ``AVG`` in float32 and bfloat16, ``PREMUL_SUM(1/f)``
+        after ``set_gradient_divide_factor(f)`` (``SUM`` then a division by f on gloo, which has
+        no PREMUL_SUM: torch's own fails there), ``SUM`` with fullshard dividing before and after
+        in float16 or after ``set_force_sum_reduction_for_comms(True)``. The comm must apply the
+        op (averaging included). The shards' ``.grad`` become views of the output (copies when
+        cast or offloaded); a hybrid unit's replica all-reduce stays fullshard's. Unlike torch,
+        every trainable parameter is in the input (zeros for one no gradient reached; torch
+        leaves such parameters out). Counted by the collectives layer as a reduce-scatter of the
+        payload it was given. Details: :mod:`fullshard.engine.custom_comm`.
+
+        Args:
+            comm: an object with ``allocate(size, *, dtype, device)`` and ``__call__`` as above;
+                None goes back to fullshard's own reduce-scatter (torch has no way back).
+
+        Raises:
+            TypeError: ``comm`` lacks ``allocate`` or is not callable.
+            ValueError: the unit reduces quantized (``comm_quantization`` with ``grads``).
+            NotImplementedError: the unit holds all-gather extension parameters
+                (``fsdp_pre_all_gather``, float8), whose gradients fullshard reduces separately.
+        """
+        unit = self._custom_comm_unit(comm, "set_custom_reduce_scatter")
+        unit.grads.custom_reduce_scatter = comm
+
+    def _custom_comm_unit(self, comm: Any, setter: str) -> Unit:
+        """This module's unit, once ``comm`` is known to suit it (see the setters)."""
+        unit = _state(self).unit  # type: ignore[arg-type]
+        if comm is not None and isinstance(unit, ExtensionUnit):
+            raise NotImplementedError(
+                f"FSDPModule.{setter}: FSDP unit {unit.name!r} holds all-gather extension parameters "
+                "(fsdp_pre_all_gather, e.g. torchao float8), which fullshard communicates apart from the unit's "
+                "buffer, so a custom comm would not see them; shard those parameters' modules as units without a "
+                "custom comm, or use torch.distributed.fsdp.fully_shard for this model"
+            )
+        custom_comm.check(unit, comm, setter)
+        return unit
 
     def set_all_reduce_hook(self, hook: Callable[[Any], None], *, stream: Any = None) -> None:
         """Run ``hook(reduced)`` on this module's unit's reduced gradient shard (shape (S_t,),
