@@ -14,6 +14,8 @@ micro-batch with gradient sync off first) losses and parameters equal torch's bi
   ``set_gradient_divide_factor(3)`` on gloo gives SUM and fullshard divides (torch's own sends
   PREMUL_SUM, which gloo refuses): equal to fullshard without a custom comm;
 - bf16 parameters (``MixedPrecisionPolicy``): the all-gather in bf16, the reduction in bf16;
+- at 4 ranks, ``reshard_after_forward=2`` (backward's all-gather within 2 ranks goes through the
+  comm, as torch's) and hybrid sharding on a 2 x 2 mesh, calls and results torch's;
 - the probes count a custom collective's payload like fullshard's own;
 - misuse: objects without ``allocate``, ``comm_quantization`` beside a custom comm, a wrong
   ``allocate``, a comm returning neither None nor a Work, process-group allocation after a
@@ -296,7 +298,7 @@ def test_custom_comm_misuse() -> None:
 
 def post_forward_body(rank: int, world: int) -> list[str]:
     """reshard_after_forward=2 at 4 ranks: backward's all-gather goes through the comm too,
-    within the 2-rank group, as torch's."""
+    within the 2-rank group, as torch's; then hybrid sharding on a 2 x 2 mesh."""
     torch.manual_seed(0)
     base = TinyLM(layers=2)
     ours, theirs = _like_torch(base, rank, "reshard_after_forward=2", units=(0, 1), reshard_after_forward=2)
@@ -305,9 +307,17 @@ def post_forward_body(rank: int, world: int) -> list[str]:
     # The root: torch reshards it too when reshard_after_forward is given explicitly (gathering
     # it again for backward, within 2 ranks); fullshard's root keeps its parameters after forward.
     assert len(theirs["calls"][2][0]) == 8 and len(ours["calls"][2][0]) == 4
+
+    # Hybrid sharding (2 replicas x 2 shards): the comms work within the shard group, the
+    # replica all-reduce stays the engine's (averaging over the replicas after the comm's AVG).
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    ours, _ = _like_torch(base, rank, "hybrid", mesh=mesh)
+    assert {c[1] // c[2] for c in ours["calls"][0][0]} == {2}
     return ["post-forward"]
 
 
 @pytest.mark.timeout(300)
-def test_custom_all_gather_after_post_forward_reshard() -> None:
+def test_custom_comms_post_forward_reshard_and_hybrid() -> None:
     assert run_ranks(post_forward_body, 4, timeout=280) == [["post-forward"]] * 4
