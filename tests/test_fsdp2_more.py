@@ -4,6 +4,8 @@ A second audit's cases (the first's are in test_fsdp2_contract.py), each buildin
 model twice, sharding it with torch's ``fully_shard`` and with fullshard's, and running both
 the same way; at 2 ranks the parameters are compared bitwise after every step:
 
+- the root frees its parameters after forward when ``reshard_after_forward`` is given explicitly
+  or set later, keeps them under the default (torch >= 2.8); two roots in one model;
 - ``reshard_after_forward`` as an int (1: keep, 2: the shard group's size), False on the root
   only, and ``set_reshard_after_forward`` toggled between steps;
 - ``unshard(async_op=True)`` and ``handle.wait()`` by hand before forward, ``reshard()`` by hand
@@ -98,6 +100,50 @@ def _reshard_after_forward(rank: int, world: int) -> None:
             losses = [_step(m, o, _toks(step, rank, world)) for m, o in zip((ref, ours), opts)]
             assert torch.equal(*losses), (kw, step)
             _same(ref, ours, f"{kw} step {step}")
+
+
+def _sharded_after_forward(model: nn.Module, x: torch.Tensor, probe) -> tuple[bool, torch.Tensor]:
+    """Forward, whether ``probe(model)`` (a root parameter) is a DTensor before backward, then
+    the rest of the step's backward; (that answer, the loss)."""
+    from torch.distributed.tensor import DTensor
+
+    loss = model(x).logsumexp(-1).mean()
+    sharded = isinstance(probe(model), DTensor)
+    loss.backward()
+    return sharded, loss.detach()
+
+
+def _root_reshards_when_asked(rank: int, world: int) -> None:
+    """The root keeps its full parameters into backward under the default (None), frees them
+    when ``reshard_after_forward`` is given explicitly or set later (torch >= 2.8); also a model
+    of two roots run one after the other (the first is freed after its forward)."""
+    emb = lambda m: m.emb.weight  # noqa: E731
+    for root_kw, later, want in (({}, None, False), ({"reshard_after_forward": True}, None, True), ({}, True, True)):
+        ref, ours = _pair(build=lambda: _Tied(False), root_kw=root_kw)
+        opts = _adamw(ref, ours)
+        if later is not None:
+            ref.set_reshard_after_forward(later, recurse=False)
+            ours.set_reshard_after_forward(later, recurse=False)
+        for step in range(2):
+            got = [_sharded_after_forward(m, _toks(step, rank, world), emb) for m in (ref, ours)]
+            assert [g[0] for g in got] == [want, want], (root_kw, later, got)
+            assert torch.equal(got[0][1], got[1][1]), (root_kw, later, step)
+            for o in opts:
+                o.step()
+                o.zero_grad()
+            _same(ref, ours, f"root {root_kw} {later} step {step}")
+    for mod in (_impls()["torch"], _impls()["fullshard"]):
+        with pytest.raises(ValueError, match="reshard_after_forward should be a bool"):
+            mod.fully_shard(nn.Linear(2, 2)).set_reshard_after_forward(1)
+    seen = []
+    for mod in _impls().values():
+        torch.manual_seed(0)
+        first, second = nn.Sequential(nn.Embedding(37, 12), nn.Linear(12, 12)), nn.Linear(12, 37)
+        mod.fully_shard(first, reshard_after_forward=True)
+        mod.fully_shard(second, reshard_after_forward=True)
+        two = nn.Sequential(first, second)  # not sharded itself: two roots
+        seen.append(_sharded_after_forward(two, _toks(0, rank, world), lambda m: m[0][0].weight))
+    assert seen[0][0] and seen[1][0] and torch.equal(seen[0][1], seen[1][1]), seen
 
 
 def _by_hand(rank: int, world: int) -> None:
@@ -343,6 +389,7 @@ def _load_full_at_another_world_size(rank: int, world: int, tmp: str) -> None:
 
 CASES_2 = (
     _reshard_after_forward,
+    _root_reshards_when_asked,
     _by_hand,
     _prefetch_and_post_optim_event,
     _buffers_and_mixed_precision,

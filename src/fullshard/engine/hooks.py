@@ -311,21 +311,22 @@ def post_forward(state: FSDPState, output: Any) -> Any:
     state.forward_range = None
     grad = torch.is_grad_enabled()
     in_recompute = unit.training_state is not TrainingState.FORWARD
-    if not (grad and not in_recompute and state.is_root):
+    keeps = root_keeps(state)
+    if not (grad and not in_recompute and keeps):
         # The root stays gathered into backward with its full parameters in place, as torch's
         # does: a loss that reads them after forward (a tied output projection) gets the full
         # tensors, their gradients flowing into the unit's. Its reshard takes them out.
         unit.uninstall_full_params()
     if not in_recompute:
         unit.training_state = TrainingState.IDLE
-        if grad and unit.reshard_after_forward and not state.is_root and unit.post_forward_shard is not None:
+        if grad and unit.reshard_after_forward and not keeps and unit.post_forward_shard is not None:
             unit.reshard_post_forward()  # reshard_after_forward=M: 1/M kept for backward's smaller gather
-        elif not grad and not unit.reshard_after_forward and not state.is_root and root.held_without_grad is not None:
+        elif not grad and not unit.reshard_after_forward and not keeps and root.held_without_grad is not None:
             if unit not in root.held_without_grad:
                 root.held_without_grad.append(unit)
-        elif not grad or (unit.reshard_after_forward and not state.is_root and not keeps_last_gathered(state)):
+        elif not grad or (unit.reshard_after_forward and not keeps and not keeps_last_gathered(state)):
             unit.reshard()
-        elif unit.reshard_after_forward and not state.is_root:
+        elif unit.reshard_after_forward and not keeps:
             root.kept = unit
         if state.is_root:
             _reshard_held(root)
@@ -334,6 +335,13 @@ def post_forward(state: FSDPState, output: Any) -> Any:
         if state.is_root:
             output = _complete_unfinished_passes(root, state, output)
     return output
+
+
+def root_keeps(state: FSDPState) -> bool:
+    """Whether ``state``'s unit keeps its full parameters from forward into backward because it
+    is the root: always for the wrapper's root (as torch's FSDP1), and for ``fully_shard``'s
+    unless ``reshard_after_forward`` was given explicitly or set since (torch >= 2.8's rule)."""
+    return state.is_root and (state.front_end is FrontEnd.WRAPPER or state.unit.auto_reshard_after_forward)
 
 
 # Whether the wrapper keeps the last unit gathered after forward (:func:`keeps_last_gathered`);

@@ -57,6 +57,10 @@ class Unit(UnitLayout):
     ) -> None:
         super().__init__(name, params, shard_group, replicate_group, config)
         self.reshard_after_forward = config.reshard_after_forward
+        # fully_shard's reshard_after_forward=None (torch's "auto"): as the root, keep the full
+        # parameters from forward into backward whatever reshard_after_forward says; an explicit
+        # value (or set_reshard_after_forward) is honoured by the root too, as in torch >= 2.8.
+        self.auto_reshard_after_forward = False
         self.shard_state = ShardState.SHARDED
         self.training_state = TrainingState.IDLE
         self.grads = GradReducer(self)

@@ -148,9 +148,19 @@ class FSDPModule(_TorchFSDPModule):
             unit.reshard_after_backward = reshard_after_backward
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
-        """Whether to free the full parameters after forward (True) or keep them for backward."""
+        """Whether to free the full parameters after forward (True) or keep them for backward.
+
+        As torch's, this is honoured by the root too (whose ``fully_shard`` default otherwise
+        keeps them). Unlike torch's, True leaves a ``reshard_after_forward=M`` unit keeping its
+        1/M (torch's then frees everything).
+
+        Raises:
+            ValueError: ``reshard_after_forward`` is not a bool (torch's message)."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}")
         for unit in self._units(recurse):
             unit.reshard_after_forward = reshard_after_forward
+            unit.auto_reshard_after_forward = False
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for torch's API: fullshard always waits for every reduction at the end of

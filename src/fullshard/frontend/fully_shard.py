@@ -107,8 +107,10 @@ def fully_shard(
             be a slice of a bigger mesh (``mesh3["dp_replicate", "dp_shard"]`` beside "pp" or
             "tp"); tensor-parallel DTensor parameters must be on another dimension of the same
             mesh.
-        reshard_after_forward: free the full parameters after forward (the root keeps them);
-            an int M keeps 1/M of them so backward gathers within M ranks; see
+        reshard_after_forward: free the full parameters after forward; an int M keeps 1/M of
+            them so backward gathers within M ranks. None (the default): True, except that the
+            root keeps them for backward; given explicitly, the root follows it too (torch >=
+            2.8's rule: a model with several roots frees each after its forward); see
             :func:`~fullshard.frontend.meshes.as_reshard_after_forward`.
         shard_placement_fn: may return ``Shard(0)`` or None for each parameter (other dims are
             not supported).
@@ -269,6 +271,7 @@ def _build(
     unit.grads.upcast_unsynced = True  # torch FSDP2 sums unsynced gradients in the reduce dtype
     unit.grads.zero_grad_drops_unsynced = False  # and keeps them through zero_grad
     unit.grads.unused_grads_none = True  # and leaves a parameter no backward reached with .grad None
+    unit.auto_reshard_after_forward = reshard_after_forward is None  # as the root: keep after forward
     if post_forward_size is not None:
         unit.set_post_forward_group(meshes.post_forward_group(mesh, post_forward_size))
     placements = [Replicate(), Shard(0)] if hybrid else [Shard(0)]

@@ -141,7 +141,9 @@ def shard_model(
         return m
 
     apply_policy(model, policy, shard, is_unit, set())
-    fully_shard(model, **kwargs)
+    # The root keeps its parameters from forward into backward (torch's default, which an
+    # explicit reshard_after_forward on the root would turn off: one more all-gather a step).
+    fully_shard(model, **{k: v for k, v in kwargs.items() if k != "reshard_after_forward"})
     sharded: list[Any] = [*units, model]
     if cfg.forward_prefetch:
         for unit, following in zip(sharded, sharded[1:-1]):
