@@ -45,7 +45,11 @@ def pack_into(rows: torch.Tensor, grads: Sequence[torch.Tensor | None], specs: S
     """
     n = rows.shape[0]
     if all(
-        g is not None and g.dtype == rows.dtype and not g.requires_grad and spec.rows == n * spec.chunk_rows
+        g is not None
+        and g.dtype == rows.dtype
+        and not g.requires_grad
+        and spec.rows == n * spec.chunk_rows
+        and spec.dim == 0
         for spec, g in zip(specs, grads)
     ):
         # No padding and nothing missing: rank r's row of the pack is each gradient's r-th
@@ -67,8 +71,8 @@ def pack_rows_into(dest: torch.Tensor, grad: torch.Tensor | None, spec: ShardSpe
 
     Args:
         dest: shape (N, ``spec.padded_shard_numel``), a view whose rows may be strided: row r
-            receives the ``spec.chunk_rows`` rows of ``grad`` that rank r owns, zeros after the
-            last real row (the padding).
+            receives the ``spec.chunk_rows`` rows of ``grad`` that rank r owns (along the shard
+            dim), zeros after the last real row (the padding).
         grad: shape ``spec.orig_shape`` (any layout and dtype: cast by the copy), or None for
             zeros.
         spec: the parameter's sharding (``rows``, ``row_numel``, ``chunk_rows``).
@@ -76,6 +80,9 @@ def pack_rows_into(dest: torch.Tensor, grad: torch.Tensor | None, spec: ShardSpe
     n, chunk = dest.shape[0], spec.chunk_rows
     if grad is None or chunk == 0:
         dest.zero_()
+        return
+    if spec.dim != 0:  # rows along another dim: each rank's shard contiguous in its own shape
+        spec.full_to_ranked(grad, dest)
         return
     blocks = dest.view(n, chunk, spec.row_numel)
     rows = grad.reshape(spec.rows, spec.row_numel)

@@ -28,6 +28,11 @@ Trainable parameters come first in both buffers and frozen ones (``requires_grad
 so the autograd leaf covers only the trainable prefix of the full buffer: frozen parameters are
 gathered with the rest but get no gradient memory and no gradient communication.
 
+A parameter sharded along a dim d > 0 (``fully_shard``'s ``Shard(d)``) is laid out the same way,
+its shard contiguous in the shard's own shape: its region of the full buffer holds N shards after
+the all-gather, which a copy then rearranges into the full parameter (each shard to its rows
+along d); its gradient is packed shard by shard (:meth:`ShardSpec.full_to_ranked`).
+
 An all-gather's output is rank-major; the copy-out to the param-major full buffer is one
 ``split_with_sizes_copy`` (on gloo, of the other ranks' rows only: ours go there from the
 shards directly, see ``Unit._gather_into``). On gloo each large parameter is gathered on its
@@ -216,7 +221,8 @@ class UnitLayout:
         params = [e for e in params if e[1].requires_grad] + [e for e in params if not e[1].requires_grad]
         local_off = full_off = 0
         for fqn, p, slots in params:
-            spec = ShardSpec(p.shape, self.shard_size, self.rank)
+            # fully_shard's shard_placement_fn may choose another dim (set on the parameter by it)
+            spec = ShardSpec(p.shape, self.shard_size, self.rank, getattr(p, "_fullshard_shard_dim", 0))
             sp = ShardedParam(spec, slots, fqn, p.requires_grad)
             sp.tp_spec = getattr(p, "_fullshard_tp_spec", None)  # set by fully_shard for a TP DTensor
             sp.local_offset, sp.full_offset = local_off, full_off
@@ -252,6 +258,9 @@ class UnitLayout:
         self._grad_splits = [
             n for sp in self.trainable for n in (sp.spec.local_numel, sp.spec.padded_shard_numel - sp.spec.local_numel)
         ]
+        # Parameters sharded along a dim > 0: their region of the full buffer is rearranged after
+        # each all-gather (see ``Unit._gather_into``).
+        self.dim_params = [sp for sp in self.params if sp.spec.dim != 0]
         self._pieces = self._plan_pieces()
         self._run_sizes = [[sp.spec.padded_shard_numel for sp in group] for group, _, _ in self._pieces]
         # With one rank, no cast and no offload the full buffer is the local buffer itself.

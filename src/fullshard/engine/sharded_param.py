@@ -6,8 +6,13 @@ Vocabulary (used throughout fullshard):
   split along dim 0 with ``torch.chunk`` semantics over the N ranks of the shard group: every
   rank gets ``chunk = ceil(d0 / N)`` rows except the last ranks, which may hold fewer rows or
   none. A 0-dim parameter is treated as shape (1,).
-- **padded shard size**: ``chunk * prod(rest)`` elements, the same on every rank. Padding exists
-  only inside communication buffers, never in the registered shard.
+- **shard dim**: the dim a parameter is split along, 0 unless ``fully_shard``'s
+  ``shard_placement_fn`` chose another (``Shard(d)``, d > 0). "Rows" are then the indices along
+  dim d: the shard is ``full.narrow(d, start, rows)``, stored contiguous in its own shape (as
+  torch's FSDP2 stores it), and the unit rearranges the gathered parameter and the packed
+  gradient at the boundary (:meth:`ShardSpec.ranked_to_full`, :meth:`ShardSpec.full_to_ranked`).
+- **padded shard size**: ``chunk * prod(rest)`` elements (rest: the other dims), the same on
+  every rank. Padding exists only inside communication buffers, never in the registered shard.
 - **flat buffer**: one 1-D tensor holding several parameters back to back. A unit keeps a local
   flat buffer of padded shards (its all-gather input) and, while unsharded, a full flat buffer
   of padded full parameters (its all-gather output after the copy-out).
@@ -15,10 +20,11 @@ Vocabulary (used throughout fullshard):
 The registered ``nn.Parameter`` is the local shard of shape (rows, *rest) in the parameter's
 original dtype, a view into the unit's local flat buffer: a plain tensor under the FSDP1 wrapper,
 and under ``fully_shard`` a ``DTensor`` of the full shape (placement ``Shard(0)``, or
-``(Replicate(), Shard(0))`` on a 2-D mesh) whose local tensor is that view, as torch's FSDP2
-registers. The engine reads and writes only the local tensors (:func:`local_tensor`). A
-tensor-parallel parameter (``tp_spec`` set) is sharded through its TP-local tensor: ``orig_shape``
-is that tensor's shape, and forward sees the gathered value as a DTensor on the tp mesh.
+``(Replicate(), Shard(0))`` on a 2-D mesh; ``Shard(d)`` for shard dim d) whose local tensor is
+that view, as torch's FSDP2 registers. The engine reads and writes only the local tensors
+(:func:`local_tensor`). A tensor-parallel parameter (``tp_spec`` set) is sharded through its
+TP-local tensor: ``orig_shape`` is that tensor's shape, and forward sees the gathered value as a
+DTensor on the tp mesh.
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ class ShardSpec:
         orig_shape: the full parameter's shape.
         shard_size: number of ranks in the shard group (N).
         rank: this process's rank in the shard group.
+        dim: the shard dim (0 <= dim < len(orig_shape); 0 for a 0-dim parameter); "rows" below
+            are the indices along it.
 
     The derived sizes below are computed once per spec (the fields are frozen): the hooks read
     them for every parameter of every unit at each gather and reduction.
@@ -51,15 +59,17 @@ class ShardSpec:
     orig_shape: torch.Size
     shard_size: int
     rank: int
+    dim: int = 0
 
     @functools.cached_property
     def rows(self) -> int:
-        """d0, the full number of rows (1 for a 0-dim parameter)."""
-        return self.orig_shape[0] if len(self.orig_shape) > 0 else 1
+        """The full number of rows, ``orig_shape[dim]`` (1 for a 0-dim parameter)."""
+        return self.orig_shape[self.dim] if len(self.orig_shape) > 0 else 1
 
     @functools.cached_property
     def row_shape(self) -> tuple[int, ...]:
-        return tuple(self.orig_shape[1:])
+        """The shape of one row: the other dims."""
+        return tuple(s for i, s in enumerate(self.orig_shape) if i != self.dim)
 
     @functools.cached_property
     def row_numel(self) -> int:
@@ -99,17 +109,69 @@ class ShardSpec:
 
     @functools.cached_property
     def local_shape(self) -> torch.Size:
-        return torch.Size((self.local_rows, *self.row_shape))
+        return self.shape_with_rows(self.local_rows)
+
+    def shape_with_rows(self, rows: int) -> torch.Size:
+        """``orig_shape`` with ``rows`` rows along the shard dim."""
+        if self.dim == 0:
+            return torch.Size((rows, *self.row_shape))
+        return torch.Size((*self.orig_shape[: self.dim], rows, *self.orig_shape[self.dim + 1 :]))
 
     @functools.cached_property
     def local_numel(self) -> int:
         return self.local_rows * self.row_numel
 
     def local_slice(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of a full tensor of ``orig_shape`` (a view, shape ``local_shape``)."""
+        """This rank's rows of a full tensor of ``orig_shape`` (a view, shape ``local_shape``;
+        not contiguous for a shard dim > 0 unless one rank holds everything)."""
+        if self.dim != 0:
+            return full.reshape(self.orig_shape).narrow(self.dim, self.local_row_start, self.local_rows)
         flat_rows = full.reshape(self.rows, *self.row_shape)
         start = self.local_row_start
         return flat_rows[start : start + self.local_rows]
+
+    def ranked_to_full(self, ranked: torch.Tensor, full: torch.Tensor) -> None:
+        """Copy an all-gather's output into the full tensor, for a shard dim > 0.
+
+        Args:
+            ranked: shape (N, padded shard size): row r holds rank r's shard, contiguous in its
+                own shape, then padding.
+            full: shape ``orig_shape``, any strides; rank r's shard goes to its rows along dim.
+        """
+        n, chunk = self.shard_size, self.chunk_rows
+        if chunk == 0:
+            return
+        if self.rows == n * chunk:  # even: one strided copy
+            full.unflatten(self.dim, (n, chunk)).movedim(self.dim, 0).copy_(
+                ranked.view(n, *self.shape_with_rows(chunk))
+            )
+            return
+        for r in range(n):
+            rows = self.rows_of(r)
+            if rows:
+                shape = self.shape_with_rows(rows)
+                full.narrow(self.dim, r * chunk, rows).copy_(ranked[r, : shape.numel()].view(shape))
+
+    def full_to_ranked(self, full: torch.Tensor, ranked: torch.Tensor) -> None:
+        """Copy a full tensor (a gradient) into a rank-major pack, for a shard dim > 0: the
+        inverse of :meth:`ranked_to_full`, zeros in the padding.
+
+        Args:
+            full: shape ``orig_shape``, any strides and dtype (cast by the copy).
+            ranked: shape (N, padded shard size), rows possibly strided (a pack's columns).
+        """
+        n, chunk = self.shard_size, self.chunk_rows
+        if self.rows == n * chunk:
+            ranked.view(n, *self.shape_with_rows(chunk)).copy_(
+                full.unflatten(self.dim, (n, chunk)).movedim(self.dim, 0)
+            )
+            return
+        for r in range(n):
+            rows = self.rows_of(r)
+            size = self.shape_with_rows(rows).numel()
+            if rows:
+                ranked[r, :size].view(self.shape_with_rows(rows)).copy_(full.narrow(self.dim, r * chunk, rows))
+            ranked[r, size:].zero_()
 
 
 @dataclasses.dataclass
