@@ -7,8 +7,9 @@ call owns the parameters no earlier call took. Parameter names do not change.
 
 As in torch's FSDP2, every parameter is then a ``DTensor`` of its full shape, placed
 ``Shard(0)`` on the unit's mesh (``(Replicate(), Shard(0))`` on a 2-D mesh for hybrid
-sharding), whose local tensor is this rank's rows (torch.chunk layout, possibly 0 rows), a view
-into the unit's local flat buffer. So are the gradients after backward and the values of
+sharding; ``Shard(d)`` where ``shard_placement_fn`` chooses dim d), whose local tensor is this
+rank's rows (torch.chunk layout along the dim, possibly 0 rows), a view into the unit's local
+flat buffer. So are the gradients after backward and the values of
 ``state_dict()``. torch's tools built on DTensor work on them as they are:
 ``torch.nn.utils.clip_grad_norm_`` returns the global norm, ``full_tensor()`` the full value,
 the ``torch.distributed.checkpoint.state_dict`` functions save and load full and sharded
@@ -44,7 +45,7 @@ from fullshard.engine.groups import resolve_groups
 from fullshard.engine.shard_sync import register_dtensors
 from fullshard.engine.sharded_param import is_sharded, unshifted
 from fullshard.engine.unit import TrainingState, Unit
-from fullshard.frontend import meshes, optim_local, tensor_parallel
+from fullshard.frontend import meshes, optim_local, shard_dims, tensor_parallel
 from fullshard.frontend.fsdp_module import FSDPModule
 from fullshard.frontend.options import as_comm_quantization, as_mp_policy, as_offload_policy
 
@@ -95,7 +96,8 @@ def fully_shard(
     """Shard ``module``'s parameters (those no earlier ``fully_shard`` took) over ``mesh``.
 
     Each parameter of shape (d0, *rest) becomes a DTensor of that shape (placement Shard(0))
-    whose local tensor holds this rank's ceil(d0 / N)-row chunk; on the meta device it stays
+    whose local tensor holds this rank's ceil(d0 / N)-row chunk (for Shard(d): this rank's
+    ``torch.chunk`` of dim d, contiguous); on the meta device it stays
     there (call ``module.to_empty(device=...)`` and initialize, or load a state dict with
     ``assign=True``; the values are taken into the unit at the first forward).
 
@@ -112,8 +114,9 @@ def fully_shard(
             root keeps them for backward; given explicitly, the root follows it too (torch >=
             2.8's rule: a model with several roots frees each after its forward); see
             :func:`~fullshard.frontend.meshes.as_reshard_after_forward`.
-        shard_placement_fn: may return ``Shard(0)`` or None for each parameter (other dims are
-            not supported).
+        shard_placement_fn: called with each parameter; returns ``Shard(d)`` to shard it along
+            dim d (negative d counted from the end; the size of dim d need not divide N: the
+            last ranks hold fewer rows, as DTensor lays them out) or None for ``Shard(0)``.
         mp_policy: a MixedPrecisionPolicy (fullshard's or torch.distributed.fsdp's).
         offload_policy: CPUOffloadPolicy() to keep shards in CPU memory (GPU runs); fullshard's
             or torch.distributed.fsdp's.
@@ -133,8 +136,10 @@ def fully_shard(
         ValueError: ``module`` already heads a unit; it or a submodule was sharded by torch's
             FSDP or is a fullshard FullyShardedDataParallel; a mesh of more than 2 dimensions; a 0-dim
             parameter (as torch's fully_shard: make it shape (1,) or ignore it); a parameter
-            defining only one of fsdp_pre_all_gather / fsdp_post_all_gather.
-        NotImplementedError: a placement other than Shard(0); a tensor-subclass parameter
+            defining only one of fsdp_pre_all_gather / fsdp_post_all_gather; ``shard_placement_fn``
+            returning Shard(d) with d out of range for the parameter.
+        NotImplementedError: a placement other than Shard(d) or None; Shard(d > 0) for a
+            tensor-parallel or tensor-subclass parameter; a tensor-subclass parameter
             without the all-gather extension (with it, its hooks decide what is gathered);
             ``dp_mesh_dims`` not None.
         RuntimeError: no process group is initialized.
@@ -263,7 +268,7 @@ def _build(
             UserWarning,
             stacklevel=3,
         )
-    _check_params(holder, shard_placement_fn)
+    shard_dims.mark(holder, shard_placement_fn)
     shard_size = collectives.group_size(groups.shard) if groups.shard is not None else 1
     reshard, post_forward_size = meshes.as_reshard_after_forward(reshard_after_forward, shard_size)
     config = build.unit_config(prepared.device, reshard, mp, offload, comm_quantization=comm_quantization)
@@ -275,7 +280,13 @@ def _build(
     if post_forward_size is not None:
         unit.set_post_forward_group(meshes.post_forward_group(mesh, post_forward_size))
     placements = [Replicate(), Shard(0)] if hybrid else [Shard(0)]
-    register_dtensors(unit, mesh, placements, tensor_parallel.spmd_specs(unit, mesh))
+    specs = tensor_parallel.spmd_specs(unit, mesh)
+    for sp in unit.dim_params:  # shard_placement_fn's Shard(d), d > 0
+        shape = sp.spec.orig_shape
+        on_dim = (*placements[:-1], Shard(sp.spec.dim))
+        stride = torch.empty(shape, device="meta").stride()
+        specs[sp.fqn] = compat.make_dtensor_spec(mesh, on_dim, shape, stride, unit.dtype)
+    register_dtensors(unit, mesh, placements, specs)
     return unit
 
 
@@ -286,25 +297,6 @@ class _ModuleGroup(nn.Module):
         super().__init__()
         for i, m in enumerate(modules):
             self.add_module(str(i), m)
-
-
-def _check_params(module: nn.Module, shard_placement_fn: Optional[Callable[[nn.Parameter], Any]]) -> None:
-    from torch.distributed.tensor import Shard
-
-    for name, p in module.named_parameters():
-        if hasattr(p, "_fullshard_param") or hasattr(p, "_fullshard_ignored"):
-            continue
-        if p.dim() == 0:
-            raise ValueError(
-                f"fully_shard cannot shard the 0-dim parameter {name!r} (torch's fully_shard cannot "
-                "either): make it a tensor of shape (1,), or pass it in ignored_params"
-            )
-        placement = shard_placement_fn(p) if shard_placement_fn is not None else None
-        if placement is not None and not (isinstance(placement, Shard) and placement.dim in (0, -p.dim())):
-            raise NotImplementedError(
-                f"fully_shard: shard_placement_fn returned {placement} for {name!r}; fullshard shards "
-                "along dim 0 only (return Shard(0) or None)"
-            )
 
 
 def _register_forward_hooks(
