@@ -177,6 +177,12 @@ def parity_body(rank: int, world: int) -> list[str]:
     ours, _ = _like_torch(base, rank, "block 1 only", exact=world == 2, which=(1,))
     assert set(ours["calls"]) == {1}
 
+    # Parameters sharded along dim 1 (shard_placement_fn): the comm's output is rearranged into
+    # the full parameters as fullshard's own all-gather's is (every dim of 12 divides 2 and 3).
+    from torch.distributed.tensor import Shard
+
+    _like_torch(base, rank, "Shard(1)", exact=world == 2, shard_placement_fn=lambda p: Shard(p.ndim - 1))
+
     # A comm that changes the result is used (as by torch): halving before the AVG.
     halved, _ = _like_torch(base, rank, "halved", scale=0.5)
     plain = _train(_fully_shards()["fullshard"], base, rank, custom=False)

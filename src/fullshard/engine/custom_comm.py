@@ -96,6 +96,8 @@ def gather(unit: UnitLayout, comm: Any, async_op: bool) -> collectives.Handle:
         sizes = [sp.spec.padded_shard_numel for sp in unit.params]
         targets = [full[sp.full_offset : sp.full_offset + sp.spec.padded_numel].view(n, -1) for sp in unit.params]
         torch.split_with_sizes_copy(rows, sizes, dim=1, out=targets)
+        if unit.dim_params:  # parameters sharded along a dim > 0 (shard_placement_fn)
+            unit.shards_to_full(full)
 
     return collectives.Handle(handle, copy_out)
 

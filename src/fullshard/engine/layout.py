@@ -53,7 +53,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fullshard.comm import collectives
+from fullshard.comm import buffers, collectives
 from fullshard.engine.config import CommQuantization
 from fullshard.engine.sharded_param import ParamSlot, ShardedParam, ShardSpec
 
@@ -312,6 +312,17 @@ class UnitLayout:
         n, dtype = self.shard_size, self.compute_dtype
         sizes = [(n * self.shard_numel, dtype), (n * self.grad_numel, dtype)]
         return sizes + [(n * length, dtype) for group, _, length in self._pieces if len(group) > 1]
+
+    def shards_to_full(self, full: torch.Tensor) -> None:
+        """Rearrange the regions of ``full`` (param-major, as gathered) of the parameters sharded
+        along a dim > 0: N shards back to back become the full parameter (each shard to its rows
+        along the dim), through a pooled copy of the region."""
+        for sp in self.dim_params:
+            region = full[sp.full_offset : sp.full_offset + sp.spec.padded_numel]
+            ranked = buffers.POOL.acquire(region.numel(), region.dtype, region.device)
+            ranked.copy_(region)
+            sp.spec.ranked_to_full(ranked.view(self.shard_size, -1), region[: sp.spec.numel].view(sp.spec.orig_shape))
+            buffers.POOL.release(ranked)
 
     def _plan_pieces(self) -> list[tuple[list[ShardedParam], int, int]]:
         """How the all-gather is split: (parameters, local offset, local length) per collective.

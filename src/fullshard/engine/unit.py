@@ -221,20 +221,9 @@ class Unit(UnitLayout):
                     torch.split_with_sizes_copy(ranked[a:b], self._run_sizes[k], dim=1, out=[t[a:b] for t in outs])
                 buffers.POOL.release(gathered)
             if self.dim_params:
-                self._shards_to_full(full)
+                self.shards_to_full(full)
 
         return collectives.Handle(handles, epilogue if copy_outs or self.dim_params else None)
-
-    def _shards_to_full(self, full: torch.Tensor) -> None:
-        """Rearrange the regions of ``full`` (param-major, as gathered) of the parameters sharded
-        along a dim > 0: N shards back to back become the full parameter (each shard to its rows
-        along the dim), through a pooled copy of the region."""
-        for sp in self.dim_params:
-            region = full[sp.full_offset : sp.full_offset + sp.spec.padded_numel]
-            ranked = buffers.POOL.acquire(region.numel(), region.dtype, region.device)
-            ranked.copy_(region)
-            sp.spec.ranked_to_full(ranked.view(self.shard_size, -1), region[: sp.spec.numel].view(sp.spec.orig_shape))
-            buffers.POOL.release(ranked)
 
     def _copy_out_targets(self, full: torch.Tensor, k: int) -> list[torch.Tensor]:
         """Run piece ``k``'s parameters in ``full``, each viewed (N, padded shard numel)."""
