@@ -38,12 +38,11 @@ from fullshard.jobs import launch
 from fullshard.jobs.planning import families
 from fullshard.jobs.planning.plan_bench import Workload, hand_configurations, measure_all
 from fullshard.jobs.planning.sweep import Config, draw
-from fullshard.plan.margin import MARGIN_FROM, MARGIN_KEPT_FROM
+from fullshard.plan.margin import MARGIN_FROM, MARGIN_KEPT_FROM, MIB
 from fullshard.plan.planner import Scored, choose, plan
 
 WORLD = 2
 TIGHT_ABOVE = 0.10  # a tight budget is at most this share above what the smallest candidate needs
-MIB = 2**20
 
 
 def pairs(seed: int, n: int) -> list[tuple[Config, str, float]]:

@@ -38,11 +38,10 @@ from torch import nn
 from fullshard.jobs import launch
 from fullshard.jobs.planning import families
 from fullshard.jobs.planning.sweep import Config, draw, selective_context
+from fullshard.plan.margin import MIB
 from fullshard.plan.peak import PeakEstimate, estimate_peak
 from fullshard.plan.running_unit import RunningUnit
 from fullshard.plan.tracker import LiveTensorBytes
-
-MIB = 2**20
 
 
 def _parts(c: Config) -> tuple[Any, Any, Any, Any]:
