@@ -10,8 +10,9 @@ Checked against torch's own FSDP1 in one process group: the full model and optim
 loaded at 3 (and at 3 loaded at 2) through ``set_state_dict``, by fullshard and across
 implementations (a checkpoint torch's FSDP1 wrote loads into fullshard's wrapper and back),
 restores the saved state bit for bit and trains on as torch's does; a full state dict held by
-rank 0 alone loads with ``broadcast_from_rank0``; a model holding both implementations' wrappers
-is refused. A root that is no wrapper, holding wrapped children (torch's functions take it):
+rank 0 alone loads with ``broadcast_from_rank0``, also into HYBRID_SHARD wrappers at 4 ranks
+(with ``cpu_offload=True`` the full state is the world's rank 0's alone); a model holding both
+implementations' wrappers is refused. A root that is no wrapper, holding wrapped children (torch's functions take it):
 ``get_state_dict`` gives torch's state, and ``nn.Module.load_state_dict`` on it (what
 ``set_state_dict`` calls) loads each wrapper's part, with torch's missing and unexpected keys.
 """
@@ -134,6 +135,57 @@ def plain_root_load(rank: int, world: int) -> None:
     assert (result.missing_keys, result.unexpected_keys) == (["1.lin.weight"], ["1.extra"]), result
 
 
+def hybrid_rank0_only(rank: int, world: int) -> None:
+    """HYBRID_SHARD over a (2, 2) mesh at 4 ranks: ``cpu_offload=True``
+    full state lands on global rank 0 only, and ``broadcast_from_rank0`` loads it everywhere.
+    torch's functions pass no group for a hybrid wrapper (the world's rank 0); the wrapper's
+    shard group made ranks 0 and 2 "rank 0": both kept the state, and ranks 2 and 3 loaded rank
+    2's {} (a TypeError there, the others waiting)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import ShardingStrategy
+
+    mesh = init_device_mesh("cpu", (2, world // 2))
+
+    def build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        model = _wrap(
+            "fullshard",
+            make_stack(seed=seed, scale_shape=(1,)),
+            sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+            device_mesh=mesh,
+            use_orig_params=True,
+        )
+        return model, _opt("adamw", model.parameters())
+
+    model, opt = build(0)
+    for step in range(2):
+        _step(model, opt, step, rank, world)
+    full = _full_state(model, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        _same(full[0], msd, True, "cpu_offload full model state")
+        _same(full[1], osd["state"], True, "cpu_offload full optimizer state")
+    else:
+        assert msd == {} and osd == {}, (rank, list(msd)[:3], list(osd))
+    fresh, fresh_opt = build(7)
+    _step(fresh, fresh_opt, 0, rank, world)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        set_model_state_dict(fresh, msd, options=options)
+        set_optimizer_state_dict(fresh, fresh_opt, osd, options=options)
+    loaded = _full_state(fresh, fresh_opt)
+    _same(full[0], loaded[0], True, "model loaded from rank 0")
+    _same(full[1], loaded[1], True, "optimizer loaded from rank 0")
+
+
 def mixed(rank: int, world: int) -> str:
     """A model holding a torch FSDP1 wrapper and a fullshard one: refused by name."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -187,6 +239,10 @@ def test_sharded_checkpoint_reshards(tmp_path, saver: str, loader: str, worlds: 
 
 def test_plain_root_loads_through_module_load_state_dict() -> None:
     run_ranks(plain_root_load, 2)
+
+
+def test_hybrid_rank0_only_uses_the_world() -> None:
+    run_ranks(hybrid_rank0_only, 4)
 
 
 def test_broadcast_from_rank0_and_mixed_refused(tmp_path) -> None:

@@ -24,9 +24,11 @@ from typing import Any
 from torch import nn
 
 from fullshard import compat
+from fullshard.engine.config import ShardingStrategy
 from fullshard.frontend import fsdp1_state_dict
 
 DSD_MODULE = "torch.distributed.checkpoint.state_dict"
+HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 _installed = False
 
 
@@ -117,10 +119,13 @@ def _is_outermost(wrapper: nn.Module, root: nn.Module) -> bool:
 def _group(model: nn.Module, group: Any) -> Any:
     """torch's DCP functions pass the wrapper's own process group on every call; fullshard's
     optimizer functions use ``group`` only to pick rank 0 under ``rank0_only`` (and warn
-    otherwise), so it is passed on only then."""
+    otherwise), so it is passed on only then. For a hybrid wrapper torch's functions pass no
+    group (rank 0 is the world's); they tell it by torch's ShardingStrategy, which fullshard's
+    wrapper does not return, so they would pass its shard group (one "rank 0" per replica)."""
     wrappers = fsdp1_state_dict.wrappers(model)
-    rank0_only = bool(wrappers) and getattr(wrappers[0]._settings().optim_state_dict_config, "rank0_only", False)
-    return group if rank0_only else None
+    if not wrappers or not getattr(wrappers[0]._settings().optim_state_dict_config, "rank0_only", False):
+        return None
+    return None if wrappers[0].sharding_strategy in HYBRID_STRATEGIES else group
 
 
 def _fully_sharded_state(module: nn.Module) -> Any:
