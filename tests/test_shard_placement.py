@@ -20,7 +20,8 @@ float32 rounding:
   (replicate, shard) mesh, placements ``(Replicate(), Shard(1))``;
 - sharded on the meta device, then ``to_empty`` and ``load_state_dict`` of full tensors;
 - a dim out of range is a ValueError naming the parameter and ``shard_placement_fn``; a
-  placement other than ``Shard`` a NotImplementedError.
+  placement other than ``Shard`` a NotImplementedError; a call that fails after reading
+  ``shard_placement_fn`` leaves no dim behind for the next call.
 """
 
 from __future__ import annotations
@@ -372,6 +373,13 @@ def _errors(rank: int, world: int) -> None:
         fs.fully_shard(make_stack(0, (1,)).blocks[0], shard_placement_fn=lambda p: Replicate())
     block = fs.fully_shard(make_stack(0, (1,)).blocks[0], shard_placement_fn=lambda p: Shard(-1))
     assert block.lin.weight.placements == (Shard(1),) and block.lin.bias.placements == (Shard(0),)
+    # A call that fails after reading shard_placement_fn (here reshard_after_forward=3 at 2 ranks)
+    # leaves nothing behind: the next call without it shards along dim 0.
+    block = make_stack(0, (1,)).blocks[0]
+    with pytest.raises(ValueError, match="reshard_after_forward=3 must divide"):
+        fs.fully_shard(block, shard_placement_fn=lambda p: Shard(-1), reshard_after_forward=3)
+    fs.fully_shard(block)
+    assert block.lin.weight.placements == (Shard(0),), block.lin.weight.placements
 
 
 def body_2(rank: int, world: int) -> list[str]:

@@ -13,6 +13,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+MARK = "_fullshard_shard_dim"  # the attribute holding a parameter's shard dim (> 0)
+
 
 def mark(module: nn.Module, shard_placement_fn: Optional[Callable[[nn.Parameter], Any]]) -> None:
     """Refuse 0-dim parameters; mark each parameter ``shard_placement_fn`` shards along a dim
@@ -26,9 +28,11 @@ def mark(module: nn.Module, shard_placement_fn: Optional[Callable[[nn.Parameter]
     from torch.distributed.tensor import Shard
 
     dims: list[tuple[nn.Parameter, int]] = []
+    taken: list[nn.Parameter] = []
     for name, p in module.named_parameters():
         if hasattr(p, "_fullshard_param") or hasattr(p, "_fullshard_ignored"):
             continue
+        taken.append(p)
         if p.dim() == 0:
             raise ValueError(
                 f"fully_shard cannot shard the 0-dim parameter {name!r} (torch's fully_shard cannot "
@@ -57,5 +61,7 @@ def mark(module: nn.Module, shard_placement_fn: Optional[Callable[[nn.Parameter]
                 "shards tensor-parallel and tensor-subclass parameters along dim 0 only (return Shard(0) or None)"
             )
         dims.append((p, dim))
+    for p in taken:  # a mark left by an earlier fully_shard of this module that failed after marking
+        p.__dict__.pop(MARK, None)
     for p, dim in dims:  # marked once all are checked
-        p._fullshard_shard_dim = dim  # type: ignore[attr-defined]  # read by the engine's layout
+        setattr(p, MARK, dim)  # read by the engine's layout
