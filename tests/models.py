@@ -134,6 +134,24 @@ def tokens(step: int, n: int, seq: int = 8, vocab: int = 37, seed: int = 200) ->
     return torch.randint(0, vocab, (n, seq), generator=torch.Generator().manual_seed(seed + step))
 
 
+def accumulating_steps(model: nn.Module, rank: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Three AdamW steps of a ``fully_shard`` TinyLM on this rank's tokens, the second after a
+    micro-batch accumulated with gradient sync off; (losses, full parameters by name)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(3):
+        if step == 1:
+            model.set_requires_gradient_sync(False)  # type: ignore[operator]
+            model(tokens(40, 4, seed=300 + rank)).float().pow(2).mean().backward()
+            model.set_requires_gradient_sync(True)  # type: ignore[operator]
+        loss = model(tokens(step, 4, seed=300 + rank)).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+
+
 class ConvBlock(nn.Module):
     """Conv2d (3x3, same size) + BatchNorm2d + ReLU."""
 

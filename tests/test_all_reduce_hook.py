@@ -15,7 +15,7 @@ import copy
 import pytest
 import torch
 from dist import run_ranks
-from models import TinyLM, tokens
+from models import TinyLM, accumulating_steps
 
 
 class Recorder:
@@ -36,19 +36,7 @@ def _run(fully_shard, base: torch.nn.Module, rank: int, world: int) -> tuple[lis
     for module in [*model.layers, model]:
         recorders.append(Recorder())
         module.set_all_reduce_hook(recorders[-1])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for step in range(3):
-        if step == 1:
-            model.set_requires_gradient_sync(False)
-            model(tokens(40, 4, seed=300 + rank)).float().pow(2).mean().backward()
-            model.set_requires_gradient_sync(True)
-        loss = model(tokens(step, 4, seed=300 + rank)).float().pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    full = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    losses, full = accumulating_steps(model, rank)
     return losses, full, [r.shapes for r in recorders]
 
 

@@ -31,7 +31,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist import run_ranks
-from models import TinyLM, tokens
+from models import TinyLM, accumulating_steps, tokens
 
 # torch 2.13's names (2.11 has only the older ones)
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -111,21 +111,10 @@ def _train(
             comms[i] = (Gather(), Scatter(scale))
             module.set_custom_all_gather(comms[i][0])
             module.set_custom_reduce_scatter(comms[i][1])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for step in range(3):
-        if step == 1:
-            model.set_requires_gradient_sync(False)
-            model(tokens(40, 4, seed=300 + rank)).float().pow(2).mean().backward()
-            model.set_requires_gradient_sync(True)
-        loss = model(tokens(step, 4, seed=300 + rank)).float().pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses, params = accumulating_steps(model, rank)
     return {
         "losses": losses,
-        "params": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()},
+        "params": params,
         "calls": {i: (g.calls, s.calls) for i, (g, s) in comms.items()},
         "allocs": {i: (g.allocs, s.allocs) for i, (g, s) in comms.items()},
         "asyncs": {i: g.asyncs for i, (g, _) in comms.items()},
