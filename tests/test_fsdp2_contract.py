@@ -632,6 +632,32 @@ def _run_generator(mod, case: str, grad: bool, x: torch.Tensor) -> tuple[torch.n
     return model, [y.detach()] + [p.grad.full_tensor() for p in model.parameters()]
 
 
+def _registration_like_torch(rank: int) -> None:
+    """register_fsdp_forward_method's edges as torch's: a module not sharded is left alone, a
+    missing method is a ValueError, a method set on the instance is wrapped (it reads the full
+    parameters, as with torch's)."""
+    import torch.distributed.fsdp as tf
+
+    import fullshard as fs
+
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))
+    outs = []
+    for mod in (tf, fs):
+        plain = torch.nn.Linear(2, 2)
+        mod.register_fsdp_forward_method(plain, "forward")  # not sharded: nothing happens
+        assert "forward" not in vars(plain)
+        torch.manual_seed(0)
+        gen = _Generator()
+        mod.fully_shard(gen)
+        with pytest.raises(ValueError, match="does not have a method nope"):
+            mod.register_fsdp_forward_method(gen, "nope")
+        gen.peek = lambda t, g=gen: g.b(t)  # reads b's parameters without going through forward
+        mod.register_fsdp_forward_method(gen, "peek")
+        with torch.no_grad():
+            outs.append(gen.peek(x))
+    assert torch.equal(*outs), outs
+
+
 def _forward_inside_method(rank: int) -> None:
     """A registered method that calls forward and then uses the parameters: torch's keep them
     in place for the root and reshard_after_forward=False units, fullshard's used to take them
@@ -710,6 +736,7 @@ def corners_body(rank: int, world: int) -> list[str]:
             m(torch.tensor([[1, 2]]))
     done.append("refusals")
     _forward_inside_method(rank)
+    _registration_like_torch(rank)
     done.append("forward inside a registered method")
     return done
 

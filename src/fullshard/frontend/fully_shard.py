@@ -379,21 +379,26 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     ``self(...)`` first and uses the parameters after that forward (torch's keep them only for
     the root and ``reshard_after_forward=False`` units).
 
+    As torch's: a module that heads no ``fully_shard`` unit is left alone (so code may call it
+    with or without FSDP), and the method is looked up on the instance (one set on it, or a
+    method another registration already wrapped, is wrapped too).
+
     Raises:
-        ValueError: ``module`` was not given to fully_shard.
-        AttributeError: it has no such method.
+        ValueError: ``module`` has no attribute ``method_name`` (torch's message).
     """
     state = hooks.fsdp_state(module)
     if state is None:
-        raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} was not given to fully_shard")
-    method = getattr(type(module), method_name)
+        return
+    if not hasattr(module, method_name):
+        raise ValueError(f"{type(module)} does not have a method {method_name}")
+    method = getattr(module, method_name)
 
     @functools.wraps(method)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         args, kwargs = _run_pre_hooks(module, args, kwargs)
         state.methods_running += 1
         try:
-            output = method(module, *args, **kwargs)
+            output = method(*args, **kwargs)
         finally:
             state.methods_running -= 1
         return _run_post_hooks(module, args, output)
