@@ -73,7 +73,7 @@ class EitherFSDP(metaclass=_EitherFSDPMeta):
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[Any]:
         """fullshard's wrappers in ``module``'s tree if it has any, else torch's FSDP modules."""
         if _ours(module):
-            return [m for m in fsdp1_state_dict.wrappers(module) if not root_only or _is_outermost(m, module)]
+            return list(fsdp1_state_dict.wrappers(module, root_only))
         return list(_torch_fsdp().fsdp_modules(module, root_only))
 
     @staticmethod
@@ -110,10 +110,6 @@ class EitherFSDP(metaclass=_EitherFSDPMeta):
         return fsdp1_state_dict.StateDictMethods.optim_state_dict_to_load(
             model, optim, optim_state_dict, *args, **kwargs
         )
-
-
-def _is_outermost(wrapper: nn.Module, root: nn.Module) -> bool:
-    return not any(w is not wrapper and any(x is wrapper for x in w.modules()) for w in fsdp1_state_dict.wrappers(root))
 
 
 def _group(model: nn.Module, group: Any) -> Any:

@@ -240,11 +240,7 @@ class FullyShardedDataParallel(StateDictMethods):
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FullyShardedDataParallel]:
         """Every FullyShardedDataParallel in ``module``'s tree (only the outermost if root_only)."""
-        found = [m for m in wrappers(module) if isinstance(m, FullyShardedDataParallel)]
-        if root_only:
-            inner = {id(x) for m in found for x in m.modules() if x is not m}
-            found = [m for m in found if id(m) not in inner]
-        return found
+        return [m for m in wrappers(module, root_only) if isinstance(m, FullyShardedDataParallel)]
 
     def _lazy_init(self) -> None:
         hooks.lazy_init(self)

@@ -357,9 +357,14 @@ def _report_part(module: nn.Module, incompatible_keys: Any) -> None:
         keys[:] = [k for k in keys if not k.startswith(prefix)] + found
 
 
-def wrappers(module: nn.Module) -> list[StateDictMethods]:
-    """Every FullyShardedDataParallel in ``module``'s tree (``module`` included), in module order."""
-    return [m for m in module.modules() if isinstance(m, StateDictMethods)]
+def wrappers(module: nn.Module, root_only: bool = False) -> list[StateDictMethods]:
+    """Every FullyShardedDataParallel in ``module``'s tree (``module`` included), in module
+    order; with ``root_only``, only those no other of them holds."""
+    found = [m for m in module.modules() if isinstance(m, StateDictMethods)]
+    if root_only:
+        inner = {id(x) for m in found for x in m.modules() if x is not m}
+        found = [m for m in found if id(m) not in inner]
+    return found
 
 
 def _root(model: Any, caller: str) -> StateDictMethods:
