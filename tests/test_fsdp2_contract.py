@@ -527,7 +527,8 @@ def test_optimizer_steps_on_local_tensors() -> None:
 
 def reshard_to_smaller_group_body(rank: int, world: int) -> list[int]:
     """reshard_after_forward=2 at 4 ranks: between forward and backward each rank keeps half of
-    each block's parameters, backward all-gathers within 2 ranks, and training is torch's."""
+    each block's parameters, backward all-gathers within 2 ranks, and training is torch's; after
+    ``set_reshard_after_forward(True)`` nothing is kept and backward gathers over all 4, as torch's."""
     import torch.distributed.fsdp as tf
 
     import fullshard as fs
@@ -564,7 +565,23 @@ def reshard_to_smaller_group_body(rank: int, world: int) -> list[int]:
             assert all(u.post_forward_shard.kept is None for u in units)
             opt.step()
             opt.zero_grad()
-    assert_same_params(ref, ours, "reshard_after_forward=2")
+        assert_same_params(ref, ours, "reshard_after_forward=2")
+        # set_reshard_after_forward(True) replaces the 2, as torch's: everything freed after forward.
+        for model in models:
+            for layer in model.layers:
+                layer.set_reshard_after_forward(True)
+        first = len(sizes)
+        for step in range(3, 5):
+            x = my_tokens(step, rank, world)
+            train_step(ref, ref_opt, x, clip=0)
+            loss = ours(x).logsumexp(-1).mean()
+            units = [fsdp_state(layer).unit for layer in ours.layers]
+            assert all(u.shard_state is ShardState.SHARDED and u.post_forward_shard is None for u in units)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        assert set(sizes[first:]) == {world}, sizes[first:]
+    assert_same_params(ref, ours, "reshard_after_forward=2, then set_reshard_after_forward(True)")
     with pytest.raises(ValueError, match="reshard_after_forward=3 must divide"):
         fs.fully_shard(TinyLM().layers[0], reshard_after_forward=3)
     return sorted(set(sizes))

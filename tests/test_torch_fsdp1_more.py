@@ -17,7 +17,8 @@ to float32 rounding at 3, where the order of addition differs):
 - manual nested wrapping, alone and mixed with an ``auto_wrap_policy`` (torch refuses the mix;
   fullshard keeps the user's units and wraps the rest: it trains as torch's all-manual tree);
 - ``fsdp_modules(root_only=True)``, ``.module``, ``named_buffers()``, ``apply``, ``to``,
-  ``state_dict(prefix=)``, ``load_state_dict(strict=False)``'s missing and unexpected keys;
+  ``state_dict(prefix=)``, ``load_state_dict(strict=False)``'s missing and unexpected keys, each
+  wrapper's ``process_group`` under FULL_SHARD, NO_SHARD and SHARD_GRAD_OP;
 - forward with keyword arguments, outputs holding dicts, dataclasses, None and tensors that need
   no gradient, a unit called twice in one forward, ``torch.no_grad()`` evaluation between steps.
 """
@@ -31,10 +32,12 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from dist import patched, run_ranks
 from models import Block, batch, local, make_stack
 from test_torch_fsdp1 import _cls, _full, _opt, _same, _wrap
 from torch import nn
+from torch.distributed.fsdp import ShardingStrategy
 
 KINDS = ("torch", "fullshard")
 
@@ -276,7 +279,20 @@ def _inspect(kind: str) -> list[Any]:
         del state["stem.weight"]
         state["extra.weight"] = torch.zeros(1)
         result = model.load_state_dict(state, strict=False)
+    groups = []  # the process_group each wrapper reports, by strategy (torch's: the group it was given)
+    for strategy in ("FULL_SHARD", "NO_SHARD", "SHARD_GRAD_OP"):
+        wrapped = _wrap(kind, make_stack(scale_shape=(1,)), sharding_strategy=getattr(ShardingStrategy, strategy))
+        groups.append(
+            (
+                strategy,
+                [
+                    (type(w.process_group).__name__, dist.get_process_group_ranks(w.process_group))
+                    for w in cls.fsdp_modules(wrapped)
+                ],
+            )
+        )
     return [
+        groups,
         len(cls.fsdp_modules(model)),
         applied,
         [n for n, _ in model.named_buffers()],

@@ -85,6 +85,14 @@ class Unit(UnitLayout):
         """Reshard to ``group`` (M consecutive ranks of the shard group) after forward."""
         self.post_forward_shard = PostForwardShard(self, group)
 
+    def drop_post_forward_group(self) -> None:
+        """Reshard fully after forward from now on (a ``reshard_after_forward=M`` unit whose
+        setting was replaced); what it kept, if called between forward and backward, is freed and
+        backward gathers from the shards instead."""
+        if self.post_forward_shard is not None:
+            self.post_forward_shard.drop()
+            self.post_forward_shard = None
+
     # ---------------------------------------------------------------- all-gather
     def _check_state(self, expected: TrainingState | tuple[TrainingState, ...], action: str) -> None:
         allowed = expected if isinstance(expected, tuple) else (expected,)

@@ -213,9 +213,11 @@ class FullyShardedDataParallel(StateDictMethods):
 
     @property
     def process_group(self) -> collectives.ProcessGroup:
-        """The process group this wrapper's unit shards over (with a hybrid strategy, the
-        shard group; the replicas' all-reduce runs over another)."""
-        return self.unit.shard_group
+        """The process group this wrapper was given, as torch's: the group its unit shards over,
+        the group its gradients are all-reduced over under NO_SHARD (and the whole group at world
+        size 1, where nothing is sent); with a hybrid strategy, the shard group (the replicas'
+        all-reduce runs over another)."""
+        return self._config.groups.broadcast_order[0]
 
     @property
     def mixed_precision(self) -> MixedPrecision | None:

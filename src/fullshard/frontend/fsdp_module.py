@@ -151,8 +151,8 @@ class FSDPModule(_TorchFSDPModule):
         """Whether to free the full parameters after forward (True) or keep them for backward.
 
         As torch's, this is honoured by the root too (whose ``fully_shard`` default otherwise
-        keeps them). Unlike torch's, True leaves a ``reshard_after_forward=M`` unit keeping its
-        1/M (torch's then frees everything).
+        keeps them), and it replaces a ``reshard_after_forward=M``: with True such a unit frees
+        everything after forward (its backward all-gathers over the whole shard group again).
 
         Raises:
             ValueError: ``reshard_after_forward`` is not a bool (torch's message)."""
@@ -161,6 +161,7 @@ class FSDPModule(_TorchFSDPModule):
         for unit in self._units(recurse):
             unit.reshard_after_forward = reshard_after_forward
             unit.auto_reshard_after_forward = False
+            unit.drop_post_forward_group()
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for torch's API: fullshard always waits for every reduction at the end of
