@@ -17,8 +17,8 @@ to float32 rounding at 3, where the order of addition differs):
 - manual nested wrapping, alone and mixed with an ``auto_wrap_policy`` (torch refuses the mix;
   fullshard keeps the user's units and wraps the rest: it trains as torch's all-manual tree);
 - ``fsdp_modules(root_only=True)``, ``.module``, ``named_buffers()``, ``apply``, ``to``,
-  ``state_dict(prefix=)``, ``load_state_dict(strict=False)``'s missing and unexpected keys, each
-  wrapper's ``process_group`` under FULL_SHARD, NO_SHARD and SHARD_GRAD_OP;
+  ``state_dict(prefix=)``, ``load_state_dict(strict=False)``'s missing and unexpected keys, a strict
+  load's error message, each wrapper's ``process_group`` under FULL_SHARD, NO_SHARD and SHARD_GRAD_OP;
 - forward with keyword arguments, outputs holding dicts, dataclasses, None and tensors that need
   no gradient, a unit called twice in one forward, ``torch.no_grad()`` evaluation between steps.
 """
@@ -279,6 +279,9 @@ def _inspect(kind: str) -> list[Any]:
         del state["stem.weight"]
         state["extra.weight"] = torch.zeros(1)
         result = model.load_state_dict(state, strict=False)
+        state["blocks.0.lin.weight"] = state["blocks.0.lin.weight"][:1]
+        with pytest.raises(RuntimeError) as strict_error:
+            model.load_state_dict(state)
     groups = []  # the process_group each wrapper reports, by strategy (torch's: the group it was given)
     for strategy in ("FULL_SHARD", "NO_SHARD", "SHARD_GRAD_OP"):
         wrapped = _wrap(kind, make_stack(scale_shape=(1,)), sharding_strategy=getattr(ShardingStrategy, strategy))
@@ -298,6 +301,9 @@ def _inspect(kind: str) -> list[Any]:
         [n for n, _ in model.named_buffers()],
         prefixed,
         (result.missing_keys, result.unexpected_keys),
+        # torch's message, word for word, but for the size mismatch's key: torch's names the inner
+        # modules (…_fsdp_wrapped_module.lin.weight), fullshard's the state dict's key
+        str(strict_error.value).replace("_fsdp_wrapped_module.", ""),
     ]
 
 

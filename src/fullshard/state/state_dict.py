@@ -151,20 +151,18 @@ def load_full_state_dict(
             errors.append(f"value for {name} is a {type(value).__name__}, expected a tensor or tensor-like")
         elif value.shape != shape:
             errors.append(
-                f"size mismatch for {name}: copying a param with shape {tuple(value.shape)} from "
-                f"checkpoint, the shape in current model is {tuple(shape)}."
+                f"size mismatch for {name}: copying a param with shape {value.shape} from "
+                f"checkpoint, the shape in current model is {torch.Size(shape)}."
             )
         else:
             copies.append((target, value, is_full))
-    if strict and (missing or unexpected):
-        if missing:
-            errors.insert(0, "Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing) + ".")
+    if strict and (missing or unexpected):  # torch's message, word for word: missing keys first
         if unexpected:
-            errors.insert(0, "Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in unexpected) + ".")
+            errors.insert(0, "Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in unexpected) + ". ")
+        if missing:
+            errors.insert(0, "Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing) + ". ")
     if errors:
-        raise RuntimeError(
-            f"Error(s) in loading state_dict for {type(_unwrapped(root)).__name__}:\n\t" + "\n\t".join(errors)
-        )
+        raise RuntimeError(f"Error(s) in loading state_dict for {type(root).__name__}:\n\t" + "\n\t".join(errors))
     with torch.no_grad():
         for target, value, is_full in copies:
             sp = _sharded(target)
@@ -174,11 +172,6 @@ def load_full_state_dict(
                 continue  # loaded in place (a DTensor over this very shard)
             target.copy_(value)
     return compat.IncompatibleKeys(missing, unexpected)
-
-
-def _unwrapped(root: nn.Module) -> nn.Module:
-    """The module a wrapper wraps (the one the user built), or ``root`` itself."""
-    return root.module if isinstance(root, ModuleWrapper) else root
 
 
 # ---------------------------------------------------------------------------- sharded
