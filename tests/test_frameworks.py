@@ -26,6 +26,8 @@ import fullshard
 from fullshard.engine.hooks import fsdp_state
 from fullshard.frontend import torch_names
 
+F32, BF16 = torch.float32, torch.bfloat16
+
 
 def _shard(model: TinyLM, fully_shard: Any) -> TinyLM:
     for layer in model.layers:
@@ -293,6 +295,82 @@ def test_accelerate_fsdp2_on_fullshard_matches_torch() -> None:
     assert ref == ours and len(ref) == 3
 
 
+def _accelerate_fsdp1_run(
+    rank: int, world: int, on_fullshard: bool, dtype: torch.dtype, policy: str | None
+) -> list[Any]:
+    """Accelerate's FSDP1 path under bf16 mixed precision (autocast, and FSDP's MixedPrecision
+    when ``policy`` is "bf16") on a model built in ``dtype``: its prepare_model walks the
+    wrappers' private ``_has_params`` / ``_flat_param`` / ``_handle`` and upcasts low-precision
+    flat parameters to float32 master weights (computing in bfloat16 still)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=1,
+        auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=["TinyBlock"],
+        use_orig_params=True,
+        mixed_precision_policy=policy,
+    )
+    binding = fullshard.use_in_torch(fsdp1=True) if on_fullshard else None
+    try:
+        accelerator = Accelerator(fsdp_plugin=plugin, cpu=True, mixed_precision="bf16")
+        force_accelerate_fsdp(plugin)
+        PartialState().device = torch.device("cpu")  # torch's FSDP1 refuses Accelerate's "cpu:0" on CPU
+        torch.manual_seed(0)
+        model = TinyLM(layers=2).to(dtype)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Accelerate's "Upcasted low precision parameters"
+            model = accelerator.prepare(model)
+        opt = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
+        losses = []
+        for step in range(3):
+            loss = model(_my_tokens(step, rank, world)).float().logsumexp(-1).mean()
+            accelerator.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return [losses, sorted({str(p.dtype) for p in model.parameters()})]
+    finally:
+        if binding is not None:
+            binding.undo()
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _accelerate_fsdp1_both(rank: int, world: int) -> list[Any]:
+    cases = [(F32, "bf16"), (BF16, "bf16"), (BF16, None)]
+    runs = [[_accelerate_fsdp1_run(rank, world, on, *case) for on in (False, True)] for case in cases]
+    # The upcast happens right after wrapping or not at all.
+    wrapped = fullshard.FSDP(TinyLM(layers=1).to(BF16), device_id=torch.device("cpu"))
+    flat = wrapped._flat_param
+    assert wrapped._has_params and flat.dtype == BF16 and flat.numel() == flat.data.numel() and flat.requires_grad
+    assert "tok_embeddings.weight" in flat._fqns, flat._fqns
+    wrapped(_my_tokens(0, rank, world)).float().sum().backward()
+    with pytest.raises(RuntimeError, match="only right after wrapping"):
+        flat.data = flat.data.float()
+    with pytest.raises(RuntimeError, match="only right after wrapping"):
+        wrapped._handle._orig_param_dtype = F32
+    empty = fullshard.FSDP(nn.Sequential(nn.ReLU()), device_id=torch.device("cpu"))
+    assert not empty._has_params and empty._flat_param is None and empty._handle is None
+    return runs
+
+
+@pytest.mark.timeout(240)
+def test_accelerate_fsdp1_mixed_precision_matches_torch() -> None:
+    """Accelerate's FSDP1 path with bf16 mixed precision (the HF Trainer's ``fsdp=`` with
+    ``bf16=True``) on fullshard's wrapper: it failed on ``_has_params``; now the losses are
+    torch FSDP1's, bit for bit, and a bfloat16 model is upcast to float32 master shards as torch's."""
+    pytest.importorskip("accelerate")
+    runs = run_ranks(_accelerate_fsdp1_both, 2, timeout=220)[0]
+    for ref, ours in runs:
+        assert ref == ours, runs
+    assert [ours[1] for _, ours in runs] == [["torch.float32"]] * 3  # upcast
+    assert runs[1][1][0] != runs[0][1][0]  # from bf16-rounded weights
+
+
 # ---------------------------------------------------------------------- HF Trainer
 class _LMWithLoss(nn.Module):
     """TinyLM with the Trainer's calling convention: forward(input_ids) -> {"loss": scalar}."""
@@ -305,8 +383,13 @@ class _LMWithLoss(nn.Module):
         return {"loss": self.lm(input_ids).logsumexp(-1).mean()}
 
 
-def _trainer_losses(rank: int, world: int, on_fullshard: bool, out_dir: str) -> list[float]:
-    from accelerate.state import AcceleratorState
+def _trainer_losses(
+    rank: int, world: int, on_fullshard: bool, out_dir: str, version: int = 2, dtype: torch.dtype = F32
+) -> list[list[float]]:
+    """The HF Trainer's losses with FSDP ``version`` on a model built in ``dtype``; for FSDP1,
+    also bf16 mixed precision, sharded checkpoints every 2 steps, and the losses of a second
+    Trainer resumed from the first checkpoint."""
+    from accelerate.state import AcceleratorState, PartialState
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     class FSDPOnCPUTrainer(Trainer):  # the lines of docs/frameworks.md
@@ -315,6 +398,7 @@ def _trainer_losses(rank: int, world: int, on_fullshard: bool, out_dir: str) -> 
 
             super().create_accelerator_and_postprocess()
             force_accelerate_fsdp(FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args))
+            PartialState().device = torch.device("cpu")  # torch's FSDP1 refuses Accelerate's "cpu:0" on CPU
             self.is_fsdp_enabled = True
 
     class Losses(TrainerCallback):
@@ -327,43 +411,71 @@ def _trainer_losses(rank: int, world: int, on_fullshard: bool, out_dir: str) -> 
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     AcceleratorState._reset_state(reset_partial_state=True)
-    binding = fullshard.use_in_torch() if on_fullshard else None
+    binding = fullshard.use_in_torch(fsdp1=version == 1) if on_fullshard else None
+    fsdp1 = {"use_orig_params": True, "state_dict_type": "SHARDED_STATE_DICT", "sync_module_states": False}
+    out_dir = os.path.join(out_dir, "fullshard" if on_fullshard else "torch")
     try:
         args = TrainingArguments(
             output_dir=out_dir,
             use_cpu=True,
             fsdp="full_shard",
-            fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["TinyBlock"]},
+            fsdp_config={
+                "version": version,
+                "transformer_layer_cls_to_wrap": ["TinyBlock"],
+                **(fsdp1 if version == 1 else {}),
+            },
             per_device_train_batch_size=2,
-            max_steps=3,
+            max_steps=3 if version == 2 else 4,
             logging_steps=1,
             learning_rate=1e-2,
-            save_strategy="no",
+            save_strategy="no" if version == 2 else "steps",
+            save_steps=2,
+            bf16=version == 1,
             report_to=[],
             dataloader_drop_last=True,
             seed=0,
         )
-        torch.manual_seed(0)
-        data = [{"input_ids": tokens(0, 12)[i]} for i in range(12)]
-        losses = Losses()
-        trainer = FSDPOnCPUTrainer(model=_LMWithLoss(), args=args, train_dataset=data, callbacks=[losses])
-        trainer.train()
-        block = trainer.model_wrapped.lm.layers[0]
-        assert isinstance(block, torch.distributed.fsdp.FSDPModule)
-        assert (fsdp_state(block) is not None) == on_fullshard
-        return losses.seen
+        data = [{"input_ids": tokens(0, 16)[i]} for i in range(16)]
+        runs = []
+        for resume in [None] if version == 2 else [None, os.path.join(out_dir, "checkpoint-2")]:
+            torch.manual_seed(0)
+            losses = Losses()
+            model = _LMWithLoss().to(dtype)
+            trainer = FSDPOnCPUTrainer(model=model, args=args, train_dataset=data, callbacks=[losses])
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # deprecations; Accelerate's "Upcasted low precision parameters"
+                trainer.train(resume_from_checkpoint=resume)
+            block = trainer.model_wrapped.lm.layers[0]
+            if version == 2:
+                assert isinstance(block, torch.distributed.fsdp.FSDPModule)
+                assert (fsdp_state(block) is not None) == on_fullshard
+            else:
+                assert isinstance(block, fullshard.FSDP) == on_fullshard
+            runs.append(losses.seen)
+        return runs
     finally:
         if binding is not None:
             binding.undo()
         AcceleratorState._reset_state(reset_partial_state=True)
 
 
-def _trainer_both(rank: int, world: int, out_dir: str) -> list[list[float]]:
-    return [_trainer_losses(rank, world, on_fullshard, out_dir) for on_fullshard in (False, True)]
+def _trainer_both(rank: int, world: int, out_dir: str, version: int = 2, dtype: torch.dtype = F32) -> list[Any]:
+    return [_trainer_losses(rank, world, on_fullshard, out_dir, version, dtype) for on_fullshard in (False, True)]
 
 
 @pytest.mark.timeout(240)
 def test_hf_trainer_fsdp2_on_fullshard_matches_torch(tmp_path: Any) -> None:
     pytest.importorskip("transformers")
     ref, ours = run_ranks(_trainer_both, 2, str(tmp_path), timeout=220)[0]
-    assert ref == ours and len(ref) == 3
+    assert ref == ours and len(ref[0]) == 3
+
+
+@pytest.mark.timeout(240)
+def test_hf_trainer_fsdp1_bf16_on_fullshard_matches_torch(tmp_path: Any) -> None:
+    """The Trainer's FSDP1 path (``fsdp_config={"version": 1}``) with ``bf16=True`` on a model
+    built in bfloat16 (Accelerate upcasts the shards), sharded checkpoints and a resume: torch
+    FSDP1's losses, bit for bit. It failed on ``_has_params`` before."""
+    pytest.importorskip("transformers")
+    ref, ours = run_ranks(_trainer_both, 2, str(tmp_path), 1, BF16, timeout=220)[0]
+    assert ref == ours and [len(r) for r in ref] == [4, 2], (ref, ours)
+    assert ref[1][0] == ref[0][2]  # the resumed run's first loss is the third step's

@@ -261,6 +261,11 @@ class UnitLayout:
         # Parameters sharded along a dim > 0: their region of the full buffer is rearranged after
         # each all-gather (see ``Unit._gather_into``).
         self.dim_params = [sp for sp in self.params if sp.spec.dim != 0]
+        self._plan_buffers()
+
+    def _plan_buffers(self) -> None:
+        """What follows from the dtypes and the local flat buffer: the all-gather's pieces,
+        whether the full buffer aliases the shards, and (real values only) the full buffers."""
         self._pieces = self._plan_pieces()
         self._run_sizes = [[sp.spec.padded_shard_numel for sp in group] for group, _, _ in self._pieces]
         # With one rank, no cast and no offload the full buffer is the local buffer itself.
@@ -268,6 +273,23 @@ class UnitLayout:
         self.shard_ptrs = [self.local_view(sp).data_ptr() for sp in self.params]
         if not self.meta:
             self._allocate_buffers()
+
+    def recast_shards(self, dtype: torch.dtype) -> None:
+        """Hold the shards in ``dtype`` from now on, values cast: the local flat buffer is
+        rebuilt and each registered shard (the user's Parameter, FSDP1 wrapper) becomes a view of
+        it. The compute and reduce dtypes stay what they were (without mixed precision, the
+        dtype the unit was built in), as torch FSDP1's do when Accelerate upcasts its
+        low-precision flat parameters to float32 master weights this way. For a unit that was
+        never gathered (the caller checks)."""
+        values = self.local_flat
+        self.dtype = dtype
+        self.local_flat = self._new_local_flat()
+        with torch.no_grad():
+            self.local_flat.copy_(values)
+            for sp in self.params:
+                assert sp.shard is not None
+                sp.shard.data = self.local_view(sp)
+        self._plan_buffers()
 
     def _new_local_flat(self) -> torch.Tensor:
         if self.meta:

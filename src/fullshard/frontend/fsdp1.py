@@ -31,6 +31,7 @@ from fullshard.engine.unit import TrainingState, Unit
 from fullshard.engine.wrapper_config import WrapperConfig
 from fullshard.frontend import dsd_bridge, full_precision, summon
 from fullshard.frontend.clip_grad import clip_grad_norm_
+from fullshard.frontend.flat_param_view import FlatParamView, HandleView
 from fullshard.frontend.fsdp1_args import take_deprecated, with_overrides, wrapper_config
 from fullshard.frontend.fsdp1_state_dict import StateDictMethods, register_load_hooks, wrappers
 from fullshard.frontend.wrap import CustomPolicy, apply_policy
@@ -238,6 +239,23 @@ class FullyShardedDataParallel(StateDictMethods):
     def unit(self) -> Unit:
         """This instance's FSDP unit (the parameters it owns)."""
         return self._unit_state.unit
+
+    @property
+    def _has_params(self) -> bool:
+        """Whether this instance's unit owns any parameter (torch's private attribute, which
+        Accelerate reads)."""
+        return bool(self.unit.params)
+
+    @property
+    def _flat_param(self) -> FlatParamView | None:
+        """This rank's flat shard as torch's private ``FlatParameter`` is read (None without
+        parameters): see :mod:`fullshard.frontend.flat_param_view`."""
+        return FlatParamView(self.unit) if self.unit.params else None
+
+    @property
+    def _handle(self) -> HandleView | None:
+        """torch's private ``FlatParamHandle`` as Accelerate touches it (None without parameters)."""
+        return HandleView(self.unit) if self.unit.params else None
 
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FullyShardedDataParallel]:
