@@ -31,7 +31,7 @@ def test_draw_is_deterministic_and_covers_every_setting(seed: int) -> None:
         "experts": {c.shape.experts_impl for c in configs if FAMILIES[c.family].moe},
     }
     assert seen == {
-        "family": set(FAMILIES),
+        "family": set(families.DRAWN),
         "strategy": set(sweep.STRATEGIES),
         "ac": set(sweep.CHECKPOINTING),
         "precision": set(sweep.PRECISIONS),
@@ -56,6 +56,8 @@ def _tiny(family: str) -> Shape:
     """Two layers of 3 heads, odd sizes; the MoE family's grouped experts need sizes of 16 bytes'
     multiples (the CPU kernel refuses others), so its hidden size is 48."""
     fam = FAMILIES[family]
+    if fam.convolutional:  # two stages of one block, odd widths, an odd image
+        return Shape(2, 3, 3, 10, 50, 211, widths=(5, 7), blocks=1, channels=3, image=9, classes=3)
     if fam.moe:
         return Shape(
             2, heads=4, kv_heads=1, head_dim=12, ffn=40, vocab=211, experts=4, top_k=2, experts_impl="grouped_mm"
@@ -88,6 +90,53 @@ def test_every_family_traces_on_meta_and_its_model_state_is_the_arithmetic(famil
     local = [min(rows, p.shape[0] if p.dim() else 1) * row for (rows, row), p in zip(chunks, params)]
     assert sum(u.shard_bytes for u in units) == sum(u.grad_bytes for u in units) == shards
     assert sum(u.optim_bytes for u in units) == sum(8 * n + 4 for n in local)
+
+
+def test_the_default_draw_is_the_one_before_the_resnet() -> None:
+    """Seed 777's rows as docs/estimate_sweep_seed777.md lists them (drawn before the ResNet
+    family came): the default families draw no ResNet and nothing of its shape."""
+    configs = sweep.draw(777, 40)
+    lines = [configs[i].describe() for i in (0, 22, 39)]
+    assert lines == [
+        "777#0 qwen3 L3 5x14/kv5 ffn226 V815 b2x46 | NO ac=full fp32 w4 fsdp1",
+        "777#22 mixtral L2 6x24/kv3 ffn262 E5k1:grouped_mm V543 b8x110 | SGO bf16 w1 fsdp2",
+        "777#39 phi L3 2x12/kv2 ffn50 V687 b2x71 | FULL ac=full bf16 w4 fsdp2",
+    ]
+    assert "resnet" not in families.DRAWN and all(c.shape.widths == () for c in sweep.draw(4242, 200))
+
+
+def test_resnet_draws_cover_its_shapes_and_every_setting() -> None:
+    """``draw(seed, n, ("resnet",))``: every configuration a ResNet of 1-3 stages of odd,
+    increasing widths, every FSDP setting drawn; a family list with an unknown name is refused."""
+    configs = sweep.draw(6061, 120, ("resnet",))
+    assert configs == sweep.draw(6061, 120, ("resnet",)) and sweep.config_at(6061, 7, ("resnet",)) == configs[7]
+    for c in configs:
+        s, line = c.shape, c.describe()
+        assert c.family == "resnet" and 1 <= len(s.widths) <= 3 and list(s.widths) == sorted(s.widths), line
+        assert all(w % 2 and 3 <= w <= 63 for w in s.widths) and 1 <= s.blocks <= 2, line
+        assert s.channels in (1, 3) and 12 <= s.image <= 32 and 2 <= s.classes <= 20, line
+        assert "\n" not in line and len(line) <= 110 and line.startswith(f"6061#{c.index} resnet w"), line
+    seen = {(c.strategy, c.api) for c in configs} | {(c.ac, c.precision, c.world) for c in configs}
+    assert len(seen) >= 5 + 3 * 2 * 3, seen
+    assert {len(c.shape.widths) for c in configs} == {1, 2, 3}
+    with pytest.raises(ValueError, match="families"):
+        sweep.draw(1, 3, ("resnet", "vgg"))
+
+
+def test_bench_estimate_families_option() -> None:
+    """``--families`` names the families drawn (default: every one but the ResNet); an unknown
+    name, or the option without ``--sweep``, is refused naming the option."""
+    from fullshard.jobs.bench.main import _families, _parser, main
+
+    assert _families(_parser().parse_args(["estimate", "--sweep", "3"])) == families.DRAWN
+    assert _families(_parser().parse_args(["estimate", "--sweep", "3", "--families", "resnet,gpt"])) == (
+        "resnet",
+        "gpt",
+    )
+    with pytest.raises(SystemExit, match="--families 'vgg'"):
+        _families(_parser().parse_args(["estimate", "--sweep", "3", "--families", "vgg"]))
+    with pytest.raises(SystemExit, match="add --sweep"):
+        main(["estimate", "--families", "resnet"])
 
 
 @pytest.mark.timeout(120)

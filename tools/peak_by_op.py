@@ -80,7 +80,8 @@ def run(c: sweep.Config, device: torch.device) -> None:
         model = sweep_bench.wrap(c, make().to(device), is_unit)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
         for step in range(3):
-            batch = tuple(t.to(device) for t in families.random_batch(c.family, example, c.shape.vocab))
+            drawn = families.random_batch(c.family, example, c.shape.vocab, c.shape.classes)
+            batch = tuple(t.to(device) for t in drawn)
             if step == 2:
                 live.reset_peak()
                 live.dispatched.clear()

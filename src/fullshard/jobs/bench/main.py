@@ -10,7 +10,8 @@ measures it on three real steps (see :mod:`fullshard.jobs.planning.validate`).
 ``fullshard bench estimate --sweep [N] [--seed S]`` does it on N (default 40) configurations
 drawn at random from seed S (default: drawn from the clock, printed), across model families,
 sharding, activation checkpointing, precision, world size and front end
-(see :mod:`fullshard.jobs.planning.sweep_bench`).
+(see :mod:`fullshard.jobs.planning.sweep_bench`); ``--families resnet`` (names separated by
+commas) draws among those families instead of the default ones (the ResNet is drawn only so).
 
 ``fullshard bench estimate --sweep [N] [--seed S] --device cuda`` measures the same draws at world
 size 1 on one CUDA device in this process, predicted for NCCL, with and without CPU offload
@@ -145,6 +146,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=None, help="--sweep: the draw's seed (default: from the clock)")
     p.add_argument(
+        "--families",
+        default=None,
+        help="estimate --sweep: draw among these model families, comma-separated (e.g. resnet; default: every "
+        "family but resnet, as the sweeps before it drew)",
+    )
+    p.add_argument(
         "--device",
         choices=["cpu", "cuda"],
         default=None,
@@ -168,11 +175,33 @@ def _sweep_seed(args: argparse.Namespace, command: str, what: str) -> int:
     return args.seed if args.seed is not None else int(time.time()) % 1_000_000
 
 
+def _families(args: argparse.Namespace) -> tuple[str, ...]:
+    """``--families`` as names (default: the sweep's default families).
+
+    Raises:
+        SystemExit: a name that is not a family, naming the families.
+    """
+    from fullshard.jobs.planning.families import DRAWN, FAMILIES
+
+    if args.families is None:
+        return DRAWN
+    names = tuple(n.strip() for n in args.families.split(",") if n.strip())
+    unknown = [n for n in names if n not in FAMILIES]
+    if not names or unknown:
+        raise SystemExit(
+            f"fullshard bench estimate: --families {args.families!r}: name families among {', '.join(FAMILIES)}, "
+            "separated by commas"
+        )
+    return names
+
+
 def _estimate_main(args: argparse.Namespace) -> int:
     """``fullshard bench estimate [--sweep [N] [--seed S] [--device D]]``: print the table as it comes."""
     if args.sweep is None:
         if args.device is not None:
             raise SystemExit("fullshard bench estimate: --device measures drawn configurations: add --sweep N")
+        if args.families is not None:
+            raise SystemExit("fullshard bench estimate: --families chooses what --sweep draws: add --sweep N")
         from fullshard.jobs.planning import validate
 
         print("\n".join(validate.report()))
@@ -180,12 +209,13 @@ def _estimate_main(args: argparse.Namespace) -> int:
     from fullshard.jobs.planning import sweep_bench
 
     seed = _sweep_seed(args, "estimate", "configuration")
+    chosen = _families(args)
     if args.device is not None:
         with sweep_bench.one_rank_group(args.device) as device:
-            for line in sweep_bench.device_report(seed, args.sweep, device):
+            for line in sweep_bench.device_report(seed, args.sweep, device, chosen):
                 print(line, flush=True)
         return 0
-    for line in sweep_bench.report(seed, args.sweep):
+    for line in sweep_bench.report(seed, args.sweep, chosen):
         print(line, flush=True)
     return 0
 

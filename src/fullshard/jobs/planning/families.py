@@ -3,9 +3,12 @@
 A :class:`Shape` (drawn by :mod:`fullshard.jobs.planning.sweep`) becomes a model of one family:
 a transformers causal LM (random initialization, nothing downloaded, every setting not in the
 shape left at the family's default, dropout included; token ids 0 so every vocabulary holds
-them), the project's GPT, or the MNIST Net. Each family also says which modules are its FSDP
-units (the decoder layers a transformers model lists in ``_no_split_modules``, the GPT's
-Blocks, the Net's large Linear) and which head sizes its rotary embedding takes.
+them), the project's GPT, the MNIST Net, or a small ResNet (convolutions and BatchNorm,
+:mod:`fullshard.jobs.models.resnet`). Each family also says which modules are its FSDP units
+(the decoder layers a transformers model lists in ``_no_split_modules``, the GPT's Blocks, the
+Net's large Linear, the ResNet's residual blocks) and which head sizes its rotary embedding
+takes. :data:`DRAWN` are the families a sweep draws by default; the ResNet is drawn only when
+asked for (``--families``), so that the seeds drawn before it keep their configurations.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ class Shape:
     """A model's size: ``layers`` blocks of ``heads`` x ``head_dim`` attention (``kv_heads`` key
     and value heads), an MLP of ``ffn`` hidden units (per expert under MoE: ``experts`` of them,
     ``top_k`` per token, run by transformers' ``experts_impl``), ``vocab`` tokens; ``tied``:
-    the GPT's output projection shares the embedding."""
+    the GPT's output projection shares the embedding. The ResNet's: ``widths`` (channels of
+    each stage), ``blocks`` per stage, images of ``channels`` x ``image`` x ``image`` pixels,
+    ``classes`` labels (all 0 for the other families)."""
 
     layers: int
     heads: int
@@ -40,6 +45,11 @@ class Shape:
     top_k: int = 0
     experts_impl: str = ""
     tied: bool = True
+    widths: tuple[int, ...] = ()
+    blocks: int = 0
+    channels: int = 0
+    image: int = 0
+    classes: int = 0
 
     @property
     def hidden(self) -> int:
@@ -49,7 +59,8 @@ class Shape:
 @dataclasses.dataclass(frozen=True)
 class Family:
     """How to build one family: ``build(shape) -> model`` (tokens (B, T) int64 -> logits (B, T,
-    vocab), or images (B, 1, 28, 28) -> log-probabilities for the Net), its units, the head
+    vocab), images (B, 1, 28, 28) -> log-probabilities for the Net, or images (B, channels,
+    image, image) -> logits (B, classes) for a ``convolutional`` family), its units, the head
     sizes it takes, whether it has grouped key/value heads and experts."""
 
     name: str
@@ -59,6 +70,7 @@ class Family:
     gqa: bool = False
     moe: bool = False
     language: bool = True
+    convolutional: bool = False
 
 
 def _transformers(config: str, model: str, args: dict[str, str]) -> Callable[[Shape], nn.Module]:
@@ -143,6 +155,18 @@ def _net_unit(m: nn.Module) -> bool:
     return isinstance(m, nn.Linear) and sum(p.numel() for p in m.parameters()) >= 20000
 
 
+def _resnet(shape: Shape) -> nn.Module:
+    from fullshard.jobs.models.resnet import ResNet, ResNetConfig
+
+    return ResNet(ResNetConfig(shape.widths, shape.blocks, shape.channels, shape.classes))
+
+
+def _is_residual_block(m: nn.Module) -> bool:
+    from fullshard.jobs.models.resnet import BasicBlock
+
+    return isinstance(m, BasicBlock)
+
+
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
@@ -160,16 +184,22 @@ FAMILIES: dict[str, Family] = {
         _hf("mixtral", "MixtralForCausalLM", _MOE, gqa=True, moe=True),
         Family("gpt", _gpt, _is_block),
         Family("mnist", _net, _net_unit, language=False),
+        Family("resnet", _resnet, _is_residual_block, language=False, convolutional=True),
     )
 }
 """Every family of the sweep, by name."""
+
+DRAWN = tuple(name for name in FAMILIES if not FAMILIES[name].convolutional)
+"""The families a sweep draws from unless told otherwise: every one but the ResNet, which came
+later (adding it here would change every configuration the older seeds draw)."""
 
 
 def parts(family: str, shape: Shape, batch: int, seq: int) -> tuple[Any, Any, Any, Any]:
     """(make_model, example, loss_fn, is_unit) of ``family`` at ``shape``: ``example()`` gives
     one rank's batch of zeros (tokens (batch, seq) int64 and targets, or images (batch, 1, 28,
-    28) float32 and labels (batch,) int64), ``loss_fn(model, batch)`` the training loss (the
-    cross-entropy of the logits in float32; the Net's summed NLL, as the MNIST job).
+    28) float32 and labels (batch,) int64, or for the ResNet images (batch, channels, image,
+    image) float32 and labels), ``loss_fn(model, batch)`` the training loss (the cross-entropy
+    of the logits in float32, averaged; the Net's summed NLL, as the MNIST job).
 
     Raises:
         KeyError: ``family`` is not one of :data:`FAMILIES`.
@@ -181,19 +211,24 @@ def parts(family: str, shape: Shape, batch: int, seq: int) -> tuple[Any, Any, An
         example, loss_fn = lm_parts(batch, seq)
         return (lambda: f.build(shape)), example, loss_fn, f.is_unit
 
+    pixels = (shape.channels, shape.image, shape.image) if f.convolutional else (1, 28, 28)
+
     def images() -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.zeros(batch, 1, 28, 28), torch.zeros(batch, dtype=torch.long)
+        return torch.zeros(batch, *pixels), torch.zeros(batch, dtype=torch.long)
 
     def nll(model: nn.Module, b: Any) -> torch.Tensor:
         return F.nll_loss(model(b[0]).float(), b[1], reduction="sum")
 
-    return (lambda: f.build(shape)), images, nll, f.is_unit
+    def cross_entropy(model: nn.Module, b: Any) -> torch.Tensor:
+        return F.cross_entropy(model(b[0]).float(), b[1])
+
+    return (lambda: f.build(shape)), images, cross_entropy if f.convolutional else nll, f.is_unit
 
 
-def random_batch(family: str, example: Any, vocab: int) -> tuple[torch.Tensor, ...]:
+def random_batch(family: str, example: Any, vocab: int, classes: int = 0) -> tuple[torch.Tensor, ...]:
     """A real batch shaped as ``example()``: tokens and targets in ``[0, vocab)``, or normal
-    images with labels in ``[0, 10)``."""
+    images with labels in ``[0, classes)`` (``classes`` 0: the Net's 10)."""
     x, y = example()
     if FAMILIES[family].language:
         return x.random_(0, vocab), y.random_(0, vocab)
-    return x.normal_(), y.random_(0, 10)
+    return x.normal_(), y.random_(0, classes or 10)

@@ -168,7 +168,7 @@ def _optimizer(params: Any, optim: str) -> torch.optim.Optimizer:
 
 def _batch(c: Config, example: Any, step: int, rank: int, micro: int = 0) -> Any:
     torch.manual_seed(1000 * step + 100 * micro + rank)  # each rank its own batch, the same for every run
-    return families.random_batch(c.family, example, c.shape.vocab)
+    return families.random_batch(c.family, example, c.shape.vocab, c.shape.classes)
 
 
 def _clip(model: nn.Module, extras: Extras, fsdp1: bool) -> None:

@@ -130,7 +130,7 @@ def measure_model(c: Config, budgets: list[tuple[str, float]], rounds: int, devi
     rows, hands_predicted = collectives.broadcast_object(planned_on_0, 0, group)
     work = Workload(
         make,
-        lambda: families.random_batch(c.family, example, c.shape.vocab),
+        lambda: families.random_batch(c.family, example, c.shape.vocab, c.shape.classes),
         loss_fn,
         dtype,
         lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),

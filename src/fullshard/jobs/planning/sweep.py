@@ -4,8 +4,9 @@
 after another (so ``draw(seed, m)`` is the first ``m`` of ``draw(seed, n)`` for ``m <= n``, and
 :func:`config_at` gives one by its index). Each is drawn, never picked:
 
-- a family of :data:`~fullshard.jobs.planning.families.FAMILIES` (transformers causal LMs, one
-  of them mixture-of-experts, the project's GPT, the MNIST Net), uniformly;
+- a family of ``families`` (default :data:`~fullshard.jobs.planning.families.DRAWN`:
+  transformers causal LMs, one of them mixture-of-experts, the project's GPT, the MNIST Net),
+  uniformly;
 - its shape: 2-4 layers, 2-8 heads of a head size the family's rotary embedding takes (none a
   power of two), key/value heads a divisor of the heads where the family groups them, an MLP of
   2-4 x hidden (MoE: 4-8 experts of 1-2 x hidden, top-1 or top-2, transformers' ``grouped_mm``
@@ -14,7 +15,12 @@ after another (so ``draw(seed, m)`` is the first ``m`` of ``draw(seed, n)`` for 
 - FULL_SHARD / SHARD_GRAD_OP / NO_SHARD, activation checkpointing none / full / selective
   (:func:`selective_context`), fp32 or bf16 mixed precision, 1, 2 or 4 ranks, and the front end
   (``fsdp1``: the FullyShardedDataParallel wrapper, ``fsdp2``: ``fully_shard``). ``fully_shard``
-  takes no NO_SHARD: that pair is drawn again, from the same generator.
+  takes no NO_SHARD: that pair is drawn again, from the same generator;
+- where ``families`` holds a convolutional one (the ResNet, drawn only when asked for), last:
+  1-3 stages of odd widths 3-63 (in increasing order), 1-2 residual blocks per stage, 1 or 3
+  input channels, images of 12-32 pixels square, 2-20 classes (drawn whatever the family, so
+  that the sequence of draws depends on ``families`` only). The default families draw none of
+  these, so every seed drawn before the ResNet came keeps its configurations.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import random
 from typing import Any
 
 from fullshard import compat
-from fullshard.jobs.planning.families import FAMILIES, Shape
+from fullshard.jobs.planning.families import DRAWN, FAMILIES, Shape
 
 STRATEGIES = ("full_shard", "shard_grad_op", "no_shard")
 CHECKPOINTING = ("none", "full", "selective")
@@ -56,7 +62,10 @@ class Config:
     def describe(self) -> str:
         """One short line, e.g. ``7#3 qwen3 L3 5x20/kv1 ffn250 V613 b4x96 | SGO ac=sel bf16 w4 fsdp2``."""
         fam, s = FAMILIES[self.family], self.shape
-        if fam.language:
+        if fam.convolutional:
+            widths = "/".join(map(str, s.widths))
+            model = f"w{widths} x{s.blocks} c{s.channels} {s.image}px K{s.classes} b{self.batch}"
+        elif fam.language:
             kv = f"/kv{s.kv_heads}" if fam.gqa else ""
             moe = f" E{s.experts}k{s.top_k}:{s.experts_impl}" if fam.moe else ""
             tied = "" if s.tied or self.family != "gpt" else " untied"
@@ -97,8 +106,18 @@ def _shape(rng: random.Random, family: str) -> Shape:
     )
 
 
-def _one(rng: random.Random, seed: int, index: int) -> Config:
-    family = rng.choice(tuple(FAMILIES))
+def _images(rng: random.Random, shape: Shape) -> Shape:
+    """``shape`` with the ResNet's sizes drawn (see the module docstring)."""
+    stages, blocks = rng.randint(1, 3), rng.randint(1, 2)
+    widths = sorted(rng.randrange(3, 64, 2) for _ in range(3))
+    channels, image, classes = rng.choice((1, 3)), rng.randint(12, 32), rng.randint(2, 20)
+    return dataclasses.replace(
+        shape, widths=tuple(widths[:stages]), blocks=blocks, channels=channels, image=image, classes=classes
+    )
+
+
+def _one(rng: random.Random, seed: int, index: int, families: tuple[str, ...] = DRAWN) -> Config:
+    family = rng.choice(families)
     shape = _shape(rng, family)
     batch, seq = rng.randint(1, 8), rng.randint(32, 128)
     while True:  # fully_shard has no NO_SHARD: draw the pair again
@@ -106,24 +125,32 @@ def _one(rng: random.Random, seed: int, index: int) -> Config:
         if not (api == "fsdp2" and strategy == "no_shard"):
             break
     ac, precision, world = rng.choice(CHECKPOINTING), rng.choice(PRECISIONS), rng.choice(WORLDS)
+    if any(FAMILIES[f].convolutional for f in families):
+        drawn = _images(rng, shape)
+        shape = drawn if FAMILIES[family].convolutional else shape
     return Config(seed, index, family, shape, batch, seq, strategy, ac, precision, world, api)
 
 
-def draw(seed: int, n: int) -> list[Config]:
-    """``n`` configurations drawn from ``random.Random(seed)`` (see the module docstring).
+def draw(seed: int, n: int, families: tuple[str, ...] = DRAWN) -> list[Config]:
+    """``n`` configurations drawn from ``random.Random(seed)`` among ``families`` (names of
+    :data:`~fullshard.jobs.planning.families.FAMILIES`, in the order given: the order is part
+    of the draw; see the module docstring).
 
     Raises:
-        ValueError: ``n`` < 0.
+        ValueError: ``n`` < 0, or ``families`` empty or naming an unknown family.
     """
     if n < 0:
         raise ValueError(f"n={n}: draw 0 configurations or more")
+    unknown = [f for f in families if f not in FAMILIES]
+    if not families or unknown:
+        raise ValueError(f"families={families!r}: name one or more of {', '.join(FAMILIES)}")
     rng = random.Random(seed)
-    return [_one(rng, seed, i) for i in range(n)]
+    return [_one(rng, seed, i, tuple(families)) for i in range(n)]
 
 
-def config_at(seed: int, index: int) -> Config:
-    """The configuration ``draw(seed, index + 1)[index]``, e.g. to rerun one row of a sweep."""
-    return draw(seed, index + 1)[index]
+def config_at(seed: int, index: int, families: tuple[str, ...] = DRAWN) -> Config:
+    """The configuration ``draw(seed, index + 1, families)[index]``, e.g. to rerun one row of a sweep."""
+    return draw(seed, index + 1, families)[index]
 
 
 def selective_context() -> Any:

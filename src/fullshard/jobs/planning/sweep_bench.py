@@ -7,10 +7,11 @@ gloo) and measured as ``fullshard bench estimate`` measures its own: ``world`` f
 under :class:`~fullshard.plan.tracker.LiveTensorBytes`, apply activation checkpointing, wrap it
 with the drawn front end, and train three steps of AdamW (fused) on random batches; the third
 step's peak on rank 0 is the measurement, and its moment (the phase and the unit running, from
-:class:`~fullshard.plan.running_unit.RunningUnit` on the plain model's names, or the optimizer
-step) is compared with the predicted one. Estimates that rest on an assumption (``bound``: a
-mixture-of-experts routing, traced so that their activations are an upper bound) are
-summarized apart from the exact ones, with how many of them still fell below the measurement.
+:class:`~fullshard.plan.running_unit.RunningUnit` on the plain model's names, BatchNorm units
+included: :mod:`fullshard.jobs.planning.batch_norm`, or the optimizer step) is compared with
+the predicted one. Estimates that rest on an assumption (``bound``: a mixture-of-experts
+routing, traced so that their activations are an upper bound) are summarized apart from the
+exact ones, with how many of them still fell below the measurement.
 
 ``fullshard bench estimate --sweep N --seed S --device cuda`` checks the estimate where the sweep
 above cannot: on one CUDA device (:func:`device_report`). Each drawn configuration is run at
@@ -35,8 +36,10 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from fullshard import compat
 from fullshard.jobs import launch
-from fullshard.jobs.planning import families
+from fullshard.jobs.planning import batch_norm, families
+from fullshard.jobs.planning.families import DRAWN
 from fullshard.jobs.planning.sweep import Config, draw, selective_context
 from fullshard.plan.margin import MIB
 from fullshard.plan.peak import PeakEstimate, estimate_peak
@@ -70,6 +73,7 @@ def predict(c: Config, backend: str = "gloo", cpu_offload: bool = False) -> Peak
         backend=backend,
         cpu_offload=cpu_offload,
         front_end="wrapper" if c.api == "fsdp1" else "fully_shard",
+        full_precision=(compat.BatchNormBase,) if c.precision == "bf16" else (),
     )
 
 
@@ -108,6 +112,8 @@ def wrap(
             model, checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(m, **kwargs), check_fn=is_unit
         )
     policy = functools.partial(lambda_auto_wrap_policy, lambda_fn=is_unit)
+    if c.api == "fsdp2" and c.precision == "bf16":
+        batch_norm.in_float32(model, cpu_offload, mesh, reshard=c.strategy == "full_shard")
     return fsdp_options.shard_model(model, opts, policy, mesh=mesh)
 
 
@@ -137,11 +143,12 @@ def measure_rank(c: Config, device: torch.device, cpu_offload: bool = False) -> 
     with LiveTensorBytes(device_type=device.type, label=moment) as live:
         torch.manual_seed(0)
         model = make().to(device)
-        running.append(RunningUnit(model, is_unit))
+        running.append(RunningUnit(model, batch_norm.engine_units(c, is_unit)))
         model = wrap(c, model, is_unit, cpu_offload)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
         for _ in range(3):
-            batch = tuple(t.to(device) for t in families.random_batch(c.family, example, c.shape.vocab))
+            drawn = families.random_batch(c.family, example, c.shape.vocab, c.shape.classes)
+            batch = tuple(t.to(device) for t in drawn)
             live.reset_peak()
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
@@ -226,13 +233,19 @@ HEADER = [
 ]
 
 
-def report(seed: int, n: int) -> Iterator[str]:
-    """Draw ``n`` configurations from ``seed``, predict and measure each; yields the markdown
-    lines as they come (the table, then :func:`summary`)."""
-    yield f"Seed {seed}, {n} configurations (`fullshard bench estimate --sweep {n} --seed {seed}` draws them again).\n"
+def _families_option(families: tuple[str, ...]) -> str:
+    """The ``--families`` option that draws ``families`` again ("" for the default)."""
+    return "" if tuple(families) == DRAWN else f" --families {','.join(families)}"
+
+
+def report(seed: int, n: int, families: tuple[str, ...] = DRAWN) -> Iterator[str]:
+    """Draw ``n`` configurations from ``seed`` among ``families``, predict and measure each;
+    yields the markdown lines as they come (the table, then :func:`summary`)."""
+    command = f"fullshard bench estimate --sweep {n} --seed {seed}{_families_option(families)}"
+    yield f"Seed {seed}, {n} configurations (`{command}` draws them again).\n"
     yield from HEADER
     rows = []
-    for c in draw(seed, n):
+    for c in draw(seed, n, families):
         rows.append(run_one(c))
         yield format_row(rows[-1])
     yield ""
@@ -427,8 +440,8 @@ def device_rows(configs: Iterable[Config], device: torch.device) -> Iterator[Dev
             yield run_on_device(dataclasses.replace(c, world=1), device, offload)
 
 
-def device_report(seed: int, n: int, device: torch.device) -> Iterator[str]:
-    """Draw ``n`` configurations from ``seed``, each at world size 1, and predict and measure
+def device_report(seed: int, n: int, device: torch.device, families: tuple[str, ...] = DRAWN) -> Iterator[str]:
+    """Draw ``n`` configurations from ``seed`` among ``families``, each at world size 1, and predict and measure
     each in this process on ``device`` (on CUDA with and without CPU offload, NO_SHARD without:
     the estimator does not model NO_SHARD under offload on CUDA); yields the
     markdown lines as they come. Needs a started one-rank process group whose device is
@@ -437,13 +450,12 @@ def device_report(seed: int, n: int, device: torch.device) -> Iterator[str]:
     held = f"; cuBLAS's workspaces, allocated before and left out of the allocator's peaks: {workspace} bytes"
     yield (
         f"Seed {seed}, {n} configurations at world size 1 on {device.type} "
-        f"(`fullshard bench estimate --sweep {n} --seed {seed} --device {device.type}` draws them again)"
-        + (held if workspace else "")
-        + ".\n"
+        f"(`fullshard bench estimate --sweep {n} --seed {seed}{_families_option(families)} --device {device.type}` "
+        "draws them again)" + (held if workspace else "") + ".\n"
     )
     yield from DEVICE_HEADER
     rows = []
-    for row in device_rows(draw(seed, n), device):
+    for row in device_rows(draw(seed, n, families), device):
         rows.append(row)
         yield format_device_row(row)
     yield ""
