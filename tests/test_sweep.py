@@ -140,6 +140,24 @@ def test_bench_estimate_families_option() -> None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("api", ["fsdp1", "fsdp2"])
+def test_resnet_in_bf16_is_estimated_to_the_byte_at_two_ranks(api: str) -> None:
+    """A ResNet under bf16 at 2 gloo ranks, SHARD_GRAD_OP: its BatchNorms are units of their own
+    in float32 (the wrapper's default; ``fully_shard`` by the sweep's recipe), gathered and
+    reduced in float32. The estimate is the measured peak within two float32 scalars, at the
+    same moment (the estimator once gathered and reduced them in bf16: about 1,500 bytes under
+    here)."""
+    from fullshard.jobs.planning.sweep_bench import run_one
+
+    shape = Shape(2, 3, 3, 10, 50, 211, widths=(17, 49), blocks=1, channels=3, image=20, classes=11)
+    c = sweep.Config(0, 0, "resnet", shape, 3, 32, "shard_grad_op", "none", "bf16", 2, api)
+    row = run_one(c)
+    assert not row.failure and row.estimate is not None, row.failure
+    assert abs(row.estimate.total - row.measured) <= 8, (row.estimate.total, row.measured)
+    assert row.estimate.moment == row.moment, (row.estimate.moment, row.moment)
+
+
+@pytest.mark.timeout(120)
 def test_moe_bound_holds_on_a_real_step() -> None:
     """Mixtral with transformers' eager experts: the estimate says it assumed a routing and is
     at least the peak of a real step (world 1, FULL_SHARD, AdamW, third step); with the grouped

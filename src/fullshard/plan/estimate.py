@@ -20,7 +20,7 @@ Activations, temporaries and the schedule's peak are not predicted here yet (iss
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 from torch import nn
@@ -70,6 +70,7 @@ def estimate_model_state(
     optimizer: str = "adamw",
     momentum: float = 0.0,
     offload: bool = False,
+    full_precision: Collection[str] = (),
 ) -> list[UnitEstimate]:
     """Predict each unit's parameter-shard, gradient, optimizer and gathered bytes on ``rank``.
 
@@ -82,6 +83,9 @@ def estimate_model_state(
         param_dtype: the mixed-precision compute dtype, if any.
         optimizer: ``adamw``, ``adam``, ``adadelta`` or ``sgd`` (with ``momentum``).
         offload: CPU offload (on CUDA): shards on the host, so even one rank gathers a full copy.
+        full_precision: names of units that gather and compute in their parameters' own dtype
+            whatever ``param_dtype`` says (the FSDP1 wrapper's BatchNorm units under mixed
+            precision, ``MixedPrecision._module_classes_to_ignore``).
 
     Raises:
         ValueError: an unknown ``sharding_strategy`` or ``optimizer``, or ``rank`` outside
@@ -106,7 +110,8 @@ def estimate_model_state(
         optim = sum(
             buffers * s.local_numel * p.element_size() + (4 if step else 0) for s, p in specs if p.requires_grad
         )
-        compute = param_dtype.itemsize if param_dtype is not None else None
+        own = name in full_precision
+        compute = param_dtype.itemsize if param_dtype is not None and not own else None
         same = compute is None or all(p.element_size() == compute for p in params)
         full = (
             0

@@ -168,9 +168,12 @@ def estimate_peak(
         plain = make_model()
     offload = offloads(cpu_offload, backend)
     mp, strategy = param_dtype, sharding_strategy
+    kept = [n for n, m in plain.named_modules() if n and full_precision and isinstance(m, full_precision)]
+    kept = kept if param_dtype is not None else []
     units = estimate_model_state(
-        plain, is_unit, world_size, sharding_strategy=strategy, param_dtype=mp, optimizer=optimizer, offload=offload
-    )
+        plain, is_unit, world_size, sharding_strategy=strategy, param_dtype=mp, optimizer=optimizer, offload=offload,
+        full_precision=kept,
+    )  # fmt: skip
     cast = front_end == "wrapper"  # the wrapper casts buffers to buffer_dtype, fully_shard leaves them
     step = trace_step(
         make_model, example, loss_fn, mp, checkpoint, device_type(backend), is_unit,
@@ -181,6 +184,7 @@ def estimate_peak(
     return replayed_peak(
         plain, is_unit, step, units, world_size, sharding_strategy=strategy, param_dtype=mp, checkpoint=checkpoint,
         keep_gathered=keep, backend=backend, offload=cpu_offload, keep_last=front_end == "wrapper",
+        full_precision=kept,
     )  # fmt: skip
 
 
@@ -221,6 +225,7 @@ def replayed_peak(
     backend: str = "gloo",
     offload: bool = False,
     keep_last: bool = False,
+    full_precision: Collection[str] = (),
 ) -> PeakEstimate:
     """One configuration's peak: the engine's buffers replayed over ``step`` (see
     :mod:`fullshard.plan.schedule`), on gloo as the engine runs. On NCCL and under CPU offload
@@ -233,7 +238,9 @@ def replayed_peak(
     blocks kept gathered after forward; ``groups``: units of several blocks (``fully_shard`` of
     a list); ``forward_prefetch``: each unit's pre-forward starts the next one's gather;
     ``keep_last``: the FullyShardedDataParallel wrapper's last unit of forward kept gathered
-    (``fully_shard`` keeps none of its own accord).
+    (``fully_shard`` keeps none of its own accord); ``full_precision``: units gathered, run
+    and reduced in their parameters' own dtype under mixed precision (the wrapper's BatchNorm
+    units), as ``units`` were estimated.
 
     Raises:
         KeyError: a group or kept unit is not one of the model's units.
@@ -241,7 +248,7 @@ def replayed_peak(
     off = offloads(offload, backend)
     buffers = unit_buffers(
         plain, is_unit, world_size, sharding_strategy=sharding_strategy, param_dtype=param_dtype, groups=groups,
-        offload=off,
+        offload=off, full_precision=full_precision,
     )  # fmt: skip
     head = {n: g[0] for g in groups for n in g}
     merged, state = group_units(units, groups), grouped(step, groups)

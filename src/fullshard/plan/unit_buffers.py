@@ -6,7 +6,7 @@ and gather layout; :mod:`fullshard.plan.schedule` replays them through a traced 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 from torch import nn
@@ -47,16 +47,19 @@ def unit_buffers(
     param_dtype: torch.dtype | None = None,
     groups: Sequence[Sequence[str]] = (),
     offload: bool = False,
+    full_precision: Collection[str] = (),
 ) -> list[UnitBuffers]:
     """Each unit's :class:`UnitBuffers` on rank 0 (gloo; mixed precision reduces in
     ``param_dtype``), in the order of :func:`~fullshard.plan.estimate.owned_params`; each of
     ``groups`` (unit names) is one unit of its members' parameters, named after its first.
-    ``offload``: shards on the host, so even one rank gathers a full copy."""
+    ``offload``: shards on the host, so even one rank gathers a full copy. ``full_precision``:
+    names of units that gather, compute and reduce in their own dtype whatever
+    ``param_dtype`` says (the wrapper's BatchNorm units under mixed precision)."""
     world = 1 if sharding_strategy == "no_shard" else world_size
     out = []
     for name, params in grouped_params(owned_params(model, is_unit), groups).items():
         dtype = params[0].dtype if params else torch.float32
-        compute = (param_dtype or dtype).itemsize
+        compute = (dtype if name in full_precision else param_dtype or dtype).itemsize
         specs = [(ShardSpec(p.shape, world, 0), p) for p in params]
         shard = sum(s.padded_shard_numel for s, _ in specs)
         trainable = sum(s.padded_shard_numel for s, p in specs if p.requires_grad)
