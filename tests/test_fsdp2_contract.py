@@ -740,11 +740,16 @@ def corners_body(rank: int, world: int) -> list[str]:
         grads[name] = m.emb.weight.grad.full_tensor()
     assert torch.allclose(grads["torch"], grads["fullshard"], rtol=1e-5, atol=1e-7)
     done.append("root after forward")
-    # what fullshard fixes at sharding time, changed after it: refused at the next forward
+    # what fullshard cannot change at the moment, changed: refused at the next forward
     from fullshard import fully_shard
 
+    def freeze_while_accumulating(m: torch.nn.Module) -> None:  # the unsynced sums cover the old layout
+        m.set_requires_gradient_sync(False)
+        m(torch.tensor([[1, 2]])).sum().backward()
+        m.mix.weight.requires_grad_(False)
+
     for change, words in [
-        (lambda m: m.mix.weight.requires_grad_(False), "mix.weight.requires_grad was set to False after sharding"),
+        (freeze_while_accumulating, "mix.weight.requires_grad was set to False after sharding while gradients"),
         (lambda m: m.to(torch.float64), "model.to(dtype) after sharding is not supported"),
     ]:
         m = fully_shard(_TiedHead())

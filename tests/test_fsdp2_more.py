@@ -21,7 +21,9 @@ the same way; at 2 ranks the parameters are compared bitwise after every step:
 - ``get_total_norm`` (2, inf, 1), ``clip_grads_with_norm_`` and ``clip_grad_norm_(foreach=True,
   error_if_nonfinite=True)`` with an inf gradient on one rank;
 - ``get_state_dict`` / ``set_state_dict`` with ``flatten_optimizer_state_dict``, and a full state
-  dict saved at 2 ranks loaded at 3 with ``broadcast_from_rank0``.
+  dict saved at 2 ranks loaded at 3 with ``broadcast_from_rank0``;
+- parameters frozen and unfrozen between steps (``requires_grad_`` after sharding: a whole
+  unit, part of the root, part of a unit), at 2 and 3 ranks; the FSDP1 wrapper refuses it.
 """
 
 from __future__ import annotations
@@ -397,6 +399,69 @@ CASES_2 = (
     _zero_grad,
     _norms,
 )
+
+
+# (step, name prefix, requires_grad): a whole unit, part of the root, part of a unit, all again
+_FREEZING = [(1, "layers.0.", False), (2, "tok_embeddings.", False), (3, "layers.0.attention.", True), (4, "", True)]
+
+
+def _freezing(rank: int, world: int) -> list[list[bool]]:
+    """Parameters frozen and unfrozen between steps after sharding (``requires_grad_`` on the
+    DTensor parameters), as torch's ``fully_shard`` allows: the same losses and parameters
+    (bitwise at 2 ranks), the frozen ones without ``.grad``. Returns which parameters had a
+    gradient at each step."""
+    ref, ours = _pair()
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (ref, ours)]
+    had_grad = []
+    for step in range(6):
+        for when, prefix, flag in _FREEZING:
+            for model in (ref, ours) if when == step else ():
+                for name, p in model.named_parameters():
+                    if name.startswith(prefix):
+                        p.requires_grad_(flag)
+        losses, grads = [], []
+        for model, opt in zip((ref, ours), opts):
+            x = _toks(step, rank, world)
+            loss = model(x).logsumexp(-1).mean()
+            loss.backward()
+            grads.append([p.grad is not None for p in model.parameters()])
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        assert grads[0] == grads[1], (step, grads)
+        had_grad.append(grads[1])
+        if world == 2:
+            assert torch.equal(*losses), step
+            _same(ref, ours, f"freezing, step {step}")
+        else:
+            torch.testing.assert_close(*losses)
+    return had_grad
+
+
+def _freezing_refused_by_the_wrapper(rank: int, world: int) -> None:
+    import fullshard as fs
+
+    torch.manual_seed(0)
+    model = fs.FSDP(TinyLM(layers=1), device_id=torch.device("cpu"))
+    next(model.parameters()).requires_grad_(False)
+    with pytest.raises(RuntimeError, match="requires_grad was set to False after sharding; fullshard's Fully"):
+        model(_toks(0, rank, world))
+
+
+def freezing_body(rank: int, world: int) -> list[list[bool]]:
+    _freezing_refused_by_the_wrapper(rank, world)
+    return _freezing(rank, world)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("world", [2, 3])
+def test_requires_grad_changed_between_steps_like_torch(world: int) -> None:
+    had_grad = run_ranks(freezing_body, world, timeout=150)[0]
+    names = [n for n, _ in TinyLM(layers=3).named_parameters()]
+    frozen_at = [[n for n, g in zip(names, step) if not g] for step in had_grad]
+    assert frozen_at[0] == [] and frozen_at[5] == []
+    assert frozen_at[1] == [n for n in names if n.startswith("layers.0.")]
+    assert frozen_at[3] == [n for n in names if n.startswith(("layers.0.", "tok_")) and ".attention." not in n]
 
 
 def body_2(rank: int, world: int, tmp: str) -> list[str]:

@@ -119,6 +119,12 @@ class ExtensionUnit(Unit):
         self._open: weakref.WeakSet[Any] = weakref.WeakSet()  # _ExtensionFull contexts not yet run
         self._waiting: set[str] = set()  # parts ("plain", "ext") whose gradients are still to come
 
+    def relayout_refusal(self) -> str | None:
+        return super().relayout_refusal() or (
+            " in a unit with all-gather extension (float8) parameters, whose trainable set fullshard fixes "
+            "when it builds the unit: set requires_grad before fully_shard"
+        )
+
     # ------------------------------------------------------------------ gather
     def _unshard(self, async_op: bool) -> None:
         if self.ext and self.shard_state is ShardState.SHARDED and not self._gathering:

@@ -156,6 +156,7 @@ def lazy_init(module: nn.Module) -> FSDPState:
         h.is_root = h is state
         h.root = root
         h.unit.on_grad_ready = lambda u, r=root: post_backward(u, r)
+        h.unit.on_relayout = lambda r=root: _mark_sole_sizes(r.units)
     _mark_sole_sizes(root.units)
     return state
 

@@ -53,6 +53,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fullshard import compat
 from fullshard.comm import buffers, collectives
 from fullshard.engine.config import CommQuantization
 from fullshard.engine.sharded_param import ParamSlot, ShardedParam, ShardSpec
@@ -193,6 +194,7 @@ class UnitLayout:
         self.all_reduce_grads = True  # False: reduce-scatter only; the replica all-reduce waits
         self.divide_factor: float | None = None  # None: average over the data-parallel ranks
         self.on_grad_ready: Callable[[Any], None] | None = None  # called with the unit
+        self.on_relayout: Callable[[], None] | None = None  # after relayout_trainable (the tree's pool plan)
         self._build(params)
 
     @property
@@ -219,20 +221,14 @@ class UnitLayout:
 
     def _build(self, params: list[ParamEntry]) -> None:
         params = [e for e in params if e[1].requires_grad] + [e for e in params if not e[1].requires_grad]
-        local_off = full_off = 0
         for fqn, p, slots in params:
             # fully_shard's shard_placement_fn may choose another dim (set on the parameter by it)
             spec = ShardSpec(p.shape, self.shard_size, self.rank, getattr(p, "_fullshard_shard_dim", 0))
             sp = ShardedParam(spec, slots, fqn, p.requires_grad)
             sp.tp_spec = getattr(p, "_fullshard_tp_spec", None)  # set by fully_shard for a TP DTensor
-            sp.local_offset, sp.full_offset = local_off, full_off
             sp.shard_group = self.shard_group
-            local_off += spec.padded_shard_numel
-            full_off += spec.padded_numel
             self.params.append(sp)
-        self.shard_numel = local_off  # S
-        self.trainable = [sp for sp in self.params if sp.requires_grad]
-        self.grad_numel = sum(sp.spec.padded_shard_numel for sp in self.trainable)  # S_t <= S
+        self._place()
         # On the meta device (fully_shard of a model built under torch.device("meta")) the
         # shards stay meta until the program materializes them (to_empty, then its own init);
         # the buffers are allocated when the first unshard finds real values (shard_sync).
@@ -249,6 +245,18 @@ class UnitLayout:
                 else:
                     sp.register_shard(nn.Parameter(view, requires_grad=p.requires_grad))
                     p._fullshard_sharded_as = sp.fqn  # type: ignore[attr-defined]  # met again: tied
+        self._plan_buffers()
+
+    def _place(self) -> None:
+        """Offsets and sizes of :attr:`params` in their order (the trainable ones first)."""
+        local_off = full_off = 0
+        for sp in self.params:
+            sp.local_offset, sp.full_offset = local_off, full_off
+            local_off += sp.spec.padded_shard_numel
+            full_off += sp.spec.padded_numel
+        self.shard_numel = local_off  # S
+        self.trainable = [sp for sp in self.params if sp.requires_grad]
+        self.grad_numel = sum(sp.spec.padded_shard_numel for sp in self.trainable)  # S_t <= S
         self._full_splits = [
             [n for sp in group for n in (sp.spec.numel, sp.spec.padded_numel - sp.spec.numel)]
             for group in (self.trainable, self.params[len(self.trainable) :])
@@ -261,7 +269,6 @@ class UnitLayout:
         # Parameters sharded along a dim > 0: their region of the full buffer is rearranged after
         # each all-gather (see ``Unit._gather_into``).
         self.dim_params = [sp for sp in self.params if sp.spec.dim != 0]
-        self._plan_buffers()
 
     def _plan_buffers(self) -> None:
         """What follows from the dtypes and the local flat buffer: the all-gather's pieces,
@@ -273,6 +280,42 @@ class UnitLayout:
         self.shard_ptrs = [self.local_view(sp).data_ptr() for sp in self.params]
         if not self.meta:
             self._allocate_buffers()
+
+    def relayout_refusal(self) -> str | None:
+        """Why :meth:`relayout_trainable` may not run now (the end of an error message), or None."""
+        if self.config.keep_param_objects:
+            return (
+                "; fullshard's FullyShardedDataParallel fixes which parameters train when it builds a unit (as "
+                "torch's FSDP1 does): set requires_grad before wrapping, or use fully_shard"
+            )
+        return None
+
+    def relayout_trainable(self) -> None:
+        """Lay the buffers out again for the parameters' current ``requires_grad`` (set on the
+        registered shards since the unit was built, as torch's FSDP2 allows): the trainable
+        ones first, the local flat buffer rebuilt with the same values and each shard a view of
+        it again, the full buffers and the gradient's size planned anew. For a unit whose full
+        parameters no pending backward reads and that holds no unreduced gradient (the caller
+        checks); gradients already in the shards' ``.grad`` stay as they are."""
+        old = {id(sp): self.local_view(sp) for sp in self.params}
+        for sp in self.params:
+            assert sp.shard is not None
+            sp.requires_grad = sp.shard.requires_grad
+        self.params = [sp for sp in self.params if sp.requires_grad] + [
+            sp for sp in self.params if not sp.requires_grad
+        ]
+        self._place()
+        self.local_flat = self._new_local_flat()
+        with torch.no_grad():
+            for sp in self.params:
+                view = self.local_view(sp)
+                view.copy_(old[id(sp)])
+                shard: Any = sp.shard
+                if sp.local is shard:
+                    shard.data = view
+                else:
+                    compat.set_dtensor_local(shard, view)
+        self._plan_buffers()
 
     def recast_shards(self, dtype: torch.dtype) -> None:
         """Hold the shards in ``dtype`` from now on, values cast: the local flat buffer is

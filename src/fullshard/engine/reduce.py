@@ -359,7 +359,13 @@ class GradReducer:
         shards' ``.grad`` views): reused, it costs no fresh pages. Otherwise a new buffer.
         """
         last = self._last_out
-        if last is not None and last.dtype == dtype and last.device == device and buffers.sole_owner(last):
+        if (
+            last is not None
+            and last.numel() == self.unit.grad_numel  # not after a relayout_trainable
+            and last.dtype == dtype
+            and last.device == device
+            and buffers.sole_owner(last)
+        ):
             return last
         out = torch.empty(self.unit.grad_numel, dtype=dtype, device=device)
         self._last_out = out if device.type == "cpu" else None
@@ -455,6 +461,7 @@ class GradReducer:
         if (
             cached is not None
             and cached.dtype == dtype
+            and cached.shape == shape
             and all(sp.shard is not None and sp.shard.grad is None for sp in unit.trainable)
         ):
             return cached

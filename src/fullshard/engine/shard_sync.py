@@ -55,12 +55,14 @@ def sync_shards(unit: UnitLayout) -> None:
     DTensor's local tensor swapped) or whose registered parameter was replaced
     (``load_state_dict(assign=True)``): copy its values into the local flat buffer and make
     it a view of that buffer again."""
+    flipped = []  # parameters whose requires_grad changed since the unit was laid out
     for sp in unit.params:
         registered = replacement(sp)
         if registered is not None:
             check_replacement(unit, sp, registered)
             sp.register_shard(registered)  # type: ignore[arg-type]
-        _check_unchanged(unit, sp)
+        if _check_unchanged(unit, sp):
+            flipped.append(sp)
     if unit.meta:
         unit.materialize()
     for sp, ptr in zip(unit.params, unit.shard_ptrs):
@@ -77,31 +79,47 @@ def sync_shards(unit: UnitLayout) -> None:
             else:
                 compat.set_dtensor_local(shard, view)
             shard._fullshard_param = sp  # lost by a tensor swap (to_empty)
+    if flipped:
+        _relayout(unit, flipped)
 
 
-def _check_unchanged(unit: UnitLayout, sp: ShardedParam) -> None:
-    """What the unit fixed when it was built must not have changed since: which parameters
-    train (the packed gradient covers those alone) and their dtype (the local flat buffer's).
+def _relayout(unit: UnitLayout, flipped: list[ShardedParam]) -> None:
+    """Lay ``unit`` out again for its parameters' new ``requires_grad`` (torch's FSDP2 lets a
+    program freeze and unfreeze parameters between steps).
 
     Raises:
-        RuntimeError: ``requires_grad`` flipped or the dtype changed (``model.to(dtype)``),
-            naming the parameter and the fix.
+        RuntimeError: the unit cannot change now (:meth:`~.layout.UnitLayout.relayout_refusal`),
+            naming the parameter, the moment and the fix.
+    """
+    why = unit.relayout_refusal()
+    if why is not None:
+        sp = flipped[0]
+        assert sp.shard is not None
+        raise RuntimeError(
+            f"FSDP unit {unit.name!r}: {sp.fqn}.requires_grad was set to {sp.shard.requires_grad} after sharding{why}"
+        )
+    unit.relayout_trainable()
+
+
+def _check_unchanged(unit: UnitLayout, sp: ShardedParam) -> bool:
+    """What the unit fixed when it was built must not have changed since: the parameters'
+    dtype (the local flat buffer's). Returns whether ``requires_grad`` changed (the packed
+    gradient covers the trainable parameters alone: the caller lays the unit out again).
+
+    Raises:
+        RuntimeError: the dtype changed (``model.to(dtype)``), naming the parameter and the fix.
     """
     shard = sp.shard
     if shard is None or sp.swapped:
-        return
-    if shard.requires_grad != sp.requires_grad:
-        raise RuntimeError(
-            f"FSDP unit {unit.name!r}: {sp.fqn}.requires_grad was set to {shard.requires_grad} after sharding; "
-            "fullshard fixes which parameters train when it builds a unit (as torch's FSDP1 does): set "
-            "requires_grad before fully_shard / FullyShardedDataParallel"
-        )
+        return False
+    flipped = shard.requires_grad != sp.requires_grad
     if shard.dtype != unit.dtype and not shard.is_meta:
         raise RuntimeError(
             f"FSDP unit {unit.name!r}: {sp.fqn} is {shard.dtype} but the unit was sharded in {unit.dtype} "
             "(model.to(dtype) after sharding is not supported): cast the model before sharding it, or compute "
             "in another dtype with mixed precision (MixedPrecisionPolicy / MixedPrecision)"
         )
+    return flipped
 
 
 def check_replacement(unit: UnitLayout, sp: ShardedParam, new: torch.Tensor) -> None:

@@ -93,6 +93,31 @@ class Unit(UnitLayout):
             self.post_forward_shard.drop()
             self.post_forward_shard = None
 
+    def relayout_refusal(self) -> str | None:
+        why = super().relayout_refusal()
+        if why is not None:
+            return why
+        if self._open_splits:
+            return (
+                " between this unit's forward and its backward: change requires_grad before forward or after "
+                "backward, as with torch's fully_shard"
+            )
+        if self.grads.holds_unreduced or self.grads.partial_sum is not None:
+            return (
+                " while gradients accumulated without a reduction wait for one (set_requires_gradient_sync(False) "
+                "or set_requires_all_reduce(False)): change it after the backward that reduces them"
+            )
+        return None
+
+    def relayout_trainable(self) -> None:
+        super().relayout_trainable()
+        if self.aliased or self.shard_numel == 0:
+            self._clean_versions = None
+        else:
+            self._mark_full_freed()  # the new full buffers, as empty as the old ones were
+        if self.on_relayout is not None:
+            self.on_relayout()
+
     # ---------------------------------------------------------------- all-gather
     def _check_state(self, expected: TrainingState | tuple[TrainingState, ...], action: str) -> None:
         allowed = expected if isinstance(expected, tuple) else (expected,)
