@@ -12,7 +12,8 @@ vocabulary (S, S_t, N, full flat buffer) is :mod:`.layout`'s.
   per unit. Its output, (N*S,) in the compute dtype on the compute device, comes from
   ``comm.allocate`` each time; this rank's shards are copied into its slice ``[r*S, (r+1)*S)``,
   which is the input (a view of the output, as in torch); when the comm is done the rank-major
-  output is copied into the param-major full flat buffer and dropped. Under
+  output is copied into the param-major full flat buffer (a parameter sharded along a dim > 0
+  rearranged into its full tensor on the way) and dropped. Under
   ``reshard_after_forward=M`` backward's all-gather within the M-rank group goes through the
   comm too (output M x the kept part). fullshard's own gloo all-gather splits a unit at large
   parameters; a custom one is never split.
@@ -95,9 +96,8 @@ def gather(unit: UnitLayout, comm: Any, async_op: bool) -> collectives.Handle:
     def copy_out() -> None:
         sizes = [sp.spec.padded_shard_numel for sp in unit.params]
         targets = [full[sp.full_offset : sp.full_offset + sp.spec.padded_numel].view(n, -1) for sp in unit.params]
-        torch.split_with_sizes_copy(rows, sizes, dim=1, out=targets)
-        if unit.dim_params:  # parameters sharded along a dim > 0 (shard_placement_fn)
-            unit.shards_to_full(full)
+        # Parameters sharded along a dim > 0 (shard_placement_fn) rearranged on the way.
+        unit.copy_out_ranked(rows, unit.params, sizes, targets, dims=bool(unit.dim_params))
 
     return collectives.Handle(handle, copy_out)
 

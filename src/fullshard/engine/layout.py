@@ -29,15 +29,16 @@ so the autograd leaf covers only the trainable prefix of the full buffer: frozen
 gathered with the rest but get no gradient memory and no gradient communication.
 
 A parameter sharded along a dim d > 0 (``fully_shard``'s ``Shard(d)``) is laid out the same way,
-its shard contiguous in the shard's own shape: its region of the full buffer holds N shards after
-the all-gather, which a copy then rearranges into the full parameter (each shard to its rows
-along d); its gradient is packed shard by shard (:meth:`ShardSpec.full_to_ranked`).
+its shard contiguous in the shard's own shape, and its region of the full buffer holds the full
+parameter: the copy-out rearranges each gathered shard straight to its rows along d
+(:meth:`UnitLayout.copy_out_ranked`), so it is never gathered in place; its gradient is packed
+shard by shard (:meth:`ShardSpec.full_to_ranked`).
 
 An all-gather's output is rank-major; the copy-out to the param-major full buffer is one
 ``split_with_sizes_copy`` (on gloo, of the other ranks' rows only: ours go there from the
 shards directly, see ``Unit._gather_into``). On gloo each large parameter is gathered on its
 own, straight into its region of the full buffer, which needs no copy-out (see
-``UnitLayout._plan_pieces``). Gradients
+``UnitLayout._plan_pieces``; one sharded along a dim > 0 through a scratch buffer). Gradients
 go the other way, in :mod:`.reduce`: per-parameter gradients -> one packing copy, rank-major
 (N*S_t,) -> reduce-scatter -> (S_t,) -> the shards' ``.grad``.
 """
@@ -54,7 +55,7 @@ import torch
 from torch import nn
 
 from fullshard import compat
-from fullshard.comm import buffers, collectives
+from fullshard.comm import collectives
 from fullshard.engine.config import CommQuantization
 from fullshard.engine.sharded_param import ParamSlot, ShardedParam, ShardSpec
 
@@ -266,8 +267,8 @@ class UnitLayout:
         self._grad_splits = [
             n for sp in self.trainable for n in (sp.spec.local_numel, sp.spec.padded_shard_numel - sp.spec.local_numel)
         ]
-        # Parameters sharded along a dim > 0: their region of the full buffer is rearranged after
-        # each all-gather (see ``Unit._gather_into``).
+        # Parameters sharded along a dim > 0: rearranged on the way out of each all-gather
+        # (:meth:`copy_out_ranked`), and never gathered straight into their region.
         self.dim_params = [sp for sp in self.params if sp.spec.dim != 0]
 
     def _plan_buffers(self) -> None:
@@ -275,6 +276,7 @@ class UnitLayout:
         whether the full buffer aliases the shards, and (real values only) the full buffers."""
         self._pieces = self._plan_pieces()
         self._run_sizes = [[sp.spec.padded_shard_numel for sp in group] for group, _, _ in self._pieces]
+        self._run_dims = [any(sp.spec.dim != 0 for sp in group) for group, _, _ in self._pieces]
         # With one rank, no cast and no offload the full buffer is the local buffer itself.
         self.aliased = self.shard_size == 1 and self.compute_dtype == self.dtype and not self.config.offload
         self.shard_ptrs = [self.local_view(sp).data_ptr() for sp in self.params]
@@ -373,21 +375,47 @@ class UnitLayout:
     def pooled_sizes(self) -> list[tuple[int, torch.dtype]]:
         """The (numel, dtype) of the buffers this unit takes from ``buffers.POOL`` on CPU: the
         full flat buffer, the packed gradient, then the all-gather's scratch for each run of
-        small parameters (the reductions' own buffers aside)."""
+        small parameters (the reductions' own buffers aside, and the scratch of a large parameter
+        sharded along a dim > 0, gathered on its own)."""
         n, dtype = self.shard_size, self.compute_dtype
         sizes = [(n * self.shard_numel, dtype), (n * self.grad_numel, dtype)]
         return sizes + [(n * length, dtype) for group, _, length in self._pieces if len(group) > 1]
 
-    def shards_to_full(self, full: torch.Tensor) -> None:
-        """Rearrange the regions of ``full`` (param-major, as gathered) of the parameters sharded
-        along a dim > 0: N shards back to back become the full parameter (each shard to its rows
-        along the dim), through a pooled copy of the region."""
-        for sp in self.dim_params:
-            region = full[sp.full_offset : sp.full_offset + sp.spec.padded_numel]
-            ranked = buffers.POOL.acquire(region.numel(), region.dtype, region.device)
-            ranked.copy_(region)
-            sp.spec.ranked_to_full(ranked.view(self.shard_size, -1), region[: sp.spec.numel].view(sp.spec.orig_shape))
-            buffers.POOL.release(ranked)
+    def copy_out_ranked(
+        self,
+        ranked: torch.Tensor,
+        group: Sequence[ShardedParam],
+        sizes: list[int],
+        targets: list[torch.Tensor],
+        first: int = 0,
+        dims: bool = True,
+    ) -> None:
+        """Copy rank-major gathered rows into the parameters' regions of a full flat buffer.
+
+        Args:
+            ranked: shape (M, sum(sizes)), rows possibly strided: row i holds rank ``first + i``'s
+                padded shards of ``group``, back to back (an all-gather's output, or rows of it).
+            group: the parameters, in layout order.
+            sizes: each parameter's padded shard size.
+            targets: each parameter's region of the full buffer, viewed (N, padded shard size).
+            first: the rank of ``ranked``'s first row.
+            dims: whether ``group`` may hold a parameter sharded along a dim > 0 (False: it holds
+                none, and all of them go in one ``split_with_sizes_copy``).
+
+        A parameter sharded along a dim > 0 is rearranged on the way, straight into its full
+        tensor (:meth:`ShardSpec.ranked_to_full`; its region's padding is left as it was), so it
+        is copied once like the others.
+        """
+        m = ranked.shape[0]
+        if not dims:
+            torch.split_with_sizes_copy(ranked, sizes, dim=1, out=[t[first : first + m] for t in targets])
+            return
+        for sp, rows, target in zip(group, ranked.split_with_sizes(sizes, dim=1), targets):
+            spec = sp.spec
+            if spec.dim == 0:
+                target[first : first + m].copy_(rows)
+            else:
+                spec.ranked_to_full(rows, target.view(-1)[: spec.numel].view(spec.orig_shape), first)
 
     def _plan_pieces(self) -> list[tuple[list[ShardedParam], int, int]]:
         """How the all-gather is split: (parameters, local offset, local length) per collective.

@@ -130,27 +130,29 @@ class ShardSpec:
         start = self.local_row_start
         return flat_rows[start : start + self.local_rows]
 
-    def ranked_to_full(self, ranked: torch.Tensor, full: torch.Tensor) -> None:
+    def ranked_to_full(self, ranked: torch.Tensor, full: torch.Tensor, first: int = 0) -> None:
         """Copy an all-gather's output into the full tensor, for a shard dim > 0.
 
         Args:
-            ranked: shape (N, padded shard size): row r holds rank r's shard, contiguous in its
-                own shape, then padding.
-            full: shape ``orig_shape``, any strides; rank r's shard goes to its rows along dim.
+            ranked: shape (M, padded shard size), rows possibly strided (a gathered run's
+                columns): row i holds rank ``first + i``'s shard, contiguous in its own shape,
+                then padding (M = N, ``first`` = 0: every rank's).
+            full: shape ``orig_shape``, any strides; each rank's shard goes to its rows along dim.
+            first: the rank of ``ranked``'s first row.
         """
-        n, chunk = self.shard_size, self.chunk_rows
+        m, chunk = ranked.shape[0], self.chunk_rows
         if chunk == 0:
             return
-        if self.rows == n * chunk:  # even: one strided copy
-            full.unflatten(self.dim, (n, chunk)).movedim(self.dim, 0).copy_(
-                ranked.view(n, *self.shape_with_rows(chunk))
+        if self.rows == self.shard_size * chunk:  # even: one strided copy
+            full.unflatten(self.dim, (self.shard_size, chunk)).movedim(self.dim, 0)[first : first + m].copy_(
+                ranked.view(m, *self.shape_with_rows(chunk))
             )
             return
-        for r in range(n):
-            rows = self.rows_of(r)
+        for i in range(m):
+            rows = self.rows_of(first + i)
             if rows:
                 shape = self.shape_with_rows(rows)
-                full.narrow(self.dim, r * chunk, rows).copy_(ranked[r, : shape.numel()].view(shape))
+                full.narrow(self.dim, (first + i) * chunk, rows).copy_(ranked[i, : shape.numel()].view(shape))
 
     def full_to_ranked(self, full: torch.Tensor, ranked: torch.Tensor) -> None:
         """Copy a full tensor (a gradient) into a rank-major pack, for a shard dim > 0: the

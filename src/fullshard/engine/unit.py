@@ -202,7 +202,9 @@ class Unit(UnitLayout):
         tensor); a run of parameters lands rank-major in a scratch buffer from :data:`buffers.POOL`
         (the next unit of the same size reuses it: no fresh pages to fault in) and is copied out;
         on gloo (exact) only the other ranks' rows are: ours go straight from ``local`` to
-        ``full`` while theirs are on the wire (:data:`OWN_ROWS_DIRECT`).
+        ``full`` while theirs are on the wire (:data:`OWN_ROWS_DIRECT`). A lone parameter sharded
+        along a dim > 0 goes through a scratch buffer like a run: the copy-out rearranges it
+        into its full tensor (:meth:`~fullshard.engine.layout.UnitLayout.copy_out_ranked`).
         ``local`` may differ from ``full`` in dtype or device (the shards in the parameter
         dtype under mixed precision; on the host under CPU offload): each piece's own slot of
         the output is then cast (or uploaded) into and sent from, so no converted copy of the
@@ -216,7 +218,8 @@ class Unit(UnitLayout):
         own_direct = OWN_ROWS_DIRECT and int8_block is None and collectives.backend(self.shard_group) == "gloo"
         for k, (group, start, length) in enumerate(self._pieces):
             src = local[start : start + length]
-            if len(group) == 1:
+            scratch = len(group) > 1 or self._run_dims[k]
+            if not scratch:
                 sp = group[0]
                 out = full[sp.full_offset : sp.full_offset + sp.spec.padded_numel]
             else:
@@ -231,18 +234,16 @@ class Unit(UnitLayout):
                 src = own
             if int8_block is None:
                 h = collectives.all_gather(
-                    out, src, self.shard_group, async_op=True, fill_own=not (own_direct and len(group) > 1)
+                    out, src, self.shard_group, async_op=True, fill_own=not (own_direct and scratch)
                 )
             else:
                 segments = self._run_sizes[k]
                 h = quantized.all_gather_int8(out, src, self.shard_group, int8_block, True, segments)
             assert h is not None
             handles.append(h)
-            if own_direct and len(group) > 1:
+            if own_direct and scratch:
                 outs = self._copy_out_targets(full, k)
-                torch.split_with_sizes_copy(
-                    src.view(1, -1), self._run_sizes[k], dim=1, out=[t[me : me + 1] for t in outs]
-                )
+                self.copy_out_ranked(src.view(1, -1), group, self._run_sizes[k], outs, me, self._run_dims[k])
         # The rows still to copy out of each run's rank-major scratch: all, or all but ours.
         rows = [(0, n)] if not own_direct else [(a, b) for a, b in ((0, me), (me + 1, n)) if b > a]
 
@@ -251,12 +252,12 @@ class Unit(UnitLayout):
                 outs = self._copy_out_targets(full, k)
                 ranked = gathered.view(n, -1)
                 for a, b in rows:
-                    torch.split_with_sizes_copy(ranked[a:b], self._run_sizes[k], dim=1, out=[t[a:b] for t in outs])
+                    self.copy_out_ranked(
+                        ranked[a:b], self._pieces[k][0], self._run_sizes[k], outs, a, self._run_dims[k]
+                    )
                 buffers.POOL.release(gathered)
-            if self.dim_params:
-                self.shards_to_full(full)
 
-        return collectives.Handle(handles, epilogue if copy_outs or self.dim_params else None)
+        return collectives.Handle(handles, epilogue if copy_outs else None)
 
     def _copy_out_targets(self, full: torch.Tensor, k: int) -> list[torch.Tensor]:
         """Run piece ``k``'s parameters in ``full``, each viewed (N, padded shard numel)."""
