@@ -423,7 +423,8 @@ class UnitLayout:
         On gloo every parameter whose padded shard reaches :data:`DIRECT_GATHER_BYTES` is its
         own all-gather, straight into the full buffer (no temporary, no copy-out: gloo's
         collectives are N broadcasts each, so a piece costs one round of latency and no
-        extra bandwidth); the parameters between them are gathered as runs. Elsewhere (NCCL,
+        extra bandwidth; one sharded along a dim > 0 lands in a scratch buffer instead, which the
+        copy-out rearranges from); the parameters between them are gathered as runs. Elsewhere (NCCL,
         where many small collectives cost more than a copy on the GPU) the unit is one piece.
         """
         gloo = self.shard_group is not None and collectives.backend(self.shard_group) == "gloo"
