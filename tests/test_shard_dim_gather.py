@@ -4,7 +4,7 @@ no pooled copy of its region to rearrange from.
 
 One unit at 2 and 3 gloo ranks holds a large uneven ``Shard(1)`` weight (gathered on its own:
 its padded shard is over ``DIRECT_GATHER_BYTES``, in float32 and in bfloat16), small ``Shard(1)``
-weights (even and uneven), a 3-D ``Shard(2)`` one and ``Shard(0)`` ones. For each all-gather
+weights (even and uneven), a 3-D ``Shard(2)`` one and ``Shard(0)`` ones (two in a row). For each all-gather
 variant (fullshard's own with and without ``OWN_ROWS_DIRECT``, under ``param_dtype=bfloat16``,
 int8-quantized, a custom all-gather comm, ``gather_full``) the full parameters equal the
 originals bitwise (int8: equal to the rank-major dequantized gather rearranged afterwards), and
@@ -29,6 +29,7 @@ class _Mixed(nn.Module):
         super().__init__()
         self.big = nn.Parameter(torch.randn(4, 131072 * world + 1))  # Shard(1), uneven, gathered alone
         self.w0 = nn.Parameter(torch.randn(7, 4))  # Shard(0)
+        self.b0 = nn.Parameter(torch.randn(9))  # Shard(0): two in a row, one copy between Shard(d) ones
         self.uneven = nn.Parameter(torch.randn(6, 13))  # Shard(1)
         self.even = nn.Parameter(torch.randn(5, 6 * world))  # Shard(1)
         self.experts = nn.Parameter(torch.randn(3, 5, 8))  # Shard(2)

@@ -404,18 +404,28 @@ class UnitLayout:
 
         A parameter sharded along a dim > 0 is rearranged on the way, straight into its full
         tensor (:meth:`ShardSpec.ranked_to_full`; its region's padding is left as it was), so it
-        is copied once like the others.
+        is copied once like the others; each stretch of the others between them is still one
+        ``split_with_sizes_copy`` (one kernel on a GPU).
         """
         m = ranked.shape[0]
         if not dims:
             torch.split_with_sizes_copy(ranked, sizes, dim=1, out=[t[first : first + m] for t in targets])
             return
-        for sp, rows, target in zip(group, ranked.split_with_sizes(sizes, dim=1), targets):
-            spec = sp.spec
-            if spec.dim == 0:
-                target[first : first + m].copy_(rows)
-            else:
-                spec.ranked_to_full(rows, target.view(-1)[: spec.numel].view(spec.orig_shape), first)
+        i = col = 0
+        while i < len(group):
+            spec = group[i].spec
+            if spec.dim != 0:
+                full = targets[i].view(-1)[: spec.numel].view(spec.orig_shape)
+                spec.ranked_to_full(ranked[:, col : col + sizes[i]], full, first)
+                col, i = col + sizes[i], i + 1
+                continue
+            j = i + 1
+            while j < len(group) and group[j].spec.dim == 0:
+                j += 1
+            width = sum(sizes[i:j])
+            outs = [t[first : first + m] for t in targets[i:j]]
+            torch.split_with_sizes_copy(ranked[:, col : col + width], sizes[i:j], dim=1, out=outs)
+            col, i = col + width, j
 
     def _plan_pieces(self) -> list[tuple[list[ShardedParam], int, int]]:
         """How the all-gather is split: (parameters, local offset, local length) per collective.
