@@ -10,7 +10,8 @@ int8-quantized, a custom all-gather comm, ``gather_full``) the full parameters e
 originals bitwise (int8: equal to the rank-major dequantized gather rearranged afterwards), and
 the only buffers the unshard takes from ``buffers.POOL`` are the full flat buffer and the
 all-gather's scratch of each piece (the old path took one more of each ``Shard(d)`` parameter's
-region, to rearrange it in place).
+region, to rearrange it in place), each of a size ``UnitLayout.pooled_sizes`` declares (the lone
+``Shard(1)`` weight's scratch included).
 """
 
 from __future__ import annotations
@@ -124,6 +125,12 @@ def _variant(rank: int, world: int, base: _Mixed, name: str) -> None:
     # a custom comm's output comes from its own allocate. No copy of a Shard(d) parameter's region.
     scratch = [] if name == "custom" else [n * length for _, _, length in unit._pieces]
     assert sorted(taken) == sorted([n * unit.shard_numel, *scratch]), (name, rank, taken)
+    # ... and each is a size the unit declares (backward frees pooled buffers by these sizes; a
+    # custom comm's output is its own).
+    full_size, _packed, *declared = unit.pooled_sizes()
+    assert full_size[0] == n * unit.shard_numel, (name, full_size)
+    if name != "custom":
+        assert scratch == [numel for numel, _ in declared], (name, declared)
     for sp, got, want in zip(unit.params, unit.full_params(tracked=False), expected):
         assert got.dtype == dtype and torch.equal(got, want), (name, rank, sp.fqn)
     model.reshard()

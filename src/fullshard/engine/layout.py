@@ -374,12 +374,13 @@ class UnitLayout:
 
     def pooled_sizes(self) -> list[tuple[int, torch.dtype]]:
         """The (numel, dtype) of the buffers this unit takes from ``buffers.POOL`` on CPU: the
-        full flat buffer, the packed gradient, then the all-gather's scratch for each run of
-        small parameters (the reductions' own buffers aside, and the scratch of a large parameter
-        sharded along a dim > 0, gathered on its own)."""
+        full flat buffer, the packed gradient, then the all-gather's scratch for each piece that
+        goes through one (a run of parameters, or a lone parameter sharded along a dim > 0), in
+        piece order (the reductions' own buffers aside)."""
         n, dtype = self.shard_size, self.compute_dtype
         sizes = [(n * self.shard_numel, dtype), (n * self.grad_numel, dtype)]
-        return sizes + [(n * length, dtype) for group, _, length in self._pieces if len(group) > 1]
+        pieces = zip(self._pieces, self._run_dims)
+        return sizes + [(n * length, dtype) for (group, _, length), dims in pieces if len(group) > 1 or dims]
 
     def copy_out_ranked(
         self,
