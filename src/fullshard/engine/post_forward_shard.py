@@ -8,6 +8,9 @@ consecutive ranks of the shard group; the member with index i keeps, of each par
 padded shards, the q = N / M shards [i*q, (i+1)*q): one contiguous slice of the parameter's
 region of the full flat buffer, so the member-major all-gather output is copied out into the full
 buffer with one ``split_with_sizes_copy`` (parameter p's region viewed as (M, q * padded shard)).
+A parameter sharded along a dim > 0 holds its full tensor in its region, not its shards, so the
+slice a member keeps is the same 1/M of that region but no shard of it; the gather puts the
+slices back as they were, with no rearranging: one copy per parameter, like the others.
 
 The vocabulary (full flat buffer, padded shard, S) is :mod:`.layout`'s and :mod:`.sharded_param`'s.
 """
