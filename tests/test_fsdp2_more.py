@@ -23,7 +23,8 @@ the same way; at 2 ranks the parameters are compared bitwise after every step:
 - ``get_state_dict`` / ``set_state_dict`` with ``flatten_optimizer_state_dict``, and a full state
   dict saved at 2 ranks loaded at 3 with ``broadcast_from_rank0``;
 - parameters frozen and unfrozen between steps (``requires_grad_`` after sharding: a whole
-  unit, part of the root, part of a unit), at 2 and 3 ranks; the FSDP1 wrapper refuses it.
+  unit, part of the root, part of a unit), at 2 and 3 ranks, and in units kept gathered across
+  steps; the FSDP1 wrapper refuses it.
 """
 
 from __future__ import annotations
@@ -448,8 +449,31 @@ def _freezing_refused_by_the_wrapper(rank: int, world: int) -> None:
         model(_toks(0, rank, world))
 
 
+def _freezing_kept_gathered(rank: int, world: int) -> None:
+    """Units never resharded (``reshard_after_forward=False``, ``set_reshard_after_backward(False)``),
+    so their unshard has nothing to gather: a freeze between steps still reaches the layout (it
+    was missed, and the frozen parameters kept training). As torch's, the kept full values are
+    used (stale after the optimizer step)."""
+    from torch.distributed.tensor import DTensor
+
+    ref, ours = _pair(reshard_after_forward=False)
+    for model in (ref, ours):
+        model.set_reshard_after_backward(False)
+    opts = _adamw(ref, ours)
+    for step in range(3):
+        for model in (ref, ours) if step == 1 else ():
+            for p in model.layers[0].parameters():  # torch's: the kept unsharded ones
+                p.requires_grad_(False)
+        losses = [_step(m, o, _toks(step, rank, world)) for m, o in zip((ref, ours), opts)]
+        assert torch.equal(*losses), step
+        for p, q in zip(*(o.param_groups[0]["params"] for o in opts), strict=True):
+            assert isinstance(q, DTensor) and torch.equal(p.full_tensor(), q.full_tensor()), step
+
+
 def freezing_body(rank: int, world: int) -> list[list[bool]]:
     _freezing_refused_by_the_wrapper(rank, world)
+    if world == 2:
+        _freezing_kept_gathered(rank, world)
     return _freezing(rank, world)
 
 

@@ -83,14 +83,37 @@ def sync_shards(unit: UnitLayout) -> None:
         _relayout(unit, flipped)
 
 
-def _relayout(unit: UnitLayout, flipped: list[ShardedParam]) -> None:
-    """Lay ``unit`` out again for its parameters' new ``requires_grad`` (torch's FSDP2 lets a
-    program freeze and unfreeze parameters between steps).
+def requires_grad_changed(unit: UnitLayout) -> bool:
+    """Whether a parameter's ``requires_grad`` changed since ``unit`` was laid out."""
+    return any(_flipped(sp) for sp in unit.params)
+
+
+def _flipped(sp: ShardedParam) -> bool:
+    return sp.shard is not None and not sp.swapped and sp.shard.requires_grad != sp.requires_grad
+
+
+def check_relayout(unit: UnitLayout) -> None:
+    """Raise if ``unit``, whose ``requires_grad`` changed, cannot be laid out again now.
 
     Raises:
         RuntimeError: the unit cannot change now (:meth:`~.layout.UnitLayout.relayout_refusal`),
             naming the parameter, the moment and the fix.
     """
+    _refuse(unit, [sp for sp in unit.params if _flipped(sp)])
+
+
+def _relayout(unit: UnitLayout, flipped: list[ShardedParam]) -> None:
+    """Lay ``unit`` out again for its parameters' new ``requires_grad`` (torch's FSDP2 lets a
+    program freeze and unfreeze parameters between steps).
+
+    Raises:
+        RuntimeError: as :func:`check_relayout`.
+    """
+    _refuse(unit, flipped)
+    unit.relayout_trainable()
+
+
+def _refuse(unit: UnitLayout, flipped: list[ShardedParam]) -> None:
     why = unit.relayout_refusal()
     if why is not None:
         sp = flipped[0]
@@ -98,7 +121,6 @@ def _relayout(unit: UnitLayout, flipped: list[ShardedParam]) -> None:
         raise RuntimeError(
             f"FSDP unit {unit.name!r}: {sp.fqn}.requires_grad was set to {sp.shard.requires_grad} after sharding{why}"
         )
-    unit.relayout_trainable()
 
 
 def _check_unchanged(unit: UnitLayout, sp: ShardedParam) -> bool:
@@ -112,7 +134,7 @@ def _check_unchanged(unit: UnitLayout, sp: ShardedParam) -> bool:
     shard = sp.shard
     if shard is None or sp.swapped:
         return False
-    flipped = shard.requires_grad != sp.requires_grad
+    flipped = _flipped(sp)
     if shard.dtype != unit.dtype and not shard.is_meta:
         raise RuntimeError(
             f"FSDP unit {unit.name!r}: {sp.fqn} is {shard.dtype} but the unit was sharded in {unit.dtype} "

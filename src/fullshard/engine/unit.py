@@ -136,7 +136,9 @@ class Unit(UnitLayout):
 
     def _unshard(self, async_op: bool) -> None:
         if self.shard_state is ShardState.UNSHARDED or self._pending_gather is not None:
-            if not async_op:
+            if self._pending_gather is None and shard_sync.requires_grad_changed(self):
+                self._relayout_kept()
+            elif not async_op:
                 self.wait_for_unshard()
             return
         shard_sync.sync_shards(self)
@@ -171,6 +173,22 @@ class Unit(UnitLayout):
             self._pending_gather = self._gather_into(self.full_data, self.local_flat)
         if not async_op:
             self.wait_for_unshard()
+
+    def _relayout_kept(self) -> None:
+        """Lay out again a unit kept gathered (``set_reshard_after_backward(False)``, whose next
+        unshard skips :func:`~.shard_sync.sync_shards`) whose parameters' ``requires_grad``
+        changed, keeping the full values it holds: torch's kept unsharded parameters stay as
+        they are until their next all-gather, also after an optimizer step."""
+        shard_sync.check_relayout(self)  # before anything changes
+        with torch.no_grad():
+            kept = {id(sp): full.clone() for sp, full in zip(self.params, self.full_params(tracked=False))}
+        self.reshard()
+        self._unshard(async_op=False)  # sync_shards lays it out again
+        if self.aliased or self.shard_numel == 0:
+            return  # the full parameters are the shards
+        with torch.no_grad():
+            for sp, full in zip(self.params, self.full_params(tracked=False)):
+                full.copy_(kept[id(sp)])
 
     def _allocate_full(self) -> None:
         """Give the full flat buffer's storage its memory (reused memory on CPU, see ``comm.buffers``)."""
