@@ -54,7 +54,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from fullshard import compat
 from fullshard.comm import collectives
 from fullshard.engine.config import CommQuantization
 from fullshard.engine.sharded_param import ParamSlot, ShardedParam, ShardSpec
@@ -312,11 +311,7 @@ class UnitLayout:
             for sp in self.params:
                 view = self.local_view(sp)
                 view.copy_(old[id(sp)])
-                shard: Any = sp.shard
-                if sp.local is shard:
-                    shard.data = view
-                else:
-                    compat.set_dtensor_local(shard, view)
+                sp.point_at(view)
         self._plan_buffers()
 
     def recast_shards(self, dtype: torch.dtype) -> None:
@@ -332,8 +327,7 @@ class UnitLayout:
         with torch.no_grad():
             self.local_flat.copy_(values)
             for sp in self.params:
-                assert sp.shard is not None
-                sp.shard.data = self.local_view(sp)
+                sp.point_at(self.local_view(sp))
         self._plan_buffers()
 
     def _new_local_flat(self) -> torch.Tensor:

@@ -73,12 +73,7 @@ def sync_shards(unit: UnitLayout) -> None:
             view = unit.local_view(sp)
             with torch.no_grad():
                 view.copy_(local.detach().reshape(view.shape))
-            shard: Any = sp.shard
-            if local is shard:
-                shard.data = view
-            else:
-                compat.set_dtensor_local(shard, view)
-            shard._fullshard_param = sp  # lost by a tensor swap (to_empty)
+            sp.point_at(view)
     if flipped:
         _relayout(unit, flipped)
 
@@ -134,7 +129,7 @@ def _check_unchanged(unit: UnitLayout, sp: ShardedParam) -> bool:
     shard = sp.shard
     if shard is None or sp.swapped:
         return False
-    flipped = _flipped(sp)
+    flipped = shard.requires_grad != sp.requires_grad
     if shard.dtype != unit.dtype and not shard.is_meta:
         raise RuntimeError(
             f"FSDP unit {unit.name!r}: {sp.fqn} is {shard.dtype} but the unit was sharded in {unit.dtype} "

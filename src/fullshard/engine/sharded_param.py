@@ -218,6 +218,18 @@ class ShardedParam:
         assert self.shard is not None
         return local_tensor(self.shard)
 
+    def point_at(self, view: torch.Tensor) -> None:
+        """Make the registered shard's storage ``view`` (shape ``spec.local_shape``, a view of
+        the unit's local flat buffer): its ``.data`` for a plain tensor, a DTensor's local tensor.
+        Its values are the caller's to have copied."""
+        shard: Any = self.shard
+        assert shard is not None
+        if local_tensor(shard) is shard:
+            shard.data = view
+        else:
+            compat.set_dtensor_local(shard, view)
+        shard._fullshard_param = self  # lost by a tensor swap (to_empty)
+
     def local_grad(self) -> torch.Tensor | None:
         """The shard's gradient as a plain tensor of the shard's shape, or None."""
         assert self.shard is not None

@@ -13,12 +13,9 @@ shards (:meth:`~fullshard.engine.layout.UnitLayout.recast_shards`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from fullshard.engine.unit import Unit
+from fullshard.engine.unit import ShardState, TrainingState, Unit
 
 
 def _recast(unit: Unit, dtype: torch.dtype, who: str) -> None:
@@ -30,8 +27,6 @@ def _recast(unit: Unit, dtype: torch.dtype, who: str) -> None:
     """
     if dtype == unit.dtype:
         return
-    from fullshard.engine.unit import ShardState, TrainingState
-
     if (
         unit.meta
         or unit.shard_state is not ShardState.SHARDED
