@@ -321,6 +321,16 @@ def _register_forward_hooks(
         # the pass's bookkeeping.
         return state.unit.training_state is TrainingState.PRE_BACKWARD
 
+    def abandoned(module: nn.Module) -> bool:
+        # The root called again while its last call has not returned: no module calls itself,
+        # so that call raised (a registered method calls forward inside its own pass).
+        return (
+            state.is_root
+            and id(module) in to_run
+            and state.unit.training_state is TrainingState.FORWARD
+            and not state.methods_running
+        )
+
     def pre(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         hooks.lazy_init(module)
         args, kwargs = hooks.prepare_inputs(state, (args, kwargs))
@@ -328,6 +338,13 @@ def _register_forward_hooks(
             hooks.pre_forward(state)
             return args, kwargs
         if not to_run:
+            to_run.update(ids)
+        elif abandoned(module):
+            # The root's last forward raised: its pass never ended, and its units may hold full
+            # parameters gathered before an optimizer step since. The root's pre-forward tidies
+            # every unit (back to SHARDED and IDLE) before this pass gathers afresh.
+            state.unit.training_state = TrainingState.IDLE
+            to_run.clear()
             to_run.update(ids)
         if state.unit.training_state is not TrainingState.FORWARD:
             hooks.pre_forward(state)
