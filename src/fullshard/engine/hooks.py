@@ -28,7 +28,7 @@ from torch import nn
 
 from fullshard import compat, probes
 from fullshard.comm import buffers, exposed_comm, flight_recorder
-from fullshard.engine import backward_buffers
+from fullshard.engine import backward_buffers, reshard_guard
 from fullshard.engine.config import BackwardPrefetch, FrontEnd, MixedPrecision
 from fullshard.engine.dynamo_guard import outside_dynamo
 from fullshard.engine.module_wrapper import clean_name
@@ -421,6 +421,7 @@ def _pre_backward(state: FSDPState, grad: torch.Tensor) -> torch.Tensor:
     if not root.callback_queued:
         root.callback_queued = True
         compat.queue_backward_callback(functools.partial(_backward_done, root))
+        reshard_guard.if_backward_fails(functools.partial(_backward_failed, root))
     if id(unit) in root.pre_backward_done:
         return grad
     root.pre_backward_done.add(id(unit))
@@ -480,6 +481,18 @@ def _backward_done(root: RootState) -> None:
         if unit.grads.holds_unreduced:
             unit.reduce_grads()
     finish_backward(root)
+
+
+def _backward_failed(root: RootState) -> None:
+    """The backward that queued :func:`_backward_done` raised, so autograd dropped that callback.
+    As an unsharded model keeps what autograd accumulated into ``.grad`` before the error, the
+    reductions launched land in the shards' ``.grad``; the gradients not yet reduced (and those
+    accumulated with sync off before) are dropped, and every unit is back to IDLE: after
+    ``zero_grad`` the next step is the unsharded model's."""
+    if root.callback_queued:  # else that backward finished and a later one raised
+        finish_backward(root)
+        for unit in root.units:
+            unit.grads.discard()
 
 
 @outside_dynamo

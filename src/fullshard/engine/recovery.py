@@ -3,11 +3,14 @@
 An exception raised inside a unit's forward (or by a hook, or by the model, during backward)
 leaves the tree mid-iteration: units gathered or in FORWARD / PRE_BACKWARD, an all-gather
 prefetched and never waited on, reduce-scatters in flight, gradients accumulated with sync off
-and HSDP partial sums that belong to the micro-batches of the lost step. The next root forward
-tidies up on its own (it finishes the backward that never ended, so those gradients reach the
-shards' ``.grad``); :func:`reset_iteration`, which ``FSDPModule.reset_iter_state`` calls (torch's
-FSDP2 API for this), instead discards them, as torch's does: the failed iteration is lost, and
-gradient accumulation starts again with the next micro-batch.
+and HSDP partial sums that belong to the micro-batches of the lost step. Both front ends tidy
+up on their own, so that after ``zero_grad`` the next step is the unsharded model's: a backward
+that raised does as it leaves (the reductions launched land in ``.grad``, as autograd's
+accumulation had on an unsharded model, and the gradients not yet reduced are dropped); a
+forward that raised, at the root's next forward (every unit reshards before it gathers again).
+:func:`reset_iteration`, which ``FSDPModule.reset_iter_state`` calls (torch's FSDP2 API for
+this), does it at once and discards even the reductions in flight, as torch's does: the failed
+iteration is lost, and gradient accumulation starts again with the next micro-batch.
 """
 
 from __future__ import annotations

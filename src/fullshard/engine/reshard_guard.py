@@ -12,6 +12,9 @@ Autograd names only the node that made the saved tensor (often a ``t()`` of the 
 (behind ``Tensor.backward``, ``torch.autograd.backward`` and ``torch.autograd.grad``) turns that
 error into one that names the freed unit, when the versions in the message are a freed unit's
 (``X - Y`` is the unit's raise). Any other error passes through unchanged.
+
+The same handle tells the hooks when a backward raised (:func:`if_backward_fails`): autograd
+then drops the callback that would have ended the units' backward.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import itertools
 import re
 import weakref
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -118,10 +122,39 @@ def explain(error: RuntimeError) -> RuntimeError | None:
     )
 
 
+_IF_FAILS: list[Callable[[], None]] = []  # see if_backward_fails
+_depth = 0  # backward calls running (activation checkpointing's reentrant backward nests one)
+
+
+def if_backward_fails(handler: Callable[[], None]) -> None:
+    """Call ``handler`` if the backward running now raises, as the exception leaves the outermost
+    backward call (``Tensor.backward``, ``torch.autograd.backward`` or ``grad``); forgotten when
+    that call returns. A hook that queued an autograd callback registers its tidy-up here:
+    autograd drops the callbacks of a backward that raised."""
+    _IF_FAILS.append(handler)
+
+
 class _ExplainingEngine(compat.autograd_engine_type()):  # type: ignore[misc]
-    """Autograd's engine handle; a use of freed full parameters raises an error naming the unit."""
+    """Autograd's engine handle; a use of freed full parameters raises an error naming the unit,
+    and a backward that raised runs the handlers of :func:`if_backward_fails`."""
 
     def run_backward(self, *args: Any, **kwargs: Any) -> Any:
+        global _depth
+        _depth += 1
+        failed = True
+        try:
+            result = self._explained(*args, **kwargs)
+            failed = False
+            return result
+        finally:
+            _depth -= 1
+            if _depth == 0:
+                handlers = list(_IF_FAILS)
+                _IF_FAILS.clear()
+                for handler in handlers if failed else ():
+                    handler()
+
+    def _explained(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return super().run_backward(*args, **kwargs)
         except RuntimeError as e:
