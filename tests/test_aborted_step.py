@@ -90,24 +90,25 @@ def test_forward_that_raised_changes_nothing(front: str, abort: str) -> None:
         assert same
 
 
-def _refused_then_recovered(rank: int, world: int, kept: bool) -> tuple[list[float], list[bool]]:
-    """A requires_grad change that fully_shard refuses inside its forward hook (a forward's
-    output is alive), then the same change once that output is gone: training goes on as if
-    the parameter had been frozen cleanly before step 2."""
+def _refused_then_recovered(rank: int, world: int, refuse: bool) -> tuple[list[float], list[bool]]:
+    """A requires_grad change that fully_shard refuses inside its forward hook (made between two
+    micro-batches with gradient sync off for the first), undone: training goes on as if it had
+    never been tried."""
     model = _build("fully_shard")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, refused = [], []
     for step in range(4):
-        x = local(tokens(step, 4), rank, world)
-        if step == 2:
-            out = model(x) if kept else None
+        x = local(tokens(step, 8), rank, world)
+        model.set_requires_gradient_sync(False)
+        model(x[:1]).pow(2).mean().backward()
+        model.set_requires_gradient_sync(True)
+        if step == 2 and refuse:
             model.layers[1].w1.weight.requires_grad_(False)
-            if kept:
-                with pytest.raises(RuntimeError, match="between this unit's forward and its backward") as e:
-                    model(x)
-                refused.append(e is not None)
-                del out
-        loss = model(x).pow(2).mean()
+            with pytest.raises(RuntimeError, match="while gradients accumulated without a reduction") as e:
+                model(x[1:])
+            refused.append(e is not None)
+            model.layers[1].w1.weight.requires_grad_(True)
+        loss = model(x[1:]).pow(2).mean()
         loss.backward()
         opt.step()
         opt.zero_grad()

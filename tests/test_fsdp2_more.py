@@ -23,8 +23,9 @@ the same way; at 2 ranks the parameters are compared bitwise after every step:
 - ``get_state_dict`` / ``set_state_dict`` with ``flatten_optimizer_state_dict``, and a full state
   dict saved at 2 ranks loaded at 3 with ``broadcast_from_rank0``;
 - parameters frozen and unfrozen between steps (``requires_grad_`` after sharding: a whole
-  unit, part of the root, part of a unit), at 2 and 3 ranks, and in units kept gathered across
-  steps; the FSDP1 wrapper refuses it.
+  unit, part of the root, part of a unit), at 2 and 3 ranks, in units kept gathered across
+  steps, and while an earlier forward's output is kept (a backward through it is refused); the
+  FSDP1 wrapper refuses it.
 """
 
 from __future__ import annotations
@@ -470,10 +471,36 @@ def _freezing_kept_gathered(rank: int, world: int) -> None:
             assert isinstance(q, DTensor) and torch.equal(p.full_tensor(), q.full_tensor()), step
 
 
+def _freezing_with_a_kept_output(rank: int, world: int) -> None:
+    """A freeze while an earlier forward's output is kept and never backwarded (its graph alive),
+    which torch's allows: the next steps are torch's bit for bit. A backward through that kept
+    output afterwards reads the old layout: fullshard refuses it, naming the unit (torch's runs
+    it), and training goes on after ``zero_grad``."""
+    ref, ours = _pair()
+    opts = _adamw(ref, ours)
+    for model, opt in zip((ref, ours), opts):
+        _step(model, opt, _toks(0, rank, world))
+    kept = [model(_toks(1, rank, world)) for model in (ref, ours)]
+    for model in (ref, ours):
+        model.layers[1].w1.weight.requires_grad_(False)
+        model.layers[2].attention_norm.weight.requires_grad_(False)
+    losses = [_step(m, o, _toks(2, rank, world)) for m, o in zip((ref, ours), opts)]
+    assert torch.equal(*losses)
+    with pytest.raises(RuntimeError, match="FSDP unit '.*': backward runs through a forward made before requires_grad"):
+        kept[1].sum().backward()
+    opts[1].zero_grad()
+    del kept
+    for step in (3, 4):
+        losses = [_step(m, o, _toks(step, rank, world)) for m, o in zip((ref, ours), opts)]
+        assert torch.equal(*losses), step
+        _same(ref, ours, f"kept output, step {step}")
+
+
 def freezing_body(rank: int, world: int) -> list[list[bool]]:
     _freezing_refused_by_the_wrapper(rank, world)
     if world == 2:
         _freezing_kept_gathered(rank, world)
+        _freezing_with_a_kept_output(rank, world)
     return _freezing(rank, world)
 
 

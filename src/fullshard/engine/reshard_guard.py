@@ -77,6 +77,41 @@ def mark_valid(unit: _Guarded) -> None:
     _FREED.discard(unit)
 
 
+# Units laid out again under a live forward graph: the contexts of that graph's splits.
+_STALE: weakref.WeakKeyDictionary[Any, weakref.WeakSet[Any]] = weakref.WeakKeyDictionary()
+
+
+def mark_stale(unit: Any, tensors: tuple[torch.Tensor, ...], clean: tuple[int, ...], splits: list[Any]) -> None:
+    """After ``unit`` was laid out again (a ``requires_grad`` changed) while a forward's graph
+    still held views of its old full buffers ``tensors``: make autograd refuse them for good.
+    ``clean``: their version counters before any freeing bump; ``splits``: that graph's split
+    contexts (alive while the graph is)."""
+    _set_versions(tensors, tuple(v + STRIDE + _raise_of(unit) for v in clean))
+    _STALE.setdefault(unit, weakref.WeakSet()).update(splits)
+
+
+def stale_error(name: str, error: BaseException | None = None) -> RuntimeError:
+    """The error for a backward through a forward of unit ``name`` made before its layout changed."""
+    return RuntimeError(
+        f"FSDP unit {name!r}: backward runs through a forward made before requires_grad of the unit's "
+        "parameters changed; the unit was laid out again for the change (at its next forward), and that "
+        "forward's graph reads the old layout. Fix: run that forward's backward before changing "
+        "requires_grad, or drop its outputs." + (f" Autograd's error: {error}" if error is not None else "")
+    )
+
+
+def _stale_unit_in(message: str) -> str | None:
+    """The unit laid out again that autograd's error ``message`` is about: exact from the
+    versions; for a modified view of a multi-output function, a unit whose stale graph is alive."""
+    found = _VERSIONS.search(message)
+    if found is not None:
+        raised = int(found.group(1)) - int(found.group(2))
+        return next((u.name for u in list(_STALE) if raised == STRIDE + _raise_of(u)), None)
+    if _VIEW.match(message) is None:
+        return None
+    return next((u.name for u, splits in list(_STALE.items()) if splits), None)
+
+
 _VERSIONS = re.compile(r"is at version (\d+); expected version (\d+)")
 _VIEW = re.compile(r"^Output \d+ of (\S+) is a view and its base or another view of its base has been modified inplace")
 _SPLIT_NAME = re.compile(r"^FullParametersOfFSDPUnit\[(.*)\]$")
@@ -105,7 +140,11 @@ def freed_units_in(message: str) -> list[str]:
 
 
 def explain(error: RuntimeError) -> RuntimeError | None:
-    """A clearer error for ``error`` when it is a use of freed full parameters, else None."""
+    """A clearer error for ``error`` when it is a use of freed full parameters (or of a layout
+    since replaced: :func:`mark_stale`), else None."""
+    stale = _stale_unit_in(str(error))
+    if stale is not None:
+        return stale_error(stale, error)
     names = freed_units_in(str(error))
     if not names:
         return None

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from fullshard import probes
+from fullshard import compat, probes
 from fullshard.comm import buffers, collectives, flight_recorder, quantized
 from fullshard.engine import custom_comm, reshard_guard, shard_sync
 from fullshard.engine.grad_pack import pack_grads
@@ -97,7 +97,7 @@ class Unit(UnitLayout):
         why = super().relayout_refusal()
         if why is not None:
             return why
-        if self._open_splits:
+        if self._open_splits and (self.training_state is TrainingState.PRE_BACKWARD or compat.in_backward()):
             return (
                 " between this unit's forward and its backward: change requires_grad before forward or after "
                 "backward, as with torch's fully_shard"
@@ -110,11 +110,22 @@ class Unit(UnitLayout):
         return None
 
     def relayout_trainable(self) -> None:
+        """See :meth:`UnitLayout.relayout_trainable`. A forward whose graph is still alive (its
+        output kept, never backwarded) may have read the old full buffers: backward through it
+        is refused from now on, with an error naming the unit (torch's lets the program drop it)."""
+        old = (self.full_flat, self.frozen_full)
+        clean = self._clean_versions or tuple(compat.version_counter(t) for t in old)
+        stale = list(self._open_splits)
         super().relayout_trainable()
         if self.aliased or self.shard_numel == 0:
             self._clean_versions = None
         else:
             self._mark_full_freed()  # the new full buffers, as empty as the old ones were
+        if stale:
+            for ctx in stale:
+                ctx.stale = True
+            self._open_splits = weakref.WeakSet()
+            reshard_guard.mark_stale(self, old, clean, stale)
         if self.on_relayout is not None:
             self.on_relayout()
 
@@ -470,6 +481,8 @@ class _SplitFull(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, None, None]:  # type: ignore[override]
         unit: Unit = ctx.unit
+        if getattr(ctx, "stale", False):
+            raise reshard_guard.stale_error(unit.name)
         unit._open_splits.discard(ctx)
         if all(g is None for g in grads):
             return None, None, None
