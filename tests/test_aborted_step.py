@@ -50,9 +50,18 @@ def _build(front: str) -> torch.nn.Module:
     return fullshard.fully_shard(model)
 
 
-def _train(rank: int, world: int, front: str, abort: str | None) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _full(model: torch.nn.Module, inner: torch.nn.Module) -> dict[str, torch.Tensor]:
     from fullshard.frontend.summon import summon_full_params
 
+    with summon_full_params(model):
+        return {n: p.detach().clone() for n, p in inner.named_parameters()}
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def _train(rank: int, world: int, front: str, abort: str | None) -> tuple[list[float], dict[str, torch.Tensor]]:
     model = _build(front)
     inner = model.module if front == "fsdp1" else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -69,16 +78,13 @@ def _train(rank: int, world: int, front: str, abort: str | None) -> tuple[list[f
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    with summon_full_params(model):
-        full = {n: p.detach().clone() for n, p in inner.named_parameters()}
-    return losses, full
+    return losses, _full(model, inner)
 
 
 def _with_and_without(rank: int, world: int, front: str, abort: str) -> tuple[bool, list[float], list[float]]:
     clean_losses, clean = _train(rank, world, front, None)
     losses, full = _train(rank, world, front, abort)
-    same = clean.keys() == full.keys() and all(torch.equal(clean[n], full[n]) for n in clean)
-    return same, clean_losses, losses
+    return _same(clean, full), clean_losses, losses
 
 
 @pytest.mark.timeout(240)
@@ -135,8 +141,6 @@ def _hook_output(block: torch.nn.Module) -> torch.utils.hooks.RemovableHandle:
 def _skip_or_fail(rank: int, world: int, front: str, where: str | None, accumulate: bool) -> tuple[list[float], dict]:
     """Four steps; step 1 fails in backward (``where``: "loss" or "layers.1") after an optional
     micro-batch with sync off, or is skipped (``where`` None)."""
-    from fullshard.frontend.summon import summon_full_params
-
     model = _build(front)
     inner = model.module if front == "fsdp1" else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -169,15 +173,13 @@ def _skip_or_fail(rank: int, world: int, front: str, where: str | None, accumula
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    with summon_full_params(model):
-        full = {n: p.detach().clone() for n, p in inner.named_parameters()}
-    return losses, full
+    return losses, _full(model, inner)
 
 
 def _backward_failed(rank: int, world: int, front: str, where: str, accumulate: bool) -> tuple[bool, list, list]:
     clean_losses, clean = _skip_or_fail(rank, world, front, None, accumulate)
     losses, full = _skip_or_fail(rank, world, front, where, accumulate)
-    return all(torch.equal(clean[n], full[n]) for n in clean), clean_losses, losses
+    return _same(clean, full), clean_losses, losses
 
 
 @pytest.mark.timeout(240)
