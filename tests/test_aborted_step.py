@@ -97,10 +97,11 @@ def test_forward_that_raised_changes_nothing(front: str, abort: str) -> None:
 
 
 def _refused_then_recovered(rank: int, world: int, refuse: bool) -> tuple[list[float], list[bool]]:
-    """A requires_grad change that fully_shard refuses inside its forward hook (made between two
-    micro-batches with gradient sync off for the first), undone: training goes on as if it had
-    never been tried."""
+    """A requires_grad change that fully_shard refuses inside its forward hook (an unfreeze
+    between two micro-batches with gradient sync off for the first), undone: training goes on as
+    if it had never been tried."""
     model = _build("fully_shard")
+    model.layers[1].w1.weight.requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, refused = [], []
     for step in range(4):
@@ -109,11 +110,11 @@ def _refused_then_recovered(rank: int, world: int, refuse: bool) -> tuple[list[f
         model(x[:1]).pow(2).mean().backward()
         model.set_requires_gradient_sync(True)
         if step == 2 and refuse:
-            model.layers[1].w1.weight.requires_grad_(False)
+            model.layers[1].w1.weight.requires_grad_(True)
             with pytest.raises(RuntimeError, match="while gradients accumulated without a reduction") as e:
                 model(x[1:])
             refused.append(e is not None)
-            model.layers[1].w1.weight.requires_grad_(True)
+            model.layers[1].w1.weight.requires_grad_(False)
         loss = model(x[1:]).pow(2).mean()
         loss.backward()
         opt.step()

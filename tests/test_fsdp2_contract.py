@@ -743,13 +743,14 @@ def corners_body(rank: int, world: int) -> list[str]:
     # what fullshard cannot change at the moment, changed: refused at the next forward
     from fullshard import fully_shard
 
-    def freeze_while_accumulating(m: torch.nn.Module) -> None:  # the unsynced sums cover the old layout
+    def unfreeze_while_accumulating(m: torch.nn.Module) -> None:  # the unsynced sums have no slot for it
+        m.mix.weight.requires_grad_(False)
         m.set_requires_gradient_sync(False)
         m(torch.tensor([[1, 2]])).sum().backward()
-        m.mix.weight.requires_grad_(False)
+        m.mix.weight.requires_grad_(True)
 
     for change, words in [
-        (freeze_while_accumulating, "mix.weight.requires_grad was set to False after sharding while gradients"),
+        (unfreeze_while_accumulating, "mix.weight.requires_grad was set to True after sharding while gradients"),
         (lambda m: m.to(torch.float64), "model.to(dtype) after sharding is not supported"),
     ]:
         m = fully_shard(_TiedHead())

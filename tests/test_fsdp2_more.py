@@ -24,8 +24,9 @@ the same way; at 2 ranks the parameters are compared bitwise after every step:
   dict saved at 2 ranks loaded at 3 with ``broadcast_from_rank0``;
 - parameters frozen and unfrozen between steps (``requires_grad_`` after sharding: a whole
   unit, part of the root, part of a unit), at 2 and 3 ranks, in units kept gathered across
-  steps, and while an earlier forward's output is kept (a backward through it is refused); the
-  FSDP1 wrapper refuses it.
+  steps, while an earlier forward's output is kept (a backward through it is refused), and
+  between micro-batches with gradient sync off (a freeze; an unfreeze is refused); the FSDP1
+  wrapper refuses it.
 """
 
 from __future__ import annotations
@@ -496,11 +497,51 @@ def _freezing_with_a_kept_output(rank: int, world: int) -> None:
         _same(ref, ours, f"kept output, step {step}")
 
 
+def _freezing_between_micro_batches(rank: int, world: int) -> None:
+    """Parameters frozen between two micro-batches, gradient sync off for the first (torch's
+    allows it): what they accumulated is reduced with the rest, so they still get a ``.grad``
+    and step, bitwise torch's; the unit is laid out again at the next step. Unfreezing there is
+    refused (a frozen parameter has nowhere to accumulate), naming the parameter."""
+    ref, ours = _pair()
+    opts = _adamw(ref, ours)
+
+    def micro_batches(model: nn.Module, opt, step: int, change=None) -> tuple[torch.Tensor, list[bool]]:
+        x = _toks(step, rank, world, per=4)
+        model.set_requires_gradient_sync(False)
+        model(x[:2]).logsumexp(-1).mean().backward()
+        model.set_requires_gradient_sync(True)
+        if change is not None:
+            change(model)
+        loss = model(x[2:]).logsumexp(-1).mean()
+        loss.backward()
+        had = [p.grad is not None for p in model.parameters()]
+        opt.step()
+        opt.zero_grad()
+        return loss.detach(), had
+
+    def freeze(model: nn.Module) -> None:
+        model.layers[1].w1.weight.requires_grad_(False)
+        model.tok_embeddings.weight.requires_grad_(False)
+        for p in model.layers[2].parameters():
+            p.requires_grad_(False)
+
+    for step in range(4):
+        (a, had_a), (b, had_b) = (
+            micro_batches(m, o, step, freeze if step == 1 else None) for m, o in zip((ref, ours), opts)
+        )
+        assert torch.equal(a, b) and had_a == had_b, step
+        assert all(had_b) if step < 2 else not all(had_b), step
+        _same(ref, ours, f"frozen between micro-batches, step {step}")
+    with pytest.raises(RuntimeError, match="w1.weight.requires_grad was set to True .* without a reduction"):
+        micro_batches(ours, opts[1], 4, lambda m: m.layers[1].w1.weight.requires_grad_(True))
+
+
 def freezing_body(rank: int, world: int) -> list[list[bool]]:
     _freezing_refused_by_the_wrapper(rank, world)
     if world == 2:
         _freezing_kept_gathered(rank, world)
         _freezing_with_a_kept_output(rank, world)
+        _freezing_between_micro_batches(rank, world)
     return _freezing(rank, world)
 
 

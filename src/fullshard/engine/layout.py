@@ -195,6 +195,9 @@ class UnitLayout:
         self.divide_factor: float | None = None  # None: average over the data-parallel ranks
         self.on_grad_ready: Callable[[Any], None] | None = None  # called with the unit
         self.on_relayout: Callable[[], None] | None = None  # after relayout_trainable (the tree's pool plan)
+        # Indices into ``trainable`` of parameters frozen while unreduced gradients wait (see
+        # Unit.defer_relayout): laid out as trainable until that reduction, given no gradient.
+        self.frozen_pending: list[int] | None = None
         self._build(params)
 
     @property
@@ -282,6 +285,11 @@ class UnitLayout:
         if not self.meta:
             self._allocate_buffers()
 
+    def defer_relayout(self, flipped: list[ShardedParam]) -> bool:
+        """Whether the change of ``flipped``'s ``requires_grad`` waits (the unit keeps its layout
+        for now); here never."""
+        return False
+
     def relayout_refusal(self) -> str | None:
         """Why :meth:`relayout_trainable` may not run now (the end of an error message), or None."""
         if self.config.keep_param_objects:
@@ -299,6 +307,7 @@ class UnitLayout:
         parameters no pending backward reads and that holds no unreduced gradient (the caller
         checks); gradients already in the shards' ``.grad`` stay as they are."""
         old = {id(sp): self.local_view(sp) for sp in self.params}
+        self.frozen_pending = None
         for sp in self.params:
             assert sp.shard is not None
             sp.requires_grad = sp.shard.requires_grad

@@ -76,6 +76,8 @@ def sync_shards(unit: UnitLayout) -> None:
             sp.point_at(view)
     if flipped:
         _relayout(unit, flipped)
+    elif unit.frozen_pending is not None:
+        unit.frozen_pending = None  # unfrozen again before the reduction
 
 
 def requires_grad_changed(unit: UnitLayout) -> bool:
@@ -83,18 +85,24 @@ def requires_grad_changed(unit: UnitLayout) -> bool:
     return any(_flipped(sp) for sp in unit.params)
 
 
+def flipped_params(unit: UnitLayout) -> list[ShardedParam]:
+    """The parameters whose ``requires_grad`` changed since ``unit`` was laid out."""
+    return [sp for sp in unit.params if _flipped(sp)]
+
+
 def _flipped(sp: ShardedParam) -> bool:
     return sp.shard is not None and not sp.swapped and sp.shard.requires_grad != sp.requires_grad
 
 
 def check_relayout(unit: UnitLayout) -> None:
-    """Raise if ``unit``, whose ``requires_grad`` changed, cannot be laid out again now.
+    """Raise if ``unit``, whose ``requires_grad`` changed, cannot be laid out again now (for a
+    change that cannot wait either: :meth:`~.layout.UnitLayout.defer_relayout`).
 
     Raises:
         RuntimeError: the unit cannot change now (:meth:`~.layout.UnitLayout.relayout_refusal`),
             naming the parameter, the moment and the fix.
     """
-    _refuse(unit, [sp for sp in unit.params if _flipped(sp)])
+    _refuse(unit, flipped_params(unit))
 
 
 def _relayout(unit: UnitLayout, flipped: list[ShardedParam]) -> None:
@@ -104,6 +112,8 @@ def _relayout(unit: UnitLayout, flipped: list[ShardedParam]) -> None:
     Raises:
         RuntimeError: as :func:`check_relayout`.
     """
+    if unit.defer_relayout(flipped):
+        return
     _refuse(unit, flipped)
     unit.relayout_trainable()
 

@@ -29,6 +29,7 @@ from fullshard.engine.layout import (
 )
 from fullshard.engine.post_forward_shard import PostForwardShard
 from fullshard.engine.reduce import GradReducer
+from fullshard.engine.sharded_param import ShardedParam
 
 __all__ = ["ParamEntry", "ShardState", "TrainingState", "Unit", "UnitConfig"]
 
@@ -109,6 +110,25 @@ class Unit(UnitLayout):
             )
         return None
 
+    def defer_relayout(self, flipped: list[ShardedParam]) -> bool:
+        """Parameters frozen while gradients accumulated with sync off wait for a reduction
+        (torch's FSDP2 reduces what such a parameter accumulated with the rest): keep the layout
+        until that reduction, and give them no gradient meanwhile (:meth:`full_params` hands
+        them out detached). Their slots keep what they accumulated, reduced with the others'.
+        Returns whether the change waits; an unfreeze never does (it has no slot to accumulate
+        into: refused), nor a change between a unit's forward and its backward."""
+        if not (self.grads.holds_unreduced or self.grads.partial_sum is not None):
+            return False
+        if any(sp.shard is None or sp.shard.requires_grad for sp in flipped):
+            return False
+        index = {id(sp): i for i, sp in enumerate(self.trainable)}
+        pending = sorted(index[id(sp)] for sp in flipped)
+        backward = self.training_state is TrainingState.PRE_BACKWARD or compat.in_backward()
+        if self._open_splits and backward and pending != self.frozen_pending:
+            return False  # changed since this backward's forward
+        self.frozen_pending = pending
+        return True
+
     def relayout_trainable(self) -> None:
         """See :meth:`UnitLayout.relayout_trainable`. A forward whose graph is still alive (its
         output kept, never backwarded) may have read the old full buffers: backward through it
@@ -147,7 +167,9 @@ class Unit(UnitLayout):
 
     def _unshard(self, async_op: bool) -> None:
         if self.shard_state is ShardState.UNSHARDED or self._pending_gather is not None:
-            if self._pending_gather is None and shard_sync.requires_grad_changed(self):
+            if self._pending_gather is None and (
+                self.frozen_pending is not None or shard_sync.requires_grad_changed(self)
+            ):
                 self._relayout_kept()
             elif not async_op:
                 self.wait_for_unshard()
@@ -189,7 +211,14 @@ class Unit(UnitLayout):
         """Lay out again a unit kept gathered (``set_reshard_after_backward(False)``, whose next
         unshard skips :func:`~.shard_sync.sync_shards`) whose parameters' ``requires_grad``
         changed, keeping the full values it holds: torch's kept unsharded parameters stay as
-        they are until their next all-gather, also after an optimizer step."""
+        they are until their next all-gather, also after an optimizer step. A freeze may wait
+        (:meth:`defer_relayout`), the unit staying as it is."""
+        flipped = shard_sync.flipped_params(self)
+        if not flipped:
+            self.frozen_pending = None  # unfrozen again before the reduction
+            return
+        if self.defer_relayout(flipped):
+            return
         shard_sync.check_relayout(self)  # before anything changes
         with torch.no_grad():
             kept = {id(sp): full.clone() for sp, full in zip(self.params, self.full_params(tracked=False))}
@@ -349,7 +378,10 @@ class Unit(UnitLayout):
             if not group:
                 continue
             if flat.requires_grad and torch.is_grad_enabled():
-                views += self._named_split().apply(flat, self, tracked)
+                split = list(self._named_split().apply(flat, self, tracked))
+                for i in self.frozen_pending or ():
+                    split[i] = split[i].detach()  # frozen, its change deferred (defer_relayout)
+                views += split
             else:
                 views += real_views(flat, sizes, [sp.spec.orig_shape for sp in group])
         return views
