@@ -11,7 +11,11 @@ the failure and once without it, and the losses and final parameters must be equ
 - a backward that raises at the loss, or at ``layers.1``'s output once ``layers.2`` and the
   head have reduced, alone or after a micro-batch accumulated with gradient sync off; the run
   without it skips that step. Reductions in flight and gradients not yet reduced must not reach
-  the next step's ``.grad`` after ``zero_grad``.
+  the next step's ``.grad`` after ``zero_grad``;
+- an optimizer step that raises before it updates anything (AdamW's update function replaced by
+  one that raises); the run without it skips that step. ``fully_shard``'s step on local tensors
+  leaves its stand-in parameters in the optimizer then, and a ``zero_grad`` of the stand-ins
+  must still clear the gradients the next backward would add to.
 
 torch's own FSDP does not hold to this (torch 2.13, CPU, against the unsharded model): after the
 forward, its ``fully_shard`` and its FSDP1 (``use_orig_params=True``) compute the next steps with
@@ -25,7 +29,7 @@ import contextlib
 
 import pytest
 import torch
-from dist import run_ranks
+from dist import patched, run_ranks
 from models import TinyBlock, TinyLM, local, tokens
 
 
@@ -33,7 +37,7 @@ class _Boom(Exception):
     pass
 
 
-def _raise(*_: object) -> None:
+def _raise(*_: object, **__: object) -> None:
     raise _Boom()
 
 
@@ -188,5 +192,48 @@ def _backward_failed(rank: int, world: int, front: str, where: str, accumulate: 
 @pytest.mark.parametrize(("where", "accumulate"), [("loss", False), ("layers.1", False), ("layers.1", True)])
 def test_backward_that_raised_leaves_nothing_after_zero_grad(front: str, where: str, accumulate: bool) -> None:
     for same, clean_losses, losses in run_ranks(_backward_failed, 2, front, where, accumulate, timeout=220):
+        assert losses == clean_losses
+        assert same
+
+
+def _step_skipped_or_failed(rank: int, world: int, front: str, fail: bool) -> tuple[list[float], dict]:
+    """Four steps; step 1's ``optimizer.step()`` raises (``fail``) or step 1 is skipped."""
+    import torch.optim.adam as adam  # torch.optim's namespace drops the submodule's name
+
+    from fullshard.frontend.summon import summon_full_params
+
+    model = _build(front)
+    inner = model.module if front == "fsdp1" else model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(4):
+        x = local(tokens(step, 8), rank, world)
+        if step == 1 and not fail:
+            continue
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        if step == 1:
+            with patched(adam, adam=_raise), pytest.raises(_Boom):
+                opt.step()
+            opt.zero_grad()
+            continue
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    with summon_full_params(model):
+        full = {n: p.detach().clone() for n, p in inner.named_parameters()}
+    return losses, full
+
+
+def _step_failed(rank: int, world: int, front: str) -> tuple[bool, list, list]:
+    clean_losses, clean = _step_skipped_or_failed(rank, world, front, False)
+    losses, full = _step_skipped_or_failed(rank, world, front, True)
+    return all(torch.equal(clean[n], full[n]) for n in clean), clean_losses, losses
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("front", ["fully_shard", "fsdp1"])
+def test_optimizer_step_that_raised_leaves_nothing_after_zero_grad(front: str) -> None:
+    for same, clean_losses, losses in run_ranks(_step_failed, 2, front, timeout=220):
         assert losses == clean_losses
         assert same

@@ -337,6 +337,8 @@ def _register_forward_hooks(
         if recomputing():
             hooks.pre_forward(state)
             return args, kwargs
+        if state.is_root:
+            optim_local.finish_failed_steps()  # before its backward can accumulate into their gradients
         if not to_run:
             to_run.update(ids)
         elif abandoned(module):

@@ -18,6 +18,12 @@ code would see the stand-ins: a ``closure`` passed to ``step``, and step hooks r
 optimizer or globally after fullshard's (a user's pre-hook that clips by the global norm, an EMA
 post-hook keyed by parameter).
 
+A step that raises leaves the stand-ins in the groups (torch runs no post-hook then); they are
+put back at the next step or at a ``fully_shard`` root's next forward
+(:func:`finish_failed_steps`), whichever comes first, and a ``zero_grad`` that set a stand-in's
+gradient to None in between clears the DTensor parameter's, so that the next backward does not
+accumulate into the failed step's gradients.
+
 Outside ``optimizer.step()`` nothing differs: the optimizer holds the DTensor parameters and
 DTensor state that torch's tools (the DCP state-dict functions) expect. Parameters without a
 fullshard unit (other DTensors, plain tensors) are left alone.
@@ -220,6 +226,13 @@ def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         _SWAPPED[optimizer] = swapped
 
 
+def finish_failed_steps() -> None:
+    """Put back the parameters of every optimizer whose step raised after the swap (the root's
+    forward calls this: no step is running then)."""
+    for optimizer in list(_SWAPPED):
+        _post_step(optimizer, (optimizer,), {})
+
+
 def _post_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     swapped = _SWAPPED.pop(optimizer, None)
     if swapped is None:
@@ -229,6 +242,8 @@ def _post_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
     state = optimizer.state
     for group, i, param, plain, wrappers in swapped:
         group["params"][i] = param
+        if plain.grad is None:  # a zero_grad after a step that raised (the swap kept a gradient)
+            param.grad = None
         entry = state.pop(plain, None)
         plain.grad = None
         if entry is None:
