@@ -265,8 +265,6 @@ def root_pre_forward(state: FSDPState) -> None:
     for h in root.states:  # a pass left open by the last iteration (a chunked loss's head)
         if h is not state:  # the root's own pass has just begun
             h.modules_to_run.clear()
-    for u in root.units:
-        u.grads.drop_if_zeroed()
     if not root.units_checked:
         root.units_checked = True
         check_same_units(root.units)
@@ -430,7 +428,7 @@ def _pre_backward(state: FSDPState, grad: torch.Tensor) -> torch.Tensor:
     if probes.ACTIVE is not None:
         probes.record_event("backward", unit.name)
     unit.training_state = TrainingState.PRE_BACKWARD
-    unit.grads.drop_if_zeroed()  # a zero_grad between forward and backward
+    unit.grads.drop_if_zeroed()  # a zero_grad since the backward with sync off
     unit.backward_range = exposed_comm.open_range(f"fullshard::unit backward {unit.name}")
     unit.unshard()
     unit.install_full_params(for_recompute=True)  # activation checkpointing may recompute forward on them

@@ -163,10 +163,12 @@ class GradReducer:
         return sp, grad, compat.version_counter(grad), True
 
     def drop_if_zeroed(self) -> None:
-        """Before the next forward or backward: drop the unsynced gradient of each shard whose
-        ``.grad`` the user set to None, replaced, or zeroed in place since the backward that
-        held it (``optimizer.zero_grad()``), as torch FSDP1 with ``use_orig_params`` does; take
-        the zero placeholders away again (the reduced gradient becomes the ``.grad``)."""
+        """At the unit's next backward, or the reduction that takes the held gradient: drop the
+        unsynced gradient of each shard whose ``.grad`` the user set to None, replaced, or zeroed
+        in place since the backward that held it (``optimizer.zero_grad()``), as torch FSDP1 with
+        ``use_orig_params`` does; take the zero placeholders away again (the reduced gradient
+        becomes the ``.grad``). Not at a forward: a zero_grad after a forward that raised, or
+        whose loss did, must still be seen."""
         marks, self._marks = self._marks, None
         if marks is None:
             return
@@ -204,6 +206,7 @@ class GradReducer:
     def launch(self) -> None:
         """Launch the reduce-scatter (and replica all-reduce) of the accumulated full gradient."""
         unit = self.unit
+        self.drop_if_zeroed()  # a unit this backward did not reach, reducing what it held
         used, self._used = self._used, None
         if used is not None and all(used):
             used = None  # every parameter got a gradient: none is left without one
