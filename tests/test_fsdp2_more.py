@@ -497,12 +497,28 @@ def _freezing_with_a_kept_output(rank: int, world: int) -> None:
         _same(ref, ours, f"kept output, step {step}")
 
 
-def _freezing_between_micro_batches(rank: int, world: int) -> None:
+class _ReentrantLM(TinyLM):
+    """TinyLM whose blocks run under reentrant activation checkpointing: their forward runs
+    without grad, and again inside backward, where each block's pre-backward prefetches the
+    block after it (which has reduced by then)."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.tok_embeddings(ids) + self.pos_embeddings(torch.arange(ids.shape[1]))
+        for layer in self.layers:
+            h = checkpoint(layer, h, use_reentrant=True)
+        return self.output(self.norm(h)).float()
+
+
+def _freezing_between_micro_batches(rank: int, world: int, build=lambda: TinyLM(layers=3)) -> None:
     """Parameters frozen between two micro-batches, gradient sync off for the first (torch's
     allows it): what they accumulated is reduced with the rest, so they still get a ``.grad``
     and step, bitwise torch's; the unit is laid out again at the next step. Unfreezing there is
-    refused (a frozen parameter has nowhere to accumulate), naming the parameter."""
-    ref, ours = _pair()
+    refused (a frozen parameter has nowhere to accumulate), naming the parameter. With
+    ``_ReentrantLM`` a block is gathered again in backward while its reduction is in flight:
+    its layout must wait for that reduction too (it was changed under it)."""
+    ref, ours = _pair(build)
     opts = _adamw(ref, ours)
 
     def micro_batches(model: nn.Module, opt, step: int, change=None) -> tuple[torch.Tensor, list[bool]]:
@@ -542,6 +558,7 @@ def freezing_body(rank: int, world: int) -> list[list[bool]]:
         _freezing_kept_gathered(rank, world)
         _freezing_with_a_kept_output(rank, world)
         _freezing_between_micro_batches(rank, world)
+        _freezing_between_micro_batches(rank, world, lambda: _ReentrantLM(layers=3))
     return _freezing(rank, world)
 
 

@@ -116,8 +116,11 @@ class Unit(UnitLayout):
         until that reduction, and give them no gradient meanwhile (:meth:`full_params` hands
         them out detached). Their slots keep what they accumulated, reduced with the others'.
         Returns whether the change waits; an unfreeze never does (it has no slot to accumulate
-        into: refused), nor a change between a unit's forward and its backward."""
-        if not (self.grads.holds_unreduced or self.grads.partial_sum is not None):
+        into: refused), nor a change between a unit's forward and its backward. A reduction in
+        flight still reads the old layout (a backward prefetch may gather the unit before it
+        ends, under reentrant activation checkpointing): the freeze waits for it too."""
+        grads = self.grads
+        if not (grads.holds_unreduced or grads.partial_sum is not None or grads.has_pending):
             return False
         if any(sp.shard is None or sp.shard.requires_grad for sp in flipped):
             return False
