@@ -449,6 +449,13 @@ def _freezing_refused_by_the_wrapper(rank: int, world: int) -> None:
     next(model.parameters()).requires_grad_(False)
     with pytest.raises(RuntimeError, match="requires_grad was set to False after sharding; fullshard's Fully"):
         model(_toks(0, rank, world))
+    # between no_sync micro-batches too, at once (fully_shard's freeze there waits for the reduction)
+    model = fs.FSDP(TinyLM(layers=1), device_id=torch.device("cpu"), use_orig_params=True)
+    with model.no_sync():
+        model(_toks(0, rank, world)).sum().backward()
+    next(model.parameters()).requires_grad_(False)
+    with pytest.raises(RuntimeError, match="requires_grad was set to False after sharding; fullshard's Fully"):
+        model(_toks(1, rank, world))
 
 
 def _freezing_kept_gathered(rank: int, world: int) -> None:

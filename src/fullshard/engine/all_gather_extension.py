@@ -119,8 +119,8 @@ class ExtensionUnit(Unit):
         self._open: weakref.WeakSet[Any] = weakref.WeakSet()  # _ExtensionFull contexts not yet run
         self._waiting: set[str] = set()  # parts ("plain", "ext") whose gradients are still to come
 
-    def relayout_refusal(self) -> str | None:
-        return super().relayout_refusal() or (
+    def layout_fixed(self) -> str | None:
+        return super().layout_fixed() or (
             " in a unit with all-gather extension (float8) parameters, whose trainable set fullshard fixes "
             "when it builds the unit: set requires_grad before fully_shard"
         )

@@ -292,6 +292,11 @@ class UnitLayout:
 
     def relayout_refusal(self) -> str | None:
         """Why :meth:`relayout_trainable` may not run now (the end of an error message), or None."""
+        return self.layout_fixed()
+
+    def layout_fixed(self) -> str | None:
+        """Why :meth:`relayout_trainable` may never run for this unit (the end of an error
+        message), or None: such a change is refused at once, never deferred."""
         if self.config.keep_param_objects:
             return (
                 "; fullshard's FullyShardedDataParallel fixes which parameters train when it builds a unit (as "

@@ -116,10 +116,13 @@ class Unit(UnitLayout):
         until that reduction, and give them no gradient meanwhile (:meth:`full_params` hands
         them out detached). Their slots keep what they accumulated, reduced with the others'.
         Returns whether the change waits; an unfreeze never does (it has no slot to accumulate
-        into: refused), nor a change between a unit's forward and its backward. A reduction in
+        into: refused), nor a change between a unit's forward and its backward, nor one in a unit
+        whose layout is fixed (:meth:`layout_fixed`: refused at once). A reduction in
         flight still reads the old layout (a backward prefetch may gather the unit before it
         ends, under reentrant activation checkpointing): the freeze waits for it too."""
         grads = self.grads
+        if self.layout_fixed() is not None:
+            return False
         if not (grads.holds_unreduced or grads.partial_sum is not None or grads.has_pending):
             return False
         if any(sp.shard is None or sp.shard.requires_grad for sp in flipped):
