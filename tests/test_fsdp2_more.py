@@ -518,6 +518,24 @@ class _ReentrantLM(TinyLM):
         return self.output(self.norm(h)).float()
 
 
+def _unfreezing_with_a_kept_output(rank: int, world: int) -> None:
+    """A whole unit frozen, run forward with its output kept, then unfrozen: no split tracks a
+    unit without trainable parameters, and a backward through the kept output is refused with the
+    error naming the unit (it was autograd's bare in-place error)."""
+    import fullshard as fs
+
+    torch.manual_seed(0)
+    model = _shard(TinyLM(layers=3), fs)
+    for p in model.layers[0].parameters():
+        p.requires_grad_(False)
+    kept = model(_toks(0, rank, world))
+    for p in model.layers[0].parameters():
+        p.requires_grad_(True)
+    model(_toks(1, rank, world)).sum().backward()
+    with pytest.raises(RuntimeError, match="FSDP unit 'layers.0': backward runs through a forward made before"):
+        kept.sum().backward()
+
+
 def _freezing_between_micro_batches(rank: int, world: int, build=lambda: TinyLM(layers=3)) -> None:
     """Parameters frozen between two micro-batches, gradient sync off for the first (torch's
     allows it): what they accumulated is reduced with the rest, so they still get a ``.grad``
@@ -564,6 +582,7 @@ def freezing_body(rank: int, world: int) -> list[list[bool]]:
     if world == 2:
         _freezing_kept_gathered(rank, world)
         _freezing_with_a_kept_output(rank, world)
+        _unfreezing_with_a_kept_output(rank, world)
         _freezing_between_micro_batches(rank, world)
         _freezing_between_micro_batches(rank, world, lambda: _ReentrantLM(layers=3))
     return _freezing(rank, world)

@@ -147,11 +147,11 @@ class Unit(UnitLayout):
             self._clean_versions = None
         else:
             self._mark_full_freed()  # the new full buffers, as empty as the old ones were
-        if stale:
-            for ctx in stale:
-                ctx.stale = True
-            self._open_splits = weakref.WeakSet()
+            # Also for a graph that holds frozen parameters only (no split tracks those).
             reshard_guard.mark_stale(self, old, clean, stale)
+        for ctx in stale:
+            ctx.stale = True
+        self._open_splits = weakref.WeakSet()
         if self.on_relayout is not None:
             self.on_relayout()
 
