@@ -204,3 +204,64 @@ def test_selective_checkpointing_under_fully_shard_matches_the_unwrapped_model(g
     unit's next forward ungathered, also when the checkpointed block is one of a unit's list."""
     losses = run_ranks(selective_fully_shard_body, 2, grouped, timeout=180)[0]
     assert losses[0::2] == pytest.approx(losses[1::2], rel=1e-5)
+
+
+class _CheckpointedLM(nn.Module):
+    """TinyLM whose blocks run through ``torch.utils.checkpoint`` inside the model's forward, as
+    HF transformers' gradient checkpointing calls them (``use_reentrant`` chosen per model)."""
+
+    def __init__(self, reentrant: bool) -> None:
+        from models import TinyLM
+
+        super().__init__()
+        torch.manual_seed(0)
+        self.lm, self.reentrant = TinyLM(layers=4), reentrant
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        lm = self.lm
+        h = lm.tok_embeddings(tokens) + lm.pos_embeddings(torch.arange(tokens.shape[1]))
+        for layer in lm.layers:
+            h = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=self.reentrant)
+        return lm.output(lm.norm(h)).float()
+
+
+def reentrant_body(rank: int, world: int) -> dict[str, list]:
+    """Per checkpoint kind: fullshard's gathers per step (probes) and its losses, with torch's
+    ``fully_shard`` losses alongside."""
+    import torch.distributed.fsdp as torch_fsdp
+    from models import tokens
+
+    import fullshard
+    from fullshard import probes
+
+    out: dict[str, list] = {}
+    for reentrant in (True, False):
+        for name, fully_shard in (("fullshard", fullshard.fully_shard), ("torch", torch_fsdp.fully_shard)):
+            model = _CheckpointedLM(reentrant)
+            for layer in model.lm.layers:
+                fully_shard(layer)
+            fully_shard(model)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            losses, gathers = [], []
+            for step in range(3):
+                with probes.enabled(events=True) as p:
+                    loss = model(local(tokens(step, 4), rank, world)).pow(2).mean()
+                    loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+                gathers.append(sum(e == "unshard" for e, _ in p.events or []))
+            out[f"{name} reentrant={reentrant}"] = [losses, gathers]
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_reentrant_checkpointing_gathers_each_unit_once_in_backward() -> None:
+    """A reentrant recomputation runs forward inside backward with its own backward right after:
+    the unit stays gathered for it (it used to reshard and gather again, and the next unit's
+    backward prefetched one already done), so each step gathers as often as non-reentrant."""
+    got = run_ranks(reentrant_body, 2, timeout=180)[0]
+    ours, plain = got["fullshard reentrant=True"], got["fullshard reentrant=False"]
+    assert ours[1] == plain[1] == [9, 9, 9]  # the root and 4 blocks in forward, 4 blocks in backward
+    assert ours[0] == got["torch reentrant=True"][0]
+    assert plain[0] == got["torch reentrant=False"][0]

@@ -291,7 +291,7 @@ def pre_forward(state: FSDPState) -> None:
     unit.install_full_params()
     if probes.ACTIVE is not None:
         probes.record_event("forward", unit.name)
-    if torch.is_grad_enabled() and unit not in root.forward_order:
+    if torch.is_grad_enabled() and unit not in root.forward_order and not _in_backward():
         root.forward_order.append(unit)
     if unit.training_state is TrainingState.FORWARD:  # not in recomputation
         if state.prefetch_in_forward is not None:
@@ -310,8 +310,11 @@ def post_forward(state: FSDPState, output: Any) -> Any:
     state.forward_range = None
     grad = torch.is_grad_enabled()
     in_recompute = unit.training_state is not TrainingState.FORWARD
-    keeps = root_keeps(state)
-    if not (grad and not in_recompute and keeps):
+    # A forward inside backward with grad (reentrant activation checkpointing's recomputation:
+    # its own backward follows at once) keeps the unit gathered for it, as torch's does.
+    root_kept = root_keeps(state)
+    keeps = root_kept or (grad and not in_recompute and _in_backward())
+    if not (grad and not in_recompute and root_kept):
         # The root stays gathered into backward with its full parameters in place, as torch's
         # does: a loss that reads them after forward (a tied output projection) gets the full
         # tensors, their gradients flowing into the unit's. Its reshard takes them out.
