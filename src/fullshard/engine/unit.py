@@ -30,6 +30,7 @@ from fullshard.engine.layout import (
 from fullshard.engine.post_forward_shard import PostForwardShard
 from fullshard.engine.reduce import GradReducer
 from fullshard.engine.sharded_param import ShardedParam
+from fullshard.engine.split_full import SplitFull, named_split
 
 __all__ = ["ParamEntry", "ShardState", "TrainingState", "Unit", "UnitConfig"]
 
@@ -70,8 +71,8 @@ class Unit(UnitLayout):
         # While the full flat buffer's memory is freed: its aliases' version counters before the
         # bump that makes autograd refuse saved views of it (see _mark_full_freed).
         self._clean_versions: tuple[int, int] | None = None
-        self._split_fn: type[_SplitFull] | None = None  # _SplitFull named after this unit
-        # The contexts of this unit's _SplitFull nodes that autograd may still run backward on.
+        self._split_fn: type[SplitFull] | None = None  # SplitFull named after this unit
+        # The contexts of this unit's SplitFull nodes that autograd may still run backward on.
         self._open_splits: weakref.WeakSet[Any] = weakref.WeakSet()
         self.sync_grads = True  # False: gradients accumulate unsharded, no reduction (no_sync)
         self.reshard_after_backward = True  # False: stay gathered after backward (FSDP2's setter)
@@ -370,7 +371,7 @@ class Unit(UnitLayout):
     def full_params(self, tracked: bool = True) -> list[torch.Tensor]:
         """Per-parameter full tensors (shape ``orig_shape``), views of the full flat buffer.
 
-        Under grad mode the trainable ones come from :class:`_SplitFull`, so their gradients
+        Under grad mode the trainable ones come from :class:`~.split_full.SplitFull`, so their gradients
         accumulate into the full flat buffer's ``.grad``, laid out rank-major (the
         reduce-scatter's input as it stands). ``tracked=False``: views whose backward is not
         expected to run (a recomputation's), so they do not hold off
@@ -392,13 +393,12 @@ class Unit(UnitLayout):
                 views += real_views(flat, sizes, [sp.spec.orig_shape for sp in group])
         return views
 
-    def _named_split(self) -> type[_SplitFull]:
-        """:class:`_SplitFull` under a name that says which unit's full parameters its outputs
-        are, so autograd's errors about them (a use after reshard) name the unit."""
+    def _named_split(self) -> type[SplitFull]:
+        """:class:`~.split_full.SplitFull` under a name that says which unit's full parameters
+        its outputs are, so autograd's errors about them (a use after reshard) name the unit."""
         fn = self._split_fn
         if fn is None or fn._unit_name != self.name:
-            label = f"FullParametersOfFSDPUnit[{self.name}]"
-            fn = self._split_fn = type(label, (_SplitFull,), {"_unit_name": self.name})
+            fn = self._split_fn = named_split(self.name)
         return fn
 
     def reshard_for_packing(self) -> None:
@@ -415,7 +415,7 @@ class Unit(UnitLayout):
         """Make the modules' attributes resolve to the full parameters.
 
         ``for_recompute`` (the pre-backward hook, where autograd has grad mode off): the trainable
-        ones require grad as in forward, from an untracked :class:`_SplitFull`. Activation
+        ones require grad as in forward, from an untracked :class:`~.split_full.SplitFull`. Activation
         checkpointing applied before ``fully_shard`` recomputes the forward on them and must save
         the same tensors as the original forward did; a weight that does not require grad saves
         fewer. Backward runs on the original graph, so nothing flows back through these.
@@ -494,37 +494,3 @@ class Unit(UnitLayout):
 
 
 _PHASES = {TrainingState.FORWARD: "forward", TrainingState.PRE_BACKWARD: "backward"}
-
-
-class _SplitFull(torch.autograd.Function):
-    """Split a unit's full flat buffer into its trainable parameters; gradients come back packed.
-
-    Forward: views of the param-major full flat buffer, one per trainable parameter, shapes
-    ``orig_shape`` (no copy). Backward: one copy of the parameters' gradients into a rank-major
-    buffer (:meth:`Unit.pack_grads`), which becomes the flat buffer's ``.grad``; autograd's own
-    split would concatenate param-major and need a second copy before the reduce-scatter.
-    Each unit applies a subclass named after it (:meth:`Unit._named_split`).
-    """
-
-    _unit_name = ""
-
-    @staticmethod
-    def forward(ctx: Any, flat: torch.Tensor, unit: Unit, tracked: bool) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        ctx.unit = unit
-        ctx.set_materialize_grads(False)
-        if tracked:
-            unit._open_splits.add(ctx)
-        return tuple(real_views(flat, unit._full_splits[0], [sp.spec.orig_shape for sp in unit.trainable]))
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, None, None]:  # type: ignore[override]
-        unit: Unit = ctx.unit
-        if getattr(ctx, "stale", False):
-            raise reshard_guard.stale_error(unit.name)
-        unit._open_splits.discard(ctx)
-        if all(g is None for g in grads):
-            return None, None, None
-        unit.grads.note_used(grads)
-        if not unit._open_splits:  # no later backward reads the full parameters
-            unit.reshard_for_packing()
-        return unit.pack_grads(grads), None, None

@@ -165,7 +165,7 @@ def kept_full_precision(model: nn.Module, classes: tuple[type[nn.Module], ...]) 
 class _UnitGradients(torch.autograd.Function):
     """A unit's trainable parameters as its forward sees them: views whose gradients reach
     the parameters together, when autograd runs this node, as the engine's
-    ``_SplitFull`` (made in the unit's pre-forward) receives them and packs them."""
+    ``SplitFull`` (made in the unit's pre-forward) receives them and packs them."""
 
     @staticmethod
     def forward(ctx: Any, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
