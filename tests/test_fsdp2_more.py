@@ -25,8 +25,8 @@ the same way; at 2 ranks the parameters are compared bitwise after every step:
 - parameters frozen and unfrozen between steps (``requires_grad_`` after sharding: a whole
   unit, part of the root, part of a unit), at 2 and 3 ranks, in units kept gathered across
   steps, while an earlier forward's output is kept (a backward through it is refused), and
-  between micro-batches with gradient sync off (a freeze; an unfreeze is refused); the FSDP1
-  wrapper refuses it.
+  between micro-batches with gradient sync off (a freeze; an unfreeze is refused); ranks that
+  change different parameters raise; the FSDP1 wrapper refuses it.
 """
 
 from __future__ import annotations
@@ -536,6 +536,22 @@ def _unfreezing_with_a_kept_output(rank: int, world: int) -> None:
         kept.sum().backward()
 
 
+def _freezing_differently_on_each_rank(rank: int, world: int) -> None:
+    """Each rank freezes a different parameter of the same size: the layouts would differ and
+    the all-gather would hand one parameter's values to the other, silently. Every rank raises
+    instead, naming the parameter (torch's does not check)."""
+    import fullshard as fs
+
+    torch.manual_seed(0)
+    model = _shard(TinyLM(layers=3), fs)
+    _step(model, torch.optim.SGD(model.parameters(), lr=0.1), _toks(0, rank, world))
+    block = model.layers[1]
+    assert block.w1.weight.numel() == block.w2.weight.numel()
+    (block.w1 if rank == 0 else block.w2).weight.requires_grad_(False)
+    with pytest.raises(RuntimeError, match=r"FSDP unit 'layers.1': w1.weight.requires_grad was changed on some ranks"):
+        model(_toks(1, rank, world))
+
+
 def _freezing_between_micro_batches(rank: int, world: int, build=lambda: TinyLM(layers=3)) -> None:
     """Parameters frozen between two micro-batches, gradient sync off for the first (torch's
     allows it): what they accumulated is reduced with the rest, so they still get a ``.grad``
@@ -583,6 +599,7 @@ def freezing_body(rank: int, world: int) -> list[list[bool]]:
         _freezing_kept_gathered(rank, world)
         _freezing_with_a_kept_output(rank, world)
         _unfreezing_with_a_kept_output(rank, world)
+        _freezing_differently_on_each_rank(rank, world)
         _freezing_between_micro_batches(rank, world)
         _freezing_between_micro_batches(rank, world, lambda: _ReentrantLM(layers=3))
     return _freezing(rank, world)

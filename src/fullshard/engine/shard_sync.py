@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from fullshard import compat
+from fullshard.comm import collectives
 from fullshard.engine.layout import UnitLayout
 from fullshard.engine.sharded_param import ShardedParam, local_tensor
 
@@ -115,7 +116,37 @@ def _relayout(unit: UnitLayout, flipped: list[ShardedParam]) -> None:
     if unit.defer_relayout(flipped):
         return
     _refuse(unit, flipped)
+    _check_same_on_every_rank(unit)
     unit.relayout_trainable()
+
+
+def _check_same_on_every_rank(unit: UnitLayout) -> None:
+    """Compare the parameters' new ``requires_grad`` across the unit's ranks (one small
+    all-gather per group, at a relayout only): ranks laid out differently would exchange one
+    parameter's values for another's, silently when the sizes agree.
+
+    Raises:
+        RuntimeError: on every rank of the group, when some rank's flags differ, naming the
+            first parameter that differs and which ranks of the group have it trainable.
+    """
+    flags = [sp.shard is not None and sp.shard.requires_grad for sp in unit.params]
+    for group in (unit.shard_group, unit.replicate_group):
+        if group is None or collectives.group_size(group) == 1:
+            continue
+        n = collectives.group_size(group)
+        mine = torch.tensor(flags, dtype=torch.uint8, device=collectives.reduction_device(group))
+        every = torch.empty(n * len(flags), dtype=torch.uint8, device=mine.device)
+        collectives.all_gather(every, mine, group)
+        rows = every.view(n, -1).cpu()
+        differs = (rows != rows[0]).any(dim=0).nonzero()
+        if len(differs):
+            i = int(differs[0])
+            trains = [r for r in range(n) if rows[r, i]]
+            raise RuntimeError(
+                f"FSDP unit {unit.name!r}: {unit.params[i].fqn}.requires_grad was changed on some ranks only (it "
+                f"requires grad on ranks {trains} of {n} in the unit's group): every rank must change the same "
+                "parameters, the unit's layout follows them"
+            )
 
 
 def _refuse(unit: UnitLayout, flipped: list[ShardedParam]) -> None:
