@@ -21,7 +21,8 @@ the same way; at 2 ranks the parameters are compared bitwise after every step:
 - ``get_total_norm`` (2, inf, 1), ``clip_grads_with_norm_`` and ``clip_grad_norm_(foreach=True,
   error_if_nonfinite=True)`` with an inf gradient on one rank;
 - ``get_state_dict`` / ``set_state_dict`` with ``flatten_optimizer_state_dict``, and a full state
-  dict saved at 2 ranks loaded at 3 with ``broadcast_from_rank0``;
+  dict saved at 2 ranks loaded at 3 with ``broadcast_from_rank0``; a state dict taken and loaded
+  with units kept gathered between steps; a DCP save after a freeze, resumed into fresh models;
 - parameters frozen and unfrozen between steps (``requires_grad_`` after sharding: a whole
   unit, part of the root, part of a unit), at 2 and 3 ranks, in units kept gathered across
   steps, while an earlier forward's output is kept (a backward through it is refused), and
@@ -392,6 +393,76 @@ def _load_full_at_another_world_size(rank: int, world: int, tmp: str) -> None:
         torch.testing.assert_close(q.full_tensor(), p.full_tensor(), rtol=1e-5, atol=1e-6)
 
 
+def _state_dict_of_units_kept_gathered(rank: int, world: int) -> None:
+    """Units kept gathered between steps (``reshard_after_forward=False``,
+    ``set_reshard_after_backward(False)``): taking or loading a state dict frees their full
+    parameters, as torch's does, so the next forward gathers the shards' current values (after a
+    load, the loaded ones; fullshard's forward used the full values gathered before the load)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    ref, ours = _pair(reshard_after_forward=False)
+    source = _pair()[1]
+    _step(source, torch.optim.SGD(source.parameters(), lr=0.1), _toks(5, rank, world))
+    for model in (ref, ours):
+        model.set_reshard_after_backward(False)
+    opts = _adamw(ref, ours)
+    take = (
+        lambda m: m.state_dict(),
+        get_model_state_dict,
+        lambda m: m.load_state_dict(source.state_dict()),
+        lambda m: set_model_state_dict(m, get_model_state_dict(source)),
+    )
+    for step, change in enumerate(take):
+        losses = [_step(m, o, _toks(step, rank, world)) for m, o in zip((ref, ours), opts)]
+        assert torch.equal(*losses), step
+        for model in (ref, ours):
+            change(model)
+    losses = [_step(m, o, _toks(4, rank, world)) for m, o in zip((ref, ours), opts)]
+    assert torch.equal(*losses)
+    for p, q in zip(*(o.param_groups[0]["params"] for o in opts), strict=True):
+        assert torch.equal(p.full_tensor(), q.full_tensor())
+
+
+def _freezing_then_resuming(rank: int, world: int, tmp: str) -> None:
+    """A freeze between steps, a DCP sharded checkpoint after it, and a resume into fresh models
+    (loaded, then frozen the same way; unfrozen a step later): the uninterrupted run's losses and
+    parameters, and torch's, bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def change(model: nn.Module, step: int) -> None:
+        for name, p in model.named_parameters():
+            if step in (1, 3) and name.startswith(("layers.0.", "tok_", "layers.1.w1.weight")):
+                p.requires_grad_(step == 3)
+
+    def run(models: list[nn.Module], opts: list, steps: range) -> list[list[torch.Tensor]]:
+        losses = []
+        for step in steps:
+            for model in models:
+                change(model, step)
+            losses.append([_step(m, o, _toks(step, rank, world)) for m, o in zip(models, opts)])
+        return losses
+
+    models = _pair()
+    opts = _adamw(*models)
+    run(models, opts, range(2))
+    for i, (model, opt) in enumerate(zip(models, opts)):
+        dcp.save(dict(zip(("model", "optim"), get_state_dict(model, opt))), checkpoint_id=os.path.join(tmp, f"f{i}"))
+    straight = run(models, opts, range(2, 5))
+    resumed = _pair()
+    resumed_opts = _adamw(*resumed)
+    for i, (model, opt) in enumerate(zip(resumed, resumed_opts)):
+        state = dict(zip(("model", "optim"), get_state_dict(model, opt)))
+        dcp.load(state, checkpoint_id=os.path.join(tmp, f"f{i}"))
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        change(model, 1)
+    again = run(resumed, resumed_opts, range(2, 5))
+    for step, (a, b) in enumerate(zip(straight, again)):
+        assert all(torch.equal(a[0], x) for x in (*a, *b)), step
+    for model in (*models, resumed[0]):
+        _same(model, resumed[1], "resumed after a freeze")
+
+
 CASES_2 = (
     _reshard_after_forward,
     _root_reshards_when_asked,
@@ -401,6 +472,7 @@ CASES_2 = (
     _tied_and_reused,
     _zero_grad,
     _norms,
+    _state_dict_of_units_kept_gathered,
 )
 
 
@@ -622,7 +694,8 @@ def body_2(rank: int, world: int, tmp: str) -> list[str]:
         case(rank, world)
         done.append(case.__name__)
     _flattened_optimizer_state(rank, world, tmp)
-    return [*done, "flattened"]
+    _freezing_then_resuming(rank, world, tmp)
+    return [*done, "flattened", "resumed"]
 
 
 def body_3(rank: int, world: int, tmp: str) -> str:
@@ -633,5 +706,5 @@ def body_3(rank: int, world: int, tmp: str) -> str:
 @pytest.mark.timeout(200)
 def test_more_of_fully_shard_like_torch_at_2_and_3_ranks(tmp_path) -> None:
     done = run_ranks(body_2, 2, str(tmp_path), timeout=150)[0]
-    assert done == [c.__name__ for c in CASES_2] + ["flattened"]
+    assert done == [c.__name__ for c in CASES_2] + ["flattened", "resumed"]
     assert run_ranks(body_3, 3, str(tmp_path), timeout=100)[0] == "loaded"

@@ -44,7 +44,7 @@ from fullshard.engine.config import BackwardPrefetch, CommQuantization, FrontEnd
 from fullshard.engine.groups import resolve_groups
 from fullshard.engine.shard_sync import register_dtensors
 from fullshard.engine.sharded_param import is_sharded, unshifted
-from fullshard.engine.unit import TrainingState, Unit
+from fullshard.engine.unit import ShardState, TrainingState, Unit
 from fullshard.frontend import meshes, optim_local, shard_dims, tensor_parallel
 from fullshard.frontend.fsdp_module import FSDPModule
 from fullshard.frontend.options import as_comm_quantization, as_mp_policy, as_offload_policy
@@ -466,6 +466,7 @@ def _register_state_dict_hooks(module: nn.Module, unit: Unit) -> None:
     ]
 
     def from_full(m: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+        _reshard_kept(unit)
         for sp, rel in keys:
             value = state_dict.get(prefix + rel)
             if isinstance(value, DTensor) or not isinstance(value, torch.Tensor):
@@ -484,4 +485,14 @@ def _register_state_dict_hooks(module: nn.Module, unit: Unit) -> None:
             if isinstance(value, DTensor) and key.startswith(prefix):
                 state_dict[key] = unshifted(value)
 
+    module.register_state_dict_pre_hook(lambda *args: _reshard_kept(unit))
     module.register_state_dict_post_hook(unshift)
+
+
+def _reshard_kept(unit: Unit) -> None:
+    """Free the full parameters of a unit kept gathered between steps, as torch's does when its
+    state dict is taken or loaded: the next forward gathers the shards' current values (after a
+    load the loaded ones, not those gathered before). Not while a forward's backward is pending."""
+    idle = unit.training_state is TrainingState.IDLE and not unit._open_splits and not compat.in_backward()
+    if idle and unit.shard_state is ShardState.UNSHARDED:
+        unit.reshard()
