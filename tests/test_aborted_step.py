@@ -58,6 +58,12 @@ def _build(front: str) -> torch.nn.Module:
     return fullshard.fully_shard(model)
 
 
+def _training(front: str) -> tuple[torch.nn.Module, torch.nn.Module, torch.optim.Optimizer]:
+    """(the sharded TinyLM, the module under the wrapper or the model itself, AdamW over it)."""
+    model = _build(front)
+    return model, model.module if front == "fsdp1" else model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
 def _full(model: torch.nn.Module, inner: torch.nn.Module) -> dict[str, torch.Tensor]:
     from fullshard.frontend.summon import summon_full_params
 
@@ -70,9 +76,7 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 
 def _train(rank: int, world: int, front: str, abort: str | None) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = _build(front)
-    inner = model.module if front == "fsdp1" else model
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, inner, opt = _training(front)
     losses = []
     for step in range(4):
         x = local(tokens(step, 4), rank, world)
@@ -151,9 +155,7 @@ def _skip_or_fail(rank: int, world: int, front: str, where: str | None, accumula
     """Four steps; step 1 fails in backward (``where``: "loss" or "layers.1"), in forward
     ("forward": inside layers.1) or between forward and backward ("after forward") after an
     optional micro-batch with sync off, or is skipped (``where`` None)."""
-    model = _build(front)
-    inner = model.module if front == "fsdp1" else model
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, inner, opt = _training(front)
     losses = []
     for step in range(4):
         x = local(tokens(step, 8), rank, world)
@@ -220,9 +222,7 @@ def _step_skipped_or_failed(rank: int, world: int, front: str, fail: bool) -> tu
     """Four steps; step 1's ``optimizer.step()`` raises (``fail``) or step 1 is skipped."""
     import torch.optim.adam as adam  # torch.optim's namespace drops the submodule's name
 
-    model = _build(front)
-    inner = model.module if front == "fsdp1" else model
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, inner, opt = _training(front)
     losses = []
     for step in range(4):
         x = local(tokens(step, 8), rank, world)
