@@ -95,15 +95,15 @@ def _flipped(sp: ShardedParam) -> bool:
     return sp.shard is not None and not sp.swapped and sp.shard.requires_grad != sp.requires_grad
 
 
-def check_relayout(unit: UnitLayout) -> None:
-    """Raise if ``unit``, whose ``requires_grad`` changed, cannot be laid out again now (for a
-    change that cannot wait either: :meth:`~.layout.UnitLayout.defer_relayout`).
+def check_relayout(unit: UnitLayout, flipped: list[ShardedParam]) -> None:
+    """Raise if ``unit``, whose parameters ``flipped`` changed ``requires_grad``, cannot be laid
+    out again now (for a change that cannot wait either: :meth:`~.layout.UnitLayout.defer_relayout`).
 
     Raises:
         RuntimeError: the unit cannot change now (:meth:`~.layout.UnitLayout.relayout_refusal`),
             naming the parameter, the moment and the fix.
     """
-    _refuse(unit, flipped_params(unit))
+    _refuse(unit, flipped)
 
 
 def _relayout(unit: UnitLayout, flipped: list[ShardedParam]) -> None:

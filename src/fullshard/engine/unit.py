@@ -99,7 +99,7 @@ class Unit(UnitLayout):
         why = super().relayout_refusal()
         if why is not None:
             return why
-        if self._open_splits and (self.training_state is TrainingState.PRE_BACKWARD or compat.in_backward()):
+        if self._open_splits and self._backward_reads_layout():
             return (
                 " between this unit's forward and its backward: change requires_grad before forward or after "
                 "backward, as with torch's fully_shard"
@@ -110,6 +110,11 @@ class Unit(UnitLayout):
                 "or set_requires_all_reduce(False)): change it after the backward that reduces them"
             )
         return None
+
+    def _backward_reads_layout(self) -> bool:
+        """Whether a backward is running that may read this unit's layout (its own, or any: a
+        prefetch from another unit's backward)."""
+        return self.training_state is TrainingState.PRE_BACKWARD or compat.in_backward()
 
     def defer_relayout(self, flipped: list[ShardedParam]) -> bool:
         """Parameters frozen while gradients accumulated with sync off wait for a reduction
@@ -130,8 +135,7 @@ class Unit(UnitLayout):
             return False
         index = {id(sp): i for i, sp in enumerate(self.trainable)}
         pending = sorted(index[id(sp)] for sp in flipped)
-        backward = self.training_state is TrainingState.PRE_BACKWARD or compat.in_backward()
-        if self._open_splits and backward and pending != self.frozen_pending:
+        if self._open_splits and self._backward_reads_layout() and pending != self.frozen_pending:
             return False  # changed since this backward's forward
         self.frozen_pending = pending
         return True
@@ -226,7 +230,7 @@ class Unit(UnitLayout):
             return
         if self.defer_relayout(flipped):
             return
-        shard_sync.check_relayout(self)  # before anything changes
+        shard_sync.check_relayout(self, flipped)  # before anything changes
         with torch.no_grad():
             kept = {id(sp): full.clone() for sp, full in zip(self.params, self.full_params(tracked=False))}
         self.reshard()
