@@ -50,9 +50,17 @@ class BufferPool:
         self._lent: dict[tuple[int, torch.dtype, torch.device], int] = {}
 
     def acquire(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A buffer of ``numel`` elements of ``dtype`` on ``device``: a kept one, or a new empty one."""
+        """A buffer of ``numel`` elements of ``dtype`` on ``device``: a kept one, or a new empty one.
+
+        Never an inference tensor: one made under ``torch.inference_mode()`` could not be written
+        in place after it, and the buffer is kept for later steps."""
         free = self._free.get((numel, dtype, device))
-        return free.pop() if free else torch.empty(numel, dtype=dtype, device=device)
+        if free:
+            return free.pop()
+        if torch.is_inference_mode_enabled():
+            with torch.inference_mode(False):
+                return torch.empty(numel, dtype=dtype, device=device)
+        return torch.empty(numel, dtype=dtype, device=device)
 
     def release(self, t: torch.Tensor, lent: bool = False) -> None:
         """Return ``t`` to be kept (up to ``per_size`` of its key, counting those lent out);
@@ -60,8 +68,8 @@ class BufferPool:
         key = (t.numel(), t.dtype, t.device)
         if lent and self._lent.get(key, 0) > 0:
             self._lent[key] -= 1
-        if not whole(t):
-            return  # only whole buffers come back
+        if not whole(t) or t.is_inference():
+            return  # only whole buffers come back, and none made under inference mode
         free = self._free.setdefault(key, [])
         if len(free) + self._lent.get(key, 0) < self.per_size:
             free.append(t)

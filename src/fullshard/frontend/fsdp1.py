@@ -26,6 +26,7 @@ from fullshard.engine.config import (
     MixedPrecision,
     ShardingStrategy,
 )
+from fullshard.engine.inference_guard import outside_inference_mode
 from fullshard.engine.module_wrapper import FSDP_WRAPPED as WRAPPED
 from fullshard.engine.unit import TrainingState, Unit
 from fullshard.engine.wrapper_config import WrapperConfig
@@ -386,6 +387,7 @@ class FullyShardedDataParallel(StateDictMethods):
 
 
 @dynamo_guard.outside_dynamo
+@outside_inference_mode
 def _pre_forward(wrapper: FullyShardedDataParallel, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Become the root at the first forward, prepare the inputs, gather the unit."""
     wrapper._lazy_init()
@@ -395,11 +397,13 @@ def _pre_forward(wrapper: FullyShardedDataParallel, args: tuple, kwargs: dict) -
 
 
 @dynamo_guard.outside_dynamo
+@outside_inference_mode
 def _post_forward(wrapper: FullyShardedDataParallel, output: Any) -> Any:
     return hooks.post_forward(wrapper._unit_state, output)
 
 
 @dynamo_guard.outside_dynamo
+@outside_inference_mode
 def _forward_failed(wrapper: FullyShardedDataParallel) -> None:
     """A failed forward leaves the unit usable: shards back, full parameters freed, IDLE. A
     recomputation in backward (activation checkpointing stops it early by raising) must keep

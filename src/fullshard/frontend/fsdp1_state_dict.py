@@ -27,6 +27,7 @@ from fullshard.engine.config import (
     StateDictSettings,
     StateDictType,
 )
+from fullshard.engine.inference_guard import outside_inference_mode
 from fullshard.engine.module_wrapper import ModuleWrapper
 from fullshard.frontend import fsdp1_optim
 from fullshard.frontend.options import (
@@ -61,6 +62,7 @@ class StateDictMethods(ModuleWrapper):
         return state
 
     @flight_recorder.labelled("state_dict")
+    @outside_inference_mode
     def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:  # type: ignore[override]
         """The state dict under the original names, of the type set by ``state_dict_type``.
 

@@ -27,6 +27,7 @@ from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 from fullshard import compat
 from fullshard.engine import custom_comm, dynamo_guard, hooks, recovery
 from fullshard.engine.all_gather_extension import ExtensionUnit
+from fullshard.engine.inference_guard import outside_inference_mode
 from fullshard.engine.unit import ShardState, Unit
 
 
@@ -99,6 +100,14 @@ class FSDPModule(_TorchFSDPModule):
         if isinstance(reduced, tuple) and reduced and reduced[0] is getattr(copyreg, "__newobj__"):
             return (_new_unit_object, *reduced[1:])
         return reduced
+
+    @outside_inference_mode
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """``nn.Module.state_dict``, also under ``torch.inference_mode()`` (a checkpoint saved
+        inside an evaluation loop): a view of a DTensor made before inference mode fails in it
+        ("Cannot set version_counter for inference tensor", torch's as well), so the state dict
+        of this module and of its descendants is taken with inference mode off."""
+        return super().state_dict(*args, **kwargs)  # type: ignore[misc]
 
     def _get_fsdp_state(self) -> NoReturn:
         # Only torch's methods read torch's state; each is defined here again. One that torch
@@ -206,6 +215,7 @@ class FSDPModule(_TorchFSDPModule):
         state.root.post_optim_event = event
 
     @dynamo_guard.outside_dynamo  # called from compiled code (a chunked loss), it runs eagerly
+    @outside_inference_mode
     def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
         """All-gather this module's parameters now; while gathered, ``parameters(recurse=False)``
         yields the full parameters (in ``param_dtype``), as torch's does. The next forward then
@@ -219,6 +229,7 @@ class FSDPModule(_TorchFSDPModule):
         return None
 
     @dynamo_guard.outside_dynamo
+    @outside_inference_mode
     def reshard(self) -> None:
         """Free this module's full parameters; the shards are registered again."""
         self._units(recurse=False)[0].reshard()

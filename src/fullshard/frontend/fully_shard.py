@@ -39,7 +39,7 @@ from torch import nn
 from fullshard import compat
 from fullshard.comm import collectives
 from fullshard.compat import tree_map
-from fullshard.engine import all_gather_extension, build, dynamo_guard, frozen_backward, hooks
+from fullshard.engine import all_gather_extension, build, dynamo_guard, frozen_backward, hooks, inference_guard
 from fullshard.engine.config import BackwardPrefetch, CommQuantization, FrontEnd, MixedPrecision, ShardingStrategy
 from fullshard.engine.groups import resolve_groups
 from fullshard.engine.shard_sync import register_dtensors
@@ -371,7 +371,8 @@ def _register_forward_hooks(
             )
         return output
 
-    pre, post = dynamo_guard.outside_dynamo(pre), dynamo_guard.outside_dynamo(post)  # compiled code never traces them
+    pre = dynamo_guard.outside_dynamo(inference_guard.outside_inference_mode(pre))  # never traced by compile
+    post = dynamo_guard.outside_dynamo(inference_guard.outside_inference_mode(post))  # normal tensors made
     for m in modules:
         m.register_forward_pre_hook(pre, prepend=True, with_kwargs=True)
         m.register_forward_hook(post)

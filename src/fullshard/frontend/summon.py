@@ -16,6 +16,7 @@ from torch import nn
 from fullshard.comm import flight_recorder
 from fullshard.engine import hooks
 from fullshard.engine.config import FrontEnd
+from fullshard.engine.inference_guard import outside_inference_mode
 from fullshard.engine.unit import TrainingState, Unit
 
 
@@ -66,7 +67,7 @@ def summon_full_params(
                 continue
             full, hidden = shown
             if writeback:
-                unit.write_back(full)
+                outside_inference_mode(unit.write_back)(full)
             for sp, (data, grad, was_swapped) in zip(unit.params, hidden):
                 shard = sp.shard
                 assert shard is not None
@@ -87,6 +88,7 @@ Hidden = list[tuple[torch.Tensor, "torch.Tensor | None", bool]]
 
 
 @flight_recorder.labelled("summon_full_params")
+@outside_inference_mode
 def _summon(
     unit: Unit, rank0_only: bool, offload_to_cpu: bool, with_grads: bool
 ) -> tuple[list[torch.Tensor], Hidden] | None:
