@@ -48,6 +48,8 @@ def _build(front: str, setting: str) -> torch.nn.Module:
     }[setting]
     for layer in model.layers:
         fullshard.fully_shard(layer, **kwargs)
+    if setting == "mixed":  # the root's output cast back, in the caller's mode
+        kwargs = {"mp_policy": fullshard.MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32)}
     return fullshard.fully_shard(model, **kwargs)
 
 

@@ -31,6 +31,7 @@ from fullshard.frontend.activation_checkpointing import (
     checkpoint_wrapper,
 )
 from fullshard.frontend.clip_grad import clip_grad_norm_
+from fullshard.frontend.forward_method import register_fsdp_forward_method
 from fullshard.frontend.fsdp1 import FSDP, FullyShardedDataParallel
 from fullshard.frontend.fsdp_module import FSDPModule, UnshardHandle
 from fullshard.frontend.fully_shard import (
@@ -38,7 +39,6 @@ from fullshard.frontend.fully_shard import (
     MixedPrecisionPolicy,
     OffloadPolicy,
     fully_shard,
-    register_fsdp_forward_method,
     share_comm_ctx,
 )
 from fullshard.frontend.meshes import DataParallelMeshDims

@@ -28,7 +28,6 @@ local tensors and registered on the (dp, tp) mesh, 2-D or 3-D, as torch's: see
 from __future__ import annotations
 
 import dataclasses
-import functools
 import warnings
 from collections.abc import Iterable
 from typing import Any, Callable, Optional, Union
@@ -352,7 +351,8 @@ def _register_forward_hooks(
             hooks.pre_forward(state)
         return frozen_backward.hook_frozen_inputs(state, (args, kwargs))
 
-    def post(module: nn.Module, args: tuple, output: Any) -> Any:
+    @inference_guard.outside_inference_mode  # what it allocates is kept: normal tensors
+    def end(module: nn.Module, output: Any) -> Any:
         if recomputing():
             output = hooks.post_forward(state, output)
         elif state.methods_running:  # a forward inside a registered method: the method ends the pass
@@ -365,14 +365,13 @@ def _register_forward_hooks(
             to_run.discard(id(module))
             if torch.is_grad_enabled():
                 output = hooks.register_pre_backward(state, output)
-        if output_dtype is not None:
-            output = tree_map(
-                lambda t: t.to(output_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, output
-            )
         return output
 
+    def post(module: nn.Module, args: tuple, output: Any) -> Any:
+        return _cast_output(end(module, output), output_dtype)  # in the caller's mode
+
     pre = dynamo_guard.outside_dynamo(inference_guard.outside_inference_mode(pre))  # never traced by compile
-    post = dynamo_guard.outside_dynamo(inference_guard.outside_inference_mode(post))  # normal tensors made
+    post = dynamo_guard.outside_dynamo(post)
     for m in modules:
         m.register_forward_pre_hook(pre, prepend=True, with_kwargs=True)
         m.register_forward_hook(post)
@@ -391,61 +390,11 @@ def share_comm_ctx(modules: list[Any]) -> None:
             raise ValueError(f"share_comm_ctx expects a list of FSDPModules (given to fully_shard), got {m!r}")
 
 
-def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
-    """Make ``module.<method_name>(...)`` gather and free parameters as ``forward`` does (for
-    methods such as ``generate`` called instead of forward).
-
-    The full parameters stay in place until the method returns, also when it calls
-    ``self(...)`` first and uses the parameters after that forward (torch's keep them only for
-    the root and ``reshard_after_forward=False`` units).
-
-    As torch's: a module that heads no ``fully_shard`` unit is left alone (so code may call it
-    with or without FSDP), and the method is looked up on the instance (one set on it, or a
-    method another registration already wrapped, is wrapped too).
-
-    Raises:
-        ValueError: ``module`` has no attribute ``method_name`` (torch's message).
-    """
-    state = hooks.fsdp_state(module)
-    if state is None:
-        return
-    if not hasattr(module, method_name):
-        raise ValueError(f"{type(module)} does not have a method {method_name}")
-    method = getattr(module, method_name)
-
-    @functools.wraps(method)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = _run_pre_hooks(module, args, kwargs)
-        state.methods_running += 1
-        try:
-            output = method(*args, **kwargs)
-        finally:
-            state.methods_running -= 1
-        return _run_post_hooks(module, args, output)
-
-    setattr(module, method_name, wrapped)
-
-
-def _run_pre_hooks(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    pre_hooks, _ = compat.forward_hooks(module)
-    for hook, with_kwargs in pre_hooks:
-        if with_kwargs:
-            result = hook(module, args, kwargs)
-            if result is not None:
-                args, kwargs = result
-        else:
-            result = hook(module, args)
-            if result is not None:
-                args = result if isinstance(result, tuple) else (result,)
-    return args, kwargs
-
-
-def _run_post_hooks(module: nn.Module, args: tuple, output: Any) -> Any:
-    for hook in compat.forward_hooks(module)[1]:
-        result = hook(module, args, output)
-        if result is not None:
-            output = result
-    return output
+def _cast_output(output: Any, dtype: Optional[torch.dtype]) -> Any:
+    """``output``'s floating-point tensors cast to ``dtype`` (``mp_policy.output_dtype``), if given."""
+    if dtype is None:
+        return output
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, output)
 
 
 def _register_state_dict_hooks(module: nn.Module, unit: Unit) -> None:

@@ -64,7 +64,7 @@ def _register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """torch's ``register_fsdp_forward_method`` for every module: fullshard's for fullshard's
     units, torch's for torch's, nothing for a module neither sharded (as torch's does)."""
     from fullshard.engine import hooks
-    from fullshard.frontend.fully_shard import register_fsdp_forward_method
+    from fullshard.frontend.forward_method import register_fsdp_forward_method
 
     if hooks.is_unit(module):
         register_fsdp_forward_method(module, method_name)
