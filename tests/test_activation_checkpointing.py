@@ -226,8 +226,8 @@ class _CheckpointedLM(nn.Module):
 
 
 def reentrant_body(rank: int, world: int) -> dict[str, list]:
-    """Per checkpoint kind: fullshard's gathers per step (probes) and its losses, with torch's
-    ``fully_shard`` losses alongside."""
+    """Per checkpoint kind: fullshard's gathers per step (probes), its losses and its last
+    step's gathers and reductions in order, with torch's ``fully_shard`` losses alongside."""
     import torch.distributed.fsdp as torch_fsdp
     from models import tokens
 
@@ -251,7 +251,8 @@ def reentrant_body(rank: int, world: int) -> dict[str, list]:
                 opt.zero_grad()
                 losses.append(loss.item())
                 gathers.append(sum(e == "unshard" for e, _ in p.events or []))
-            out[f"{name} reentrant={reentrant}"] = [losses, gathers]
+            order = [f"{e} {n}" for e, n in p.events or [] if e in ("unshard", "reduce")]
+            out[f"{name} reentrant={reentrant}"] = [losses, gathers, order]
     return out
 
 
@@ -263,5 +264,13 @@ def test_reentrant_checkpointing_gathers_each_unit_once_in_backward() -> None:
     got = run_ranks(reentrant_body, 2, timeout=180)[0]
     ours, plain = got["fullshard reentrant=True"], got["fullshard reentrant=False"]
     assert ours[1] == plain[1] == [9, 9, 9]  # the root and 4 blocks in forward, 4 blocks in backward
+    # Backward prefetches as without reentrancy (forward order as recorded: their forward ran
+    # without grad), from the second step on: block i-1's all-gather starts as block i's
+    # backward does, before block i's reduce-scatter. It used to start at block i-1's
+    # recomputation, waited on at once.
+    for i in (1, 2, 3):
+        gather, reduce = f"unshard lm.layers.{i - 1}", f"reduce lm.layers.{i}"
+        for order in (ours[2], plain[2]):
+            assert order.index(gather, 5) < order.index(reduce), order
     assert ours[0] == got["torch reentrant=True"][0]
     assert plain[0] == got["torch reentrant=False"][0]

@@ -19,7 +19,6 @@ Hooks call units only; they never touch torch.distributed.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
@@ -29,68 +28,12 @@ from torch import nn
 from fullshard import compat, probes
 from fullshard.comm import buffers, exposed_comm, flight_recorder
 from fullshard.engine import backward_buffers, reshard_guard
-from fullshard.engine.config import BackwardPrefetch, FrontEnd, MixedPrecision
+from fullshard.engine.config import BackwardPrefetch, FrontEnd
 from fullshard.engine.dynamo_guard import outside_dynamo
+from fullshard.engine.hook_state import FSDPState, RootState
 from fullshard.engine.module_wrapper import clean_name
 from fullshard.engine.unit import ShardState, TrainingState, Unit
 from fullshard.engine.unit_check import check_same_units
-
-
-@dataclasses.dataclass
-class RootState:
-    """What the units of one FSDP tree share; owned by the root unit."""
-
-    units: list[Unit]
-    states: list[FSDPState]  # the state of each unit, in ``units``' order
-    backward_prefetch: BackwardPrefetch | None
-    forward_prefetch: bool
-    forward_order: list[Unit] = dataclasses.field(default_factory=list)
-    last_forward_order: list[Unit] = dataclasses.field(default_factory=list)
-    callback_queued: bool = False
-    last_reduced: Unit | None = None
-    pre_backward_done: set[int] = dataclasses.field(default_factory=set)
-    post_optim_event: Any = None  # a CUDA event the next forward's all-gathers wait for
-    units_checked: bool = False  # whether every rank was found to wrap the same units
-    kept: Unit | None = None  # left gathered after forward by keeps_last_gathered, until its backward
-    # During a root forward without grad: the reshard_after_forward=False units it left gathered
-    # (a second call in the same forward gathers nothing), resharded when that forward ends.
-    held_without_grad: list[Unit] | None = None
-    # Per unit without trainable parameters (by id): its forward calls whose inputs backward has
-    # not reached yet (engine.frozen_backward).
-    frozen_pending: dict[int, int] = dataclasses.field(default_factory=dict)
-    # The units (by id) whose output this step required grad: the ones backward reaches.
-    backward_units: set[int] = dataclasses.field(default_factory=set)
-
-
-@dataclasses.dataclass
-class FSDPState:
-    """The FSDP state of a module that heads a unit (FSDP2's ``FSDPState``): the unit, the front
-    end that built it, whether it is the root, and its tree's shared state. ``ignored``: the
-    modules the unit's front end leaves alone (FullyShardedDataParallel's ``ignored_modules``),
-    for the state-dict code."""
-
-    unit: Unit
-    front_end: FrontEnd
-    ignored: frozenset[nn.Module] = frozenset()
-    is_root: bool = False
-    root: RootState | None = None
-    mixed_precision: MixedPrecision | None = None
-    backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE
-    forward_prefetch: bool = False
-    # Set by FSDPModule.set_modules_to_{forward,backward}_prefetch: the units whose all-gathers
-    # this unit's forward / backward starts, instead of the neighbour in the recorded order.
-    prefetch_in_forward: list[Unit] | None = None
-    prefetch_in_backward: list[Unit] | None = None
-    forward_range: Any = None  # the open torch.profiler range of this unit's forward
-    # fully_shard of several modules: the ids of those still to run forward in this pass over
-    # the unit (torch's ``modules_to_run``); the unit's post-forward runs when it empties, or
-    # at the end of the root's forward for a pass that some member never joined.
-    modules_to_run: set[int] = dataclasses.field(default_factory=set)
-    # How many calls of methods registered with register_fsdp_forward_method are running on the
-    # unit: a forward called inside one (``generate`` calling ``self(...)``) does not end the
-    # pass, so the method goes on with the full parameters; the method's own end does.
-    methods_running: int = 0
-
 
 _STATE_ATTR = "_fsdp_state"
 
@@ -193,7 +136,8 @@ def backward_neighbour(root: RootState, unit: Unit) -> Unit | None:
         i = root.forward_order.index(unit)
     except ValueError:
         return None
-    return next((u for u in reversed(root.forward_order[:i]) if id(u) in root.backward_units), None)
+    expected = root.expected_backward()
+    return next((u for u in reversed(root.forward_order[:i]) if id(u) in expected), None)
 
 
 def prefetch(unit: Unit | None) -> None:
@@ -268,11 +212,13 @@ def root_pre_forward(state: FSDPState) -> None:
     if not root.units_checked:
         root.units_checked = True
         check_same_units(root.units)
-    if torch.is_grad_enabled():
+    root.grad_pass = torch.is_grad_enabled()
+    if root.grad_pass:
         flight_recorder.root_forward()
         if root.forward_order:
             root.last_forward_order = root.forward_order
         root.forward_order = []
+        root.forward_without_grad.clear()
 
 
 def pre_forward(state: FSDPState) -> None:
@@ -291,9 +237,11 @@ def pre_forward(state: FSDPState) -> None:
     unit.install_full_params()
     if probes.ACTIVE is not None:
         probes.record_event("forward", unit.name)
-    if torch.is_grad_enabled() and unit not in root.forward_order and not _in_backward():
+    if unit not in root.forward_order and (torch.is_grad_enabled() or root.grad_pass) and not _in_backward():
         root.forward_order.append(unit)
-    if unit.training_state is TrainingState.FORWARD:  # not in recomputation
+        if not torch.is_grad_enabled():  # reentrant activation checkpointing's forward
+            root.forward_without_grad.add(id(unit))
+    if unit.training_state is TrainingState.FORWARD and not _in_backward():  # not in a recomputation
         if state.prefetch_in_forward is not None:
             for other in state.prefetch_in_forward:
                 prefetch(other)
@@ -332,6 +280,7 @@ def post_forward(state: FSDPState, output: Any) -> Any:
             root.kept = unit
         if state.is_root:
             _reshard_held(root)
+            root.grad_pass = False
     if grad and not in_recompute:
         register_pre_backward(state, output)
         if state.is_root:
@@ -462,7 +411,7 @@ def end_backward(unit: Unit, root: RootState) -> None:
     reshard, free buffers done with, close its range, ``BACKWARD_POST``'s prefetch."""
     if unit.reshard_after_backward:
         unit.reshard()
-        backward_buffers.drop_done_with(unit, root.forward_order, root.backward_units)
+        backward_buffers.drop_done_with(unit, root.forward_order, root.expected_backward())
     exposed_comm.close_range(unit.backward_range)
     unit.backward_range = None
     if root.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
@@ -515,6 +464,8 @@ def finish_backward(root: RootState) -> None:
     root.last_reduced = None
     root.kept = None
     root.callback_queued = False
+    if root.pre_backward_done:
+        root.last_backward = set(root.pre_backward_done)
     root.pre_backward_done.clear()
     root.frozen_pending.clear()
     root.backward_units.clear()

@@ -46,6 +46,8 @@ def reset_iteration(root: RootState) -> None:
         state.methods_running = 0
     buffers.POOL.clear(keep_cpu=True)
     root.forward_order = []
+    root.forward_without_grad.clear()
+    root.grad_pass = False
     root.kept = root.last_reduced = None
     root.callback_queued = False
     root.pre_backward_done.clear()

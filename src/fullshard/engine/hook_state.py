@@ -1,0 +1,80 @@
+"""The state the hooks keep: :class:`RootState` (what the units of one FSDP tree share) and
+:class:`FSDPState` (the state of a module that heads a unit). :mod:`fullshard.engine.hooks`
+reads and updates them and re-exports both."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from torch import nn
+
+from fullshard.engine.config import BackwardPrefetch, FrontEnd, MixedPrecision
+from fullshard.engine.unit import Unit
+
+
+@dataclasses.dataclass
+class RootState:
+    """What the units of one FSDP tree share; owned by the root unit."""
+
+    units: list[Unit]
+    states: list[FSDPState]  # the state of each unit, in ``units``' order
+    backward_prefetch: BackwardPrefetch | None
+    forward_prefetch: bool
+    forward_order: list[Unit] = dataclasses.field(default_factory=list)
+    last_forward_order: list[Unit] = dataclasses.field(default_factory=list)
+    callback_queued: bool = False
+    last_reduced: Unit | None = None
+    pre_backward_done: set[int] = dataclasses.field(default_factory=set)
+    post_optim_event: Any = None  # a CUDA event the next forward's all-gathers wait for
+    units_checked: bool = False  # whether every rank was found to wrap the same units
+    kept: Unit | None = None  # left gathered after forward by keeps_last_gathered, until its backward
+    # During a root forward without grad: the reshard_after_forward=False units it left gathered
+    # (a second call in the same forward gathers nothing), resharded when that forward ends.
+    held_without_grad: list[Unit] | None = None
+    # Per unit without trainable parameters (by id): its forward calls whose inputs backward has
+    # not reached yet (engine.frozen_backward).
+    frozen_pending: dict[int, int] = dataclasses.field(default_factory=dict)
+    # The units (by id) whose output this step required grad: the ones backward reaches.
+    backward_units: set[int] = dataclasses.field(default_factory=set)
+    # Whether the root's forward with grad is running, and the units (by id) that ran forward
+    # without grad inside it (reentrant activation checkpointing: their backward comes with
+    # their recomputation, so backward prefetches them when they ran backward the last step,
+    # ``last_backward``: the units whose pre-backward ran then).
+    grad_pass: bool = False
+    forward_without_grad: set[int] = dataclasses.field(default_factory=set)
+    last_backward: set[int] = dataclasses.field(default_factory=set)
+
+    def expected_backward(self) -> set[int]:
+        """The units (by id) backward is expected to reach this step."""
+        return self.backward_units | (self.forward_without_grad & self.last_backward)
+
+
+@dataclasses.dataclass
+class FSDPState:
+    """The FSDP state of a module that heads a unit (FSDP2's ``FSDPState``): the unit, the front
+    end that built it, whether it is the root, and its tree's shared state. ``ignored``: the
+    modules the unit's front end leaves alone (FullyShardedDataParallel's ``ignored_modules``),
+    for the state-dict code."""
+
+    unit: Unit
+    front_end: FrontEnd
+    ignored: frozenset[nn.Module] = frozenset()
+    is_root: bool = False
+    root: RootState | None = None
+    mixed_precision: MixedPrecision | None = None
+    backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE
+    forward_prefetch: bool = False
+    # Set by FSDPModule.set_modules_to_{forward,backward}_prefetch: the units whose all-gathers
+    # this unit's forward / backward starts, instead of the neighbour in the recorded order.
+    prefetch_in_forward: list[Unit] | None = None
+    prefetch_in_backward: list[Unit] | None = None
+    forward_range: Any = None  # the open torch.profiler range of this unit's forward
+    # fully_shard of several modules: the ids of those still to run forward in this pass over
+    # the unit (torch's ``modules_to_run``); the unit's post-forward runs when it empties, or
+    # at the end of the root's forward for a pass that some member never joined.
+    modules_to_run: set[int] = dataclasses.field(default_factory=set)
+    # How many calls of methods registered with register_fsdp_forward_method are running on the
+    # unit: a forward called inside one (``generate`` calling ``self(...)``) does not end the
+    # pass, so the method goes on with the full parameters; the method's own end does.
+    methods_running: int = 0
