@@ -227,7 +227,8 @@ class _CheckpointedLM(nn.Module):
 
 def reentrant_body(rank: int, world: int) -> dict[str, list]:
     """Per checkpoint kind: fullshard's gathers per step (probes), its losses and its last
-    step's gathers and reductions in order, with torch's ``fully_shard`` losses alongside."""
+    step's gathers, reductions and pre-backwards in order, with torch's ``fully_shard`` losses
+    alongside."""
     import torch.distributed.fsdp as torch_fsdp
     from models import tokens
 
@@ -251,7 +252,7 @@ def reentrant_body(rank: int, world: int) -> dict[str, list]:
                 opt.zero_grad()
                 losses.append(loss.item())
                 gathers.append(sum(e == "unshard" for e, _ in p.events or []))
-            order = [f"{e} {n}" for e, n in p.events or [] if e in ("unshard", "reduce")]
+            order = [f"{e} {n}" for e, n in p.events or [] if e in ("unshard", "reduce", "backward")]
             out[f"{name} reentrant={reentrant}"] = [losses, gathers, order]
     return out
 
@@ -272,5 +273,8 @@ def test_reentrant_checkpointing_gathers_each_unit_once_in_backward() -> None:
         gather, reduce = f"unshard lm.layers.{i - 1}", f"reduce lm.layers.{i}"
         for order in (ours[2], plain[2]):
             assert order.index(gather, 5) < order.index(reduce), order
+    # The root's backward, first, prefetches the last block (torch's post-forward order).
+    for order in (ours[2], plain[2]):
+        assert order.index("unshard lm.layers.3", 5) < order.index("backward lm.layers.3"), order
     assert ours[0] == got["torch reentrant=True"][0]
     assert plain[0] == got["torch reentrant=False"][0]

@@ -129,15 +129,18 @@ def neighbour(order: list[Unit], unit: Unit, step: int) -> Unit | None:
     return order[j] if 0 <= j < len(order) else None
 
 
-def backward_neighbour(root: RootState, unit: Unit) -> Unit | None:
+def backward_neighbour(root: RootState, unit: Unit, first: bool = False) -> Unit | None:
     """The unit backward reaches after ``unit``: the nearest before it in forward order whose
-    output required grad (one that needed none, a frozen vision tower, never runs backward)."""
+    output required grad (one that needed none, a frozen vision tower, never runs backward).
+    ``first``: ``unit`` is the root, whose backward starts first: the last unit of forward (the
+    root's forward ends after every other's, as torch's post-forward order has it)."""
     try:
         i = root.forward_order.index(unit)
     except ValueError:
         return None
     expected = root.expected_backward()
-    return next((u for u in reversed(root.forward_order[:i]) if id(u) in expected), None)
+    before = root.forward_order[1:] if first else root.forward_order[:i]
+    return next((u for u in reversed(before) if id(u) in expected), None)
 
 
 def prefetch(unit: Unit | None) -> None:
@@ -388,7 +391,7 @@ def _pre_backward(state: FSDPState, grad: torch.Tensor) -> torch.Tensor:
         for other in state.prefetch_in_backward:
             prefetch(other)
     elif root.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
-        prefetch(backward_neighbour(root, unit))
+        prefetch(backward_neighbour(root, unit, first=state.is_root))
     return grad
 
 

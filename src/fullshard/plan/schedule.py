@@ -28,7 +28,8 @@ prefetch):
   gathered) and, for the wrapper (``keep_last``), the last unit of forward;
 - pre-backward (a unit's backward starts): it gathers again if it had resharded, and starts the
   gather of the nearest unit before it in forward order that runs backward (its scratch held
-  until that unit waits on it; a unit whose output needs no gradient is never prefetched);
+  until that unit waits on it; a unit whose output needs no gradient is never prefetched); the
+  root's, first in backward, starts the last unit of forward's (a no-op where it is kept);
 - the last gradient of a unit: its full parameters go back to the pool and the packed gradient
   (``world x S_t`` elements, compute dtype) is taken from it while the per-parameter gradients
   still exist (a unit that activation checkpointing recomputes keeps its full parameters until
@@ -202,6 +203,15 @@ class _Replay:
         self.observe()
         if wait:
             self.wait(name)
+
+    def gather_first_of_backward(self, samples: Sequence[tuple[int, tuple[int, ...], bool, str]]) -> None:
+        """The root's pre-backward: start the gather of the last unit of forward that runs
+        backward (:func:`fullshard.engine.hooks.backward_neighbour` with ``first``); a unit kept
+        gathered since forward gathers nothing."""
+        ran = {self.unit_of.get(block, block) for _, _, back, block in samples if not back}
+        last = next((u for u in reversed(self.order[1:]) if u in ran and u in self.runs_backward), None)
+        if last is not None and last not in self.packed:
+            self.gather(last, wait=False)
 
     def wait(self, name: str) -> None:
         self.pending.discard(name)
@@ -442,6 +452,8 @@ def _step(
             left = r.unit_of.get(prev[1], prev[1]) if back and prev[0] == "backward" and prev[1] else None
             if left is not None and left not in (name, ROOT) and last_backward.get(left, i) < i:
                 r.frozen_done(left)  # its backward reached its inputs: it reshards before this unit gathers
+            if back and prev[0] == "forward":  # the root's pre-backward prefetches the last unit of forward
+                r.gather_first_of_backward(samples)
             if name != ROOT and name not in r.packed:
                 r.gather(name, wait=True)
                 k = order.index(name)
