@@ -28,7 +28,9 @@ class RootState:
     pre_backward_done: set[int] = dataclasses.field(default_factory=set)
     post_optim_event: Any = None  # a CUDA event the next forward's all-gathers wait for
     units_checked: bool = False  # whether every rank was found to wrap the same units
-    kept: Unit | None = None  # left gathered after forward by keeps_last_gathered, until its backward
+    # Left gathered after forward by keeps_last_gathered, or prefetched by the root's pre-backward:
+    # the unit expected first in backward, released if another unit's backward comes first.
+    kept: Unit | None = None
     # During a root forward without grad: the reshard_after_forward=False units it left gathered
     # (a second call in the same forward gathers nothing), resharded when that forward ends.
     held_without_grad: list[Unit] | None = None

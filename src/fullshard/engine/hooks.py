@@ -304,13 +304,14 @@ KEEP_LAST_GATHERED = True
 
 
 def _release_kept(root: RootState, unit: Unit) -> None:
-    """Another unit's forward or backward began while ``root.kept`` is still gathered: this
-    step's order is not the last one's (the kept unit ran early, or its output does not reach
-    the loss), so keeping it would raise the peak. Reshard it, as its post-forward would have;
-    its backward, if one comes, gathers it again."""
+    """Another unit's forward or backward began while ``root.kept`` is still gathered (or being
+    gathered: the root's backward prefetched it): this step's order is not the last one's (the
+    kept unit ran early, or its output does not reach the loss), so keeping it would raise the
+    peak. Reshard it, as its post-forward would have; its backward, if one comes, gathers it
+    again."""
     kept, root.kept = root.kept, None
-    if kept is not None and kept is not unit and kept.shard_state is ShardState.UNSHARDED:
-        kept.reshard()
+    if kept is not None and kept is not unit and (kept.shard_state is ShardState.UNSHARDED or kept.has_pending_gather):
+        kept.reshard()  # waits for a prefetched all-gather first
 
 
 def _reshard_held(root: RootState) -> None:
@@ -391,7 +392,10 @@ def _pre_backward(state: FSDPState, grad: torch.Tensor) -> torch.Tensor:
         for other in state.prefetch_in_backward:
             prefetch(other)
     elif root.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
-        prefetch(backward_neighbour(root, unit, first=state.is_root))
+        target = backward_neighbour(root, unit, first=state.is_root)
+        prefetch(target)
+        if state.is_root and root.kept is None:
+            root.kept = target  # released, as a kept unit is, if another unit's backward comes first
     return grad
 
 
