@@ -8,6 +8,8 @@ moves a quiet run's DDP step by 10% here) falls on all of them alike.
 Implementations are separated by ";"; each is a name of ``workloads.IMPLEMENTATIONS`` (or the floor), optionally
 followed by ``:`` and a JSON object of extra keyword arguments for fullshard's wrapper
 (``"keep_last": false`` turns off ``hooks.KEEP_LAST_GATHERED`` for that implementation's steps,
+``"root_prefetch": false`` turns off ``hooks.ROOT_BACKWARD_PREFETCH`` (switches alone apply to
+any implementation, ``fully_shard`` too),
 ``"own_rows_direct": false`` turns off ``unit.OWN_ROWS_DIRECT``, ``"forward_prefetch_depth": N``
 makes each unit's forward start the all-gathers of the next N units in module order,
 ``"local_gather": true`` is a diagnosis, not training: every all-gather of that implementation's
@@ -42,7 +44,11 @@ from fullshard.jobs import launch
 from fullshard.jobs.bench import workloads
 
 # Engine switches an implementation's JSON may turn off for its own steps: key -> (module, name).
-SWITCHES = {"keep_last": (hooks, "KEEP_LAST_GATHERED"), "own_rows_direct": (unit, "OWN_ROWS_DIRECT")}
+SWITCHES = {
+    "keep_last": (hooks, "KEEP_LAST_GATHERED"),
+    "own_rows_direct": (unit, "OWN_ROWS_DIRECT"),
+    "root_prefetch": (hooks, "ROOT_BACKWARD_PREFETCH"),
+}
 
 _all_gather = collectives.all_gather
 _LOCAL_GATHER = [False]  # the "local_gather" switch of the implementation taking its turn
@@ -81,6 +87,8 @@ def _build(workload: str, spec: str, dev: torch.device, rank: int) -> workloads.
     for key in (*SWITCHES, "local_gather"):
         kw.pop(key, None)
     depth = kw.pop("forward_prefetch_depth", 0)
+    if not kw and not depth:  # switches only: the implementation as named (fully_shard too)
+        return workloads.build_job(workload, name, dev, rank)
     from fullshard import BackwardPrefetch
     from fullshard import FullyShardedDataParallel as FSDP
 

@@ -301,6 +301,9 @@ def root_keeps(state: FSDPState) -> bool:
 # Whether the wrapper keeps the last unit gathered after forward (:func:`keeps_last_gathered`);
 # a switch for measuring the rule (tools/interleave.py), not an option.
 KEEP_LAST_GATHERED = True
+# Whether the root's pre-backward prefetches the last unit of forward (:func:`backward_neighbour`
+# with ``first``); a switch for measuring the rule (tools/interleave.py), not an option.
+ROOT_BACKWARD_PREFETCH = True
 
 
 def _release_kept(root: RootState, unit: Unit) -> None:
@@ -392,9 +395,10 @@ def _pre_backward(state: FSDPState, grad: torch.Tensor) -> torch.Tensor:
         for other in state.prefetch_in_backward:
             prefetch(other)
     elif root.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
-        target = backward_neighbour(root, unit, first=state.is_root)
+        first = state.is_root and ROOT_BACKWARD_PREFETCH
+        target = backward_neighbour(root, unit, first=first)
         prefetch(target)
-        if state.is_root and root.kept is None:
+        if first and root.kept is None:
             root.kept = target  # released, as a kept unit is, if another unit's backward comes first
     return grad
 
