@@ -9,7 +9,8 @@ the same way; at 2 ranks the parameters are compared bitwise after every step:
 - ``reshard_after_forward`` as an int (1: keep, 2: the shard group's size), False on the root
   only, and ``set_reshard_after_forward`` toggled between steps;
 - ``unshard(async_op=True)`` and ``handle.wait()`` by hand before forward, ``reshard()`` by hand
-  (what the module registers in between is torch's: full ``nn.Parameter``s);
+  (what the module registers in between is torch's: full ``nn.Parameter``s); ``handle.wait()``
+  only after the step the gather was for (a no-op, as torch's);
 - a custom forward and backward prefetch order, and ``set_post_optim_event`` with a CPU
   ``torch.Event`` (torch's waits for nothing; fullshard's asked CUDA for its current stream);
 - buffers (persistent, not persistent, an int64 counter) under bf16 ``MixedPrecisionPolicy``:
@@ -170,6 +171,14 @@ def _by_hand(rank: int, world: int) -> None:
         assert seen[0] == seen[1], seen
         assert seen[0][0][0][0] == "Parameter" and seen[0][1][0][0] == "DTensor", seen[0]
         _same(ref, ours, f"by hand {step}")
+    for step in range(2, 4):  # waited for only after the step they were started for: a no-op then
+        for model, opt in zip((ref, ours), opts):
+            handles = [layer.unshard(async_op=True) for layer in model.layers] + [model.unshard(async_op=True)]
+            _step(model, opt, _toks(step, rank, world))
+            for h in handles:
+                h.wait()
+        assert [type(p).__name__ for p in ours.parameters()] == [type(p).__name__ for p in ref.parameters()]
+        _same(ref, ours, f"waited after the step {step}")
 
 
 def _prefetch_and_post_optim_event(rank: int, world: int) -> None:

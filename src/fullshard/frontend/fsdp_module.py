@@ -38,6 +38,10 @@ class UnshardHandle(_TorchUnshardHandle):
         self._unit = unit
 
     def wait(self) -> None:
+        """Finish the all-gather and register the full parameters; a no-op once the forward it
+        was started for has waited for it and resharded the unit since (as torch's)."""
+        if not self._unit.has_pending_gather and self._unit.shard_state is ShardState.SHARDED:
+            return
         self._unit.wait_for_unshard()
         _register_unsharded(self._unit)
 
