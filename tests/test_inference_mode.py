@@ -159,3 +159,50 @@ def _wrapper_reads_both(rank: int, world: int) -> list[bool]:
 def test_wrapper_full_parameters_and_state_dicts_under_inference_mode() -> None:
     for same in run_ranks(_wrapper_reads_both, 2, timeout=100):
         assert same == [True, True]
+
+
+def _checkpointed(rank: int, world: int, tmp: str, front: str, mode: str) -> tuple[list[float], dict]:
+    """``fullshard.checkpoint.save`` before the first step and between steps, and ``load`` of
+    the last one, each under ``mode``; the losses of the steps around them and the final
+    parameters."""
+    import fullshard.checkpoint
+    from fullshard.frontend.summon import summon_full_params
+
+    model = _build(front, "default")
+    inner = model.module if front == "fsdp1" else model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    root = f"{tmp}/{front}_{mode}"
+    evaluation = torch.inference_mode if mode == "inference_mode" else torch.no_grad
+    losses = []
+    for step in range(4):
+        with evaluation():
+            if step < 3:
+                fullshard.checkpoint.save(root, step, model, opt)
+            else:
+                fullshard.checkpoint.load(root, model, opt)  # step 2's, taken before step 2
+        loss = model(local(tokens(step, 4), rank, world)).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    with summon_full_params(model):
+        return losses, {n: p.detach().clone() for n, p in inner.named_parameters()}
+
+
+def _checkpointed_both(rank: int, world: int, tmp: str) -> list[bool]:
+    same = []
+    for front in ("fully_shard", "fsdp1"):
+        losses, full = _checkpointed(rank, world, tmp, front, "inference_mode")
+        ref_losses, ref_full = _checkpointed(rank, world, tmp, front, "no_grad")
+        same.append(losses == ref_losses and all(torch.equal(full[n], ref_full[n]) for n in ref_full))
+    return same
+
+
+@pytest.mark.timeout(120)
+def test_checkpoint_save_and_load_under_inference_mode(tmp_path) -> None:
+    """Before the first step ``save`` creates the optimizer's state (as torch's
+    ``get_optimizer_state_dict`` does): under inference mode it was made of inference tensors
+    and the first ``optimizer.step()`` failed ("Inplace update to inference tensor outside
+    InferenceMode")."""
+    for same in run_ranks(_checkpointed_both, 2, str(tmp_path), timeout=100):
+        assert same == [True, True]

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from fullshard.comm import collectives, flight_recorder
+from fullshard.engine.inference_guard import outside_inference_mode
 from fullshard.state import checkpoint_manifest as manifests
 from fullshard.state import checkpoint_select as select
 from fullshard.state.checkpoint_errors import CheckpointError, FileFailure, everywhere, reasons
@@ -308,10 +309,13 @@ def resume(
     return chosen[0], _read_and_apply(*chosen, model, optimizer)
 
 
+@outside_inference_mode
 def _read_and_apply(
     directory: Path, manifest: Manifest | None, model: nn.Module, optimizer: torch.optim.Optimizer | None
 ) -> dict[str, Any]:
-    """Read every file of the (verified) checkpoint into copies, check them, then apply them."""
+    """Read every file of the (verified) checkpoint into copies, check them, then apply them.
+    With inference mode off: torch's ``set_optimizer_state_dict`` keeps the copies as the
+    optimizer's state, which the next ``optimizer.step()`` updates in place."""
     import torch.distributed.checkpoint as dcp
 
     rank = collectives.group_rank(collectives.default_group())

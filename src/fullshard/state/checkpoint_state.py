@@ -17,17 +17,22 @@ from torch import nn
 
 from fullshard.engine.config import FrontEnd
 from fullshard.engine.hooks import FSDPState, fsdp_state
+from fullshard.engine.inference_guard import outside_inference_mode
 from fullshard.state.checkpoint_errors import CheckpointMismatch
 from fullshard.state.optim_state import init_state, load_sharded_optim_state_dict, sharded_optim_state_dict
 from fullshard.state.state_dict import load_sharded_state_dict, sharded_state_dict
 
 
+@outside_inference_mode
 def sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     """The sharded state to save or load into: DTensor shards under the original names.
 
     A ``fully_shard`` model already registers DTensor parameters, so torch's own
     ``get_model_state_dict`` / ``get_optimizer_state_dict`` give it; the FSDP1 wrapper maps
-    its plain shards itself. Both write the same keys, so ``convert`` reads either.
+    its plain shards itself. Both write the same keys, so ``convert`` reads either. Runs with
+    inference mode off: optimizer state it creates before the first step (both front ends, as
+    torch's ``get_optimizer_state_dict`` does) must not be inference tensors, which the next
+    ``optimizer.step()`` could not update in place.
 
     Raises:
         TypeError: ``model`` heads no unit of either front end.

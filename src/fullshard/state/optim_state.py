@@ -18,6 +18,7 @@ from torch import nn
 
 from fullshard import compat
 from fullshard.comm import collectives
+from fullshard.engine.inference_guard import outside_inference_mode
 from fullshard.engine.module_wrapper import clean_name
 from fullshard.state.state_dict import _sharded, _unit_of_param, as_dtensor, unit_mesh
 
@@ -93,6 +94,7 @@ def check_model_params(names: dict[int, str], optimizer: Any) -> None:
         )
 
 
+@outside_inference_mode  # the next optimizer.step() updates the state in place
 def init_state(optimizer: torch.optim.Optimizer) -> None:
     """Create the optimizer's state where it has none, without changing any parameter or any
     state that exists (a step with lr 0 and zero grads over only the parameters that lack it).
