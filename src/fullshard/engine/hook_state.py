@@ -48,7 +48,9 @@ class RootState:
     last_backward: set[int] = dataclasses.field(default_factory=set)
 
     def expected_backward(self) -> set[int]:
-        """The units (by id) backward is expected to reach this step."""
+        """The units (by id) backward is expected to reach this step (not to be changed)."""
+        if not self.forward_without_grad:
+            return self.backward_units
         return self.backward_units | (self.forward_without_grad & self.last_backward)
 
 

@@ -240,11 +240,12 @@ def pre_forward(state: FSDPState) -> None:
     unit.install_full_params()
     if probes.ACTIVE is not None:
         probes.record_event("forward", unit.name)
-    if unit not in root.forward_order and (torch.is_grad_enabled() or root.grad_pass) and not _in_backward():
+    in_backward = _in_backward()
+    if not in_backward and unit not in root.forward_order and (torch.is_grad_enabled() or root.grad_pass):
         root.forward_order.append(unit)
         if not torch.is_grad_enabled():  # reentrant activation checkpointing's forward
             root.forward_without_grad.add(id(unit))
-    if unit.training_state is TrainingState.FORWARD and not _in_backward():  # not in a recomputation
+    if unit.training_state is TrainingState.FORWARD and not in_backward:  # not in a recomputation
         if state.prefetch_in_forward is not None:
             for other in state.prefetch_in_forward:
                 prefetch(other)
