@@ -46,6 +46,10 @@ class RootState:
     grad_pass: bool = False
     forward_without_grad: set[int] = dataclasses.field(default_factory=set)
     last_backward: set[int] = dataclasses.field(default_factory=set)
+    # The units (by id) FSDPModule.unshard gathered since the last root forward began, with the
+    # version of their local shards then: the next root forward keeps those still gathered (as
+    # torch's) unless an optimizer step changed the shards since.
+    gathered_by_hand: dict[int, int] = dataclasses.field(default_factory=dict)
 
     def expected_backward(self) -> set[int]:
         """The units (by id) backward is expected to reach this step (not to be changed)."""

@@ -95,6 +95,8 @@ def lazy_init(module: nn.Module) -> FSDPState:
         [h.unit for _, h in members_list], [h for _, h in members_list], state.backward_prefetch, state.forward_prefetch
     )
     for name, h in members_list:
+        if h.root is not None:  # a unit's unshard() by hand before the first forward made it a root
+            root.gathered_by_hand.update(h.root.gathered_by_hand)
         h.unit.name = name
         h.is_root = h is state
         h.root = root
@@ -182,6 +184,23 @@ def _in_backward() -> bool:
     return compat.in_backward()
 
 
+def shards_version(unit: Unit) -> int:
+    """The sum of the version counters of ``unit``'s local shards: it grows with every in-place
+    change to them (an optimizer step)."""
+    return sum(compat.version_counter(sp.local) for sp in unit.params)
+
+
+def _left_behind(unit: Unit, by_hand: dict[int, int]) -> bool:
+    """Whether the last iteration left ``unit`` gathered, busy or reducing. One gathered by
+    ``FSDPModule.unshard`` for this forward (``by_hand``: its shards' version then) is not,
+    unless an optimizer step has changed its shards since: its forward then gathers afresh."""
+    if unit.training_state is not TrainingState.IDLE or unit.has_pending_reduce:
+        return True
+    if by_hand.get(id(unit)) == shards_version(unit):
+        return False
+    return (unit.shard_state is ShardState.UNSHARDED and unit.reshard_after_backward) or unit.has_pending_gather
+
+
 def root_pre_forward(state: FSDPState) -> None:
     """Start of an iteration at the root: tidy up what the last iteration left behind.
 
@@ -193,13 +212,8 @@ def root_pre_forward(state: FSDPState) -> None:
     assert root is not None
     if _in_backward():
         return  # a recomputation (activation checkpointing of the root)
-    if root.callback_queued or any(
-        u.training_state is not TrainingState.IDLE
-        or (u.shard_state is ShardState.UNSHARDED and u.reshard_after_backward)
-        or u.has_pending_reduce
-        or u.has_pending_gather
-        for u in root.units
-    ):
+    by_hand, root.gathered_by_hand = root.gathered_by_hand, {}
+    if root.callback_queued or any(_left_behind(u, by_hand) for u in root.units):
         finish_backward(root)
     if root.post_optim_event is not None:  # a torch.cuda.Event has no device; on the CPU: nothing to wait for
         kind = getattr(root.post_optim_event, "device", None)

@@ -224,9 +224,11 @@ class FSDPModule(_TorchFSDPModule):
         """All-gather this module's parameters now; while gathered, ``parameters(recurse=False)``
         yields the full parameters (in ``param_dtype``), as torch's does. The next forward then
         needs no all-gather; ``reshard()`` or the end of forward/backward frees them."""
-        hooks.lazy_init(self)  # type: ignore[arg-type]
+        state = hooks.lazy_init(self)  # type: ignore[arg-type]
         unit = self._units(recurse=False)[0]
         unit.unshard(async_op=async_op)
+        assert state.root is not None
+        state.root.gathered_by_hand[id(unit)] = hooks.shards_version(unit)  # the next forward keeps it
         if async_op:
             return UnshardHandle(unit)
         _register_unsharded(unit)
