@@ -196,7 +196,8 @@ def _left_behind(unit: Unit, by_hand: dict[int, int]) -> bool:
     unless an optimizer step has changed its shards since: its forward then gathers afresh."""
     if unit.training_state is not TrainingState.IDLE or unit.has_pending_reduce:
         return True
-    if by_hand.get(id(unit)) == shards_version(unit):
+    version = by_hand.get(id(unit))
+    if version is not None and version == shards_version(unit):
         return False
     return (unit.shard_state is ShardState.UNSHARDED and unit.reshard_after_backward) or unit.has_pending_gather
 
