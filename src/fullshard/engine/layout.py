@@ -297,11 +297,6 @@ class UnitLayout:
     def layout_fixed(self) -> str | None:
         """Why :meth:`relayout_trainable` may never run for this unit (the end of an error
         message), or None: such a change is refused at once, never deferred."""
-        if self.config.keep_param_objects:
-            return (
-                "; fullshard's FullyShardedDataParallel fixes which parameters train when it builds a unit (as "
-                "torch's FSDP1 does): set requires_grad before wrapping, or use fully_shard"
-            )
         return None
 
     def relayout_trainable(self) -> None:

@@ -106,8 +106,8 @@ class Unit(UnitLayout):
             )
         if self.grads.holds_unreduced or self.grads.partial_sum is not None:
             return (
-                " while gradients accumulated without a reduction wait for one (set_requires_gradient_sync(False) "
-                "or set_requires_all_reduce(False)): change it after the backward that reduces them"
+                " while gradients accumulated without a reduction wait for one (no_sync(), set_requires_gradient_"
+                "sync(False), set_requires_all_reduce(False)): change it after the backward that reduces them"
             )
         return None
 
@@ -123,12 +123,12 @@ class Unit(UnitLayout):
         them out detached). Their slots keep what they accumulated, reduced with the others'.
         Returns whether the change waits; an unfreeze never does (it has no slot to accumulate
         into: refused), nor a change between a unit's forward and its backward, nor one in a unit
-        whose layout is fixed (:meth:`layout_fixed`: refused at once). A reduction in
+        of the FSDP1 wrapper or whose layout is fixed (:meth:`layout_fixed`): refused at once. A reduction in
         flight still reads the old layout (a backward prefetch may gather the unit before it
         ends, under reentrant activation checkpointing): the freeze waits for it too."""
         grads = self.grads
-        if self.layout_fixed() is not None:
-            return False
+        if self.layout_fixed() is not None or self.config.keep_param_objects:
+            return False  # the FSDP1 wrapper refuses it at once (not compared with torch's FSDP1 there)
         if not (grads.holds_unreduced or grads.partial_sum is not None or grads.has_pending):
             return False
         if any(sp.shard is None or sp.shard.requires_grad for sp in flipped):
