@@ -259,22 +259,22 @@ def test_the_nccl_estimate_bounds_a_cuda_step() -> None:
     of the third step on the device (within two 0-dim scalars), and with the planner's margin and slack on
     NCCL at least the caching allocator's peak; measured again in the reverse order, each
     configuration peaks where it did."""
-    from fullshard.jobs.planning import sweep, sweep_bench
+    from fullshard.jobs.planning import sweep, sweep_device
     from fullshard.plan.margin import CUDA_MARGIN, CUDA_SLACK
     from fullshard.plan.planner import needs
 
-    with sweep_bench.one_rank_group("cuda") as device:
-        sweep_bench.warm_up(device)
-        rows = list(sweep_bench.device_rows(sweep.draw(4242, 7), device))
-        reversed_rows = sweep_bench.device_rows(sweep.draw(4242, 7)[::-1], device)
+    with sweep_device.one_rank_group("cuda") as device:
+        sweep_device.warm_up(device)
+        rows = list(sweep_device.device_rows(sweep.draw(4242, 7), device))
+        reversed_rows = sweep_device.device_rows(sweep.draw(4242, 7)[::-1], device)
         again = {(d.row.config.index, d.offload): d for d in reversed_rows}
     measured = [d for d in rows if d.row.estimate is not None and d.row.measured]
-    assert len(measured) >= 10, [sweep_bench.format_device_row(d) for d in rows]
+    assert len(measured) >= 10, [sweep_device.format_device_row(d) for d in rows]
     for d in measured:
         assert d.row.estimate is not None, d
-        assert d.row.estimate.total >= d.row.measured - 8, sweep_bench.format_device_row(d)
+        assert d.row.estimate.total >= d.row.measured - 8, sweep_device.format_device_row(d)
         # the planner's budget on NCCL: the prediction, its margin and slack hold the allocator's peak
-        assert needs(d.row.estimate.total, CUDA_MARGIN) + CUDA_SLACK >= d.allocated, sweep_bench.format_device_row(d)
+        assert needs(d.row.estimate.total, CUDA_MARGIN) + CUDA_SLACK >= d.allocated, sweep_device.format_device_row(d)
     # nothing one configuration leaves behind moves the next one's peaks (the order reversed): the
     # live bytes to 16 bytes; the allocator's peak to 1 MiB, the remainder of a cached block it hands
     # out whole rather than split (on an H100 Phi 4242#2 peaked 1 MiB apart in the two orders; before

@@ -162,7 +162,8 @@ def test_moe_bound_holds_on_a_real_step() -> None:
     """Mixtral with transformers' eager experts: the estimate says it assumed a routing and is
     at least the peak of a real step (world 1, FULL_SHARD, AdamW, third step); with the grouped
     experts it assumes nothing."""
-    from fullshard.jobs.planning.sweep_bench import measure_rank, one_rank_group, predict
+    from fullshard.jobs.planning.sweep_bench import measure_rank, predict
+    from fullshard.jobs.planning.sweep_device import one_rank_group
 
     def mixtral(impl: str) -> sweep.Config:
         shape = Shape(2, heads=4, kv_heads=4, head_dim=12, ffn=60, vocab=256, experts=4, top_k=2, experts_impl=impl)
@@ -232,14 +233,14 @@ def test_the_one_process_device_sweep_measures_as_fresh_workers_do() -> None:
     import dataclasses
 
     from fullshard.jobs import launch
-    from fullshard.jobs.planning import sweep_bench
+    from fullshard.jobs.planning import sweep_bench, sweep_device
 
     configs = [dataclasses.replace(c, world=1) for c in sweep.draw(4242, 3)]
     fresh = [launch.launch(sweep_bench._worker, (c,), 1, env=launch.BENCH_ENV)[0] for c in configs]
-    with sweep_bench.one_rank_group("cpu") as device:
-        ahead = [sweep_bench.run_on_device(c, device) for c in configs]
-        behind = [sweep_bench.run_on_device(c, device) for c in reversed(configs)][::-1]
-        lines = list(sweep_bench.device_report(4242, 2, device))
+    with sweep_device.one_rank_group("cpu") as device:
+        ahead = [sweep_device.run_on_device(c, device) for c in configs]
+        behind = [sweep_device.run_on_device(c, device) for c in reversed(configs)][::-1]
+        lines = list(sweep_device.device_report(4242, 2, device))
     for c, alone, a, b in zip(configs, fresh, ahead, behind):
         assert not a.row.failure and not b.row.failure, (a.row.failure, b.row.failure)
         # Within two float32 scalars: a 0-dim tensor some op caches once per process (the trace
@@ -251,6 +252,6 @@ def test_the_one_process_device_sweep_measures_as_fresh_workers_do() -> None:
         assert -8 <= a.row.estimate.total - a.row.measured <= a.row.measured / 1000, (a.row.estimate.total, peaks)
         assert a.allocated == 0 and not a.offload
     table = [line for line in lines if line.startswith("| ") and "configuration" not in line]
-    columns = sweep_bench.DEVICE_HEADER[0].count(" | ")
+    columns = sweep_device.DEVICE_HEADER[0].count(" | ")
     assert len(table) == 2 and all(line.replace("\\|", "").count(" | ") == columns for line in table), table
     assert any("0 below the measured peak" in line for line in lines), lines

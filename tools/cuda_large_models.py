@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from fullshard.jobs.planning import sweep_bench
+from fullshard.jobs.planning import sweep_device
 from fullshard.jobs.planning.families import Shape
 from fullshard.jobs.planning.sweep import Config
 from fullshard.plan.margin import CUDA_MARGIN, CUDA_SLACK
@@ -36,15 +36,15 @@ def main() -> None:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     args = p.parse_args()
     mib = 2**20
-    with sweep_bench.one_rank_group(args.device) as device:
-        sweep_bench.warm_up(device)
-        print("\n".join(sweep_bench.DEVICE_HEADER))
+    with sweep_device.one_rank_group(args.device) as device:
+        sweep_device.warm_up(device)
+        print("\n".join(sweep_device.DEVICE_HEADER))
         for i, (shape, batch, seq, strategy, ac, precision) in enumerate(RUNS):
             if device.type == "cpu":
                 shape, batch, seq = TINY, 2, 16
             c = Config(0, i, "gpt", shape, batch, seq, strategy, ac, precision, 1, "fsdp1")
-            d = sweep_bench.run_on_device(dataclasses.replace(c), device)
-            print(sweep_bench.format_device_row(d), flush=True)
+            d = sweep_device.run_on_device(dataclasses.replace(c), device)
+            print(sweep_device.format_device_row(d), flush=True)
             e = d.row.estimate
             if e is not None and d.allocated:
                 need = max(0.0, (d.allocated - CUDA_SLACK) / e.total - 1)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from fullshard.jobs.planning import sweep, sweep_bench
+from fullshard.jobs.planning import sweep, sweep_bench, sweep_device
 from fullshard.plan import tracker
 
 ATTENTION = ("attention", "constant_pad_nd", "_softmax", "bmm", "baddbmm")
@@ -104,8 +104,8 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args()
     configs = sweep.draw(args.seed, max(args.index) + 1)
-    with sweep_bench.one_rank_group(args.device) as device:
-        sweep_bench.warm_up(device)
+    with sweep_device.one_rank_group(args.device) as device:
+        sweep_device.warm_up(device)
         for i in args.index:
             run(dataclasses.replace(configs[i], world=1), device)
 

@@ -20,7 +20,7 @@ import dataclasses
 import math
 import re
 
-from fullshard.jobs.planning import sweep, sweep_bench
+from fullshard.jobs.planning import sweep, sweep_bench, sweep_device
 from fullshard.plan.peak import PeakEstimate
 
 MIB = 2**20
@@ -54,7 +54,7 @@ def main(path: str, section: int, skip: set[str]) -> None:
         f"Seed {seed}: the configurations of section {section} of {path} predicted again at this tree "
         f"(`{command}`), against the MiB measured there.\n"
     )
-    print("\n".join(sweep_bench.DEVICE_HEADER))
+    print("\n".join(sweep_device.DEVICE_HEADER))
     done = []
     for _, index, offload, live, alloc, moment in measured:
         c = dataclasses.replace(configs[index], world=1)
@@ -64,10 +64,10 @@ def main(path: str, section: int, skip: set[str]) -> None:
         else:
             estimate, failure = sweep_bench.predicted(c, "nccl", offload)
         row = sweep_bench.Row(c, estimate, round(live * MIB), moment, failure)
-        done.append(sweep_bench.DeviceRow(row, offload, round(alloc * MIB)))
-        print(sweep_bench.format_device_row(done[-1]), flush=True)
+        done.append(sweep_device.DeviceRow(row, offload, round(alloc * MIB)))
+        print(sweep_device.format_device_row(done[-1]), flush=True)
     print()
-    print("\n".join(sweep_bench.device_summary(done, tolerance=MIB // 200)))
+    print("\n".join(sweep_device.device_summary(done, tolerance=MIB // 200)))
     worst = min((d.allocator_error for d in done if not math.isnan(d.allocator_error)), default=math.nan)
     print(f"\nLowest error against the allocator's peak: {100 * worst:+.2f}%.")
 

@@ -15,7 +15,7 @@ commas) draws among those families instead of the default ones (the ResNet is dr
 
 ``fullshard bench estimate --sweep [N] [--seed S] --device cuda`` measures the same draws at world
 size 1 on one CUDA device in this process, predicted for NCCL, with and without CPU offload
-(``--device cpu``: on gloo, the same way; see :func:`~fullshard.jobs.planning.sweep_bench.device_report`).
+(``--device cpu``: on gloo, the same way; see :func:`~fullshard.jobs.planning.sweep_device.device_report`).
 
 ``fullshard bench plan`` measures the planner's choice against the hand configurations on fixed
 workloads (see :mod:`fullshard.jobs.planning.plan_bench`); ``fullshard bench plan --sweep [N]
@@ -206,13 +206,13 @@ def _estimate_main(args: argparse.Namespace) -> int:
 
         print("\n".join(validate.report()))
         return 0
-    from fullshard.jobs.planning import sweep_bench
+    from fullshard.jobs.planning import sweep_bench, sweep_device
 
     seed = _sweep_seed(args, "estimate", "configuration")
     chosen = _families(args)
     if args.device is not None:
-        with sweep_bench.one_rank_group(args.device) as device:
-            for line in sweep_bench.device_report(seed, args.sweep, device, chosen):
+        with sweep_device.one_rank_group(args.device) as device:
+            for line in sweep_device.device_report(seed, args.sweep, device, chosen):
                 print(line, flush=True)
         return 0
     for line in sweep_bench.report(seed, args.sweep, chosen):
