@@ -530,3 +530,29 @@ def _failed_collective_names_rank(rank: int, world: int) -> str:
 def test_a_failed_collective_names_the_rank_without_a_launcher() -> None:
     for rank, text in enumerate(run_ranks(_failed_collective_names_rank, 2, timeout=40)):
         assert text.startswith(f"rank {rank}: all_gather"), text
+
+
+def _deepcopy_body(rank: int, world: int) -> list[str]:
+    """copy.deepcopy of a sharded model, each front end: the error names what to do instead."""
+    import copy
+
+    from fullshard import FullyShardedDataParallel, fully_shard
+
+    texts = []
+    for wrap in (lambda m: FullyShardedDataParallel(m), lambda m: fully_shard(m)):
+        model = wrap(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)))
+        try:
+            copy.deepcopy(model)
+        except RuntimeError as err:
+            texts.append(str(err))
+    return texts
+
+
+@pytest.mark.timeout(100)
+def test_deepcopy_of_a_sharded_model_is_refused_by_name_on_both_front_ends() -> None:
+    # torch's FSDP1 raises "cannot pickle 'module' object" here, the wrapper raised pickle's
+    # TypeError about a ProcessGroup; an EMA model is a deep copy taken before wrapping.
+    for texts in run_ranks(_deepcopy_body, 2, timeout=80):
+        assert len(texts) == 2, texts
+        assert "FullyShardedDataParallel" in texts[0] and "before wrapping" in texts[0], texts
+        assert "fully_shard" in texts[1] and "before sharding" in texts[1], texts

@@ -11,7 +11,7 @@ import contextlib
 import dataclasses
 from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Set as AbstractSet
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 import torch
 from torch import nn
@@ -104,6 +104,14 @@ class FullyShardedDataParallel(StateDictMethods):
     """
 
     wrapped_key = WRAPPED
+
+    def __deepcopy__(self, memo: dict) -> NoReturn:
+        # A copy would share the unit's process group and buffers, neither of which copies.
+        raise RuntimeError(
+            f"copy.deepcopy of a module sharded by fullshard's FullyShardedDataParallel "
+            f"(wrapping {type(self.module).__name__}) is not supported (nor is it by torch's FSDP): deep-copy the "
+            "model before wrapping it (an EMA copy: wrap both), or build a new one and load a state dict"
+        )
 
     def __init__(
         self,
