@@ -1,6 +1,7 @@
 """The state the hooks keep: :class:`RootState` (what the units of one FSDP tree share) and
-:class:`FSDPState` (the state of a module that heads a unit). :mod:`fullshard.engine.hooks`
-reads and updates them and re-exports both."""
+:class:`FSDPState` (the state of a module that heads a unit), and the orders read from them
+(:func:`neighbour`, :func:`backward_neighbour`). :mod:`fullshard.engine.hooks` reads and updates
+them and re-exports the classes."""
 
 from __future__ import annotations
 
@@ -86,3 +87,27 @@ class FSDPState:
     # unit: a forward called inside one (``generate`` calling ``self(...)``) does not end the
     # pass, so the method goes on with the full parameters; the method's own end does.
     methods_running: int = 0
+
+
+def neighbour(order: list[Unit], unit: Unit, step: int) -> Unit | None:
+    """The unit ``step`` places from ``unit`` in ``order``, if any."""
+    try:
+        i = order.index(unit)
+    except ValueError:
+        return None
+    j = i + step
+    return order[j] if 0 <= j < len(order) else None
+
+
+def backward_neighbour(root: RootState, unit: Unit, first: bool = False) -> Unit | None:
+    """The unit backward reaches after ``unit``: the nearest before it in forward order whose
+    output required grad (one that needed none, a frozen vision tower, never runs backward).
+    ``first``: ``unit`` is the root, whose backward starts first: the last unit of forward (the
+    root's forward ends after every other's, as torch's post-forward order has it)."""
+    try:
+        i = root.forward_order.index(unit)
+    except ValueError:
+        return None
+    expected = root.expected_backward()
+    before = root.forward_order[1:] if first else root.forward_order[:i]
+    return next((u for u in reversed(before) if id(u) in expected), None)

@@ -30,7 +30,7 @@ from fullshard.comm import buffers, exposed_comm, flight_recorder
 from fullshard.engine import backward_buffers, reshard_guard
 from fullshard.engine.config import BackwardPrefetch, FrontEnd
 from fullshard.engine.dynamo_guard import outside_dynamo
-from fullshard.engine.hook_state import FSDPState, RootState
+from fullshard.engine.hook_state import FSDPState, RootState, backward_neighbour, neighbour
 from fullshard.engine.module_wrapper import clean_name
 from fullshard.engine.unit import ShardState, TrainingState, Unit
 from fullshard.engine.unit_check import check_same_units
@@ -119,30 +119,6 @@ def _mark_sole_sizes(units: list[Unit]) -> None:
     for u in units:
         own = u.pooled_sizes()  # full, packed, scratch...: the packed gradient the full size, no scratch of it
         u.grads.in_place = u.grad_numel == u.shard_numel > 0 and sizes[own[0]] == 1 and own.count(own[0]) == 2
-
-
-def neighbour(order: list[Unit], unit: Unit, step: int) -> Unit | None:
-    """The unit ``step`` places from ``unit`` in ``order``, if any."""
-    try:
-        i = order.index(unit)
-    except ValueError:
-        return None
-    j = i + step
-    return order[j] if 0 <= j < len(order) else None
-
-
-def backward_neighbour(root: RootState, unit: Unit, first: bool = False) -> Unit | None:
-    """The unit backward reaches after ``unit``: the nearest before it in forward order whose
-    output required grad (one that needed none, a frozen vision tower, never runs backward).
-    ``first``: ``unit`` is the root, whose backward starts first: the last unit of forward (the
-    root's forward ends after every other's, as torch's post-forward order has it)."""
-    try:
-        i = root.forward_order.index(unit)
-    except ValueError:
-        return None
-    expected = root.expected_backward()
-    before = root.forward_order[1:] if first else root.forward_order[:i]
-    return next((u for u in reversed(before) if id(u) in expected), None)
 
 
 def prefetch(unit: Unit | None) -> None:
@@ -449,7 +425,11 @@ def end_backward(unit: Unit, root: RootState) -> None:
 def _backward_done(root: RootState) -> None:
     """The backward's final callback: reduce what units accumulated while sync was off and this
     backward did not reach (their sums would wait for their next backward), and zeros for the
-    units it did not reach under ``reduce_unreached``; then finish."""
+    units it did not reach under ``reduce_unreached``; then finish. A backward that creates a
+    graph (``create_graph=True``: grad mode is on in its callback) leaves the units gathered: the
+    graph it made (a gradient penalty's) saved their full parameters for the next backward, whose
+    end, or the next forward, reshards them."""
+    graph = torch.is_grad_enabled()
     for unit in root.units:
         if not unit.sync_grads or unit.has_pending_reduce:
             continue
@@ -457,7 +437,7 @@ def _backward_done(root: RootState) -> None:
             unit.grads.fill_zeros()
         if unit.grads.holds_unreduced:
             unit.reduce_grads()
-    finish_backward(root)
+    finish_backward(root, reshard=not graph)
 
 
 def _backward_failed(root: RootState) -> None:
@@ -473,8 +453,9 @@ def _backward_failed(root: RootState) -> None:
 
 
 @outside_dynamo
-def finish_backward(root: RootState) -> None:
-    """End of backward: wait for every reduction, free every unit, all back to IDLE."""
+def finish_backward(root: RootState, reshard: bool = True) -> None:
+    """End of backward: wait for every reduction, free every unit (not with ``reshard=False``),
+    all back to IDLE."""
     for unit in root.units:
         unit.finish_reduce()
     if any(u.config.offload for u in root.units):
@@ -482,7 +463,7 @@ def finish_backward(root: RootState) -> None:
         # them: the CPU optimizer may touch neither before those copies are done.
         torch.cuda.current_stream().synchronize()
     for unit in root.units:
-        if unit.reshard_after_backward:
+        if unit.reshard_after_backward and reshard:
             unit.reshard()
         exposed_comm.close_range(unit.backward_range)  # a unit whose parameters got no gradient
         unit.backward_range = None

@@ -206,7 +206,7 @@ class _Replay:
 
     def gather_first_of_backward(self, samples: Sequence[tuple[int, tuple[int, ...], bool, str]]) -> None:
         """The root's pre-backward: start the gather of the last unit of forward that runs
-        backward (:func:`fullshard.engine.hooks.backward_neighbour` with ``first``); a unit kept
+        backward (:func:`fullshard.engine.hook_state.backward_neighbour` with ``first``); a unit kept
         gathered since forward gathers nothing."""
         ran = {self.unit_of.get(block, block) for _, _, back, block in samples if not back}
         last = next((u for u in reversed(self.order[1:]) if u in ran and u in self.runs_backward), None)
@@ -458,7 +458,7 @@ def _step(
                 r.gather(name, wait=True)
                 k = order.index(name)
                 # the nearest unit before it in forward order that runs backward (one whose
-                # output needs no gradient is never prefetched: hooks.backward_neighbour)
+                # output needs no gradient is never prefetched: hook_state.backward_neighbour)
                 before_it = next((u for u in reversed(order[1:k]) if u in runs_backward), None) if back else None
                 if before_it is not None and before_it not in r.packed:
                     r.gather(before_it, wait=False)
