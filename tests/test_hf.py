@@ -133,3 +133,74 @@ def test_hf_job_activation_checkpointing_recomputes_each_layer() -> None:
     parsed and silently ignored before) and trains to the same losses as without it."""
     losses = run_ranks(hf_checkpointing_body, 2, timeout=180)[0]
     assert losses[2:] == pytest.approx(losses[:2], rel=1e-6, abs=0), losses
+
+
+def _tiny_llama(tie: bool) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=37,  # dim 0 of the embedding does not divide 2
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        tie_word_embeddings=tie,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    return LlamaForCausalLM(config)
+
+
+def _marked(model: torch.nn.Module) -> list[str]:
+    return [n for n, m in model.named_modules() if getattr(m, "_is_fsdp_managed_module", False)]
+
+
+def generate_body(rank: int, world: int) -> list[str]:
+    import torch.distributed.fsdp as tf
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from transformers.distributed.fsdp import is_fsdp_managed_module
+
+    import fullshard as fs
+
+    out = []
+    prompt = torch.randint(1, 37, (1, 4), generator=torch.Generator().manual_seed(0))
+    for fully_shard in (tf.fully_shard, fs.fully_shard):
+        model = _tiny_llama(tie=True)
+        model.model.layers[1].requires_grad_(False)
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model, ignored_params={model.model.norm.weight})
+        assert is_fsdp_managed_module(model)
+        out.append(_marked(model))
+        # Ranks ask for different lengths: transformers keeps the rank that is done running
+        # forwards (synced_gpus) until every rank is, because the model says it is FSDP's.
+        with torch.no_grad():
+            tokens = model.generate(prompt, max_new_tokens=2 + 3 * rank, do_sample=False, eos_token_id=None)
+        out.append(tokens.tolist())
+    for fsdp in (tf.FullyShardedDataParallel, fs.FullyShardedDataParallel):
+        model = _tiny_llama(tie=False)
+        policy = ModuleWrapPolicy({type(model.model.layers[0])})
+        fsdp(model, auto_wrap_policy=policy, ignored_modules=[model.lm_head], device_id=torch.device("cpu"))
+        out.append(_marked(model))
+    assert out[0] == out[2] and out[1] == out[3], out  # FSDP2: the same modules marked, the same tokens
+    assert out[4] == out[5], out  # FSDP1: the wrapped modules, not the ignored lm_head
+    assert (
+        len(out[1][0]) == 6 + 3 * rank
+        and "lm_head" not in out[4]
+        and "model.layers.0._fsdp_wrapped_module.mlp" in out[4]
+    )
+    return out[0]
+
+
+@pytest.mark.timeout(120)
+def test_generate_keeps_ranks_in_step_like_torch() -> None:
+    """transformers' ``generate`` turns on ``synced_gpus`` for modules torch's FSDP marks as its
+    own (``_is_fsdp_managed_module``). fullshard's units did not carry the mark: a rank asking for
+    fewer new tokens stopped, and the other waited in an all-gather until the timeout. Now
+    both front ends mark the modules they manage as torch's do (the same modules), and
+    ``generate`` gives torch's tokens on every rank."""
+    marked = run_ranks(generate_body, 2, timeout=100)[0]
+    assert "" in marked and "model.layers.0.mlp" in marked

@@ -346,6 +346,40 @@ def walk_region(module: nn.Module, ignored: Modules, prefix: str = "") -> Iterat
         yield from walk_region(child, ignored, f"{prefix}{name}.")
 
 
+def mark_managed(
+    module: nn.Module, ignored: Modules = frozenset(), ignored_params: AbstractSet[nn.Parameter] | None = None
+) -> None:
+    """Mark the modules of ``module``'s region (:func:`walk_region`: up to nested units and
+    ``ignored`` modules) as torch's FSDP marks the modules it manages, both front ends:
+    ``_is_fsdp_managed_module`` and ``_fsdp_use_orig_params`` set True. With ``ignored_params``
+    (``fully_shard``'s, even empty) a module is left unmarked, as torch leaves it, when it has
+    no buffer of its own, ignores all its own parameters and leaves all its children unmarked.
+
+    Code outside torch reads the first: transformers' ``is_fsdp_managed_module`` turns on
+    ``synced_gpus`` in ``generate``, so that a rank whose sequences are finished keeps running
+    forwards (and their all-gathers) until every rank's are; without the mark a rank that
+    finished first leaves the others waiting in an all-gather. Dynamo reads both, and traces
+    such modules unspecialized (their parameters as inputs), as under torch's FSDP.
+    """
+    unmarked: dict[nn.Module, bool] = {}
+
+    def all_ignored(m: nn.Module) -> bool:
+        if m not in unmarked:
+            own = compat.module_parameters(m).values()
+            unmarked[m] = (
+                ignored_params is not None
+                and not any(b is not None for b in compat.module_buffers(m).values())
+                and all(p is None or p in ignored_params for p in own)
+                and all(all_ignored(c) for c in m.children())
+            )
+        return unmarked[m]
+
+    for _, m in walk_region(module, ignored):
+        if not all_ignored(m):
+            m._is_fsdp_managed_module = True  # type: ignore[assignment]
+            m._fsdp_use_orig_params = True  # type: ignore[assignment]
+
+
 def _check_one_device(module: nn.Module, ignored: Modules) -> None:
     devices: dict[torch.device, str] = {}
     for prefix, m in walk_region(module, ignored):

@@ -202,6 +202,7 @@ class FullyShardedDataParallel(StateDictMethods):
             )
         self._config = config
         unit = build.build_wrapper_unit(module, prepared, config, exclude)
+        build.mark_managed(module, config.ignored)  # as torch's FSDP1 marks the modules it wraps
         hooks.set_fsdp_state(
             self,
             hooks.FSDPState(

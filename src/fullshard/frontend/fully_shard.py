@@ -149,7 +149,8 @@ def fully_shard(
     mp_policy = as_mp_policy(mp_policy, MixedPrecisionPolicy)
     offload_policy = as_offload_policy(offload_policy, OffloadPolicy, CPUOffloadPolicy)
     _check_fresh(modules, mesh)
-    for p in ignored_params or ():
+    ignored = None if ignored_params is None else set(ignored_params)  # once: it may be a generator
+    for p in ignored or ():
         p._fullshard_ignored = True  # type: ignore[attr-defined]
     if mesh is None:
         mesh = meshes.default_mesh("cuda" if torch.cuda.is_available() else "cpu")
@@ -158,7 +159,7 @@ def fully_shard(
     unit = _build(holder, mesh, mp, offload_policy, reshard_after_forward, shard_placement_fn, quant)
     all_gather_extension.attach(unit, mesh, mp_policy)  # tensor subclasses with fsdp_pre_all_gather
     optim_local.install()  # optimizer steps run on the local tensors (same bits, no DTensor dispatch)
-    _make_units(modules, unit, mp, mp_policy.output_dtype if mp_policy else None)
+    _make_units(modules, unit, mp, mp_policy.output_dtype if mp_policy else None, ignored)
     return module
 
 
@@ -191,9 +192,15 @@ def _check_fresh(modules: list[nn.Module], mesh: Any) -> None:
 
 
 def _make_units(
-    modules: list[nn.Module], unit: Unit, mp: Optional[MixedPrecision], output_dtype: Optional[torch.dtype]
+    modules: list[nn.Module],
+    unit: Unit,
+    mp: Optional[MixedPrecision],
+    output_dtype: Optional[torch.dtype],
+    ignored_params: Optional[set[nn.Parameter]],
 ) -> None:
-    """Give ``modules`` the unit's FSDP state, forward and state-dict hooks, and FSDPModule's methods."""
+    """Give ``modules`` the unit's FSDP state, forward and state-dict hooks, and FSDPModule's
+    methods; mark the modules they manage as torch's (``build.mark_managed``: transformers'
+    ``generate`` keeps ranks in step on it)."""
     state = hooks.FSDPState(
         unit, FrontEnd.FULLY_SHARD, mixed_precision=mp, backward_prefetch=BackwardPrefetch.BACKWARD_PRE
     )
@@ -202,6 +209,7 @@ def _make_units(
         hooks.set_fsdp_state(m, state)
         _register_state_dict_hooks(m, unit)
         m.__class__ = _fsdp_class(type(m))
+        build.mark_managed(m, ignored_params=ignored_params)
 
 
 def _modules(module: Union[nn.Module, list[nn.Module]]) -> list[nn.Module]:
