@@ -149,9 +149,7 @@ def fully_shard(
     mp_policy = as_mp_policy(mp_policy, MixedPrecisionPolicy)
     offload_policy = as_offload_policy(offload_policy, OffloadPolicy, CPUOffloadPolicy)
     _check_fresh(modules, mesh)
-    ignored = None if ignored_params is None else set(ignored_params)  # once: it may be a generator
-    for p in ignored or ():
-        p._fullshard_ignored = True  # type: ignore[attr-defined]
+    ignored = _mark_ignored(ignored_params)
     if mesh is None:
         mesh = meshes.default_mesh("cuda" if torch.cuda.is_available() else "cpu")
     mp = _engine_mp(mp_policy)
@@ -161,6 +159,15 @@ def fully_shard(
     optim_local.install()  # optimizer steps run on the local tensors (same bits, no DTensor dispatch)
     _make_units(modules, unit, mp, mp_policy.output_dtype if mp_policy else None, ignored)
     return module
+
+
+def _mark_ignored(ignored_params: Optional[Iterable[nn.Parameter]]) -> Optional[set[nn.Parameter]]:
+    """Mark ``ignored_params`` as left out of every unit; returns them as a set (read once: it
+    may be a generator), or None when not given."""
+    ignored = None if ignored_params is None else set(ignored_params)
+    for p in ignored or ():
+        p._fullshard_ignored = True  # type: ignore[attr-defined]
+    return ignored
 
 
 def _engine_mp(mp_policy: Optional[MixedPrecisionPolicy]) -> Optional[MixedPrecision]:
