@@ -26,7 +26,7 @@ from fullshard import compat, probes
 from fullshard.comm import buffers, collectives, quantized
 from fullshard.engine import custom_comm
 from fullshard.engine.layout import UnitLayout
-from fullshard.engine.sharded_param import ShardedParam
+from fullshard.engine.sharded_param import ShardedParam, assign_grad
 
 
 def predivide_factor(ranks: float) -> int:
@@ -409,9 +409,8 @@ class GradReducer:
                 continue
             if current is None:
                 viewed = True
-                if g.dtype != sp.shard.dtype:  # keep_low_precision_grads: .data takes any dtype
-                    sp.shard.grad = torch.empty_strided(g.shape, (0,) * g.dim(), dtype=sp.shard.dtype, device=g.device)
-                    sp.shard.grad.data = g
+                if g.dtype != sp.shard.dtype:  # keep_low_precision_grads
+                    assign_grad(sp.shard, g)
                 else:
                     sp.set_grad(g)
             else:

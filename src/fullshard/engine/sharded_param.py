@@ -310,6 +310,21 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return compat.dtensor_local(t) if dtensor is not None and isinstance(t, dtensor.DTensor) else t
 
 
+def assign_grad(param: torch.Tensor, grad: torch.Tensor | None) -> None:
+    """Make ``grad`` (``param``'s shape, any floating dtype, or None) ``param.grad``.
+
+    autograd refuses a ``.grad`` whose dtype differs from its tensor's; FSDP1's
+    ``MixedPrecision(keep_low_precision_grads=True)`` keeps float16 / bfloat16 gradients on float32
+    shards (as torch's FSDP1 does), so such a gradient goes in through a placeholder of the
+    parameter's dtype whose ``.data`` it then becomes (``.data`` takes any dtype).
+    """
+    if grad is None or grad.dtype == param.dtype:
+        param.grad = grad
+        return
+    param.grad = torch.empty_strided(grad.shape, (0,) * grad.dim(), dtype=param.dtype, device=grad.device)
+    param.grad.data = grad
+
+
 def unshifted(dtensor: Any) -> Any:
     """``dtensor`` (a DTensor not requiring grad) with a wrapper at storage offset 0, sharing its
     local tensor and spec; itself when already so.

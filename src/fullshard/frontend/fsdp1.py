@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
@@ -375,7 +376,10 @@ class FullyShardedDataParallel(StateDictMethods):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of every unit in this tree by their total (unsharded) norm.
 
-        Collective: every rank calls it. Returns the total norm before clipping (float32).
+        Collective: every rank calls it. Returns the total norm before clipping, computed in
+        float64 and returned, as torch's FSDP1 returns it, in the promoted dtype of this rank's
+        gradients (float32; float16 / bfloat16 under ``keep_low_precision_grads=True``), float32
+        on a rank without gradients.
 
         Raises:
             RuntimeError: called on a unit that is not the root.
@@ -386,7 +390,10 @@ class FullyShardedDataParallel(StateDictMethods):
                 "clip_grad_norm_ must be called on the root FullyShardedDataParallel (the outermost "
                 "wrapper): the norm spans every unit's gradients"
             )
-        return clip_grad_norm_(self.parameters(), max_norm, norm_type)
+        params = list(self.parameters())
+        total = clip_grad_norm_(params, max_norm, norm_type)
+        dtypes = [p.grad.dtype for p in params if p.grad is not None]
+        return total.to(functools.reduce(torch.promote_types, dtypes)) if dtypes else total
 
     summon_full_params = staticmethod(summon.summon_full_params)
 

@@ -17,6 +17,7 @@ from fullshard.comm import flight_recorder
 from fullshard.engine import hooks
 from fullshard.engine.config import FrontEnd
 from fullshard.engine.inference_guard import outside_inference_mode
+from fullshard.engine.sharded_param import assign_grad
 from fullshard.engine.unit import TrainingState, Unit
 
 
@@ -72,7 +73,8 @@ def summon_full_params(
                 shard = sp.shard
                 assert shard is not None
                 shard.grad = None  # the full gradient first: .data and .grad must agree in shape
-                shard.data, shard.grad = data, grad
+                shard.data = data
+                assign_grad(shard, grad)  # a keep_low_precision_grads gradient differs in dtype
                 sp.swapped = was_swapped  # an enclosing summon_full_params still shows its full tensor
 
 
@@ -111,6 +113,6 @@ def _summon(
         shard.grad = None
         shard.data = value
         if grads is not None and sp.requires_grad and hidden[-1][1] is not None:
-            shard.grad = grads[i]
+            assign_grad(shard, grads[i])
         sp.swapped = True  # its storage is not a replaced shard's (shard_sync leaves it)
     return full, hidden
