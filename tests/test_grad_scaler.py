@@ -193,6 +193,28 @@ def _check(results: list[list[tuple[list, list]]], cases: list[tuple[int, dict[s
                         torch.testing.assert_close(q, p, rtol=0, atol=5e-4, msg=lambda m: f"{at}: parameter {i}: {m}")
 
 
+TWO_RANK_CASES: list[tuple[int, dict[str, Any]]] = [
+    (1, {}),
+    (1, {"clip": True}),
+    (1, {"reduce": torch.float32, "clip": True}),
+    (1, {"accum": 2}),
+    (1, {"strategy": "NO_SHARD"}),
+    (1, {"strategy": "SHARD_GRAD_OP", "clip": True}),
+    (2, {}),
+    (2, {"clip": True}),
+    (2, {"accum": 2, "clip": True}),
+    (2, {"reshard": False}),
+    (2, {"offload": True, "clip": True}),
+    (2, {"sharded_scaler": True, "clip": True}),
+]
+
+
+@pytest.mark.timeout(300)
+def test_one_rank_overflow_skips_everywhere_like_torch_two_ranks() -> None:
+    """An inf in one rank's shard: every rank skips and backs off as under torch, bitwise."""
+    _check(run_ranks(_both, 2, TWO_RANK_CASES, timeout=280), TWO_RANK_CASES, exact=True)
+
+
 # torch's own scaler on fullshard's model works as well (a program need not change that import).
 KEEP_LOW_CASES: list[tuple[int, dict[str, Any]]] = [
     (1, {"keep_low": True, "torch_scaler": True}),
@@ -207,3 +229,100 @@ def test_keep_low_precision_grads_like_torch() -> None:
     putting such a gradient back ("attempting to assign a gradient with dtype 'c10::Half' to a
     tensor with grad_dtype 'Float'")."""
     _check(run_ranks(_both, 2, KEEP_LOW_CASES, timeout=180), KEEP_LOW_CASES, exact=True)
+
+
+ODD_CASES: list[tuple[int, dict[str, Any]]] = [(1, {"clip": True}), (2, {"clip": True}), (2, {"accum": 2})]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [1, 3])
+def test_one_rank_overflow_like_torch_one_and_three_ranks(world: int) -> None:
+    _check(run_ranks(_both, world, ODD_CASES, timeout=280), ODD_CASES, exact=world == 1)
+
+
+def test_sharded_grad_scaler_at_torchs_module_path() -> None:
+    """``torch.distributed.fsdp.sharded_grad_scaler`` with the module name changed."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as TorchScaler
+
+    from fullshard.sharded_grad_scaler import ShardedGradScaler
+
+    assert issubclass(ShardedGradScaler, TorchScaler)
+    scaler = ShardedGradScaler(device="cpu", init_scale=4.0)
+    assert scaler.is_enabled() and scaler.get_scale() == 4.0
+
+
+# ---------------------------------------------------------------------------- fused optimizers
+def _fused_body(rank: int, world: int) -> list[tuple[str, list]]:
+    """Fused AdamW (steps and skips by itself: ``_step_supports_amp_scaling``) with fullshard's
+    scaler, with and without ``unscale_``, against the same run with the ordinary AdamW."""
+    out = []
+    for clip in (False, True):
+        for fused in (False, True):
+            opts = {"fused": fused, "clip": clip}
+            out.append((f"clip={clip} fused={fused}", _train(rank, world, "fullshard", 1, opts)))
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_fused_optimizer_skips_on_every_rank() -> None:
+    """torch's ShardedGradScaler does not share the found-inf flag when a fused optimizer's step
+    checks the gradients itself (the ranks without the inf stepped, the scales split), and after
+    ``unscale_`` hands it a (1,) flag the fused step refuses; fullshard's shares and reshapes it."""
+    results = run_ranks(_fused_body, 2, timeout=180)
+    for c in range(len(results[0])):
+        name = results[0][c][0]
+        scales = {tuple(s[1] for s in per_rank[c][1]) for per_rank in results}
+        assert len(scales) == 1, f"{name}: ranks' scales differ: {scales}"
+    for per_rank in results:
+        runs = dict(per_rank)
+        for clip in (False, True):
+            plain, fused = runs[f"clip={clip} fused=False"], runs[f"clip={clip} fused=True"]
+            for step, (a, b) in enumerate(zip(plain, fused)):
+                assert a[1] == b[1], f"clip={clip} step {step}: scale {a[1]} != {b[1]}"
+                for p, q in zip(a[4], b[4]):  # the fused kernel rounds differently in the last bits
+                    torch.testing.assert_close(q, p, rtol=0, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------- resume
+def _resume_body(rank: int, world: int) -> list[bool]:
+    """Six steps straight against three, a checkpoint (full model and optimizer state, the scaler's
+    ``state_dict()``), fresh objects that load it, and three more."""
+    from fullshard import FullyShardedDataParallel as FSDP
+    from fullshard.sharded_grad_scaler import ShardedGradScaler
+
+    def build() -> tuple[Any, Any, Any]:
+        model = _fsdp1("fullshard", {})
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return model, opt, ShardedGradScaler(device="cpu", init_scale=2.0**8, growth_interval=2)
+
+    def steps(model: Any, opt: Any, scaler: Any, first: int, last: int) -> None:
+        for step in range(first, last):
+            x, y = batch(step, 12)
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(local(x, rank, world)).float(), local(y, rank, world))
+            scaler.scale(loss).backward()
+            if step == 2 and rank == world - 1:
+                _inject_inf(model, 1)
+            scaler.step(opt)
+            scaler.update()
+
+    straight = build()
+    steps(*straight, 0, 6)
+    first = build()
+    steps(*first, 0, 3)
+    saved = (first[0].state_dict(), FSDP.optim_state_dict(first[0], first[1]), first[2].state_dict())
+    assert saved[2]["scale"] == 2.0**8  # grown after steps 0-1, backed off at step 2
+    resumed = build()
+    resumed[0].load_state_dict(saved[0])
+    resumed[1].load_state_dict(FSDP.optim_state_dict_to_load(resumed[0], resumed[1], saved[1]))
+    resumed[2].load_state_dict(saved[2])
+    steps(*resumed, 3, 6)
+    same = [straight[2].get_scale() == resumed[2].get_scale()]
+    same += [torch.equal(a, b) for a, b in zip(_full("fullshard", 1, straight[0]), _full("fullshard", 1, resumed[0]))]
+    return same
+
+
+@pytest.mark.timeout(200)
+def test_scaler_state_dict_resume_bitwise() -> None:
+    for same in run_ranks(_resume_body, 2, timeout=180):
+        assert all(same), same

@@ -62,6 +62,7 @@ PUBLIC_MODULES = frozenset(
         "fullshard.distributed",
         "fullshard.fully_sharded_data_parallel",
         "fullshard.planning",
+        "fullshard.sharded_grad_scaler",
         "fullshard.wrap",
     }
 )
