@@ -63,12 +63,17 @@ def _units(model: nn.Module) -> list:
     return list({id(s.unit): s.unit for m in model.modules() if (s := fsdp_state(m)) is not None}.values())
 
 
-def penalty_body(rank: int, world: int, front_end: str, penalty_only: bool, checkpointed: bool) -> dict:
+def penalty_body(
+    rank: int, world: int, front_end: str, penalty_only: bool, checkpointed: bool, frozen: bool = False
+) -> dict:
     from fullshard.engine.unit import ShardState, TrainingState
 
     reference = _model()
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     model = _shard(front_end, checkpointed)
+    if frozen:  # the middle unit's parameters all frozen (a pretrained block inside the critic)
+        reference[1].requires_grad_(False)
+        (model.module if front_end == "wrapper" else model)[1].requires_grad_(False)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     generators = [torch.Generator().manual_seed(r) for r in range(world)]
     idle_after_steps = []
@@ -105,11 +110,56 @@ def penalty_body(rank: int, world: int, front_end: str, penalty_only: bool, chec
 @pytest.mark.parametrize("front_end", ["fully_shard", "wrapper"])
 def test_gradient_penalty_matches_the_unsharded_model(front_end: str) -> None:
     for world in (2, 3):
-        for penalty_only, checkpointed in ((False, False), (True, False), (False, True)):
-            for r in run_ranks(penalty_body, world, front_end, penalty_only, checkpointed, timeout=90):
-                case = (world, penalty_only, checkpointed)
+        for penalty_only, checkpointed, frozen in (
+            (False, False, False),
+            (True, False, False),
+            (False, True, False),
+            (False, False, True),
+            (True, False, True),
+        ):
+            for r in run_ranks(penalty_body, world, front_end, penalty_only, checkpointed, frozen, timeout=90):
+                case = (world, penalty_only, checkpointed, frozen)
                 # Two ranks average two gradients as the reference does: the same bits. Three
                 # ranks pad the shards and add in another order.
                 assert r["error"] <= (0.0 if world == 2 else 1e-6), (case, r)
                 assert r["output_error"] <= 1e-6, (case, r)
                 assert r["idle"] == [True, True, True], (case, r)
+
+
+def accumulation_body(rank: int, world: int, front_end: str) -> list[str]:
+    """Two micro-batches with a penalty each, gradient sync off for the first: the units whose
+    gradients are reduced in the step, in order."""
+    import contextlib
+
+    from fullshard.engine.unit import Unit
+
+    reduced = []
+    real = Unit.reduce_grads
+
+    def counting(self: Unit, *args: object, **kwargs: object) -> None:
+        reduced.append(self.name)
+        real(self, *args, **kwargs)
+
+    Unit.reduce_grads = counting  # type: ignore[method-assign]
+    try:
+        model = _shard(front_end, False)
+        for last in (False, True):
+            if front_end == "fully_shard":
+                model.set_requires_gradient_sync(last)
+                context = contextlib.nullcontext()
+            else:
+                context = contextlib.nullcontext() if last else model.no_sync()
+            with context:
+                _loss(model, torch.randn(4, 8).requires_grad_(), False).backward()
+    finally:
+        Unit.reduce_grads = real  # type: ignore[method-assign]
+    return reduced
+
+
+@pytest.mark.timeout(100)
+def test_gradient_penalty_under_accumulation_reduces_each_unit_once() -> None:
+    # The penalty's create_graph backward used to reduce the sums held from the sync-off
+    # micro-batch, then its own backward reduced each unit again.
+    for front_end in ("fully_shard", "wrapper"):
+        for reduced in run_ranks(accumulation_body, 2, front_end, timeout=80):
+            assert sorted(reduced) == ["0", "1", "<root>"], (front_end, reduced)

@@ -411,8 +411,9 @@ def post_backward(unit: Unit, root: RootState) -> None:
 
 def end_backward(unit: Unit, root: RootState) -> None:
     """The end of ``unit``'s post-backward (also a frozen unit's, :mod:`.frozen_backward`):
-    reshard, free buffers done with, close its range, ``BACKWARD_POST``'s prefetch."""
-    if unit.reshard_after_backward:
+    reshard, free buffers done with, close its range, ``BACKWARD_POST``'s prefetch. Not the
+    reshard in a backward that creates a graph (grad mode on): see :func:`_backward_done`."""
+    if unit.reshard_after_backward and not torch.is_grad_enabled():
         unit.reshard()
         backward_buffers.drop_done_with(unit, root.forward_order, root.expected_backward())
     exposed_comm.close_range(unit.backward_range)
@@ -426,12 +427,13 @@ def _backward_done(root: RootState) -> None:
     """The backward's final callback: reduce what units accumulated while sync was off and this
     backward did not reach (their sums would wait for their next backward), and zeros for the
     units it did not reach under ``reduce_unreached``; then finish. A backward that creates a
-    graph (``create_graph=True``: grad mode is on in its callback) leaves the units gathered: the
-    graph it made (a gradient penalty's) saved their full parameters for the next backward, whose
-    end, or the next forward, reshards them."""
+    graph (``create_graph=True``: grad mode is on in its callback and post-backward hooks) leaves
+    its units gathered, frozen ones too: the graph it made (a gradient penalty's) saved their full
+    parameters for the next backward, whose end, or the next forward, reshards them. It leaves the
+    sums held from micro-batches with sync off to that backward too (reduced once, not twice)."""
     graph = torch.is_grad_enabled()
     for unit in root.units:
-        if not unit.sync_grads or unit.has_pending_reduce:
+        if graph or not unit.sync_grads or unit.has_pending_reduce:
             continue
         if unit.grads.reduce_unreached and unit.training_state is not TrainingState.POST_BACKWARD:
             unit.grads.fill_zeros()

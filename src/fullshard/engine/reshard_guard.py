@@ -155,7 +155,9 @@ def explain(error: RuntimeError) -> RuntimeError | None:
         f"FSDP unit {which}: backward needs a tensor saved from the unit's full parameters, but the unit has "
         "resharded (its full parameters are freed). This happens when a tensor computed inside the unit reaches "
         "the loss without passing through the unit's outputs (e.g. kept as a module attribute), or when backward "
-        "runs after reshard() on members called after unshard(). Fix: return such tensors from the unit's "
+        "runs after reshard() on members called after unshard(), or when a forward ran between "
+        "torch.autograd.grad(..., create_graph=True) and the backward through the graph it made (a gradient "
+        "penalty: run that backward first). Fix: return such tensors from the unit's "
         "forward, or keep the unit gathered until backward (reshard_after_forward=False, or unshard() before "
         f"and reshard() after backward). Autograd's error: {error}"
     )
