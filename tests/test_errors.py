@@ -556,3 +556,23 @@ def test_deepcopy_of_a_sharded_model_is_refused_by_name_on_both_front_ends() -> 
         assert len(texts) == 2, texts
         assert "FullyShardedDataParallel" in texts[0] and "before wrapping" in texts[0], texts
         assert "fully_shard" in texts[1] and "before sharding" in texts[1], texts
+
+
+def _clip_without_gradients_body(rank: int, world: int) -> list[str]:
+    """The wrapper's clip_grad_norm_ before any backward: no rank has gradients."""
+    import warnings
+
+    from fullshard import FullyShardedDataParallel
+
+    model = FullyShardedDataParallel(torch.nn.Linear(4, 4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        norm = model.clip_grad_norm_(1.0)
+    assert norm.dtype == torch.float32 and norm.item() == 0.0
+    return [str(w.message) for w in caught if "clip_grad_norm_" in str(w.message)]
+
+
+@pytest.mark.timeout(60)
+def test_clip_grad_norm_on_a_rank_without_gradients_warns_as_torch() -> None:
+    for rank, texts in enumerate(run_ranks(_clip_without_gradients_body, 2, timeout=50)):
+        assert len(texts) == 1 and f"rank {rank} with no gradients" in texts[0], texts

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
@@ -379,7 +380,7 @@ class FullyShardedDataParallel(StateDictMethods):
         Collective: every rank calls it. Returns the total norm before clipping, computed in
         float64 and returned, as torch's FSDP1 returns it, in the promoted dtype of this rank's
         gradients (float32; float16 / bfloat16 under ``keep_low_precision_grads=True``), float32
-        on a rank without gradients.
+        on a rank without gradients (with a ``UserWarning``, as torch's).
 
         Raises:
             RuntimeError: called on a unit that is not the root.
@@ -393,7 +394,14 @@ class FullyShardedDataParallel(StateDictMethods):
         params = list(self.parameters())
         total = clip_grad_norm_(params, max_norm, norm_type)
         dtypes = [p.grad.dtype for p in params if p.grad is not None]
-        return total.to(functools.reduce(torch.promote_types, dtypes)) if dtypes else total
+        if not dtypes:  # as torch's FSDP1 warns (another dtype would take a collective)
+            rank = collectives.group_rank(collectives.default_group())
+            warnings.warn(
+                f"FSDP.clip_grad_norm_() on rank {rank} with no gradients: the total norm is returned in {total.dtype}",
+                stacklevel=2,
+            )
+            return total
+        return total.to(functools.reduce(torch.promote_types, dtypes))
 
     summon_full_params = staticmethod(summon.summon_full_params)
 
