@@ -322,17 +322,24 @@ def _read_and_apply(
     action = f"load from {directory}"
     created: list[torch.Tensor] = []
 
-    def read() -> tuple[dict[str, Any], dict[str, Any]]:
+    def prepare() -> dict[str, Any]:
         created.extend(create_optimizer_state(optimizer))
         target = copies(sharded(model, optimizer))  # a failed read must leave the model as it was
         saved = Reader(directory).read_metadata().state_dict_metadata
         check_fits(saved, target, optimizer, manifest.optimizer if manifest else None)
+        return target
+
+    def read(target: dict[str, Any]) -> dict[str, Any]:
         dcp.load(target, storage_reader=Reader(directory), checkpoint_id=str(directory))
         listed = manifest is None or extra_name(rank) in manifest.files
-        return target, load_extra(directory, rank) if listed else {}
+        return load_extra(directory, rank) if listed else {}
 
+    # The checks run on their own before DCP's read: they may fail on some ranks only (a model
+    # that differs on one rank), and a rank that went on into DCP's collectives would wait there
+    # for a rank waiting in everywhere's exchange of errors.
     try:
-        target, extra = everywhere(action, read)
+        target = everywhere(action, prepare)
+        extra = everywhere(action, lambda: read(target))
     except CheckpointError:
         forget_state(optimizer, created)
         raise

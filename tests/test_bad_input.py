@@ -1,0 +1,64 @@
+"""Bad input found by an audit (2026-11-28): each ends in a clear error naming the argument (or
+the rank) and the fix, on every rank, without a hang, and without losing a checkpoint."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from dist import run_ranks
+from torch import nn
+
+FRONTS = ("fsdp1", "fsdp2")
+
+
+def _wrapped(front: str, width: int = 8) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Linear(8, width), ReLU, Linear(width, 8), each Linear a unit, with Adam (no step yet)."""
+    from fullshard import FSDP, fully_shard
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, width), nn.ReLU(), nn.Linear(width, 8))
+    if front == "fsdp1":
+        model: nn.Module = FSDP(net, auto_wrap_policy={nn.Linear})
+    else:
+        fully_shard(net[0])
+        fully_shard(net[2])
+        model = fully_shard(net)
+    return model, torch.optim.Adam(model.parameters(), lr=0.1)
+
+
+def _trained(front: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model, opt = _wrapped(front)
+    model(torch.ones(2, 8)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    return model, opt
+
+
+def load_into_other_model_body(rank: int, world: int, root: str) -> list[str]:
+    """A resume before the first forward whose model differs on rank 1 only (a rank-dependent
+    width): rank 1's check of the checkpoint's shapes fails, rank 0's passes. Rank 0 went on
+    into DCP's read (its collectives) while rank 1 waited in the error exchange: both hung."""
+    from fullshard import checkpoint
+
+    lines = []
+    for front in FRONTS:
+        model, opt = _trained(front)
+        saved = checkpoint.save(os.path.join(root, front), 1, model, opt)
+        other, other_opt = _wrapped(front, width=8 if rank == 0 else 6)
+        with pytest.raises(checkpoint.CheckpointError) as failed:
+            checkpoint.load(saved, other, other_opt)
+        assert not other_opt.state  # the state created to load into is gone again
+        lines.append(str(failed.value))
+    return lines
+
+
+@pytest.mark.timeout(90)
+def test_a_load_that_fails_its_checks_on_one_rank_fails_on_every_rank(tmp_path: Path) -> None:
+    lines = run_ranks(load_into_other_model_body, 2, str(tmp_path), timeout=60)
+    assert lines[0] == lines[1], lines
+    for front, line in zip(FRONTS, lines[0]):
+        want = f"checkpoint load from {tmp_path / front / 'step_00000001'} failed on rank 1: shape mismatch for "
+        assert line.startswith(want) and "checkpoint (8, 8), model (6, 8)" in line, line
