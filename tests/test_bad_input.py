@@ -62,3 +62,49 @@ def test_a_load_that_fails_its_checks_on_one_rank_fails_on_every_rank(tmp_path: 
     for front, line in zip(FRONTS, lines[0]):
         want = f"checkpoint load from {tmp_path / front / 'step_00000001'} failed on rank 1: shape mismatch for "
         assert line.startswith(want) and "checkpoint (8, 8), model (6, 8)" in line, line
+
+
+def save_arguments_body(rank: int, world: int, root: str) -> list[str]:
+    """``checkpoint.save``'s step and keep, checked on every rank's values together before
+    anything is written: a step of another type, a negative step (``step_-0000001``, which no
+    resume ever looked at), a keep of another type, and ranks that save different steps (each
+    published a checkpoint missing the other's shards and reported success; with keep=1 each
+    pruned the last good checkpoint too). The good checkpoint stays loadable."""
+    from fullshard import checkpoint
+
+    model, opt = _trained("fsdp2")
+    good = checkpoint.save(root, 1, model, opt)
+    seen = []
+    for kwargs, exc in (
+        (dict(step="2"), TypeError),
+        (dict(step=2.0), TypeError),
+        (dict(step=True), TypeError),
+        (dict(step=-1), ValueError),
+        (dict(step=2, keep="1"), TypeError),
+        (dict(step=2 + rank, keep=1), ValueError),
+    ):
+        with pytest.raises(exc) as failed:
+            checkpoint.save(root, model=model, optimizer=opt, **kwargs)
+        seen.append(str(failed.value))
+    assert sorted(p.name for p in Path(root).iterdir() if not p.name.endswith(".tmp")) == [good.name]
+    checkpoint.load(root, model, opt)
+    return seen
+
+
+@pytest.mark.timeout(90)
+def test_save_checks_step_and_keep_on_every_rank(tmp_path: Path) -> None:
+    lines = run_ranks(save_arguments_body, 2, str(tmp_path), timeout=60)
+    assert lines[0] == lines[1], lines
+    assert lines[0] == [
+        "checkpoint.save: step must be an int (the training step, which names the checkpoint's directory "
+        "step_00000120), got str '2'",
+        "checkpoint.save: step must be an int (the training step, which names the checkpoint's directory "
+        "step_00000120), got float 2.0",
+        "checkpoint.save: step must be an int (the training step, which names the checkpoint's directory "
+        "step_00000120), got bool True",
+        "checkpoint.save: step must be at least 0, got -1",
+        "checkpoint.save: keep must be an int of at least 1 or None (None keeps every checkpoint), got str '1'",
+        "checkpoint.save: every rank must save the same step, got step 2 on rank 0, step 3 on rank 1 "
+        "(a step counted on each rank?)",
+    ], lines[0]
+

@@ -30,6 +30,7 @@ nothing hangs.
 
 from __future__ import annotations
 
+import operator
 import os
 import shutil
 import warnings
@@ -103,20 +104,21 @@ def save(
         the directory of the new, complete checkpoint.
 
     Raises:
-        ValueError: ``keep`` < 1.
+        TypeError: ``step`` not an int, or ``keep`` neither an int nor None (on any rank).
+        ValueError: ``step`` < 0 or ``keep`` < 1 (on any rank), or ranks giving different steps.
+            These are raised on every rank before anything is written.
         CheckpointError: on every rank, when any rank failed (one line naming the rank, the
             reason and the file); the previous checkpoints stay.
     """
     import torch.distributed.checkpoint as dcp
 
-    if keep is not None and keep < 1:
-        raise ValueError(f"keep must be at least 1 (None keeps every checkpoint), got {keep}")
+    group = collectives.default_group()
+    rank, world = collectives.group_rank(group), collectives.group_size(group)
+    token, step = _agree(step, keep, group)
     final = step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
     action = f"save to {final}"
-    group = collectives.default_group()
-    rank, world = collectives.group_rank(group), collectives.group_size(group)
-    leader = _claim(tmp, action)
+    leader = _claim(tmp, action, token)
     writer = Writer(tmp)
 
     def gather_state() -> tuple[dict[str, Any], str]:
@@ -153,10 +155,53 @@ def _publish(tmp: Path, final: Path, manifest: Manifest, keep: int | None) -> No
     _prune(final.parent, keep, final, here_only=any(not (final / name).exists() for name in manifest.files))
 
 
+def _agree(step: Any, keep: Any, group: collectives.ProcessGroup) -> tuple[str, int]:
+    """Check every rank's ``step`` and ``keep`` together (one exchange, which also hands out rank
+    0's token for :func:`_claim`): the same error on every rank, before anything is written.
+    Ranks saving different steps would each publish a checkpoint missing the others' shards (and,
+    with ``keep``, prune the good ones): refused. Returns (the token, ``step`` as an int)."""
+    import uuid
+
+    rank = collectives.group_rank(group)
+    every = collectives.all_gather_object((uuid.uuid4().hex if rank == 0 else None, step, keep), group)
+    for r, (_, s, k) in enumerate(every):
+        on = f" on rank {r}" if len({repr(e[1:]) for e in every}) > 1 else ""
+        n = _whole(s)
+        if n is None:
+            raise TypeError(
+                "checkpoint.save: step must be an int (the training step, which names the checkpoint's "
+                f"directory step_00000120), got {type(s).__name__} {s!r}{on}"
+            )
+        if n < 0:
+            raise ValueError(f"checkpoint.save: step must be at least 0, got {s!r}{on}")
+        if k is not None and (_whole(k) or 0) < 1:
+            raise (TypeError if _whole(k) is None else ValueError)(
+                "checkpoint.save: keep must be an int of at least 1 or None (None keeps every checkpoint), got "
+                f"{type(k).__name__} {k!r}{on}"
+            )
+    steps = [_whole(s) for _, s, _ in every]
+    if len(set(steps)) > 1:
+        said = ", ".join(f"step {s} on rank {r}" for r, s in enumerate(steps))
+        raise ValueError(
+            f"checkpoint.save: every rank must save the same step, got {said} (a step counted on each rank?)"
+        )
+    return every[0][0], int(step)
+
+
+def _whole(value: Any) -> int | None:
+    """``value`` as an int when it is one (numpy's and 0-dim tensors' too), else None (a bool too)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 _CLAIM = ".fullshard-claim-"
 
 
-def _claim(tmp: Path, action: str) -> int:
+def _claim(tmp: Path, action: str, token: str) -> int:
     """Prepare the temporary directory ``tmp`` of a save; return the rank that publishes it.
 
     ``tmp`` may be one directory every rank sees (a shared file system) or a directory per rank
@@ -164,13 +209,10 @@ def _claim(tmp: Path, action: str) -> int:
     them). Every rank creates ``tmp`` and leaves a claim file with this save's token in it; the
     lowest rank whose claim a rank sees is that directory's leader, which empties it of anything
     older (an interrupted save) and later renames it. Collective; a failure on any rank raises
-    CheckpointError on all.
+    CheckpointError on all. ``token``: this save's, the same on every rank.
     """
-    import uuid
-
     group = collectives.default_group()
     rank = collectives.group_rank(group)
-    token = collectives.broadcast_object(uuid.uuid4().hex if rank == 0 else None, 0, group)
     mine = f"{_CLAIM}{token}-"
 
     def create() -> None:
