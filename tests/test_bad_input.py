@@ -108,3 +108,34 @@ def test_save_checks_step_and_keep_on_every_rank(tmp_path: Path) -> None:
         "(a step counted on each rank?)",
     ], lines[0]
 
+
+def stray_optimizer_body(rank: int, world: int, root: str) -> list[str]:
+    """An optimizer over parameters that are not the model's (one built before wrapping, or for
+    another model): save and load named it for the FSDP1 wrapper; for fully_shard both said
+    ``KeyError: 0``."""
+    from fullshard import checkpoint
+
+    seen = []
+    for front in FRONTS:
+        model, opt = _trained(front)
+        saved = checkpoint.save(os.path.join(root, front), 1, model, opt)
+        _, other_opt = _trained(front)
+        for action in (
+            lambda: checkpoint.save(os.path.join(root, front), 2, model, other_opt),
+            lambda: checkpoint.load(saved, model, other_opt),
+        ):
+            with pytest.raises(checkpoint.CheckpointError) as failed:
+                action()
+            seen.append(str(failed.value).split(" failed on ")[1])
+    return seen
+
+
+@pytest.mark.timeout(90)
+def test_an_optimizer_over_other_parameters_is_named(tmp_path: Path) -> None:
+    lines = run_ranks(stray_optimizer_body, 2, str(tmp_path), timeout=60)
+    want = (
+        "ranks 0 and 1: ValueError: the optimizer holds 4 parameter(s) that are not the model's, so its state "
+        "dict cannot name them; build the optimizer on model.parameters() after wrapping (give other parameters "
+        "an optimizer of their own)"
+    )
+    assert lines == [[want] * 4] * 2, lines

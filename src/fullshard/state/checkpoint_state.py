@@ -19,7 +19,13 @@ from fullshard.engine.config import FrontEnd
 from fullshard.engine.hooks import FSDPState, fsdp_state
 from fullshard.engine.inference_guard import outside_inference_mode
 from fullshard.state.checkpoint_errors import CheckpointMismatch
-from fullshard.state.optim_state import init_state, load_sharded_optim_state_dict, sharded_optim_state_dict
+from fullshard.state.optim_state import (
+    check_model_params,
+    init_state,
+    load_sharded_optim_state_dict,
+    param_names,
+    sharded_optim_state_dict,
+)
 from fullshard.state.state_dict import load_sharded_state_dict, sharded_state_dict
 
 
@@ -43,6 +49,7 @@ def sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[s
 
         state: dict[str, Any] = {"model": get_model_state_dict(model)}
         if optimizer is not None:
+            check_model_params(param_names(model), optimizer)  # torch's says "KeyError: 0"
             state["optim"] = get_optimizer_state_dict(model, optimizer)
         return state
     state = {"model": sharded_state_dict(model, fsdp.ignored)}
