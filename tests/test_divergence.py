@@ -68,6 +68,8 @@ def _steps(case: str, rank: int, group: object) -> None:
         if case == "extra_forward" and odd and rank == 0:
             model(x)  # an evaluation forward that only rank 0 runs
         net.skip = 1 if case == "skip_unit" and odd and rank == 1 else None
+        if case == "freeze" and odd and rank == 0:
+            net.layers[0].inner.bias.requires_grad_(False)  # a freeze in rank-dependent code
         if case == "no_sync" and odd and rank == 1:
             with model.no_sync():  # accumulates where rank 0 reduce-scatters
                 model(x).sum().backward()
@@ -108,7 +110,7 @@ def diverge_body(rank: int, world: int, cases: list[str], dumps: str) -> dict[st
     return seen
 
 
-CASES = ["state_dict", "clip", "skip_unit", "extra_forward", "optim_state", "no_sync"]
+CASES = ["state_dict", "clip", "skip_unit", "extra_forward", "optim_state", "no_sync", "freeze"]
 
 
 @pytest.mark.timeout(300)
@@ -119,7 +121,7 @@ def test_divergent_collectives_are_named_on_both_ranks_before_the_backend_runs_t
     for case in CASES:
         assert seen[0][case] == seen[1][case], case  # the same sentence on both ranks
         assert seen[0][case].startswith("CollectiveDiverged: ranks diverged at collective #"), seen[0][case]
-    state_dict, clip, skip_unit, extra, optim_state, no_sync = (seen[0][c] for c in CASES)
+    state_dict, clip, skip_unit, extra, optim_state, no_sync, freeze = (seen[0][c] for c in CASES)
     assert re.search(
         r"rank 0 issued state_dict all-gather of unit 'head' \(136 bytes, step 3\), rank 1 issued forward "
         r"all-gather of unit 'inp' \(288 bytes, step 4\); rank 1 skipped ahead \(step 4 against step 3\)",
@@ -153,6 +155,15 @@ def test_divergent_collectives_are_named_on_both_ranks_before_the_backend_runs_t
         r"rank 1 left the usual order .*: one rank reduce-scatters gradients where the other does not: no_sync\(\)",
         no_sync,
     ), no_sync
+    # The rank whose requires_grad changed checks the unit's new layout with the others; they, unchanged,
+    # gather as before: the sentence says what changed. (Without the watchdog gloo aborts rank 0 in C++.)
+    assert re.search(
+        r"rank 0 issued requires_grad check all-gather of unit 'layers.0' \(2 bytes, step 3\), rank 1 issued forward "
+        r"all-gather of unit 'layers.0' \(\d+ bytes, step 3\); .*: requires_grad changed on some ranks only "
+        r"\(requires_grad_\(\) in rank-dependent code\?\): every rank must freeze or unfreeze the same parameters "
+        r"before the same forward",
+        freeze,
+    ), freeze
     # A rank that leaves (its process lives on) is named with its last completed collective, exact:
     # its watchdog's final heartbeat. (A process that exits: test_watchdog.py.) Step 2 has one
     # all-gather fewer than step 1: 'head', last in forward, stays gathered into backward.

@@ -27,7 +27,7 @@ import time
 from typing import Any
 
 from fullshard.comm import peers
-from fullshard.comm.flight_recorder import RECORDER, Entry
+from fullshard.comm.flight_recorder import RECORDER, REQUIRES_GRAD_CHECK, Entry
 
 Identity = tuple[Any, ...]
 _MAX_LINKS = 1 << 16  # predictions kept per rank
@@ -138,7 +138,12 @@ class Guard:
         (_, a), (_, b) = pair
         hint = "rank-dependent control flow around FSDP units or collectives?"
         ops = {d["identity"][0] for _, d in pair}
-        if "reduce_scatter" in ops and len(ops) > 1:
+        if any(d["identity"][4] == REQUIRES_GRAD_CHECK for _, d in pair):
+            hint = (
+                "requires_grad changed on some ranks only (requires_grad_() in rank-dependent code?): every rank "
+                "must freeze or unfreeze the same parameters before the same forward"
+            )
+        elif "reduce_scatter" in ops and len(ops) > 1:
             hint = (
                 "one rank reduce-scatters gradients where the other does not: no_sync() or "
                 "set_requires_gradient_sync(False) on one rank only, or rank-dependent control flow?"

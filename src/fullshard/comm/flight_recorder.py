@@ -45,6 +45,10 @@ from fullshard.comm import exposed_comm
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+# The phase of the all-gather that compares a unit's new requires_grad flags across ranks (issued
+# only by ranks whose flags changed; the divergence check's sentence names it).
+REQUIRES_GRAD_CHECK = "requires_grad check"
+
 
 @dataclasses.dataclass(slots=True)
 class Entry:

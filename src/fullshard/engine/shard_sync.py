@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from fullshard import compat
-from fullshard.comm import collectives
+from fullshard.comm import collectives, flight_recorder
+from fullshard.comm.flight_recorder import REQUIRES_GRAD_CHECK
 from fullshard.engine.layout import UnitLayout
 from fullshard.engine.sharded_param import ShardedParam, local_tensor
 
@@ -136,7 +137,10 @@ def _check_same_on_every_rank(unit: UnitLayout) -> None:
         n = collectives.group_size(group)
         mine = torch.tensor(flags, dtype=torch.uint8, device=collectives.reduction_device(group))
         every = torch.empty(n * len(flags), dtype=torch.uint8, device=mine.device)
-        collectives.all_gather(every, mine, group)
+        # Labelled: a rank whose requires_grad changed alone meets the others' next forward
+        # all-gather here; the watchdog's divergence check names this phase (comm.divergence).
+        with flight_recorder.at(unit.name, REQUIRES_GRAD_CHECK):
+            collectives.all_gather(every, mine, group)
         rows = every.view(n, -1).cpu()
         differs = (rows != rows[0]).any(dim=0).nonzero()
         if len(differs):
