@@ -139,3 +139,54 @@ def test_an_optimizer_over_other_parameters_is_named(tmp_path: Path) -> None:
         "an optimizer of their own)"
     )
     assert lines == [[want] * 4] * 2, lines
+
+
+def _raised(fn: object) -> str:
+    try:
+        fn()  # type: ignore[operator]
+    except (TypeError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def arguments_body(rank: int, world: int) -> list[str]:
+    """Arguments of the wrong kind that were accepted (a module in ignored_params was silently
+    sharded; cast_forward_inputs='no' cast), failed inside Python (``Boolean value of Tensor ...
+    is ambiguous``), only at the first forward (``Invalid device string: 'fp16'``) or named
+    FSDP1's MixedPrecision for fully_shard's policy: each refused at once, naming the argument
+    and the fix."""
+    from fullshard import FSDP, MixedPrecisionPolicy, fully_shard
+
+    def net() -> nn.Sequential:
+        return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+
+    n = net()
+    cases = [
+        lambda: fully_shard(n, ignored_params=n[0].weight),
+        lambda: fully_shard(n, ignored_params={n[0]}),
+        lambda: FSDP(n, ignored_states=n[0].weight),
+        lambda: MixedPrecisionPolicy(output_dtype="fp16"),  # type: ignore[arg-type]
+        lambda: MixedPrecisionPolicy(param_dtype=torch.int8),
+        lambda: fully_shard(net(), mp_policy=torch.distributed.fsdp.MixedPrecisionPolicy(reduce_dtype=torch.int32)),
+        lambda: MixedPrecisionPolicy(cast_forward_inputs="no"),  # type: ignore[arg-type]
+    ]
+    return [_raised(fn) for fn in cases]
+
+
+@pytest.mark.timeout(90)
+def test_arguments_of_the_wrong_kind_are_refused_at_once() -> None:
+    lines = run_ranks(arguments_body, 2, timeout=60)
+    assert lines[0] == lines[1], lines
+    floats = "use torch.bfloat16, torch.float16 or torch.float32 (or None to keep the original)"
+    assert lines[0] == [
+        "TypeError: fully_shard: ignored_params must be an iterable of parameters, got one Parameter; pass "
+        "ignored_params={param}",
+        "TypeError: fully_shard: ignored_params must hold parameters, got Linear; pass its parameters: "
+        "set(module.parameters())",
+        "TypeError: FullyShardedDataParallel: ignored_states must be an iterable of modules or parameters, got one "
+        "Parameter; pass ignored_states=[...]",
+        f"ValueError: MixedPrecisionPolicy.output_dtype='fp16' is not a floating-point torch.dtype; {floats}",
+        f"ValueError: MixedPrecisionPolicy.param_dtype=torch.int8 is not a floating-point torch.dtype; {floats}",
+        f"ValueError: MixedPrecisionPolicy.reduce_dtype=torch.int32 is not a floating-point torch.dtype; {floats}",
+        "TypeError: MixedPrecisionPolicy.cast_forward_inputs must be True or False, got 'no'",
+    ], lines[0]

@@ -70,6 +70,11 @@ def wrapper_config(
             f"FullyShardedDataParallel: ignored_modules must be an iterable of modules, got one "
             f"{type(ignored_modules).__name__}; pass ignored_modules=[module]"
         )
+    if isinstance(ignored_states, (nn.Module, torch.Tensor)):
+        raise TypeError(
+            f"FullyShardedDataParallel: ignored_states must be an iterable of modules or parameters, got one "
+            f"{type(ignored_states).__name__}; pass ignored_states=[...]"
+        )
     strategy = parse_sharding_strategy(sharding_strategy)
     config = WrapperConfig(
         mixed_precision=as_mixed_precision(mixed_precision),

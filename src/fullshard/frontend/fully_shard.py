@@ -59,6 +59,19 @@ class MixedPrecisionPolicy:
     output_dtype: Optional[torch.dtype] = None
     cast_forward_inputs: bool = True
 
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, torch.dtype) or not value.is_floating_point):
+                raise ValueError(
+                    f"MixedPrecisionPolicy.{name}={value!r} is not a floating-point torch.dtype; use "
+                    "torch.bfloat16, torch.float16 or torch.float32 (or None to keep the original)"
+                )
+        if not isinstance(self.cast_forward_inputs, bool):
+            raise TypeError(
+                f"MixedPrecisionPolicy.cast_forward_inputs must be True or False, got {self.cast_forward_inputs!r}"
+            )
+
 
 class OffloadPolicy:
     """No offloading (the base of CPUOffloadPolicy)."""
@@ -161,11 +174,27 @@ def fully_shard(
     return module
 
 
-def _mark_ignored(ignored_params: Optional[Iterable[nn.Parameter]]) -> Optional[set[nn.Parameter]]:
+def _mark_ignored(ignored_params: Any) -> Optional[set[nn.Parameter]]:
     """Mark ``ignored_params`` as left out of every unit; returns them as a set (read once: it
-    may be a generator), or None when not given."""
-    ignored = None if ignored_params is None else set(ignored_params)
-    for p in ignored or ():
+    may be a generator), or None when not given.
+
+    Raises:
+        TypeError: one tensor or module instead of an iterable, or an entry that is not a parameter
+            (a module's parameters were sharded without a word).
+    """
+    if ignored_params is None:
+        return None
+    if isinstance(ignored_params, (torch.Tensor, nn.Module)):
+        raise TypeError(
+            f"fully_shard: ignored_params must be an iterable of parameters, got one "
+            f"{type(ignored_params).__name__}; pass ignored_params={{param}}"
+        )
+    ignored = set(ignored_params)
+    for p in ignored:
+        if not isinstance(p, nn.Parameter):
+            fix = "pass its parameters: set(module.parameters())" if isinstance(p, nn.Module) else "pass parameters"
+            raise TypeError(f"fully_shard: ignored_params must hold parameters, got {type(p).__name__}; {fix}")
+    for p in ignored:
         p._fullshard_ignored = True  # type: ignore[attr-defined]
     return ignored
 
