@@ -227,7 +227,7 @@ HEADER = [
 ]
 
 
-def _families_option(families: tuple[str, ...]) -> str:
+def families_option(families: tuple[str, ...]) -> str:
     """The ``--families`` option that draws ``families`` again ("" for the default)."""
     return "" if tuple(families) == DRAWN else f" --families {','.join(families)}"
 
@@ -235,7 +235,7 @@ def _families_option(families: tuple[str, ...]) -> str:
 def report(seed: int, n: int, families: tuple[str, ...] = DRAWN) -> Iterator[str]:
     """Draw ``n`` configurations from ``seed`` among ``families``, predict and measure each;
     yields the markdown lines as they come (the table, then :func:`summary`)."""
-    command = f"fullshard bench estimate --sweep {n} --seed {seed}{_families_option(families)}"
+    command = f"fullshard bench estimate --sweep {n} --seed {seed}{families_option(families)}"
     yield f"Seed {seed}, {n} configurations (`{command}` draws them again).\n"
     yield from HEADER
     rows = []

@@ -25,9 +25,9 @@ from fullshard.jobs.planning.sweep import Config, draw
 from fullshard.jobs.planning.sweep_bench import (
     Measured,
     Row,
-    _families_option,
     cell,
     distribution,
+    families_option,
     measure_rank,
     predicted,
 )
@@ -188,7 +188,7 @@ def device_report(seed: int, n: int, device: torch.device, families: tuple[str, 
     held = f"; cuBLAS's workspaces, allocated before and left out of the allocator's peaks: {workspace} bytes"
     yield (
         f"Seed {seed}, {n} configurations at world size 1 on {device.type} "
-        f"(`fullshard bench estimate --sweep {n} --seed {seed}{_families_option(families)} --device {device.type}` "
+        f"(`fullshard bench estimate --sweep {n} --seed {seed}{families_option(families)} --device {device.type}` "
         "draws them again)" + (held if workspace else "") + ".\n"
     )
     yield from DEVICE_HEADER
