@@ -413,15 +413,21 @@ def _freeze_bias(rank: int, net: nn.Module) -> dict:
     return {}
 
 
+def _reshape_weight(rank: int, net: nn.Module) -> dict:
+    if rank == 1:  # the same bytes, another shape
+        net[0].weight = nn.Parameter(torch.zeros(2, 8))
+    return {}
+
+
 def rank_dependent_body(rank: int, world: int) -> list[str]:
-    return [_first_forward_error(rank, change) for change in (_freeze_layer, _freeze_bias)]
+    return [_first_forward_error(rank, change) for change in (_freeze_layer, _freeze_bias, _reshape_weight)]
 
 
 @pytest.mark.timeout(120)
 def test_rank_dependent_setups_are_named_at_the_first_forward_on_every_rank() -> None:
     results = run_ranks(rank_dependent_body, 2, timeout=100)
     assert results[0] == results[1]  # the same sentence on every rank
-    frozen, bias = results[0]
+    frozen, bias, shape = results[0]
     assert frozen == (
         "RuntimeError: FSDP unit '0' has different trainable parameters across ranks: parameter '0.bias' has "
         "requires_grad=False on rank(s) [1] and True on rank(s) [0] (rank 0: all trainable; rank 1: frozen: "
@@ -429,6 +435,11 @@ def test_rank_dependent_setups_are_named_at_the_first_forward_on_every_rank() ->
         "(rank-dependent code?)"
     ), frozen
     assert "parameter '2.bias' has requires_grad=False on rank(s) [0] and True on rank(s) [1]" in bias, bias
+    assert shape == (
+        "RuntimeError: FSDP unit '0' holds parameters of different shapes or dtypes across ranks, at parameter #0 "
+        "(rank 0: 0.weight: (4, 4) torch.float32; rank 1: 0.weight: (2, 8) torch.float32): every rank must build "
+        "the same model, with the same shapes and dtypes, before wrapping (rank-dependent model code?)"
+    ), shape
 
 
 def _fsdp1(**kwargs: object) -> object:

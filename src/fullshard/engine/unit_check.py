@@ -22,11 +22,34 @@ def _wire_settings(config: UnitConfig) -> tuple[str, ...]:
     )
 
 
+def _prefix(unit: Unit) -> str:
+    """What turns the unit-relative names of ``unit``'s parameters into the model's."""
+    return "" if not unit.name or unit.name.startswith("<") else f"{unit.name}."  # "<root>": names are the model's
+
+
 def _frozen(unit: Unit) -> tuple[str, ...]:
     """The names of ``unit``'s parameters that do not require gradients: ranks that differ in them
     lay out and reduce different gradients (a mismatch at the first backward)."""
-    prefix = "" if not unit.name or unit.name.startswith("<") else f"{unit.name}."  # "<root>": names are the model's
-    return tuple(prefix + sp.fqn for sp in unit.params if not sp.requires_grad)
+    return tuple(_prefix(unit) + sp.fqn for sp in unit.params if not sp.requires_grad)
+
+
+def _param_shapes(unit: Unit) -> tuple[str, ...]:
+    """Each of ``unit``'s parameters as "name: shape dtype", in layout order: ranks whose units
+    agree in byte size can still differ in these (a 4x4 weight against a 2x8 one, bf16 against
+    fp16), and would then gather and reduce one rank's values into the other's shapes."""
+    dtypes = [sp.shard.dtype if sp.shard is not None else "?" for sp in unit.params]
+    return tuple(f"{_prefix(unit)}{sp.fqn}: {tuple(sp.spec.orig_shape)} {d}" for sp, d in zip(unit.params, dtypes))
+
+
+def _raise_shapes_differ(unit: str, shapes: list[tuple[str, ...]]) -> None:
+    """Raise for unit ``unit`` whose parameters' shapes or dtypes (per rank, ``shapes``) differ."""
+    k = first_difference([list(s) for s in shapes])
+    seen = per_rank([list(s) for s in shapes], k, str, "no such parameter")
+    raise RuntimeError(
+        f"FSDP unit {unit!r} holds parameters of different shapes or dtypes across ranks, at parameter #{k} "
+        f"({seen}): every rank must build the same model, with the same shapes and dtypes, before wrapping "
+        "(rank-dependent model code?)"
+    )
 
 
 def _raise_frozen_differ(unit: str, frozen: list[tuple[str, ...]]) -> None:
@@ -58,7 +81,8 @@ def per_rank(every: list[list[Any]], k: int, describe: Callable[[Any], str], mis
 
 def check_same_units(units: list[Unit]) -> None:
     """At the first forward: every rank of the root's data-parallel group must wrap the same
-    units, in the same order, of the same sizes, with the same sharding strategy, mixed precision,
+    units, in the same order, of the same sizes, holding parameters of the same shapes and dtypes,
+    with the same sharding strategy, mixed precision,
     ``comm_quantization`` and frozen (``requires_grad=False``) parameters; else their collectives
     would pair up wrongly or hang.
 
@@ -68,21 +92,24 @@ def check_same_units(units: list[Unit]) -> None:
 
     Raises:
         RuntimeError: on every rank, naming the first unit that differs and, per rank, what
-            differs (its name and size, its settings, or which parameters are frozen).
+            differs (its name and size, its settings, which parameters are frozen, or a
+            parameter's shape or dtype).
     """
     first = units[0]
     group = first.shard_group if first.shard_group is not None else first.replicate_group
     if group is None or collectives.group_size(group) == 1:
         return
-    mine = [(u.name, u.full_nbytes, _wire_settings(u.config), _frozen(u)) for u in units]
+    mine = [(u.name, u.full_nbytes, _wire_settings(u.config), _frozen(u), _param_shapes(u)) for u in units]
     with flight_recorder.at(phase="unit order check"):
         every = collectives.all_gather_object(mine, group)
     if all(units == every[0] for units in every):
         return
     i = first_difference(every)
     shapes = {units[i][:2] if i < len(units) else None for units in every}
-    if len(shapes) == 1 and len({units[i][2] for units in every}) == 1:  # the same settings: requires_grad differs
-        _raise_frozen_differ(every[0][i][0], [units[i][3] for units in every])
+    if len(shapes) == 1 and len({units[i][2] for units in every}) == 1:  # the same settings
+        if len({units[i][3] for units in every}) > 1:  # requires_grad differs
+            _raise_frozen_differ(every[0][i][0], [units[i][3] for units in every])
+        _raise_shapes_differ(every[0][i][0], [units[i][4] for units in every])
     if len(shapes) == 1:  # the same unit everywhere, set up differently
         differ = [k for k in range(len(every[0][i][2])) if len({units[i][2][k] for units in every}) > 1]
         seen = "; ".join(f"rank {r}: " + ", ".join(units[i][2][k] for k in differ) for r, units in enumerate(every))
