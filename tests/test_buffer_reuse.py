@@ -438,7 +438,8 @@ def test_the_gradient_shards_views_from_one_split_equal_each_local_view(monkeypa
     buffer as local_view does, for ranks holding all, part or none of a parameter's rows (the
     layout's geometry only: the group's size and rank are stood in for, nothing is sent)."""
     from fullshard.comm import collectives
-    from fullshard.engine.layout import UnitConfig, UnitLayout
+    from fullshard.engine.layout import UnitLayout
+    from fullshard.engine.unit_config import UnitConfig
 
     for n in (1, 2, 3, 4, 6):
         for rank in range(n):

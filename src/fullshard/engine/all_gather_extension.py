@@ -39,10 +39,11 @@ from fullshard.comm import collectives, flight_recorder
 from fullshard.engine import shard_sync
 from fullshard.engine.extension_param import ExtensionParam, has_extension, make_shard
 from fullshard.engine.grad_pack import pack_into
-from fullshard.engine.layout import ParamEntry, ShardState
+from fullshard.engine.layout import ParamEntry
 from fullshard.engine.reduce import predivide_factor
 from fullshard.engine.sharded_param import ShardedParam, ShardSpec, local_tensor
-from fullshard.engine.unit import Unit, UnitConfig
+from fullshard.engine.unit import Unit
+from fullshard.engine.unit_config import ShardState, UnitConfig
 
 __all__ = ["ExtensionUnit", "attach", "check_plain", "unit_class"]
 

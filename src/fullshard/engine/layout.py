@@ -45,8 +45,6 @@ go the other way, in :mod:`.reduce`: per-parameter gradients -> one packing copy
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -55,53 +53,14 @@ import torch
 from torch import nn
 
 from fullshard.comm import collectives
-from fullshard.engine.config import CommQuantization
 from fullshard.engine.sharded_param import ParamSlot, ShardedParam, ShardSpec
+from fullshard.engine.unit_config import UnitConfig
 
 ParamEntry = tuple[str, nn.Parameter, list[ParamSlot]]
 
 # On gloo, a parameter whose padded shard has at least this many bytes is all-gathered on its
 # own, straight into the full buffer; smaller ones are gathered in runs and copied out.
 DIRECT_GATHER_BYTES = 1 << 20
-
-
-class ShardState(enum.Enum):
-    SHARDED = "sharded"
-    UNSHARDED = "unsharded"
-
-
-class TrainingState(enum.Enum):
-    IDLE = "idle"
-    FORWARD = "forward"
-    PRE_BACKWARD = "pre_backward"
-    POST_BACKWARD = "post_backward"
-
-
-@dataclasses.dataclass(frozen=True)
-class UnitConfig:
-    """How a unit shards, computes and reduces.
-
-    Attributes:
-        compute_device: where forward/backward run and the collectives move data.
-        reshard_after_forward: free the full parameters after forward (FULL_SHARD).
-        param_dtype: dtype of the all-gather and of compute (None: the parameters' dtype).
-        reduce_dtype: dtype of the gradient reduction (None: the compute dtype).
-        keep_low_precision_grads: leave the shards' gradients in the reduce dtype.
-        offload: keep shards and their gradients in CPU memory (pinned when CUDA exists).
-        keep_param_objects: register the original Parameter objects, their ``.data`` now the
-            shard (torch FSDP1's ``use_orig_params``: an optimizer built before wrapping trains
-            them); otherwise new Parameters.
-        comm_quantization: gather parameters and/or reduce gradients quantized (None: exactly).
-    """
-
-    compute_device: torch.device
-    reshard_after_forward: bool = True
-    param_dtype: torch.dtype | None = None
-    reduce_dtype: torch.dtype | None = None
-    keep_low_precision_grads: bool = False
-    offload: bool = False
-    keep_param_objects: bool = False
-    comm_quantization: CommQuantization | None = None
 
 
 def _alias(t: torch.Tensor) -> torch.Tensor:

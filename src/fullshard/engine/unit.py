@@ -19,18 +19,12 @@ from fullshard import compat, probes
 from fullshard.comm import buffers, collectives, flight_recorder, quantized
 from fullshard.engine import custom_comm, reshard_guard, shard_sync
 from fullshard.engine.grad_pack import pack_grads
-from fullshard.engine.layout import (
-    ParamEntry,
-    ShardState,
-    TrainingState,
-    UnitConfig,
-    UnitLayout,
-    real_views,
-)
+from fullshard.engine.layout import ParamEntry, UnitLayout, real_views
 from fullshard.engine.post_forward_shard import PostForwardShard
 from fullshard.engine.reduce import GradReducer
 from fullshard.engine.sharded_param import ShardedParam
 from fullshard.engine.split_full import SplitFull, named_split
+from fullshard.engine.unit_config import ShardState, TrainingState, UnitConfig
 
 __all__ = ["ParamEntry", "ShardState", "TrainingState", "Unit", "UnitConfig"]
 

@@ -6,8 +6,8 @@ from collections.abc import Callable
 from typing import Any
 
 from fullshard.comm import collectives, flight_recorder
-from fullshard.engine.layout import UnitConfig
 from fullshard.engine.unit import Unit
+from fullshard.engine.unit_config import UnitConfig
 
 
 def _wire_settings(config: UnitConfig) -> tuple[str, ...]:
