@@ -28,6 +28,12 @@ Outside ``optimizer.step()`` nothing differs: the optimizer holds the DTensor pa
 DTensor state that torch's tools (the DCP state-dict functions) expect. Parameters without a
 fullshard unit (other DTensors, plain tensors) are left alone.
 
+Under ``torch.compile`` (a compiled ``optimizer.step``, or a compiled training step that calls it)
+both hooks do nothing and the step runs on the DTensors, as under torch's ``fully_shard``: dynamo
+traces the global step hooks into the step's graph, where the swap would break it (dynamo skips
+``sys.modules`` look-ups and cannot build a DTensor from its spec in a graph), and a compiled
+step has no per-op dispatch left to save.
+
 Only optimizers whose update of a parameter is elementwise take this path: one that reads a
 whole tensor (a norm, a trust ratio, Newton-Schulz on a matrix, factored statistics) would see
 only this rank's rows and go silently wrong, so every other optimizer steps on the DTensors, as
@@ -194,6 +200,8 @@ def _step_sees_params(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) 
 
 
 def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if torch.compiler.is_compiling():  # traced into a compiled step: it runs on the DTensors
+        return
     if "torch.distributed.tensor" not in sys.modules:  # no DTensor exists; importing it costs 0.7 s
         return
     from torch.distributed.tensor import DTensor
@@ -234,6 +242,8 @@ def finish_failed_steps() -> None:
 
 
 def _post_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if torch.compiler.is_compiling():  # the pre-hook swapped nothing in a compiled step
+        return
     swapped = _SWAPPED.pop(optimizer, None)
     if swapped is None:
         return
