@@ -493,6 +493,17 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+def compiled_autograd_on() -> bool:
+    """Whether a backward runs through compiled autograd now: while it traces the autograd graph
+    (inside ``torch._dynamo.compiled_autograd._enable``, which
+    ``torch._dynamo.config.compiled_autograd`` enters around compiled frames) or runs the graph
+    it compiled (which turns the first flag off while it runs, and calls tensor hooks from
+    there). Never imports dynamo: off until something did."""
+    module = sys.modules.get("torch._dynamo.compiled_autograd")
+    flags = ("compiled_autograd_enabled", "in_compiled_autograd_region")
+    return any(bool(getattr(module, flag, False)) for flag in flags)
+
+
 def dynamo_reset() -> None:
     """Forget every compiled graph (``torch._dynamo.reset``; ``torch.compiler.reset`` is the
     public spelling in newer torch, the same function)."""

@@ -1,4 +1,5 @@
-"""Running fullshard's hooks outside ``torch.compile``: :func:`outside_dynamo`.
+"""Running fullshard's hooks outside ``torch.compile``: :func:`outside_dynamo`; and refusing
+compiled autograd: :func:`compiled_autograd_error`.
 
 The marking waits for dynamo's import (2.6 s per process here), so a program that never compiles
 does not pay for it.
@@ -78,3 +79,26 @@ def _on_dynamo_import() -> None:
 
 
 compat.after_import(compat.DYNAMO, _on_dynamo_import)
+
+
+def compiled_autograd_error(unit_name: str, error: BaseException | None = None) -> RuntimeError | None:
+    """The error for a backward through unit ``unit_name`` under compiled autograd, or None when
+    compiled autograd is off.
+
+    Compiled autograd traces the whole backward graph before running any of it: it unpacks the
+    tensors saved from a unit's full parameters while the unit is still resharded (freed), and
+    calls fullshard's backward hooks, which gather parameters and reduce gradients eagerly, from
+    inside its graph. Neither works; torch 2.13's own ``fully_shard`` (no compiled-autograd
+    support left in it) trains to other numbers than eager under it. So a fullshard backward
+    under compiled autograd fails at once, naming it, rather than from a freed-memory check or
+    with wrong gradients.
+    """
+    if not compat.compiled_autograd_on():
+        return None
+    return RuntimeError(
+        f"FSDP unit {unit_name!r}: backward under compiled autograd (torch._dynamo.config.compiled_autograd=True "
+        "or torch._dynamo.compiled_autograd._enable) is not supported: it traces the backward before fullshard's "
+        "hooks gather the unit's parameters and reduce its gradients. Fix: run backward without compiled "
+        "autograd; a torch.compile'd block or model still gets a compiled backward (AOT autograd)."
+        + (f" Autograd's error: {error}" if error is not None else "")
+    )

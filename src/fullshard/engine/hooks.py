@@ -27,7 +27,7 @@ from torch import nn
 
 from fullshard import compat, probes
 from fullshard.comm import buffers, exposed_comm, flight_recorder
-from fullshard.engine import backward_buffers, reshard_guard
+from fullshard.engine import backward_buffers, dynamo_guard, reshard_guard
 from fullshard.engine.config import BackwardPrefetch, FrontEnd
 from fullshard.engine.dynamo_guard import outside_dynamo
 from fullshard.engine.hook_state import FSDPState, RootState, backward_neighbour, neighbour
@@ -367,6 +367,9 @@ def register_pre_backward(state: FSDPState, output: Any) -> Any:
 def _pre_backward(state: FSDPState, grad: torch.Tensor) -> torch.Tensor:
     unit, root = state.unit, state.root
     assert root is not None
+    traced = dynamo_guard.compiled_autograd_error(unit.name)
+    if traced is not None:
+        raise traced
     if not root.callback_queued:
         root.callback_queued = True
         compat.queue_backward_callback(functools.partial(_backward_done, root))

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import torch
 
 from fullshard import compat
+from fullshard.engine import dynamo_guard
 
 __all__ = ["STRIDE", "install", "mark_freed", "mark_valid"]
 
@@ -148,6 +149,9 @@ def explain(error: RuntimeError) -> RuntimeError | None:
     names = freed_units_in(str(error))
     if not names:
         return None
+    traced = dynamo_guard.compiled_autograd_error(names[0], error)
+    if traced is not None:  # compiled autograd unpacked saved tensors before the pre-backward hooks ran
+        return traced
     which = " or ".join(repr(n) for n in names[:_MAX_LISTED])
     if len(names) > _MAX_LISTED:
         which += f" (or one of {len(names) - _MAX_LISTED} more)"
