@@ -425,3 +425,70 @@ def test_compiled_autograd_is_refused_by_name() -> None:
     # Resharded: the error names a block whose saved tensors compiled autograd unpacked first;
     # kept: the root, whose output's hook compiled autograd's graph calls first.
     assert [name.split("'")[1].split(".")[0] for name in refused[0]] == ["layers", "<root>"], refused
+
+
+def _compiled_train_step_run(impl: str, base: TinyLM, rank: int, world: int) -> dict:
+    """Shard a copy of ``base`` with ``impl``'s fully_shard and train it with one compiled function
+    per step (forward, loss, ``backward()``, AdamW step, ``zero_grad``); results and counters."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    fully_shard = _fully_shard(impl)
+    model = copy.deepcopy(base)
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    opt = _optimizer(model, "adamw")
+
+    @torch.compile(backend="eager")
+    def train_step(x: torch.Tensor) -> torch.Tensor:
+        loss = model(x).logsumexp(-1).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    losses, params = [], []
+    for i in range(3):
+        losses.append(train_step(tokens(i, 2 * world)[rank * 2 : (rank + 1) * 2]))
+        params.append([_local(p).detach().clone() for p in model.parameters()])
+    result = _dynamo_result(losses, params)
+    torch._dynamo.reset()
+    return result
+
+
+def compiled_train_step_body(rank: int, world: int) -> dict[str, int]:
+    graphs = {}
+    for frozen in (False, True):
+        torch.manual_seed(0)
+        base = TinyLM(layers=2)
+        if frozen:
+            base.layers[0].requires_grad_(False)  # a unit with nothing to reduce: its own backward path
+        ref = _compiled_train_step_run("torch", base, rank, world)
+        ours = _compiled_train_step_run("fullshard", base, rank, world)
+        what = f"compiled training step, {'first block frozen' if frozen else 'all trainable'}"
+        # The backward runs eagerly from the compiled step (a graph break at backward()); the
+        # hooks and autograd functions it calls are never traced, so dynamo compiles the same
+        # graphs with as many breaks as torch's fully_shard.
+        assert (ours["graphs"], ours["graph_breaks"]) == (ref["graphs"], ref["graph_breaks"]), (
+            what,
+            ours["break_reasons"],
+            ref["break_reasons"],
+        )
+        _assert_same_training(ours, ref, what)
+        graphs[what] = ours["graphs"]
+    return graphs
+
+
+@pytest.mark.timeout(300)
+def test_compiled_training_step_traces_no_fullshard_code() -> None:
+    """One ``torch.compile``'d function per training step (forward, ``loss.backward()``,
+    ``optimizer.step()``, ``zero_grad()``), as some users write it: dynamo runs the backward
+    eagerly after a graph break, and every Python frame the autograd engine calls from there is
+    dynamo's to compile. fullshard's autograd functions, gradient hooks and engine handle used
+    to be traced there (16 graphs for torch's 4, storage swaps and gradient packing in graphs);
+    now the same graphs, breaks and bits as torch's fully_shard, with a frozen unit too."""
+    graphs = run_ranks(compiled_train_step_body, 2, timeout=280)
+    assert graphs[0] == graphs[1]

@@ -37,6 +37,7 @@ from torch import nn
 from fullshard import compat
 from fullshard.comm import collectives, flight_recorder
 from fullshard.engine import shard_sync
+from fullshard.engine.dynamo_guard import outside_dynamo
 from fullshard.engine.extension_param import ExtensionParam, has_extension, make_shard
 from fullshard.engine.grad_pack import pack_into
 from fullshard.engine.layout import ParamEntry
@@ -343,6 +344,7 @@ class _ExtensionFull(torch.autograd.Function):
         return tuple(f.view_as(f) for f in fulls)
 
     @staticmethod
+    @outside_dynamo  # autograd calls it: from a compiled step's backward too, never to be traced
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:  # type: ignore[override]
         unit: ExtensionUnit = ctx.unit
         unit._open.discard(ctx)

@@ -70,11 +70,28 @@ def _calling(eager: _Eager | None) -> Callable[..., Any]:
 
 _CALL_CODE = _calling(None).__code__  # the code object of every outside_dynamo wrapper
 _DYNAMO_IMPORTED = False
+_UNTRACED: list[Any] = [_CALL_CODE]  # code objects whose frames dynamo runs as they are
+
+
+def never_traced(fn: F) -> F:
+    """``fn`` unchanged, but dynamo runs its frames as they are and never compiles them; unlike
+    :func:`outside_dynamo`, the frames ``fn`` calls stay dynamo's to decide.
+
+    For fullshard code that Python reaches from inside a compiled function's eager part without
+    being a hook: the autograd engine handle's ``run_backward`` (a compiled training step calls
+    ``loss.backward()`` there), whose callees include the user's own backward hooks.
+    """
+    _UNTRACED.append(fn.__code__)
+    if _DYNAMO_IMPORTED:
+        compat.dynamo_skip_frames_of(fn.__code__)
+    return fn
 
 
 def _on_dynamo_import() -> None:
     global _DYNAMO_IMPORTED
     _DYNAMO_IMPORTED = True
+    for code in _UNTRACED[1:]:
+        compat.dynamo_skip_frames_of(code)
     _disable_under_dynamo()
 
 

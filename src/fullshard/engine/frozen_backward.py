@@ -32,6 +32,7 @@ class _FrozenUnitInputs(torch.autograd.Function):
         return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
+    @outside_dynamo  # autograd calls it: from a compiled step's backward too, never to be traced
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         _frozen_post_backward(ctx.state)
         return (None, *grads)

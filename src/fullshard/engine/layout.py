@@ -53,6 +53,7 @@ import torch
 from torch import nn
 
 from fullshard.comm import collectives
+from fullshard.engine.dynamo_guard import outside_dynamo
 from fullshard.engine.sharded_param import ParamSlot, ShardedParam, ShardSpec
 from fullshard.engine.unit_config import UnitConfig
 
@@ -457,6 +458,7 @@ def _weak_hook(unit: UnitLayout) -> Callable[[torch.Tensor], None]:
     """``unit``'s gradient-ready hook, holding the unit only weakly."""
     ref = weakref.ref(unit)
 
+    @outside_dynamo  # autograd calls it: from a compiled step's backward too, never to be traced
     def hook(full_flat: torch.Tensor) -> None:
         target = ref()
         if target is not None:

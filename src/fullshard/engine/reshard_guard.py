@@ -183,6 +183,7 @@ class _ExplainingEngine(compat.autograd_engine_type()):  # type: ignore[misc]
     """Autograd's engine handle; a use of freed full parameters raises an error naming the unit,
     and a backward that raised runs the handlers of :func:`if_backward_fails`."""
 
+    @dynamo_guard.never_traced
     def run_backward(self, *args: Any, **kwargs: Any) -> Any:
         global _depth
         _depth += 1
@@ -199,6 +200,7 @@ class _ExplainingEngine(compat.autograd_engine_type()):  # type: ignore[misc]
                 for handler in handlers if failed else ():
                     handler()
 
+    @dynamo_guard.never_traced
     def _explained(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return super().run_backward(*args, **kwargs)

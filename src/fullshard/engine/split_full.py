@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import torch
 
 from fullshard.engine import reshard_guard
+from fullshard.engine.dynamo_guard import outside_dynamo
 from fullshard.engine.layout import real_views
 
 __all__ = ["SplitFull", "named_split"]
@@ -60,6 +61,7 @@ class SplitFull(torch.autograd.Function):
         return tuple(real_views(flat, unit._full_splits[0], [sp.spec.orig_shape for sp in unit.trainable]))
 
     @staticmethod
+    @outside_dynamo  # autograd calls it: from a compiled step's backward too, never to be traced
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, None, None]:  # type: ignore[override]
         unit: _SplitUnit = ctx.unit
         if getattr(ctx, "stale", False):
