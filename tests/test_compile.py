@@ -492,3 +492,72 @@ def test_compiled_training_step_traces_no_fullshard_code() -> None:
     now the same graphs, breaks and bits as torch's fully_shard, with a frozen unit too."""
     graphs = run_ranks(compiled_train_step_body, 2, timeout=280)
     assert graphs[0] == graphs[1]
+
+
+def _fsdp1_clipping_step_run(impl: str, base: TinyLM, rank: int, world: int) -> dict:
+    """Wrap a copy of ``base`` in ``impl``'s FullyShardedDataParallel (one unit per block) and
+    train it with one compiled function per step that clips with ``model.clip_grad_norm_``."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    torch._dynamo.reset()
+    counters.clear()
+    if impl == "torch":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        kwargs = {"device_id": torch.device("cpu"), "use_orig_params": True}
+    else:
+        from fullshard import FullyShardedDataParallel  # type: ignore[assignment]
+
+        kwargs = {}
+    model = FullyShardedDataParallel(
+        copy.deepcopy(base), auto_wrap_policy=ModuleWrapPolicy({type(base.layers[0])}), **kwargs
+    )
+    opt = _optimizer(model, "sgd")
+
+    @torch.compile(backend="eager")
+    def train_step(x: torch.Tensor) -> torch.Tensor:
+        loss = model(x).logsumexp(-1).mean()
+        loss.backward()
+        model.clip_grad_norm_(0.05)
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    losses, params = [], []
+    for i in range(2):
+        losses.append(train_step(tokens(i, 2 * world)[rank * 2 : (rank + 1) * 2]))
+        with FullyShardedDataParallel.summon_full_params(model):
+            params.append([p.detach().clone() for p in model.parameters()])
+    result = _dynamo_result(losses, params)
+    torch._dynamo.reset()
+    return result
+
+
+def fsdp1_clipping_step_body(rank: int, world: int) -> list[str]:
+    torch.manual_seed(0)
+    base = TinyLM(layers=2)
+    ref = _fsdp1_clipping_step_run("torch", base, rank, world)
+    ours = _fsdp1_clipping_step_run("fullshard", base, rank, world)
+    # Ours breaks where torch's does (its optimizer, backward()) and at our hooks and the clip,
+    # which run whole outside dynamo: nothing of fullshard's (the collectives' clock, the flight
+    # recorder's labels) is traced.
+    ours_only = [r for r in ours["break_reasons"] if r not in ref["break_reasons"]]
+    assert all("torch.compiler.disable()" in r for r in ours_only), ours_only
+    assert any("FullyShardedDataParallel.clip_grad_norm_" in r for r in ours_only), ours_only
+    # The clip's norm is summed in another order than torch FSDP1's (float64 per gradient, then
+    # across ranks): equal to rounding, as in eager.
+    for step, (ps, qs) in enumerate(zip(ours["params"], ref["params"])):
+        for i, (p, q) in enumerate(zip(ps, qs)):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=f"step {step} parameter #{i}")
+    return ours_only
+
+
+@pytest.mark.timeout(300)
+def test_compiled_fsdp1_step_clips_outside_dynamo() -> None:
+    """A compiled training step of a FullyShardedDataParallel model that calls
+    ``model.clip_grad_norm_`` (HF Trainer's order): the clip's all-reduce and its bookkeeping
+    (clock reads, recorder labels) used to be traced, breaking the graph at ``time.time`` and a
+    context manager; now the clip runs eagerly, and the step trains as torch's FSDP1 does."""
+    run_ranks(fsdp1_clipping_step_body, 2, timeout=280)

@@ -20,6 +20,7 @@ import torch
 
 from fullshard import compat
 from fullshard.comm import collectives, flight_recorder
+from fullshard.engine.dynamo_guard import outside_dynamo
 from fullshard.engine.sharded_param import local_tensor
 
 
@@ -93,6 +94,7 @@ def params_list(parameters: torch.Tensor | Iterable[torch.Tensor]) -> list[torch
     return [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
 
 
+@outside_dynamo
 def clip_grad_norm_(
     parameters: torch.Tensor | Iterable[torch.Tensor],
     max_norm: float,
@@ -115,6 +117,10 @@ def clip_grad_norm_(
 
     Returns:
         the total norm before clipping (float32 scalar tensor).
+
+    Under ``torch.compile`` (a compiled training step that clips) it runs eagerly, as fullshard's
+    hooks do: its all-reduces go through fullshard's collectives, which record each one (clock,
+    sequence number) for the watchdog, and none of that belongs in a graph.
 
     Raises:
         RuntimeError: ``error_if_nonfinite`` and the total norm is nan or inf; no gradient is

@@ -374,6 +374,7 @@ class FullyShardedDataParallel(StateDictMethods):
             for u, before in zip(units, previous):
                 u.sync_grads = before
 
+    @dynamo_guard.outside_dynamo  # collectives, recorded: eager under torch.compile (see clip_grad_norm_)
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of every unit in this tree by their total (unsharded) norm.
 
