@@ -20,6 +20,11 @@ needs 2-3 minutes of C++ compilation for one tiny block on this machine.
 The FSDP1 wrapper's pre- and post-forward run outside dynamo as well (torch's FSDP1 breaks its
 graphs around its hooks too): ``torch.compile`` of a wrapped TinyLM, one unit or one per block,
 trains as the uncompiled wrapper does.
+
+Beyond the model: ``torch.compile(optimizer.step)`` and one compiled function per training step
+(forward, ``backward()``, clip, step) compile what torch's do, and nothing of fullshard's engine
+(the optimizer's swap to local shards, the autograd functions and hooks the eager backward calls,
+the clip's collectives) is traced; compiled autograd is refused by name.
 """
 
 from __future__ import annotations
