@@ -96,6 +96,7 @@ PRIVATE_NAMES: dict[str, str] = {
     "torch.distributed.tensor.placement_types:_StridedShard": "use",
     "torch.distributed.device_mesh:DeviceMesh._concatenate": "use",
     "torch.distributed._composable.fsdp:fully_shard": "use",
+    "torch.distributed.fsdp._fully_shard._fully_shard:fully_shard": "use",  # see torch_fsdp2_state
     "torch.distributed._shard.sharded_tensor:ShardedTensor": "use",
     "torch.distributed.distributed_c10d:_get_default_store": "use",  # only where get_group_store is absent
     "torch:ops.aten._scaled_dot_product_flash_attention_for_cpu": "use",
@@ -390,6 +391,13 @@ def import_composable_fsdp() -> Any:
     """Import ``torch.distributed._composable.fsdp`` (and its ``fully_shard`` module)."""
     resolve(f"{COMPOSABLE_FSDP}:fully_shard")
     return sys.modules[COMPOSABLE_FSDP]
+
+
+def torch_fsdp2_state(module: nn.Module) -> Any:
+    """torch's ``fully_shard.state(module)``: its own FSDP2 state of ``module``, or None. Read
+    from the private module torch defines the function in, since ``use_in_torch`` may have
+    rebound every public name of it to fullshard's."""
+    return resolve("torch.distributed.fsdp._fully_shard._fully_shard:fully_shard").state(module)
 
 
 def is_torch_custom_policy(value: Any) -> bool:

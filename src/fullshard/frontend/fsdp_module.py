@@ -29,6 +29,7 @@ from fullshard.engine import custom_comm, dynamo_guard, hooks, recovery
 from fullshard.engine.all_gather_extension import ExtensionUnit
 from fullshard.engine.inference_guard import outside_inference_mode
 from fullshard.engine.unit import ShardState, Unit
+from fullshard.frontend import pipelining
 
 
 class UnshardHandle(_TorchUnshardHandle):
@@ -179,8 +180,14 @@ class FSDPModule(_TorchFSDPModule):
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for torch's API: fullshard always waits for every reduction at the end of
         backward (torch's True), so results never depend on this flag; False, with which torch
-        may skip that wait, warns (UserWarning) that it changes nothing."""
-        if not is_last_backward:
+        may skip that wait, warns (UserWarning) that it changes nothing, except from torch's
+        pipeline stage (every micro-batch), which is checked instead
+        (:func:`~fullshard.frontend.pipelining.called_by_stage`).
+
+        Raises:
+            NotImplementedError, RuntimeError: from a pipeline stage, as ``called_by_stage`` says.
+        """
+        if not is_last_backward and not pipelining.called_by_stage(sys._getframe(1)):
             warnings.warn(
                 "FSDPModule.set_is_last_backward(False) is not used: fullshard waits for every gradient "
                 "reduction at the end of each backward (as torch does with True); results are the same",

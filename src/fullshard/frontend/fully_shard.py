@@ -44,7 +44,7 @@ from fullshard.engine.groups import resolve_groups
 from fullshard.engine.shard_sync import register_dtensors
 from fullshard.engine.sharded_param import is_sharded, unshifted
 from fullshard.engine.unit import ShardState, TrainingState, Unit
-from fullshard.frontend import meshes, optim_local, shard_dims, tensor_parallel
+from fullshard.frontend import meshes, optim_local, pipelining, shard_dims, tensor_parallel
 from fullshard.frontend.fsdp_module import FSDPModule
 from fullshard.frontend.options import as_comm_quantization, as_mp_policy, as_offload_policy
 
@@ -172,6 +172,10 @@ def fully_shard(
     optim_local.install()  # optimizer steps run on the local tensors (same bits, no DTensor dispatch)
     _make_units(modules, unit, mp, mp_policy.output_dtype if mp_policy else None, ignored)
     return module
+
+
+# As torch's: ``fully_shard.state(module)``, which torch's pipeline stage reads at REDUCE_GRAD.
+fully_shard.state = pipelining.state  # type: ignore[attr-defined]
 
 
 def _mark_ignored(ignored_params: Any) -> Optional[set[nn.Parameter]]:

@@ -4,8 +4,10 @@ Frameworks (Accelerate, the HF Trainer, Lightning, torchtune, torchtitan) call
 ``torch.distributed.fsdp.fully_shard`` (or the ``torch.distributed._composable.fsdp`` alias)
 themselves. :func:`use_in_torch` rebinds those names to fullshard's ``fully_shard`` and
 ``register_fsdp_forward_method``, and the copies frameworks bound at import time (a module-level
-``from torch.distributed.fsdp import fully_shard``) in the modules listed in ``FRAMEWORK_MODULES``.
-A module imported after the call binds fullshard's function by itself. fullshard's units already
+``from torch.distributed.fsdp import fully_shard``) in the modules listed in ``FRAMEWORK_MODULES``
+and in torch's pipeline stage (``PIPELINING_MODULES``: with it, ``torch.distributed.pipelining``
+schedules reduce a fullshard stage's gradients once per step, see :mod:`.pipelining`). A module
+imported after the call binds fullshard's function by itself. fullshard's units already
 are torch ``FSDPModule`` instances, and ``fully_shard`` takes torch's ``MixedPrecisionPolicy`` and
 ``CPUOffloadPolicy``, so those names stay torch's.
 
@@ -39,11 +41,14 @@ FRAMEWORK_MODULES = (
     "torchtitan.models.flux.parallelize",
     "torchtitan.experiments.transformers_modeling_backend.parallelize",
 )
+# torch's pipeline stage, which reads a stage module's state through ``fully_shard.state`` at
+# its REDUCE_GRAD action (fullshard's answers for its units: :mod:`.pipelining`).
+PIPELINING_MODULES = ("torch.distributed.pipelining.stage",)
 # FSDP1's wrapper class, bound only with use_in_torch(fsdp1=True) (Lightning's FSDPStrategy
 # imports it from these modules inside its methods).
 FSDP1_MODULES = ("torch.distributed.fsdp", "torch.distributed.fsdp.fully_sharded_data_parallel")
 _GROUPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # group -> (modules, names)
-    "fsdp2": (TORCH_MODULES + FRAMEWORK_MODULES, ("fully_shard", "register_fsdp_forward_method")),
+    "fsdp2": (TORCH_MODULES + FRAMEWORK_MODULES + PIPELINING_MODULES, ("fully_shard", "register_fsdp_forward_method")),
     "fsdp1": (FSDP1_MODULES, ("FullyShardedDataParallel",)),
 }
 
@@ -124,7 +129,9 @@ def use_in_torch(*, fsdp1: bool = False) -> TorchBinding:
     Rebinds ``fully_shard`` and ``register_fsdp_forward_method`` in
     ``torch.distributed.fsdp`` and ``torch.distributed._composable.fsdp`` (and its
     ``fully_shard`` module) to fullshard's, and the copies that the framework modules in
-    ``FRAMEWORK_MODULES`` (torchtune, transformers, torchtitan) bound at import time. Call it
+    ``FRAMEWORK_MODULES`` (torchtune, transformers, torchtitan) and torch's pipeline stage
+    (``torch.distributed.pipelining.stage``, needed by its schedules with fullshard's units)
+    bound at import time. Call it
     before the framework shards the model; code that bound torch's function in its own module
     before the call keeps torch's. The rebound ``register_fsdp_forward_method`` serves
     fullshard's units and torch's. Calling it again while on changes nothing (each call is

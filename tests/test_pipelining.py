@@ -1,0 +1,174 @@
+"""torch.distributed.pipelining schedules over stages sharded by ``fully_shard`` (torchtitan's pp x dp).
+
+At 4 gloo ranks (a ("pp", "dp") mesh of 2 x 2), one seeded model of 8 residual blocks (width 7,
+which does not divide the dp size) is split into stages, each block and each stage root sharded
+on the dp submesh, once with torch's ``fully_shard`` and once with fullshard's (bound in torch's
+pipeline stage by ``fullshard.use_in_torch()``), and trained 3 steps of 4 micro-batches with
+ScheduleGPipe, Schedule1F1B and ScheduleInterleaved1F1B (2 stages per rank), Adam and SGD with
+momentum: losses and parameters after every step are bitwise torch's, each unit reduce-scatters
+once per step (at the schedule's REDUCE_GRAD, as torch's), and every unit ends SHARDED and IDLE.
+torch's own units train as before while the binding is on.
+
+At 1 rank: a split backward (ScheduleZBVZeroBubble's I / W actions), which would lose fullshard's
+weight gradients, is refused; a schedule run without ``use_in_torch()`` names the fix before the
+first backward instead of failing at REDUCE_GRAD.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist import run_ranks
+from torch import nn
+
+WIDTH = 7
+BLOCKS = 8
+MICROBATCHES = 4
+STEPS = 3
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.lin = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin(self.norm(x)))
+
+
+def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((out - target) ** 2).mean()
+
+
+def _stages(engine: str, schedule: str, mesh, blocks: list[nn.Module]) -> tuple[list[nn.Module], object]:
+    """This rank's stage modules (sharded by ``engine``) and the schedule running them."""
+    from torch.distributed.pipelining import PipelineStage, schedules
+
+    import fullshard
+    from fullshard.frontend.torch_names import torch_fully_shard
+
+    shard = torch_fully_shard() if engine == "torch" else fullshard.fully_shard
+    pp_rank, pp_size = mesh.get_local_rank("pp"), mesh.size(0)
+    per_rank = 1 if schedule in ("GPipe", "1F1B") else 2
+    n_stages = pp_size * per_rank
+    if schedule == "ZBV":
+        ids = [pp_rank, n_stages - 1 - pp_rank]
+    else:
+        ids = [pp_rank + k * pp_size for k in range(per_rank)]
+    per = len(blocks) // n_stages
+    mods, stages = [], []
+    for i in ids:
+        mod = nn.Sequential(*copy.deepcopy(blocks[i * per : (i + 1) * per]))
+        for block in mod:
+            shard(block, mesh=mesh["dp"], reshard_after_forward=False)
+        shard(mod, mesh=mesh["dp"], reshard_after_forward=False)
+        mods.append(mod)
+        stages.append(PipelineStage(mod, i, n_stages, torch.device("cpu"), group=mesh.get_group("pp")))
+    cls = {
+        "GPipe": schedules.ScheduleGPipe,
+        "1F1B": schedules.Schedule1F1B,
+        "Interleaved1F1B": schedules.ScheduleInterleaved1F1B,
+        "ZBV": schedules.ScheduleZBVZeroBubble,
+    }[schedule]
+    return mods, cls(stages if per_rank > 1 else stages[0], n_microbatches=MICROBATCHES, loss_fn=_loss)
+
+
+def _train(engine: str, schedule: str, optim: str, mesh) -> dict:
+    """Losses, parameters (full tensors) and reduce-scatters of each step; the units' states."""
+    from fullshard import probes
+    from fullshard.engine import hooks
+
+    torch.manual_seed(0)
+    mods, sched = _stages(engine, schedule, mesh, [Block() for _ in range(BLOCKS)])
+    params = [p for m in mods for p in m.parameters()]
+    opt = torch.optim.Adam(params, lr=1e-2) if optim == "adam" else torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    n_stages = sched._num_stages if hasattr(sched, "_num_stages") else mesh.size(0)
+    first, last = mesh.get_local_rank("pp") == 0, mesh.get_local_rank("pp") == (n_stages - 1) % mesh.size(0)
+    dp_rank, dp_size = mesh.get_local_rank("dp"), mesh.size(1)
+    gen = torch.Generator().manual_seed(1)
+    out: dict = {"losses": [], "params": [], "reduces": [], "states": set()}
+    out["ours"] = any(hooks.is_unit(m) for m in mods)
+    for _ in range(STEPS):
+        x, y = (torch.randn(dp_size * MICROBATCHES, WIDTH, generator=gen).chunk(dp_size)[dp_rank] for _ in "xy")
+        losses: list[torch.Tensor] = []
+        with probes.enabled() as p:
+            sched.step(*((x,) if first else ()), **({"target": y, "losses": losses} if last else {}))
+        out["reduces"].append(p.collectives.calls["reduce_scatter"])
+        opt.step()
+        opt.zero_grad()
+        out["losses"].append([loss.item() for loss in losses])
+        out["params"].append([q.full_tensor() for q in params])
+        if engine == "fullshard":
+            units = {id(s.unit): s.unit for m in mods for sub in m.modules() if (s := hooks.fsdp_state(sub))}
+            out["states"] |= {(u.shard_state.name, u.training_state.name) for u in units.values()}
+            out["units"] = len(units) - len(mods)  # the stage roots hold no parameters of their own
+    return out
+
+
+def _compare_body(rank: int, world: int) -> list[str]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fullshard
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "dp"))
+    failures = []
+    for schedule, optim in (("GPipe", "adam"), ("1F1B", "sgd"), ("Interleaved1F1B", "adam")):
+        ref = _train("torch", schedule, optim, mesh)
+        with fullshard.use_in_torch():
+            got = _train("fullshard", schedule, optim, mesh)
+        tag = f"{schedule}/{optim} rank {rank}"
+        if schedule == "GPipe":  # torch's units under the binding: fullshard's fully_shard.state hands them to torch's
+            with fullshard.use_in_torch():
+                again = _train("torch", schedule, optim, mesh)
+            if again["losses"] != ref["losses"] or not all(map(torch.equal, again["params"][-1], ref["params"][-1])):
+                failures.append(f"{tag}: torch's fully_shard under use_in_torch() changed its results")
+            if again["ours"]:
+                failures.append(f"{tag}: torch_fully_shard() made fullshard units")
+        if got["losses"] != ref["losses"]:
+            failures.append(f"{tag}: losses {got['losses']} != torch's {ref['losses']}")
+        for step, (a, b) in enumerate(zip(got["params"], ref["params"])):
+            diff = max((x - y).abs().max().item() for x, y in zip(a, b))
+            if not all(torch.equal(x, y) for x, y in zip(a, b)):
+                failures.append(f"{tag}: parameters differ from torch's after step {step} (max {diff:.3g})")
+        if got["reduces"] != [got["units"]] * STEPS:
+            failures.append(f"{tag}: reduce-scatters per step {got['reduces']}, not one per unit ({got['units']})")
+        if got["states"] != {("SHARDED", "IDLE")}:
+            failures.append(f"{tag}: units left in {got['states']}")
+        dist.barrier()
+    return failures
+
+
+@pytest.mark.timeout(180)
+def test_schedules_with_fully_shard_match_torch_bitwise() -> None:
+    failures = [f for rank in run_ranks(_compare_body, 4, timeout=150) for f in rank]
+    assert not failures, "\n".join(failures)
+
+
+def _refusal_body(rank: int, world: int, schedule: str, bind: bool) -> str:
+    import contextlib
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fullshard
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("pp", "dp"))
+    with fullshard.use_in_torch() if bind else contextlib.nullcontext():
+        try:
+            _train("fullshard", schedule, "adam", mesh)
+        except (NotImplementedError, RuntimeError) as e:
+            return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_split_backward_and_missing_binding_are_refused() -> None:
+    # ZBV's I action (backward_input) then W (backward_weight) would drop fullshard's weight gradients.
+    message = run_ranks(_refusal_body, 1, "ZBV", True, timeout=90)[0]
+    assert message.startswith("NotImplementedError") and "split backward" in message, message
+    # Without use_in_torch() the stage's REDUCE_GRAD would fail ('NoneType' has no '_state_ctx').
+    message = run_ranks(_refusal_body, 1, "GPipe", False, timeout=90)[0]
+    assert "fullshard.use_in_torch()" in message, message
