@@ -39,6 +39,7 @@ WARN_FUNCTION_LINES = 80
 LAYERS: dict[str, int] = {
     "fullshard.probes": 0,  # opt-in test and benchmark probes: imports nothing of fullshard
     "fullshard.compat": 0,  # torch's private names and version differences: imports nothing of fullshard
+    "fullshard.deferred_import": 0,  # work run when a module is first imported: imports nothing of fullshard
     "fullshard.comm": 1,  # collectives and buffers: the only code that calls torch.distributed
     "fullshard.engine": 2,  # sharded parameter, unit, reduction, hooks, build, configs
     "fullshard.state": 3,  # state dicts, optimizer state, checkpoints (work from units)
@@ -50,7 +51,12 @@ LAYERS: dict[str, int] = {
     "fullshard.train": 8,  # `python -m fullshard.train`: the training jobs' entry point
 }
 # Modules that count as a package of their own in the package-level cycle check.
-OWN_PACKAGE = {"fullshard.probes", "fullshard.compat", "fullshard.cli"}  # fullshard.train is a package
+OWN_PACKAGE = {
+    "fullshard.probes",
+    "fullshard.compat",
+    "fullshard.deferred_import",
+    "fullshard.cli",
+}  # fullshard.train is a package
 # The training jobs are recipes written against the public API alone (they double as examples):
 # they may import these modules, torch, and the jobs' own modules (models, data, launcher).
 TRAIN_JOBS = "fullshard.jobs.train"

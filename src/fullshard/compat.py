@@ -21,8 +21,6 @@ by presence, and recorded in a constant (:data:`ALL_GATHER_NAME`, :data:`STORE_A
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.machinery
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -103,7 +101,7 @@ PRIVATE_NAMES: dict[str, str] = {
     "torch:ops.aten._scaled_dot_product_flash_attention": "use",
     "torch:ops.aten._scaled_dot_product_efficient_attention": "use",
     "torch._dynamo:reset": "use",
-    "torch._dynamo:disable": "use",  # when dynamo is imported (see after_import)
+    "torch._dynamo:disable": "use",  # when dynamo is imported (see fullshard.deferred_import)
     "torch._dynamo.eval_frame:skip_code": "use",
     "torch._dynamo.utils:counters": "use",
     "torch.distributed.fsdp.wrap:CustomPolicy": "use",  # the lambda_fn it keeps as _lambda_fn
@@ -463,50 +461,11 @@ def dynamo_skip_frames_of(code: Any) -> None:
     resolve("torch._dynamo.eval_frame:skip_code")(code)
 
 
-def after_import(module_name: str, callback: Callable[[], None]) -> None:
-    """Run ``callback()`` once ``module_name`` is imported: now if it already is, else right after
-    its module body runs, the first time anything imports it (an import-system finder,
-    PEP 451, that removes itself once used). An error in ``callback`` fails that import.
-
-    Used to defer work that needs an expensive module (dynamo: 2.6 s per process here) until a
-    program imports it anyway.
-    """
-    if module_name in sys.modules:
-        callback()
-        return
-    sys.meta_path.insert(0, _AfterImport(module_name, callback))
-
-
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """The finder of :func:`after_import`: finds ``name``'s spec with the other finders and
-    wraps its loader's ``exec_module`` so ``callback`` runs after the module body."""
-
-    def __init__(self, name: str, callback: Callable[[], None]) -> None:
-        self.name, self.callback = name, callback
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != self.name:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        run_body, callback = spec.loader.exec_module, self.callback
-
-        def exec_module(module: Any) -> None:
-            run_body(module)
-            callback()
-
-        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
-
-
 def compiled_autograd_on() -> bool:
     """Whether a backward runs through compiled autograd now: while it traces the autograd graph
-    (inside ``torch._dynamo.compiled_autograd._enable``, which
-    ``torch._dynamo.config.compiled_autograd`` enters around compiled frames) or runs the graph
-    it compiled (which turns the first flag off while it runs, and calls tensor hooks from
-    there). Never imports dynamo: off until something did."""
+    (inside ``compiled_autograd._enable``, which ``torch._dynamo.config.compiled_autograd`` enters
+    around compiled frames) or runs the graph it compiled (which turns the first flag off while it
+    runs, and calls tensor hooks from there). Never imports dynamo: off until something did."""
     module = sys.modules.get("torch._dynamo.compiled_autograd")
     flags = ("compiled_autograd_enabled", "in_compiled_autograd_region")
     return any(bool(getattr(module, flag, False)) for flag in flags)

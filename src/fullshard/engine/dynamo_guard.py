@@ -12,7 +12,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from fullshard import compat
+from fullshard import compat, deferred_import
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -51,7 +51,7 @@ def outside_dynamo(fn: F) -> F:
     fullshard cost), which a program that never compiles does not need. So the marking waits
     for dynamo: the wrapper calls ``fn`` directly until something imports dynamo (a
     ``torch.compile``), and from then on dynamo skips the wrapper's frames and the wrapper calls
-    ``fn`` through dynamo's disable (:func:`compat.after_import`). Costs about 0.2 us per call
+    ``fn`` through dynamo's disable (:func:`fullshard.deferred_import.after_import`). Costs about 0.2 us per call
     before, 2 us after.
     """
     eager = _Eager(fn)
@@ -95,7 +95,7 @@ def _on_dynamo_import() -> None:
     _disable_under_dynamo()
 
 
-compat.after_import(compat.DYNAMO, _on_dynamo_import)
+deferred_import.after_import(compat.DYNAMO, _on_dynamo_import)
 
 
 def compiled_autograd_error(unit_name: str, error: BaseException | None = None) -> RuntimeError | None:

@@ -23,7 +23,7 @@ from typing import Any
 
 from torch import nn
 
-from fullshard import compat
+from fullshard import compat, deferred_import
 from fullshard.engine.config import ShardingStrategy
 from fullshard.frontend import fsdp1_state_dict
 
@@ -139,4 +139,4 @@ def install() -> None:
     if _installed:
         return
     _installed = True
-    compat.after_import(DSD_MODULE, lambda: compat.bind_dsd_fsdp(EitherFSDP, _fully_sharded_state))
+    deferred_import.after_import(DSD_MODULE, lambda: compat.bind_dsd_fsdp(EitherFSDP, _fully_sharded_state))
