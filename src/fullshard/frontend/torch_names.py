@@ -131,11 +131,11 @@ def use_in_torch(*, fsdp1: bool = False) -> TorchBinding:
     ``fully_shard`` module) to fullshard's, and the copies that the framework modules in
     ``FRAMEWORK_MODULES`` (torchtune, transformers, torchtitan) and torch's pipeline stage
     (``torch.distributed.pipelining.stage``, needed by its schedules with fullshard's units)
-    bound at import time. Call it
-    before the framework shards the model; code that bound torch's function in its own module
-    before the call keeps torch's. The rebound ``register_fsdp_forward_method`` serves
-    fullshard's units and torch's. Calling it again while on changes nothing (each call is
-    undone separately; torch gets its functions back after the last undo).
+    bound at import time. Call it before the framework shards the model; code that bound
+    torch's function in its own module before the call keeps torch's. The rebound
+    ``register_fsdp_forward_method`` serves fullshard's units and torch's. Calling it again while
+    on changes nothing (each call is undone separately; torch gets its functions back after the
+    last undo).
 
     Args:
         fsdp1: also bind fullshard's ``FullyShardedDataParallel`` as
