@@ -55,7 +55,7 @@ def _stages(engine: str, schedule: str, mesh, blocks: list[nn.Module]) -> tuple[
     pp_rank, pp_size = mesh.get_local_rank("pp"), mesh.size(0)
     per_rank = 1 if schedule in ("GPipe", "1F1B") else 2
     n_stages = pp_size * per_rank
-    if schedule == "ZBV":
+    if schedule in ("ZBV", "DualPipeV"):  # V schedules: rank r holds stages r and n - 1 - r
         ids = [pp_rank, n_stages - 1 - pp_rank]
     else:
         ids = [pp_rank + k * pp_size for k in range(per_rank)]
@@ -73,6 +73,7 @@ def _stages(engine: str, schedule: str, mesh, blocks: list[nn.Module]) -> tuple[
         "1F1B": schedules.Schedule1F1B,
         "Interleaved1F1B": schedules.ScheduleInterleaved1F1B,
         "ZBV": schedules.ScheduleZBVZeroBubble,
+        "DualPipeV": schedules.ScheduleDualPipeV,
     }[schedule]
     return mods, cls(stages if per_rank > 1 else stages[0], n_microbatches=MICROBATCHES, loss_fn=_loss)
 
@@ -155,20 +156,35 @@ def _refusal_body(rank: int, world: int, schedule: str, bind: bool) -> str:
 
     import fullshard
 
-    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("pp", "dp"))
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("pp", "dp"))
     with fullshard.use_in_torch() if bind else contextlib.nullcontext():
+        torch.manual_seed(0)
+        _, sched = _stages("fullshard", schedule, mesh, [Block() for _ in range(BLOCKS)])
+        x, y = torch.randn(MICROBATCHES, WIDTH), torch.randn(MICROBATCHES, WIDTH)
+        pp_rank = mesh.get_local_rank("pp")
+        last = pp_rank == 0 if schedule in ("ZBV", "DualPipeV") else pp_rank == 1  # V: rank 0 holds the last stage
         try:
-            _train("fullshard", schedule, "adam", mesh)
+            sched.step(*((x,) if pp_rank == 0 else ()), **({"target": y, "losses": []} if last else {}))
         except (NotImplementedError, RuntimeError) as e:
             return f"{type(e).__name__}: {e}"
     return "no error"
 
 
 @pytest.mark.timeout(120)
-def test_split_backward_and_missing_binding_are_refused() -> None:
-    # ZBV's I action (backward_input) then W (backward_weight) would drop fullshard's weight gradients.
-    message = run_ranks(_refusal_body, 1, "ZBV", True, timeout=90)[0]
-    assert message.startswith("NotImplementedError") and "split backward" in message, message
-    # Without use_in_torch() the stage's REDUCE_GRAD would fail ('NoneType' has no '_state_ctx').
-    message = run_ranks(_refusal_body, 1, "GPipe", False, timeout=90)[0]
-    assert "fullshard.use_in_torch()" in message, message
+@pytest.mark.parametrize(
+    "schedule, bind, expected",
+    [
+        # ZBV's and DualPipeV's I actions (backward_input) then W (backward_weight) would drop
+        # fullshard's weight gradients.
+        ("ZBV", True, "NotImplementedError: torch.distributed.pipelining's split backward"),
+        ("DualPipeV", True, "NotImplementedError: torch.distributed.pipelining's split backward"),
+        # Without use_in_torch() the stage's REDUCE_GRAD would fail ('NoneType' has no '_state_ctx').
+        ("GPipe", False, "RuntimeError: a torch.distributed.pipelining stage"),
+        ("Interleaved1F1B", False, "RuntimeError: a torch.distributed.pipelining stage"),
+    ],
+)
+def test_split_backward_and_missing_binding_are_refused_on_every_rank(schedule: str, bind: bool, expected: str) -> None:
+    # At 2 pipeline ranks: every rank raises, none waits for a peer that stopped (the timeout).
+    messages = run_ranks(_refusal_body, 2, schedule, bind, timeout=60, fresh=True)
+    assert all(m.startswith(expected) for m in messages), messages
+    assert "use_in_torch()" in messages[0] or "split backward" in messages[0]

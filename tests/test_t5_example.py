@@ -17,8 +17,8 @@ blocks save 56 tensors in forward and 52 in recomputation (``CheckpointError``).
 Here the same calls run on a tiny T5 (the example's model is t5-base on GPUs) with torch's FSDP1
 given ``device_id=torch.device("cpu")`` (its CPU requirement) and ``offload_to_cpu=False`` for its
 full state dict (torch's FSDP1 crashes the process with it on CPU; fullshard takes the example's
-``True``). At 2 ranks the losses, the parameters after each step, the full state dict and the full
-optimizer state are bitwise torch's; the sharded checkpoint loads into a fresh fullshard model
+``True``). At 2 ranks the losses of each step (and of validation), the full state dict after
+training and the full optimizer state are bitwise torch's; the sharded checkpoint loads into a fresh fullshard model
 that then takes the same next step as the model that wrote it.
 """
 

@@ -37,8 +37,7 @@ def _param_shapes(unit: Unit) -> tuple[str, ...]:
     """Each of ``unit``'s parameters as "name: shape dtype", in layout order: ranks whose units
     agree in byte size can still differ in these (a 4x4 weight against a 2x8 one, bf16 against
     fp16), and would then gather and reduce one rank's values into the other's shapes."""
-    dtypes = [sp.shard.dtype if sp.shard is not None else "?" for sp in unit.params]
-    return tuple(f"{_prefix(unit)}{sp.fqn}: {tuple(sp.spec.orig_shape)} {d}" for sp, d in zip(unit.params, dtypes))
+    return tuple(f"{_prefix(unit)}{sp.fqn}: {tuple(sp.spec.orig_shape)} {sp.local.dtype}" for sp in unit.params)
 
 
 def _raise_shapes_differ(unit: str, shapes: list[tuple[str, ...]]) -> None:

@@ -181,13 +181,13 @@ class FSDPModule(_TorchFSDPModule):
         """Accepted for torch's API: fullshard always waits for every reduction at the end of
         backward (torch's True), so results never depend on this flag; False, with which torch
         may skip that wait, warns (UserWarning) that it changes nothing, except from torch's
-        pipeline stage (every micro-batch), which is checked instead
-        (:func:`~fullshard.frontend.pipelining.called_by_stage`).
+        pipeline stage (every micro-batch, then True at its gradient reduction), which is checked
+        instead (:func:`~fullshard.frontend.pipelining.called_by_stage`).
 
         Raises:
             NotImplementedError, RuntimeError: from a pipeline stage, as ``called_by_stage`` says.
         """
-        if not is_last_backward and not pipelining.called_by_stage(sys._getframe(1)):
+        if not pipelining.called_by_stage(sys._getframe(1), is_last_backward) and not is_last_backward:
             warnings.warn(
                 "FSDPModule.set_is_last_backward(False) is not used: fullshard waits for every gradient "
                 "reduction at the end of each backward (as torch does with True); results are the same",
@@ -230,7 +230,13 @@ class FSDPModule(_TorchFSDPModule):
     def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
         """All-gather this module's parameters now; while gathered, ``parameters(recurse=False)``
         yields the full parameters (in ``param_dtype``), as torch's does. The next forward then
-        needs no all-gather; ``reshard()`` or the end of forward/backward frees them."""
+        needs no all-gather; ``reshard()`` or the end of forward/backward frees them.
+
+        Raises:
+            NotImplementedError, RuntimeError: called by a torch pipeline schedule that cannot run
+                on fullshard's units, as :func:`~fullshard.frontend.pipelining.check_schedule` says.
+        """
+        pipelining.check_schedule(sys._getframe(1))
         state = hooks.lazy_init(self)  # type: ignore[arg-type]
         unit = self._units(recurse=False)[0]
         unit.unshard(async_op=async_op)

@@ -16,6 +16,8 @@ for any other module, torch's answer.
 
 from __future__ import annotations
 
+import sys
+import weakref
 from typing import Any
 
 from torch import nn
@@ -26,6 +28,7 @@ from fullshard.engine.unit import Unit
 
 # The module of torch's whose ``fully_shard`` name must be fullshard's for REDUCE_GRAD to work.
 STAGE_MODULE = "torch.distributed.pipelining.stage"
+SCHEDULES_MODULE = "torch.distributed.pipelining.schedules"
 
 
 class UnitReduction:
@@ -34,11 +37,18 @@ class UnitReduction:
     def __init__(self, unit: Unit) -> None:
         self.unit = unit
 
-    def post_backward(self) -> None:
+    def post_backward(self, fill_unreached: bool = True) -> None:
         """Launch the reduction of what the unit accumulated while gradient sync was off (none
-        when sync is still off, one is in flight, or nothing was accumulated)."""
+        when sync is still off or one is in flight). A unit no micro-batch's backward reached
+        on this rank reduces zeros under ``set_reduce_scatter_unused_params(True)``
+        (``fill_unreached``), as at the end of an ordinary backward: every data-parallel rank
+        then launches the same reduce-scatters; otherwise it reduces nothing."""
         unit = self.unit
-        if unit.sync_grads and not unit.has_pending_reduce and unit.grads.holds_unreduced:
+        if not unit.sync_grads or unit.has_pending_reduce:
+            return
+        if fill_unreached and unit.grads.reduce_unreached:
+            unit.grads.fill_zeros()  # a no-op where gradients were accumulated
+        if unit.grads.holds_unreduced:
             unit.reduce_grads()
 
 
@@ -47,6 +57,7 @@ class UnitState:
 
     def __init__(self, unit: Unit) -> None:
         self._fsdp_param_groups = [UnitReduction(unit)]
+        self._fsdp_param_group = self._fsdp_param_groups[0]  # the name older stages read
 
 
 class StateContext:
@@ -75,7 +86,7 @@ class PipelineState:
             return
         for state in self._state_ctx.all_states:
             for group in state._fsdp_param_groups:
-                group.post_backward()
+                group.post_backward(fill_unreached=False)  # the stage's own calls filled them
         hooks.finish_backward(self._root)
 
 
@@ -94,37 +105,95 @@ def state(module: nn.Module) -> Any:
     return compat.torch_fsdp2_state(module)
 
 
-def called_by_stage(frame: Any) -> bool:
-    """Whether ``frame`` (the caller of an ``FSDPModule`` setter) is torch's pipeline stage
-    preparing a micro-batch's backward; if so, refuse what would go wrong in it.
+_SPLIT_BACKWARD = (
+    "torch.distributed.pipelining's split backward (backward_input / backward_weight, used by "
+    "ScheduleZBVZeroBubble, ScheduleDualPipeV and ScheduleInterleavedZeroBubble) is not supported on a "
+    "stage sharded by fullshard's fully_shard: its weight pass reads gradients of parameters() only, and "
+    "fullshard's arrive in the unit's flat buffer, so they would be lost; use a schedule with a full "
+    "backward (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleLoopedBFS) or torch's "
+    "fully_shard for this model"
+)
+_UNBOUND = (
+    "a torch.distributed.pipelining stage holds a module sharded by fullshard's fully_shard, but the "
+    "stage's fully_shard name is torch's, so the schedule's gradient reduction (REDUCE_GRAD) cannot reach "
+    "fullshard's units: call fullshard.use_in_torch() before running the schedule (see docs/frameworks.md)"
+)
+# Schedules whose actions were checked (:func:`check_schedule`), not kept alive by this set.
+_checked: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _bound() -> bool:
+    """Whether torch's pipeline stage module reaches fullshard's ``fully_shard.state``."""
+    return getattr(getattr(sys.modules.get(STAGE_MODULE), "fully_shard", None), "state", None) is state
+
+
+def _in_stage(frame: Any) -> bool:
+    """Whether ``frame`` runs code of torch's pipeline stage: a function of its module (a nested
+    one too) or a method of a stage, whatever module its class comes from."""
+    if frame is None:
+        return False
+    if frame.f_globals.get("__name__") == STAGE_MODULE:
+        return True
+    base = getattr(sys.modules.get(STAGE_MODULE), "_PipelineStageBase", None)
+    return base is not None and isinstance(frame.f_locals.get("self"), base)
+
+
+def called_by_stage(frame: Any, is_last_backward: bool) -> bool:
+    """Whether ``frame`` (the caller of ``FSDPModule.set_is_last_backward``) is torch's pipeline
+    stage; if so, refuse what would go wrong in it.
 
     The stage calls ``set_is_last_backward(False)`` before every micro-batch's backward, with the
-    kind of backward in its local ``backward_type``. A split backward ("input", then "weight":
-    ScheduleZBVZeroBubble, ScheduleDualPipeV, ScheduleInterleavedZeroBubble) computes weight
-    gradients only for the tensors ``parameters()`` yields, and a fullshard unit's gradients
-    flow into its full flat buffer instead: they would be lost without a word.
+    kind of backward in its local ``backward_type``, and ``set_is_last_backward(True)`` where it
+    reduces the step's gradients (REDUCE_GRAD), which every rank reaches. A split backward
+    ("input", then "weight": ScheduleZBVZeroBubble, ScheduleDualPipeV,
+    ScheduleInterleavedZeroBubble) computes weight gradients only for the tensors ``parameters()``
+    yields, and a fullshard unit's gradients flow into its full flat buffer instead: they would be
+    lost without a word. Those schedules are refused earlier, on every rank, by
+    :func:`check_schedule`; this is the check for a torch whose schedules do not unshard first.
+
+    Args:
+        frame: the caller's frame.
+        is_last_backward: the value the caller passes.
 
     Raises:
         NotImplementedError: a split backward ("input") on a fullshard stage.
-        RuntimeError: the stage's ``fully_shard`` is torch's (REDUCE_GRAD would fail at the end
-            of the step): :func:`fullshard.use_in_torch` was not called.
+        RuntimeError: at the gradient reduction (``is_last_backward`` True), the stage's
+            ``fully_shard`` is torch's: :func:`fullshard.use_in_torch` was not called. Not
+            before: a rank raising in a micro-batch's backward would leave the others waiting
+            for its gradients.
     """
-    if frame is None or frame.f_globals.get("__name__") != STAGE_MODULE:
+    if not _in_stage(frame):
         return False
     if frame.f_locals.get("backward_type") == "input":
-        raise NotImplementedError(
-            "torch.distributed.pipelining's split backward (backward_input / backward_weight, used by "
-            "ScheduleZBVZeroBubble, ScheduleDualPipeV and ScheduleInterleavedZeroBubble) is not supported on a "
-            "stage sharded by fullshard's fully_shard: its weight pass reads gradients of parameters() only, and "
-            "fullshard's arrive in the unit's flat buffer, so they would be lost; use a schedule with a full "
-            "backward (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleLoopedBFS) or torch's "
-            "fully_shard for this model"
-        )
-    bound = getattr(frame.f_globals.get("fully_shard"), "state", None)
-    if bound is not state:
-        raise RuntimeError(
-            "a torch.distributed.pipelining stage holds a module sharded by fullshard's fully_shard, but the "
-            "stage's fully_shard name is torch's, so the schedule's gradient reduction (REDUCE_GRAD) cannot reach "
-            "fullshard's units: call fullshard.use_in_torch() before running the schedule (see docs/frameworks.md)"
-        )
+        raise NotImplementedError(_SPLIT_BACKWARD)
+    if is_last_backward and not _bound():
+        raise RuntimeError(_UNBOUND)
     return True
+
+
+def check_schedule(frame: Any) -> None:
+    """Refuse, from ``FSDPModule.unshard`` called by a torch pipeline schedule's UNSHARD action
+    (``frame``: the caller's), what cannot run on fullshard's units. torch's action-list
+    schedules (``pipeline_order``: Interleaved1F1B, LoopedBFS, the zero-bubble ones) unshard every
+    stage before its first forward, so every rank gets here before it waits on another: raising
+    here stops them all, where a refusal in one rank's backward would leave its peers waiting.
+
+    Raises:
+        NotImplementedError: the schedule has weight-only backward actions (a split backward,
+            see :func:`called_by_stage`).
+        RuntimeError: :func:`fullshard.use_in_torch` was not called.
+    """
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(("fullshard.", "torch._dynamo.")):
+        frame = frame.f_back  # the decorators around unshard() (dynamo's disable, once dynamo is imported)
+    if frame is None or frame.f_globals.get("__name__") != SCHEDULES_MODULE:
+        return
+    schedule = frame.f_locals.get("self")
+    order = getattr(schedule, "pipeline_order", None)
+    if not isinstance(order, dict) or schedule in _checked:
+        return
+    kinds = {getattr(getattr(a, "computation_type", None), "name", None) for acts in order.values() for a in acts or ()}
+    if "BACKWARD_WEIGHT" in kinds:
+        raise NotImplementedError(_SPLIT_BACKWARD)
+    if not _bound():
+        raise RuntimeError(_UNBOUND)
+    _checked.add(schedule)
