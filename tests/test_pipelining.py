@@ -5,8 +5,10 @@ which does not divide the dp size) is split into stages, each block and each sta
 on the dp submesh, once with torch's ``fully_shard`` and once with fullshard's (bound in torch's
 pipeline stage by ``fullshard.use_in_torch()``), and trained 3 steps of 4 micro-batches with
 ScheduleGPipe, Schedule1F1B and ScheduleInterleaved1F1B (2 stages per rank), Adam and SGD with
-momentum: losses and parameters after every step are bitwise torch's, each unit reduce-scatters
-once per step (at the schedule's REDUCE_GRAD, as torch's), and every unit ends SHARDED and IDLE.
+momentum: losses and parameters after every step are bitwise torch's, each step all-gathers as
+often as torch's (a unit gathered once per step with ``reshard_after_forward=False``, not once per
+micro-batch), each unit reduce-scatters once per step (at the schedule's REDUCE_GRAD, as torch's),
+and every unit ends SHARDED and IDLE. The same for 2 steps with ``reshard_after_forward=True``.
 torch's own units train as before while the binding is on.
 
 At 1 rank: a split backward (ScheduleZBVZeroBubble's I / W actions), which would lose fullshard's
@@ -44,7 +46,9 @@ def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return ((out - target) ** 2).mean()
 
 
-def _stages(engine: str, schedule: str, mesh, blocks: list[nn.Module]) -> tuple[list[nn.Module], object]:
+def _stages(
+    engine: str, schedule: str, mesh, blocks: list[nn.Module], reshard_after_forward: bool = False
+) -> tuple[list[nn.Module], object]:
     """This rank's stage modules (sharded by ``engine``) and the schedule running them."""
     from torch.distributed.pipelining import PipelineStage, schedules
 
@@ -64,8 +68,8 @@ def _stages(engine: str, schedule: str, mesh, blocks: list[nn.Module]) -> tuple[
     for i in ids:
         mod = nn.Sequential(*copy.deepcopy(blocks[i * per : (i + 1) * per]))
         for block in mod:
-            shard(block, mesh=mesh["dp"], reshard_after_forward=False)
-        shard(mod, mesh=mesh["dp"], reshard_after_forward=False)
+            shard(block, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
+        shard(mod, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
         mods.append(mod)
         stages.append(PipelineStage(mod, i, n_stages, torch.device("cpu"), group=mesh.get_group("pp")))
     cls = {
@@ -78,26 +82,40 @@ def _stages(engine: str, schedule: str, mesh, blocks: list[nn.Module]) -> tuple[
     return mods, cls(stages if per_rank > 1 else stages[0], n_microbatches=MICROBATCHES, loss_fn=_loss)
 
 
-def _train(engine: str, schedule: str, optim: str, mesh) -> dict:
-    """Losses, parameters (full tensors) and reduce-scatters of each step; the units' states."""
+def _train(
+    engine: str, schedule: str, optim: str, mesh, reshard_after_forward: bool = False, steps: int = STEPS
+) -> dict:
+    """Losses, parameters (full tensors), all-gathers and reduce-scatters of each step; the units' states."""
+    from dist import patched
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
     from fullshard import probes
     from fullshard.engine import hooks
 
     torch.manual_seed(0)
-    mods, sched = _stages(engine, schedule, mesh, [Block() for _ in range(BLOCKS)])
+    mods, sched = _stages(engine, schedule, mesh, [Block() for _ in range(BLOCKS)], reshard_after_forward)
     params = [p for m in mods for p in m.parameters()]
     opt = torch.optim.Adam(params, lr=1e-2) if optim == "adam" else torch.optim.SGD(params, lr=0.1, momentum=0.9)
     n_stages = sched._num_stages if hasattr(sched, "_num_stages") else mesh.size(0)
     first, last = mesh.get_local_rank("pp") == 0, mesh.get_local_rank("pp") == (n_stages - 1) % mesh.size(0)
     dp_rank, dp_size = mesh.get_local_rank("dp"), mesh.size(1)
     gen = torch.Generator().manual_seed(1)
-    out: dict = {"losses": [], "params": [], "reduces": [], "states": set()}
+    out: dict = {"losses": [], "params": [], "gathers": [], "reduces": [], "states": set()}
     out["ours"] = any(hooks.is_unit(m) for m in mods)
-    for _ in range(STEPS):
+    torch_gathers = []  # torch's units' all-gathers (one foreach_all_gather per parameter group)
+    real_gather = _fsdp_param_group.foreach_all_gather
+
+    def counting(*args, **kwargs):
+        torch_gathers.append(1)
+        return real_gather(*args, **kwargs)
+
+    for _ in range(steps):
         x, y = (torch.randn(dp_size * MICROBATCHES, WIDTH, generator=gen).chunk(dp_size)[dp_rank] for _ in "xy")
         losses: list[torch.Tensor] = []
-        with probes.enabled() as p:
+        torch_gathers.clear()
+        with probes.enabled() as p, patched(_fsdp_param_group, foreach_all_gather=counting):
             sched.step(*((x,) if first else ()), **({"target": y, "losses": losses} if last else {}))
+        out["gathers"].append(len(torch_gathers) if engine == "torch" else p.collectives.calls["all_gather"])
         out["reduces"].append(p.collectives.calls["reduce_scatter"])
         opt.step()
         opt.zero_grad()
@@ -108,6 +126,26 @@ def _train(engine: str, schedule: str, optim: str, mesh) -> dict:
             out["states"] |= {(u.shard_state.name, u.training_state.name) for u in units.values()}
             out["units"] = len(units) - len(mods)  # the stage roots hold no parameters of their own
     return out
+
+
+def _differences(tag: str, got: dict, ref: dict) -> list[str]:
+    """Where fullshard's run ``got`` parts from torch's ``ref``: losses, parameters, all-gathers
+    per step; one reduce-scatter per unit per step; every unit SHARDED and IDLE after each step."""
+    failures = []
+    steps = len(ref["losses"])
+    if got["losses"] != ref["losses"]:
+        failures.append(f"{tag}: losses {got['losses']} != torch's {ref['losses']}")
+    for step, (a, b) in enumerate(zip(got["params"], ref["params"])):
+        diff = max((x - y).abs().max().item() for x, y in zip(a, b))
+        if not all(torch.equal(x, y) for x, y in zip(a, b)):
+            failures.append(f"{tag}: parameters differ from torch's after step {step} (max {diff:.3g})")
+    if got["gathers"] != ref["gathers"]:
+        failures.append(f"{tag}: all-gathers per step {got['gathers']}, torch's {ref['gathers']}")
+    if got["reduces"] != [got["units"]] * steps:
+        failures.append(f"{tag}: reduce-scatters per step {got['reduces']}, not one per unit ({got['units']})")
+    if got["states"] != {("SHARDED", "IDLE")}:
+        failures.append(f"{tag}: units left in {got['states']}")
+    return failures
 
 
 def _compare_body(rank: int, world: int) -> list[str]:
@@ -129,16 +167,15 @@ def _compare_body(rank: int, world: int) -> list[str]:
                 failures.append(f"{tag}: torch's fully_shard under use_in_torch() changed its results")
             if again["ours"]:
                 failures.append(f"{tag}: torch_fully_shard() made fullshard units")
-        if got["losses"] != ref["losses"]:
-            failures.append(f"{tag}: losses {got['losses']} != torch's {ref['losses']}")
-        for step, (a, b) in enumerate(zip(got["params"], ref["params"])):
-            diff = max((x - y).abs().max().item() for x, y in zip(a, b))
-            if not all(torch.equal(x, y) for x, y in zip(a, b)):
-                failures.append(f"{tag}: parameters differ from torch's after step {step} (max {diff:.3g})")
-        if got["reduces"] != [got["units"]] * STEPS:
-            failures.append(f"{tag}: reduce-scatters per step {got['reduces']}, not one per unit ({got['units']})")
-        if got["states"] != {("SHARDED", "IDLE")}:
-            failures.append(f"{tag}: units left in {got['states']}")
+        failures += _differences(tag, got, ref)
+        dist.barrier()
+    # reshard_after_forward=True: gathered for every forward, kept between micro-batches' backwards
+    # (the stage's set_reshard_after_backward(False)); step 0 includes the stage's shape inference.
+    for schedule in ("GPipe", "1F1B", "Interleaved1F1B"):
+        ref = _train("torch", schedule, "sgd", mesh, reshard_after_forward=True, steps=2)
+        with fullshard.use_in_torch():
+            got = _train("fullshard", schedule, "sgd", mesh, reshard_after_forward=True, steps=2)
+        failures += _differences(f"{schedule}/reshard_after_forward=True rank {rank}", got, ref)
         dist.barrier()
     return failures
 
