@@ -211,3 +211,66 @@ def test_forward_without_backward_and_a_backward_that_raises(strategy: str) -> N
         "forward without backward",
         "backward raised",
     ]
+
+
+def kept_forward_body(rank: int, world: int) -> list[str]:
+    """Forwards with grad whose outputs are kept and never backwarded (a metric kept for logging;
+    the micro-batches a pipeline schedule runs before their backwards), on both front ends, with
+    ``reshard_after_forward`` False and True: a later forward reads what an optimizer step or an
+    in-place edit of the shards made, never the parameters gathered before; while the shards are
+    unchanged, units that keep their parameters after forward serve it without an all-gather."""
+    from fullshard import FSDP, ShardingStrategy, fully_shard, probes
+    from fullshard.engine import hooks
+    from fullshard.engine.unit import ShardState, TrainingState
+    from fullshard.frontend.wrap import ModuleWrapPolicy
+
+    mse = torch.nn.functional.mse_loss
+    done = []
+    for front in ("wrapper", "fully_shard"):
+        for keep in (True, False):  # keep: reshard_after_forward=False (SHARD_GRAD_OP for the wrapper)
+            ref = make_stack(scale_shape=(1,))
+            if front == "wrapper":
+                strategy = ShardingStrategy.SHARD_GRAD_OP if keep else ShardingStrategy.FULL_SHARD
+                model = FSDP(copy.deepcopy(ref), sharding_strategy=strategy, auto_wrap_policy=ModuleWrapPolicy({Block}))
+            else:
+                model = copy.deepcopy(ref)
+                for block in model.blocks:
+                    fully_shard(block, reshard_after_forward=not keep)
+                fully_shard(model, reshard_after_forward=not keep)
+            opt, ref_opt = _optimizers("sgd", model.parameters(), ref.parameters())
+            units = list({id(s.unit): s.unit for m in model.modules() if (s := hooks.fsdp_state(m))}.values())
+            tag = f"{front}, reshard_after_forward={not keep}"
+            for step in range(3):
+                x, y = batch(step, 8)
+                mse(model(local(x, rank, world)), local(y, rank, world)).backward()
+                mse(ref(x), y).backward()
+                kept = model(x)  # never backwarded: its graph holds the gathered parameters
+                opt.step()
+                ref_opt.step()
+                after_step = model(x)
+                torch.testing.assert_close(after_step, ref(x), rtol=1e-4, atol=1e-5, msg=f"{tag}: after the step")
+                with torch.no_grad():  # an in-place edit of the shards (a hand-written decay)
+                    for p, q in zip(model.parameters(), ref.parameters()):
+                        p.mul_(0.9)
+                        q.mul_(0.9)
+                after_edit = model(x)
+                torch.testing.assert_close(after_edit, ref(x), rtol=1e-4, atol=1e-5, msg=f"{tag}: after the edit")
+                with probes.enabled() as p:
+                    unchanged = model(x)
+                gathers = p.collectives.calls["all_gather"]
+                assert torch.equal(unchanged, after_edit), tag
+                assert gathers == (0 if keep else len(units)), (tag, gathers)
+                del kept, after_step, after_edit, unchanged
+                opt.zero_grad()
+                ref_opt.zero_grad()
+            x, y = batch(3, 8)
+            mse(model(local(x, rank, world)), local(y, rank, world)).backward()
+            states = {(u.shard_state, u.training_state) for u in units}
+            assert states == {(ShardState.SHARDED, TrainingState.IDLE)}, (tag, states)
+            done.append(tag)
+    return done
+
+
+@pytest.mark.timeout(200)
+def test_kept_forwards_never_read_parameters_an_optimizer_step_changed() -> None:
+    assert len(run_ranks(kept_forward_body, 2, timeout=180)[0]) == 4
