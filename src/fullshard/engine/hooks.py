@@ -393,8 +393,11 @@ def _pre_backward(state: FSDPState, grad: torch.Tensor) -> torch.Tensor:
         first = state.is_root and ROOT_BACKWARD_PREFETCH
         target = backward_neighbour(root, unit, first=first)
         prefetch(target)
-        if first and root.kept is None:
-            root.kept = target  # released, as a kept unit is, if another unit's backward comes first
+        if first and root.kept is None and target is not None and id(target) not in root.pre_backward_done:
+            # Released, as a kept unit is, if another unit's backward comes first. Not one whose
+            # backward has begun (its hook on the same output ran before the root's): its own
+            # post-backward decides, and with set_reshard_after_backward(False) keeps it.
+            root.kept = target
     return grad
 
 
