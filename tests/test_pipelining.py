@@ -5,11 +5,12 @@ which does not divide the dp size) is split into stages, each block and each sta
 on the dp submesh, once with torch's ``fully_shard`` and once with fullshard's (bound in torch's
 pipeline stage by ``fullshard.use_in_torch()``), and trained 3 steps of 4 micro-batches with
 ScheduleGPipe, Schedule1F1B and ScheduleInterleaved1F1B (2 stages per rank), Adam and SGD with
-momentum: losses and parameters after every step are bitwise torch's, each step all-gathers as
-often as torch's (a unit gathered once per step with ``reshard_after_forward=False``, not once per
-micro-batch), each unit reduce-scatters once per step (at the schedule's REDUCE_GRAD, as torch's),
-and every unit ends SHARDED and IDLE. The same for 2 steps with ``reshard_after_forward=True``.
-torch's own units train as before while the binding is on.
+momentum: losses and parameters after every step are bitwise torch's, each step after the first
+all-gathers as often as torch's (a unit gathered once per step with ``reshard_after_forward=False``,
+not once per micro-batch; at most once more per unit in the first step), each unit reduce-scatters
+once per step (at the schedule's REDUCE_GRAD, as torch's), and every unit ends SHARDED and IDLE.
+The same for 2 steps with ``reshard_after_forward=True``. torch's own units train as before while
+the binding is on.
 
 At 1 rank: a split backward (ScheduleZBVZeroBubble's I / W actions), which would lose fullshard's
 weight gradients, is refused; a schedule run without ``use_in_torch()`` names the fix before the
@@ -139,7 +140,11 @@ def _differences(tag: str, got: dict, ref: dict) -> list[str]:
         diff = max((x - y).abs().max().item() for x, y in zip(a, b))
         if not all(torch.equal(x, y) for x, y in zip(a, b)):
             failures.append(f"{tag}: parameters differ from torch's after step {step} (max {diff:.3g})")
-    if got["gathers"] != ref["gathers"]:
+    # From the second step on, as many all-gathers as torch's. In the first, a unit that runs a
+    # second forward before its first backward gathers once more: only then does it start recording
+    # its shards' version, which a reuse checks (an ordinary step never pays for reading it).
+    extra = got["gathers"][0] - ref["gathers"][0]
+    if got["gathers"][1:] != ref["gathers"][1:] or not 0 <= extra <= got["units"]:
         failures.append(f"{tag}: all-gathers per step {got['gathers']}, torch's {ref['gathers']}")
     if got["reduces"] != [got["units"]] * steps:
         failures.append(f"{tag}: reduce-scatters per step {got['reduces']}, not one per unit ({got['units']})")

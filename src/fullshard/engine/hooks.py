@@ -27,7 +27,7 @@ from torch import nn
 
 from fullshard import compat, probes
 from fullshard.comm import buffers, exposed_comm, flight_recorder
-from fullshard.engine import backward_buffers, dynamo_guard, reshard_guard
+from fullshard.engine import backward_buffers, dynamo_guard, gather_reuse, reshard_guard, shard_sync
 from fullshard.engine.config import BackwardPrefetch, FrontEnd
 from fullshard.engine.dynamo_guard import outside_dynamo
 from fullshard.engine.hook_state import FSDPState, RootState, backward_neighbour, neighbour
@@ -160,22 +160,29 @@ def _in_backward() -> bool:
     return compat.in_backward()
 
 
-def shards_version(unit: Unit) -> int:
-    """The sum of the version counters of ``unit``'s local shards: it grows with every in-place
-    change to them (an optimizer step)."""
-    return sum(compat.version_counter(sp.local) for sp in unit.params)
+shards_version = shard_sync.shards_version  # FSDPModule.unshard records it (gathered_by_hand)
 
 
 def _left_behind(unit: Unit, by_hand: dict[int, int]) -> bool:
     """Whether the last iteration left ``unit`` gathered, busy or reducing. One gathered by
     ``FSDPModule.unshard`` for this forward (``by_hand``: its shards' version then) is not,
-    unless an optimizer step has changed its shards since: its forward then gathers afresh."""
+    unless an optimizer step has changed its shards since: its forward then gathers afresh. Nor
+    is one an earlier forward left gathered whose backward is still to come, while its shards are
+    unchanged since that gather (:mod:`~fullshard.engine.gather_reuse`): the
+    micro-batches of a pipeline schedule's step use one all-gather, as torch's do."""
     if unit.training_state is not TrainingState.IDLE or unit.has_pending_reduce:
         return True
     version = by_hand.get(id(unit))
     if version is not None and version == shards_version(unit):
         return False
-    return (unit.shard_state is ShardState.UNSHARDED and unit.reshard_after_backward) or unit.has_pending_gather
+    if unit.has_pending_gather:
+        return True
+    if unit.shard_state is ShardState.SHARDED or not unit.reshard_after_backward:
+        return False
+    if gather_reuse.reusable_gathered(unit):
+        return False
+    gather_reuse.note_kept_gathered(unit)
+    return True
 
 
 def root_pre_forward(state: FSDPState) -> None:
@@ -190,7 +197,8 @@ def root_pre_forward(state: FSDPState) -> None:
     if _in_backward():
         return  # a recomputation (activation checkpointing of the root)
     by_hand, root.gathered_by_hand = root.gathered_by_hand, {}
-    if root.callback_queued or any(_left_behind(u, by_hand) for u in root.units):
+    left = [_left_behind(u, by_hand) for u in root.units]  # each unit's: it may start recording versions
+    if root.callback_queued or any(left):
         finish_backward(root)
     if root.post_optim_event is not None:  # a torch.cuda.Event has no device; on the CPU: nothing to wait for
         kind = getattr(root.post_optim_event, "device", None)

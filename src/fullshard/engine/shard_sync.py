@@ -82,6 +82,43 @@ def sync_shards(unit: UnitLayout) -> None:
         unit.frozen_pending = None  # unfrozen again before the reduction
 
 
+def shards_version(unit: UnitLayout) -> int:
+    """The sum of the version counters of ``unit``'s local flat buffer, its shards and their local
+    tensors: it grows with every in-place change to them (an optimizer step, ``load_state_dict``, a
+    write back into the shards), also to a shard whose counter is its own (a parameter registered in
+    its place) and to a DTensor shard (an in-place op on a DTensor bumps its own counter, not its
+    local tensor's), and to the plain stand-in an elementwise optimizer steps on (its counter stays
+    the old local flat buffer's after a relayout). Changes through ``.data`` bump no counter (as
+    autograd, it cannot see them)."""
+    version = compat.version_counter(unit.local_flat)
+    for sp in unit.params:
+        local = sp.local
+        version += compat.version_counter(local)
+        if local is not sp.shard:
+            version += compat.version_counter(sp.shard)  # type: ignore[arg-type]
+        if sp.local_param is not None:  # the plain stand-in an elementwise optimizer steps on
+            version += compat.version_counter(sp.local_param)
+    return version
+
+
+def shards_in_place(unit: UnitLayout) -> bool:
+    """Whether :func:`sync_shards` would find nothing to do on ``unit``: every shard is the one
+    laid out (registered, or shown in its place: ``FSDPModule.unshard`` registers the full
+    parameters), still a view of the local flat buffer, of the unit's dtype and with the
+    ``requires_grad`` the layout has; no parameter replaced, none waiting to be frozen."""
+    if unit.meta or unit.frozen_pending is not None:
+        return False
+    for sp, ptr in zip(unit.params, unit.shard_ptrs):
+        shard = sp.shard
+        if shard is None or replacement(sp) is not None:
+            return False
+        if shard.requires_grad != sp.requires_grad or shard.dtype != unit.dtype:
+            return False
+        if sp.spec.local_numel > 0 and sp.local.data_ptr() != ptr:
+            return False
+    return True
+
+
 def requires_grad_changed(unit: UnitLayout) -> bool:
     """Whether a parameter's ``requires_grad`` changed since ``unit`` was laid out."""
     return any(_flipped(sp) for sp in unit.params)

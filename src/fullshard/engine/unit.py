@@ -75,6 +75,9 @@ class Unit(UnitLayout):
         self.on_reshard: Any = None  # called with the unit after each reshard (e.g. register shards again)
         self.backward_range: Any = None  # the open torch.profiler range of this unit's backward
         self.custom_all_gather: Any = None  # FSDPModule.set_custom_all_gather's comm (see custom_comm)
+        # The shards' version the last all-gather read, if recorded (see engine.gather_reuse).
+        self.records_gathered_version = False
+        self.gathered_version: int | None = None
         reshard_guard.install()
 
     def set_post_forward_group(self, group: collectives.ProcessGroup) -> None:
@@ -180,6 +183,7 @@ class Unit(UnitLayout):
                 self.wait_for_unshard()
             return
         shard_sync.sync_shards(self)
+        self.gathered_version = shard_sync.shards_version(self) if self.records_gathered_version else None
         if self.aliased or self.shard_numel == 0:
             self.shard_state = ShardState.UNSHARDED
             if probes.ACTIVE is not None:
@@ -191,6 +195,7 @@ class Unit(UnitLayout):
         self._allocate_full()
         shard = self.post_forward_shard
         if shard is not None and shard.kept is not None:  # resharded to a smaller group after forward
+            self.gathered_version = None  # from what forward kept, not from the shards now
             self._pending_gather = shard.gather(self.custom_all_gather, async_op)
             if not async_op:
                 self.wait_for_unshard()
@@ -234,6 +239,7 @@ class Unit(UnitLayout):
         with torch.no_grad():
             for sp, full in zip(self.params, self.full_params(tracked=False)):
                 full.copy_(kept[id(sp)])
+        self.gathered_version = None  # the values kept, not the shards'
 
     def _allocate_full(self) -> None:
         """Give the full flat buffer's storage its memory (reused memory on CPU, see ``comm.buffers``)."""
