@@ -263,6 +263,10 @@ class ExtensionUnit(Unit):
     def has_pending_reduce(self) -> bool:
         return self.grads.has_pending or self._reduction is not None
 
+    @property
+    def has_trainable(self) -> bool:
+        return super().has_trainable or any(ep.sp.requires_grad for ep in self.ext)
+
     def _launch_ext(self) -> None:
         """Reduce-scatter the collected extension gradients (rank-major, as the plain ones)."""
         items = [ep for ep in self.ext if ep.grad is not None]

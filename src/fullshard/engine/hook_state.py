@@ -15,6 +15,18 @@ from fullshard.engine.unit import Unit
 
 
 @dataclasses.dataclass
+class ReduceTurns:
+    """This backward's fixed order of reductions (:mod:`fullshard.engine.reduce_order`): the
+    units that take turns, the turn of each (by id), the next turn to launch, and the units
+    (by id) whose gradients are ready but whose turn has not come."""
+
+    units: list[Unit]
+    turn: dict[int, int]
+    next: int = 0
+    ready: set[int] = dataclasses.field(default_factory=set)
+
+
+@dataclasses.dataclass
 class RootState:
     """What the units of one FSDP tree share; owned by the root unit."""
 
@@ -26,6 +38,8 @@ class RootState:
     last_forward_order: list[Unit] = dataclasses.field(default_factory=list)
     callback_queued: bool = False
     last_reduced: Unit | None = None
+    # This backward's reduction turns (reduce_order), made at its first reduction; None between backwards.
+    turns: ReduceTurns | None = None
     pre_backward_done: set[int] = dataclasses.field(default_factory=set)
     post_optim_event: Any = None  # a CUDA event the next forward's all-gathers wait for
     units_checked: bool = False  # whether every rank was found to wrap the same units

@@ -27,7 +27,7 @@ from torch import nn
 
 from fullshard import compat, probes
 from fullshard.comm import buffers, exposed_comm, flight_recorder
-from fullshard.engine import backward_buffers, dynamo_guard, gather_reuse, reshard_guard, shard_sync
+from fullshard.engine import backward_buffers, dynamo_guard, gather_reuse, reduce_order, reshard_guard, shard_sync
 from fullshard.engine.config import BackwardPrefetch, FrontEnd
 from fullshard.engine.dynamo_guard import outside_dynamo
 from fullshard.engine.hook_state import FSDPState, RootState, backward_neighbour, neighbour
@@ -414,10 +414,7 @@ def post_backward(unit: Unit, root: RootState) -> None:
     """Called when ``unit``'s full flat gradient has been accumulated."""
     unit.training_state = TrainingState.POST_BACKWARD
     if unit.sync_grads:
-        if root.last_reduced is not None and root.last_reduced is not unit:
-            root.last_reduced.finish_reduce()  # keep one reduction in flight, not all
-        unit.reduce_grads()
-        root.last_reduced = unit
+        reduce_order.reached(unit, root)  # now, or at its turn under reduce_unreached
     else:
         unit.grads.hold_unsynced()
     end_backward(unit, root)
@@ -440,12 +437,17 @@ def end_backward(unit: Unit, root: RootState) -> None:
 def _backward_done(root: RootState) -> None:
     """The backward's final callback: reduce what units accumulated while sync was off and this
     backward did not reach (their sums would wait for their next backward), and zeros for the
-    units it did not reach under ``reduce_unreached``; then finish. A backward that creates a
-    graph (``create_graph=True``: grad mode is on in its callback and post-backward hooks) leaves
-    its units gathered, frozen ones too: the graph it made (a gradient penalty's) saved their full
-    parameters for the next backward, whose end, or the next forward, reshards them. It leaves the
-    sums held from micro-batches with sync off to that backward too (reduced once, not twice)."""
+    units it did not reach under ``reduce_unreached``, in the order of :mod:`.reduce_order`;
+    then finish. A backward that creates a graph (``create_graph=True``: grad mode is on in its
+    callback and post-backward hooks) leaves its units gathered, frozen ones too: the graph it
+    made (a gradient penalty's) saved their full parameters for the next backward, whose end, or
+    the next forward, reshards them. It leaves the sums held from micro-batches with sync off to
+    that backward too (reduced once, not twice), but for units with ``reduce_unreached``, which
+    every rank reduces in every backward."""
     graph = torch.is_grad_enabled()
+    if reduce_order.launch_rest(root, graph):
+        finish_backward(root, reshard=not graph)
+        return
     for unit in root.units:
         if graph or not unit.sync_grads or unit.has_pending_reduce:
             continue
@@ -486,6 +488,7 @@ def finish_backward(root: RootState, reshard: bool = True) -> None:
         unit.training_state = TrainingState.IDLE
     buffers.POOL.clear(keep_cpu=True)  # CPU memory is kept for the next step; CUDA's allocator caches its own
     root.last_reduced = None
+    root.turns = None
     root.kept = None
     root.callback_queued = False
     if root.pre_backward_done:

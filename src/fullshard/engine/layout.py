@@ -161,6 +161,11 @@ class UnitLayout:
         self._build(params)
 
     @property
+    def has_trainable(self) -> bool:
+        """Whether backward can give this unit gradients to reduce (some parameter requires grad)."""
+        return bool(self.trainable)
+
+    @property
     def first_data_parallel_rank(self) -> bool:
         """Whether this rank is rank 0 of both the shard and the replicate group: where
         ``rank0_only`` keeps full state. Rank 0 of the world when the groups span it; on a slice of

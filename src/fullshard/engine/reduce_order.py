@@ -1,0 +1,93 @@
+"""When a tree's units launch their gradient reductions, and in which order.
+
+gloo and NCCL match collectives by their position in each rank's sequence, so every rank must
+launch the same reductions in the same order. Ordinarily a unit reduces in its post-backward:
+backward reaches the units in the same order on every rank because every rank runs the same
+graph. Under ``set_reduce_scatter_unused_params(True)`` (``unit.grads.reduce_unreached``) it
+need not: rank-dependent control flow (MoE experts, one modality's tower) reaches a unit on some
+ranks only, and the ranks that did not reach it reduce zeros for it at backward's end, after
+the units they did reach: with two units of one size, one unit's gradients would be averaged
+with the other's, silently; of different sizes, the collectives fail or hang.
+
+So in a tree where some unit has ``reduce_unreached``, every unit that reduces takes *turns* in
+one fixed order, the same on every rank: the reverse of the tree's construction order
+(``root.units``, which the first forward checks is every rank's; the root last). Not forward's
+order, which conditional control flow makes rank-dependent. A unit whose post-backward comes
+before its turn keeps its accumulated gradient (its full flat gradient, as with sync off)
+and launches as soon as every unit before it has; at backward's end the rest launch in turn,
+zeros for the flagged units backward did not reach. Units without the flag take turns too: a
+unit reached on every rank can still come before a flagged one on one rank and after it on
+another. A model that calls its units in the order it builds them reduces in backward exactly
+as before (each unit's turn has come when its post-backward runs); one whose backward reaches
+them in another order holds gradients longer (memory, less overlap) but reduces the same sums.
+
+In a tree without the flag nothing changes: each unit reduces in its post-backward.
+"""
+
+from __future__ import annotations
+
+from fullshard.engine.hook_state import ReduceTurns, RootState
+from fullshard.engine.unit import Unit
+
+
+def launch(unit: Unit, root: RootState) -> None:
+    """Launch ``unit``'s reduction, first finishing the one launched before (keep one in flight,
+    not all)."""
+    if root.last_reduced is not None and root.last_reduced is not unit:
+        root.last_reduced.finish_reduce()
+    unit.reduce_grads()
+    root.last_reduced = unit
+
+
+def turns(root: RootState) -> ReduceTurns:
+    """This backward's turns (made at its first reduction): none in a tree without
+    ``reduce_unreached``; else every unit with gradient sync on and a trainable parameter,
+    in reverse construction order."""
+    made = root.turns
+    if made is None:
+        units: list[Unit] = []
+        if any(u.grads.reduce_unreached for u in root.units):
+            units = [u for u in reversed(root.units) if u.sync_grads and u.has_trainable]
+        made = root.turns = ReduceTurns(units, {id(u): i for i, u in enumerate(units)})
+    return made
+
+
+def reached(unit: Unit, root: RootState) -> None:
+    """``unit``'s post-backward with gradient sync on: launch its reduction if its turn has
+    come (and every ready unit after it whose turn that brings), else keep its gradient for
+    its turn."""
+    made = turns(root)
+    turn = made.turn.get(id(unit))
+    if turn is None or turn < made.next:  # no turns, or reached again after its turn: as before
+        launch(unit, root)
+        return
+    made.ready.add(id(unit))
+    _launch_ready(made, root)
+
+
+def _launch_ready(made: ReduceTurns, root: RootState) -> None:
+    i = made.next
+    while i < len(made.units) and id(made.units[i]) in made.ready:
+        launch(made.units[i], root)
+        i += 1
+    made.next = i
+
+
+def launch_rest(root: RootState, graph: bool) -> bool:
+    """At backward's end: launch every turn not taken, in order; a flagged unit that backward
+    did not reach reduces zeros (or what it held from backwards with sync off). In a backward
+    that creates a graph (``graph``), an unflagged unit not reached keeps the sums it held for
+    the next backward, as without turns. Returns False for a tree without turns (nothing done)."""
+    made = turns(root)
+    if not made.units:
+        return False
+    for unit in made.units[made.next :]:
+        reached_now = id(unit) in made.ready
+        if unit.grads.reduce_unreached and not reached_now:
+            unit.grads.fill_zeros()
+        if unit.has_pending_reduce or not unit.grads.holds_unreduced:
+            continue
+        if reached_now or unit.grads.reduce_unreached or not graph:
+            launch(unit, root)
+    made.next = len(made.units)
+    return True
