@@ -285,7 +285,17 @@ class FSDPModule(_TorchFSDPModule):
         used it), and a unit that backward did not reach at all reduces zeros at its end. With
         False (the default) such a parameter keeps ``.grad`` None. Within a unit that backward
         reaches, fullshard reduce-scatters every parameter either way, so ranks that used a
-        parameter and ranks that did not (torch needs True for them) sum correctly with both."""
+        parameter and ranks that did not (torch needs True for them) sum correctly with both.
+
+        With True on some unit of a tree, every rank launches its units' reductions in one
+        rank-independent order (reverse construction order, the root last;
+        :mod:`fullshard.engine.reduce_order`) and reduces each flagged unit in every synced
+        backward (zeros where backward did not reach it), so units that backward reaches on some ranks
+        only (rank-dependent control flow: MoE experts) sum with themselves, not each other. A
+        unit reached before its turn keeps its gradient until the units before it have reduced:
+        a model whose backward reaches its units in reverse construction order loses no overlap.
+        Backward's all-gathers are not reordered: a unit reached on some ranks only must need
+        none (``reshard_after_forward=False``, and no backward prefetch of it)."""
         for unit in self._units(recurse):
             unit.grads.unused_grads_none = not reduce_scatter_unused_params
             unit.grads.reduce_unreached = reduce_scatter_unused_params
