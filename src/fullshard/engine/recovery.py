@@ -49,6 +49,7 @@ def reset_iteration(root: RootState) -> None:
     root.forward_without_grad.clear()
     root.grad_pass = False
     root.kept = root.last_reduced = None
+    root.turns = None  # the reduction turns of the backward it abandoned (reduce_order)
     root.callback_queued = False
     root.pre_backward_done.clear()
     root.frozen_pending.clear()
