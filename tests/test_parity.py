@@ -218,7 +218,8 @@ def kept_forward_body(rank: int, world: int) -> list[str]:
     the micro-batches a pipeline schedule runs before their backwards), on both front ends, with
     ``reshard_after_forward`` False and True: a later forward reads what an optimizer step or an
     in-place edit of the shards made, never the parameters gathered before; while the shards are
-    unchanged, units that keep their parameters after forward serve it without an all-gather."""
+    unchanged, units that keep their parameters after forward serve it without an all-gather;
+    ``param.data = ...`` on a shard makes every rank gather again, one whose shard is empty too."""
     from fullshard import FSDP, ShardingStrategy, fully_shard, probes
     from fullshard.engine import hooks
     from fullshard.engine.unit import ShardState, TrainingState
@@ -238,6 +239,7 @@ def kept_forward_body(rank: int, world: int) -> list[str]:
                     fully_shard(block, reshard_after_forward=not keep)
                 fully_shard(model, reshard_after_forward=not keep)
             opt, ref_opt = _optimizers("sgd", model.parameters(), ref.parameters())
+            shards = {n.rsplit(".", 1)[-1]: p for n, p in model.named_parameters()}
             units = list({id(s.unit): s.unit for m in model.modules() if (s := hooks.fsdp_state(m))}.values())
             tag = f"{front}, reshard_after_forward={not keep}"
             for step in range(3):
@@ -261,6 +263,14 @@ def kept_forward_body(rank: int, world: int) -> list[str]:
                 assert torch.equal(unchanged, after_edit), tag
                 # Units that reshard after forward gather again (the wrapper's root, kept, does not).
                 assert (gathers == 0) if keep else (0 < gathers <= len(units)), (tag, gathers)
+                if front == "wrapper":  # `.data =` on the shard the optimizer holds (an init scheme)
+                    with torch.no_grad():  # rank 1's shard of the 1-element scale is empty
+                        shards["scale"].data = shards["scale"].data * 0.5
+                        ref.scale.mul_(0.5)
+                    with probes.enabled() as p:
+                        after_assign = model(x)  # a hang if rank 1 reused what rank 0 gathers again
+                    torch.testing.assert_close(after_assign, ref(x), rtol=1e-4, atol=1e-5, msg=f"{tag}: .data")
+                    assert p.collectives.calls["all_gather"] > 0, tag
                 del kept, after_step, after_edit, unchanged
                 opt.zero_grad()
                 ref_opt.zero_grad()

@@ -71,7 +71,12 @@ def sync_shards(unit: UnitLayout) -> None:
         if sp.swapped:
             continue
         local = sp.local
-        if local.data_ptr() != ptr and sp.spec.local_numel > 0 and not local.is_meta:
+        if local.is_meta:
+            continue
+        if sp.spec.local_numel == 0:  # nothing to copy; a view again, as the ranks holding elements
+            if _off_flat(unit, local):
+                sp.point_at(unit.local_view(sp))
+        elif local.data_ptr() != ptr:
             view = unit.local_view(sp)
             with torch.no_grad():
                 view.copy_(local.detach().reshape(view.shape))
@@ -116,7 +121,17 @@ def shards_in_place(unit: UnitLayout) -> bool:
             return False
         if sp.spec.local_numel > 0 and sp.local.data_ptr() != ptr:
             return False
+        if sp.spec.local_numel == 0 and _off_flat(unit, sp.local):
+            return False
     return True
+
+
+def _off_flat(unit: UnitLayout, local: torch.Tensor) -> bool:
+    """Whether the empty shard ``local`` (a rank holding none of its parameter's elements) no
+    longer lies on ``unit``'s local flat buffer (``param.data = ...`` on every rank): its data
+    pointer cannot tell, its storage can. The ranks holding elements see the same assignment by
+    their data pointers, so every rank takes it back and gathers again, not only those."""
+    return not local.is_meta and local.untyped_storage().data_ptr() != unit.local_flat.untyped_storage().data_ptr()
 
 
 def requires_grad_changed(unit: UnitLayout) -> bool:
