@@ -230,3 +230,32 @@ def test_split_backward_and_missing_binding_are_refused_on_every_rank(schedule: 
     messages = run_ranks(_refusal_body, 2, schedule, bind, timeout=60, fresh=True)
     assert all(m.startswith(expected) for m in messages), messages
     assert "use_in_torch()" in messages[0] or "split backward" in messages[0]
+
+
+class _Schedule:
+    """A stand-in for a loaded action-list schedule: its actions only in
+    ``pipeline_order_with_comms`` (as ``_load_csv`` leaves them), one overlapped."""
+
+    def __init__(self, weight_only: bool) -> None:
+        from torch.distributed.pipelining.schedules import _Action, _ComputationType
+
+        kind = _ComputationType.BACKWARD_WEIGHT if weight_only else _ComputationType.FULL_BACKWARD
+        forward = _Action(0, _ComputationType.FORWARD, 1)
+        overlapped = _Action(-1, _ComputationType.OVERLAP_F_B, None, (forward, _Action(1, kind, 0)))
+        self.pipeline_order: dict = {}
+        self.pipeline_order_with_comms = {0: [forward, overlapped, None]}
+
+
+@pytest.mark.parametrize("weight_only", [True, False])
+def test_split_backward_is_found_in_loaded_and_overlapped_actions(weight_only: bool, monkeypatch) -> None:
+    import types
+
+    from fullshard.frontend import pipelining
+
+    monkeypatch.setattr(pipelining, "_bound", lambda: False)
+    frame = types.SimpleNamespace(
+        f_globals={"__name__": pipelining.SCHEDULES_MODULE}, f_locals={"self": _Schedule(weight_only)}, f_back=None
+    )
+    # The split backward is refused first; a full backward reaches the binding check.
+    with pytest.raises(NotImplementedError if weight_only else RuntimeError, match="split backward|use_in_torch"):
+        pipelining.check_schedule(frame)

@@ -171,12 +171,28 @@ def called_by_stage(frame: Any, is_last_backward: bool) -> bool:
     return True
 
 
+def _action_kinds(orders: list[dict]) -> set[str | None]:
+    """The computation types (names) of every action in ``orders`` (rank -> actions: the
+    schedule's ``pipeline_order``, and ``pipeline_order_with_comms``, which a schedule loaded
+    from CSV fills alone), the sub-actions of overlapped ones (``OVERLAP_F_B``) too."""
+    kinds: set[str | None] = set()
+    todo = [a for order in orders for acts in order.values() for a in acts or ()]
+    while todo:
+        action = todo.pop()
+        if action is not None:
+            kinds.add(getattr(getattr(action, "computation_type", None), "name", None))
+            todo.extend(getattr(action, "sub_actions", None) or ())
+    return kinds
+
+
 def check_schedule(frame: Any) -> None:
     """Refuse, from ``FSDPModule.unshard`` called by a torch pipeline schedule's UNSHARD action
     (``frame``: the caller's), what cannot run on fullshard's units. torch's action-list
     schedules (``pipeline_order``: Interleaved1F1B, LoopedBFS, the zero-bubble ones) unshard every
     stage before its first forward, so every rank gets here before it waits on another: raising
     here stops them all, where a refusal in one rank's backward would leave its peers waiting.
+    A rank whose stage holds no fullshard module does not get here: it waits on its stopped peers
+    until the process group's timeout.
 
     Raises:
         NotImplementedError: the schedule has weight-only backward actions (a split backward,
@@ -188,11 +204,11 @@ def check_schedule(frame: Any) -> None:
     if frame is None or frame.f_globals.get("__name__") != SCHEDULES_MODULE:
         return
     schedule = frame.f_locals.get("self")
-    order = getattr(schedule, "pipeline_order", None)
-    if not isinstance(order, dict) or schedule in _checked:
+    orders = [getattr(schedule, name, None) for name in ("pipeline_order", "pipeline_order_with_comms")]
+    orders = [order for order in orders if isinstance(order, dict)]
+    if not orders or schedule in _checked:
         return
-    kinds = {getattr(getattr(a, "computation_type", None), "name", None) for acts in order.values() for a in acts or ()}
-    if "BACKWARD_WEIGHT" in kinds:
+    if "BACKWARD_WEIGHT" in _action_kinds(orders):
         raise NotImplementedError(_SPLIT_BACKWARD)
     if not _bound():
         raise RuntimeError(_UNBOUND)
