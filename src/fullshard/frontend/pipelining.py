@@ -204,8 +204,8 @@ def check_schedule(frame: Any) -> None:
     if frame is None or frame.f_globals.get("__name__") != SCHEDULES_MODULE:
         return
     schedule = frame.f_locals.get("self")
-    orders = [getattr(schedule, name, None) for name in ("pipeline_order", "pipeline_order_with_comms")]
-    orders = [order for order in orders if isinstance(order, dict)]
+    found = [getattr(schedule, name, None) for name in ("pipeline_order", "pipeline_order_with_comms")]
+    orders = [order for order in found if isinstance(order, dict)]
     if not orders or schedule in _checked:
         return
     if "BACKWARD_WEIGHT" in _action_kinds(orders):
