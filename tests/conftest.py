@@ -26,17 +26,16 @@ RAY_LOCK = os.path.join(tempfile.gettempdir(), "fullshard-tests-ray.lock")
 # (the Makefile's) pytest-xdist's `--dist loadfile` hands out files in collection order; by default
 # it sorts them by their number of tests, which handed the long files of few tests out last, one
 # worker busy for minutes while the other idled.
-# test_ray.py comes after test_elastic.py's Ray test has started, as the two take turns on one
-# Ray cluster.
+# Every test on the shared Ray cluster is in test_elastic.py, so one worker runs them in turn: with
+# two files, the second's worker waited for the first's test (135 s once).
 LONGEST_FIRST = [
+    "test_elastic.py",  # 180 s + test_ray.py's 76 s
     "test_torchtitan.py",  # 239 s
-    "test_elastic.py",  # 180 s
     "test_launcher_signals.py",  # 160 s
     "test_gpt_job.py",  # 128 s
     "test_watchdog.py",  # 121 s
     "test_torchrun_elastic.py",  # 117 s
     "test_plan.py",  # 102 s
-    "test_ray.py",  # 76 s
     "test_hf.py",  # 75 s
     "test_fsdp2_contract.py",  # 64 s
     "test_mnist_job.py",  # 49 s

@@ -1,62 +1,13 @@
-"""Ray Train: a user's own train_func with fullshard under TorchTrainer (resuming at another
-worker count), and the start-up error when Ray is missing. The job under Ray with a SIGKILLed
-worker is in test_elastic.py (it shares that file's uninterrupted reference run)."""
+"""Ray Train's options and the start-up error when Ray is missing. The runs under Ray (a user's
+own train_func under TorchTrainer resuming at another worker count, the job with a SIGKILLed
+worker) are in test_elastic.py: one worker runs them one after the other on the run's Ray
+cluster, where two files took turns on it and one worker waited for the other's test."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = ROOT / "examples" / "ray_train_fsdp.py"
-
-
-def _example(storage: Path, workers: int, epochs: int, env: dict[str, str]) -> tuple[dict, str]:
-    r = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--num-workers", str(workers), "--epochs", str(epochs)]
-        + ["--storage-path", str(storage)],
-        capture_output=True,
-        text=True,
-        timeout=200,
-        env=env,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    last = [line for line in r.stdout.splitlines() if line.startswith('{"losses"')]
-    assert last, r.stdout[-3000:]
-    return json.loads(last[-1]), r.stdout + r.stderr
-
-
-@pytest.mark.timeout(400)
-def test_user_train_func_under_torch_trainer_resumes_at_another_worker_count(tmp_path: Path, ray_cluster: dict) -> None:
-    first, _ = _example(tmp_path, workers=2, epochs=2, env=ray_cluster)
-    assert len(first["losses"]) == 2
-    ckpt = Path(first["checkpoint"])  # merged by Ray from both workers' directories
-    names = sorted(p.name for p in ckpt.iterdir())
-    want = [".metadata", "__0_0.distcp", "__1_0.distcp", "extra_rank0.pt", "extra_rank1.pt", "manifest.json"]
-    assert names == want, names
-
-    # The same run started again on one worker: Ray hands it the last checkpoint, which reshards.
-    second, output = _example(tmp_path, workers=1, epochs=3, env=ray_cluster)
-    assert "resumed at epoch 2 on 1 workers" in output, output[-3000:]
-    assert second["losses"][:2] == first["losses"]
-    assert len(second["losses"]) == 3 and second["losses"][-1] < first["losses"][-1] < first["losses"][0]
-
-    # The final checkpoint is a complete one: it converts to a full state dict of the plain model.
-    sys.path.insert(0, str(EXAMPLE.parent))
-    try:
-        import ray_train_fsdp
-    finally:
-        sys.path.remove(str(EXAMPLE.parent))
-    from fullshard.state import checkpoint
-
-    out = checkpoint.consolidate(second["checkpoint"], tmp_path / "full.pt")
-    model = ray_train_fsdp.make_model()
-    model.load_state_dict(torch.load(out), strict=True)
 
 
 def test_launcher_ray_without_ray_names_the_extra(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
