@@ -14,6 +14,7 @@ backward comes first, reshards an expert kept from forward on some ranks only.)
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -95,3 +96,103 @@ def body(rank: int, world: int) -> list[str]:
 @pytest.mark.parametrize("world", [2, 3])
 def test_units_reached_on_some_ranks_reduce_in_one_order(world: int) -> None:
     assert len(run_ranks(body, world, timeout=100)[0]) == 8
+
+
+class Twice(nn.Module):
+    """``shared`` runs twice: with grad, then inside a reentrant checkpoint segment, whose
+    recomputation runs its own backward (its own autograd graph task). So the unit's
+    gradient-ready hook fires twice in one backward: for the segment, then for the first call.
+    ``expert`` runs between them, and reaches the loss where ``routed``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.routed = True
+        self.inp = nn.Linear(4, 4)
+        self.shared = nn.Linear(4, 4)
+        self.expert = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 2)
+
+    def _shared(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.shared(h))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = self._shared(self.inp(x))
+        e = self.expert(h)  # on every rank: its all-gather
+        if self.routed:
+            h = h + torch.tanh(e)
+        return self.out(checkpoint(self._shared, h, use_reentrant=True))
+
+
+# (units flagged, ranks whose backward reaches the expert): unflagged, a unit must be reached on
+# every rank or none.
+TWICE = [("none", (0, 1)), ("none", ())]
+
+
+def twice_body(rank: int, world: int) -> list[str]:
+    """The gradients of :class:`Twice`, sharded (``shared`` kept gathered from forward to the
+    end of backward, so backward gathers nothing in a rank-dependent order), are the unsharded
+    model's averaged; ``shared``'s post-backward runs twice; no extra collective without the flag."""
+    import torch.distributed as dist
+    from dist import patched
+
+    import fullshard
+    from fullshard.comm import collectives
+    from fullshard.engine import hooks
+    from fullshard.engine.hooks import fsdp_state
+    from fullshard.engine.unit import TrainingState
+
+    results = []
+    for flagged, routed in TWICE:
+        torch.manual_seed(0)
+        ref = Twice()
+        mod = copy.deepcopy(ref)
+        for m in (mod.shared, mod.expert):
+            fullshard.fully_shard(m, reshard_after_forward=False)
+        fullshard.fully_shard(mod)
+        for unit in (mod, mod.shared, mod.expert):
+            unit.set_modules_to_backward_prefetch([])
+        mod.shared.set_reshard_after_backward(False, recurse=False)
+        if flagged == "all":
+            mod.set_reduce_scatter_unused_params(True)
+        elif flagged == "expert":
+            mod.expert.set_reduce_scatter_unused_params(True, recurse=False)
+        reached: list[str] = []
+        maxes: list[int] = []
+        post_backward, all_reduce_max = hooks.post_backward, collectives.all_reduce_max
+
+        def counted(unit: Any, root: Any) -> None:
+            reached.append(unit.name)
+            post_backward(unit, root)
+
+        def counted_max(tensor: torch.Tensor, group: Any) -> None:
+            maxes.append(tensor.numel())
+            all_reduce_max(tensor, group)
+
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+        with patched(hooks, post_backward=counted), patched(collectives, all_reduce_max=counted_max):
+            for model in (ref, mod):
+                model.routed = rank in routed
+                (model(x) ** 2).mean().backward()
+        what = f"{flagged} {routed}"
+        assert reached.count("shared") == 2, (what, reached)
+        assert len(maxes) == (0 if flagged == "none" else 1), (what, maxes)
+        got = {n: p.grad for n, p in mod.named_parameters()}
+        for n, p in ref.named_parameters():
+            want = p.grad if p.grad is not None else torch.zeros_like(p)
+            dist.all_reduce(want)
+            want /= world
+            if got[n] is None:  # an unflagged unit no rank reached: its .grad stays None
+                assert flagged == "none" and not routed and n.startswith("expert."), (what, n)
+                continue
+            torch.testing.assert_close(got[n].full_tensor(), want, rtol=0, atol=1e-6, msg=f"{what} {n}")
+        units = [s.unit for m in mod.modules() if (s := fsdp_state(m)) is not None]
+        assert all(u.training_state is TrainingState.IDLE for u in units), what
+        results.append(what)
+    return results
+
+
+@pytest.mark.timeout(120)
+def test_a_unit_reached_twice_in_one_backward_reduces_both_gradients() -> None:
+    assert len(run_ranks(twice_body, 2, timeout=100)[0]) == len(TWICE)

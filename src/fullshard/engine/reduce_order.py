@@ -32,8 +32,9 @@ from fullshard.engine.unit import Unit
 
 def launch(unit: Unit, root: RootState) -> None:
     """Launch ``unit``'s reduction, first finishing the one launched before (keep one in flight,
-    not all)."""
-    if root.last_reduced is not None and root.last_reduced is not unit:
+    not all), also when that one is ``unit``'s own (reached twice in one backward: its second
+    launch would drop the first's reduction)."""
+    if root.last_reduced is not None:
         root.last_reduced.finish_reduce()
     unit.reduce_grads()
     root.last_reduced = unit
