@@ -126,8 +126,19 @@ class Twice(nn.Module):
 
 
 # (units flagged, ranks whose backward reaches the expert): unflagged, a unit must be reached on
-# every rank or none.
-TWICE = [("none", (0, 1)), ("none", ())]
+# every rank or none. Flagged and reached on rank 0 only, the expert's turn (before shared's)
+# comes between shared's two post-backwards there: shared reduces, then gets a late gradient;
+# on rank 1 it holds both gradients until backward's end.
+TWICE = [
+    ("none", (0, 1)),
+    ("none", ()),
+    ("expert", (0,)),
+    ("expert", (1,)),
+    ("expert", (0, 1)),
+    ("expert", ()),
+    ("all", (0,)),
+    ("all", (1,)),
+]
 
 
 def twice_body(rank: int, world: int) -> list[str]:

@@ -17,13 +17,15 @@ from fullshard.engine.unit import Unit
 @dataclasses.dataclass
 class ReduceTurns:
     """This backward's fixed order of reductions (:mod:`fullshard.engine.reduce_order`): the
-    units that take turns, the turn of each (by id), the next turn to launch, and the units
-    (by id) whose gradients are ready but whose turn has not come."""
+    units that take turns, the turn of each (by id), the next turn to launch, the units (by id)
+    whose gradients are ready but whose turn has not come, and those reached again after their
+    reduction launched (their gradients wait for the late round)."""
 
     units: list[Unit]
     turn: dict[int, int]
     next: int = 0
     ready: set[int] = dataclasses.field(default_factory=set)
+    late: set[int] = dataclasses.field(default_factory=set)
 
 
 @dataclasses.dataclass

@@ -21,11 +21,24 @@ another. A model that calls its units in the order it builds them reduces in bac
 as before (each unit's turn has come when its post-backward runs); one whose backward reaches
 them in another order holds gradients longer (memory, less overlap) but reduces the same sums.
 
-In a tree without the flag nothing changes: each unit reduces in its post-backward.
+A unit's post-backward can come twice in one backward (it fires once per autograd graph task:
+a unit used inside a reentrant activation-checkpointing segment and outside it). Without turns
+it reduces twice, on every rank. Under turns, a rank that reached it again after its turn had
+launched would reduce twice while a rank that still held it reduces once, the two sums
+together. So the second gradient is held instead, and after the turns comes a *late round*:
+every rank takes one small MAX all-reduce of a flag per unit ("I hold a late gradient") over
+the groups the units reduce over, then every unit flagged on any rank reduces once more, in
+turn order, zeros where this rank holds no late gradient: the same sums as two reductions.
+
+In a tree without the flag nothing changes: each unit reduces in its post-backward, and there
+is no late round.
 """
 
 from __future__ import annotations
 
+import torch
+
+from fullshard.comm import collectives
 from fullshard.engine.hook_state import ReduceTurns, RootState
 from fullshard.engine.unit import Unit
 
@@ -56,14 +69,17 @@ def turns(root: RootState) -> ReduceTurns:
 def reached(unit: Unit, root: RootState) -> None:
     """``unit``'s post-backward with gradient sync on: launch its reduction if its turn has
     come (and every ready unit after it whose turn that brings), else keep its gradient for
-    its turn."""
+    its turn; reached again after its reduction launched, keep the new gradient for the late
+    round (:func:`_late_round`)."""
     made = turns(root)
     turn = made.turn.get(id(unit))
-    if turn is None or turn < made.next:  # no turns, or reached again after its turn: as before
+    if turn is None:  # no turns
         launch(unit, root)
-        return
-    made.ready.add(id(unit))
-    _launch_ready(made, root)
+    elif turn < made.next:  # reached again after its reduction launched
+        made.late.add(id(unit))
+    else:
+        made.ready.add(id(unit))
+        _launch_ready(made, root)
 
 
 def _launch_ready(made: ReduceTurns, root: RootState) -> None:
@@ -91,4 +107,28 @@ def launch_rest(root: RootState, graph: bool) -> bool:
         if reached_now or unit.grads.reduce_unreached or not graph:
             launch(unit, root)
     made.next = len(made.units)
+    _late_round(made, root)
     return True
+
+
+def _late_round(made: ReduceTurns, root: RootState) -> None:
+    """After the turns: every rank launches one more reduction, in turn order, for each unit
+    reached again after its reduction launched on any rank (zeros where not on this one). The
+    ranks agree on which by a MAX all-reduce of flags over the groups the units reduce over
+    (the shard group, then the replicate group): one set of flags per distinct pair of groups,
+    in the order the turns meet them, so each unit's flag is the same on all of its ranks."""
+    meshes: dict[tuple[int, ...], tuple[list[collectives.ProcessGroup], list[Unit]]] = {}
+    for u in made.units:
+        sizes = ((u.shard_group, u.shard_size), (u.replicate_group, u.replicate_size))
+        groups = [g for g, n in sizes if g is not None and n > 1]
+        meshes.setdefault(tuple(map(id, groups)), (groups, []))[1].append(u)
+    late: set[int] = set()
+    for groups, units in meshes.values():
+        flags = torch.tensor([float(id(u) in made.late) for u in units])
+        for group in groups:
+            collectives.all_reduce_max(flags, group)
+        late.update(id(u) for u, flag in zip(units, flags.tolist()) if flag)
+    for unit in made.units:
+        if id(unit) in late:
+            unit.grads.fill_zeros()  # a no-op where this rank holds a late gradient
+            launch(unit, root)
