@@ -207,3 +207,73 @@ def twice_body(rank: int, world: int) -> list[str]:
 @pytest.mark.timeout(120)
 def test_a_unit_reached_twice_in_one_backward_reduces_both_gradients() -> None:
     assert len(run_ranks(twice_body, 2, timeout=100)[0]) == len(TWICE)
+
+
+class ExtensionExpert(nn.Module):
+    """An expert whose only parameter is an all-gather extension weight (made by the test),
+    reaching the loss where ``routed``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.routed = True
+        self.inp = nn.Linear(4, 4)
+        self.expert = nn.Linear(4, 4, bias=False)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        e = self.expert(h)  # on every rank: its all-gather
+        if self.routed:
+            h = h + torch.tanh(e)
+        return self.out(h)
+
+
+def extension_body(rank: int, world: int) -> list[str]:
+    """A flagged unit whose only trainable parameter is an all-gather extension one
+    (:class:`agext_tensors.Bf16CommWeight`, gathered in bfloat16: the values are made bfloat16's
+    so the gather is exact) reduces on every rank, zeros where backward did not reach it: the
+    gradients are the unsharded model's averaged."""
+    import torch.distributed as dist
+    from agext_tensors import wrap_weights
+
+    import fullshard
+    from fullshard.engine.all_gather_extension import ExtensionUnit
+    from fullshard.engine.hooks import fsdp_state
+    from fullshard.engine.unit import TrainingState
+
+    results = []
+    for routed in [(0,), (1,), (0, 1), ()]:
+        torch.manual_seed(0)
+        ref = ExtensionExpert()
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.copy_(p.bfloat16().float())
+        mod = copy.deepcopy(ref)
+        wrap_weights(mod.expert)
+        fullshard.fully_shard(mod.expert, reshard_after_forward=False)
+        fullshard.fully_shard(mod)
+        expert = fsdp_state(mod.expert)
+        assert expert is not None and isinstance(expert.unit, ExtensionUnit) and not expert.unit.trainable
+        for unit in (mod, mod.expert):
+            unit.set_modules_to_backward_prefetch([])
+        mod.expert.set_reduce_scatter_unused_params(True, recurse=False)
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+        for model in (ref, mod):
+            model.routed = rank in routed
+            (model(x) ** 2).mean().backward()
+        got = {n: p.grad for n, p in mod.named_parameters()}
+        for n, p in ref.named_parameters():
+            want = p.grad if p.grad is not None else torch.zeros_like(p)
+            dist.all_reduce(want)
+            want /= world
+            assert got[n] is not None, (routed, n)
+            torch.testing.assert_close(got[n].full_tensor(), want, rtol=0, atol=1e-6, msg=f"{routed} {n}")
+        units = [s.unit for m in mod.modules() if (s := fsdp_state(m)) is not None]
+        assert all(u.training_state is TrainingState.IDLE and not u.has_pending_reduce for u in units), routed
+        results.append(str(routed))
+    return results
+
+
+@pytest.mark.timeout(120)
+def test_an_extension_only_unit_reached_on_some_ranks_reduces_on_all() -> None:
+    assert len(run_ranks(extension_body, 2, timeout=100)[0]) == 4

@@ -16,7 +16,8 @@ one all-gather, one reduce-scatter) plus its extension parameters beside them:
   forward (:class:`_ExtensionFull`) whose backward collects their gradients. The unit's
   post-backward waits for both parts, the plain flat gradient and the extension gradients;
   a part that never reports (unused parameters, recomputed forwards) is reduced at the end of
-  backward instead.
+  backward instead. The unit's gradient state (``unit.grads``) covers the extension gradients
+  too, so reduction turns (:mod:`.reduce_order`) hold and zero-fill both parts.
 - the extension gradients are reduce-scattered in the reduce dtype (the mixed-precision
   ``reduce_dtype``, else the gradients' own) and land, cast to each parameter's dtype, in the
   shards' ``.grad`` as DTensors with plain local tensors, as torch's FSDP2 leaves them.
@@ -41,7 +42,7 @@ from fullshard.engine.dynamo_guard import outside_dynamo
 from fullshard.engine.extension_param import ExtensionParam, has_extension, make_shard
 from fullshard.engine.grad_pack import pack_into
 from fullshard.engine.layout import ParamEntry
-from fullshard.engine.reduce import predivide_factor
+from fullshard.engine.reduce import GradReducer, predivide_factor
 from fullshard.engine.sharded_param import ShardedParam, ShardSpec, local_tensor
 from fullshard.engine.unit import Unit
 from fullshard.engine.unit_config import ShardState, UnitConfig
@@ -111,6 +112,7 @@ class ExtensionUnit(Unit):
         super().__init__(name, plain, shard_group, replicate_group, config)
         self._entries = [e for e in params if has_extension(e[1])]
         self.ext: list[ExtensionParam] = []
+        self.grads = _ExtensionGrads(self)
         self._mesh: Any = None
         self._mp_policy: Any = None
         self._reduce_dtype: torch.dtype | None = None
@@ -325,6 +327,29 @@ class ExtensionUnit(Unit):
                 current.add_(g)
         for ep in items:
             ep.sp.run_grad_hooks()
+
+
+class _ExtensionGrads(GradReducer):
+    """An ExtensionUnit's gradient state: the plain parameters' (:class:`GradReducer`) and the
+    extension gradients collected in backward, which the unit reduces with them
+    (:meth:`ExtensionUnit.reduce_grads`). What the turns read (:mod:`.reduce_order`) covers both."""
+
+    def __init__(self, unit: ExtensionUnit) -> None:
+        super().__init__(unit)
+        self.owner = unit
+
+    @property
+    def holds_unreduced(self) -> bool:
+        return super().holds_unreduced or any(ep.grad is not None for ep in self.owner.ext)
+
+    def fill_zeros(self) -> None:
+        """Zeros for each part that holds no gradient: the plain one, each trainable extension
+        parameter (in the dtype of its unsharded tensor, the dtype of its gradient)."""
+        super().fill_zeros()
+        for ep in self.owner.ext:
+            if ep.sp.requires_grad and ep.grad is None:
+                dtype = ep.param_dtype if ep.unsharded is None else ep.unsharded.dtype
+                ep.grad = torch.zeros(ep.sp.spec.orig_shape, dtype=dtype, device=self.owner.device)
 
 
 def _pack(items: list[ExtensionParam], grads: list[Any], n: int, dtype: torch.dtype) -> torch.Tensor:

@@ -429,7 +429,7 @@ class GradReducer:
         """Give a unit that backward did not reach a zero full gradient to reduce (see
         :attr:`reduce_unreached`), unless it holds gradients already."""
         full = self.unit.full_flat
-        if not self.holds_unreduced and self.unit.grad_numel > 0:
+        if full.grad is None and self._unsynced is None and self.unit.grad_numel > 0:
             full.grad = torch.zeros(full.shape, dtype=full.dtype, device=full.device)
 
     def discard(self) -> None:
