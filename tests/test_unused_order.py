@@ -125,12 +125,12 @@ class Twice(nn.Module):
         return self.out(checkpoint(self._shared, h, use_reentrant=True))
 
 
-# (units flagged, ranks whose backward reaches the expert): unflagged, a unit must be reached on
-# every rank or none. Flagged and reached on rank 0 only, the expert's turn (before shared's)
+# (units flagged, ranks whose backward reaches the expert, None for every rank): unflagged, a
+# unit must be reached on every rank or none. Flagged and reached on rank 0 only, the expert's turn (before shared's)
 # comes between shared's two post-backwards there: shared reduces, then gets a late gradient;
 # on rank 1 it holds both gradients until backward's end.
 TWICE = [
-    ("none", (0, 1)),
+    ("none", None),
     ("none", ()),
     ("expert", (0,)),
     ("expert", (1,)),
@@ -143,10 +143,12 @@ TWICE = [
 
 def twice_body(rank: int, world: int) -> list[str]:
     """The gradients of :class:`Twice`, sharded (``shared`` kept gathered from forward to the
-    end of backward, so backward gathers nothing in a rank-dependent order), are the unsharded
-    model's averaged; ``shared``'s post-backward runs twice; no extra collective without the flag."""
+    end of backward, so backward gathers nothing in a rank-dependent order; at 4 ranks HSDP on a
+    2x2 mesh), are the unsharded model's averaged; ``shared``'s post-backward runs twice; no
+    extra collective without the flag, one MAX per group with it."""
     import torch.distributed as dist
     from dist import patched
+    from torch.distributed.device_mesh import init_device_mesh
 
     import fullshard
     from fullshard.comm import collectives
@@ -154,14 +156,15 @@ def twice_body(rank: int, world: int) -> list[str]:
     from fullshard.engine.hooks import fsdp_state
     from fullshard.engine.unit import TrainingState
 
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if world == 4 else None
     results = []
     for flagged, routed in TWICE:
         torch.manual_seed(0)
         ref = Twice()
         mod = copy.deepcopy(ref)
         for m in (mod.shared, mod.expert):
-            fullshard.fully_shard(m, reshard_after_forward=False)
-        fullshard.fully_shard(mod)
+            fullshard.fully_shard(m, reshard_after_forward=False, mesh=mesh)
+        fullshard.fully_shard(mod, mesh=mesh)
         for unit in (mod, mod.shared, mod.expert):
             unit.set_modules_to_backward_prefetch([])
         mod.shared.set_reshard_after_backward(False, recurse=False)
@@ -184,18 +187,18 @@ def twice_body(rank: int, world: int) -> list[str]:
         x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
         with patched(hooks, post_backward=counted), patched(collectives, all_reduce_max=counted_max):
             for model in (ref, mod):
-                model.routed = rank in routed
+                model.routed = routed is None or rank in routed
                 (model(x) ** 2).mean().backward()
         what = f"{flagged} {routed}"
         assert reached.count("shared") == 2, (what, reached)
-        assert len(maxes) == (0 if flagged == "none" else 1), (what, maxes)
+        assert len(maxes) == (0 if flagged == "none" else 1 if mesh is None else 2), (what, maxes)
         got = {n: p.grad for n, p in mod.named_parameters()}
         for n, p in ref.named_parameters():
             want = p.grad if p.grad is not None else torch.zeros_like(p)
             dist.all_reduce(want)
             want /= world
             if got[n] is None:  # an unflagged unit no rank reached: its .grad stays None
-                assert flagged == "none" and not routed and n.startswith("expert."), (what, n)
+                assert flagged == "none" and routed == () and n.startswith("expert."), (what, n)
                 continue
             torch.testing.assert_close(got[n].full_tensor(), want, rtol=0, atol=1e-6, msg=f"{what} {n}")
         units = [s.unit for m in mod.modules() if (s := fsdp_state(m)) is not None]
@@ -205,8 +208,9 @@ def twice_body(rank: int, world: int) -> list[str]:
 
 
 @pytest.mark.timeout(120)
-def test_a_unit_reached_twice_in_one_backward_reduces_both_gradients() -> None:
-    assert len(run_ranks(twice_body, 2, timeout=100)[0]) == len(TWICE)
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_unit_reached_twice_in_one_backward_reduces_both_gradients(world: int) -> None:
+    assert len(run_ranks(twice_body, world, timeout=100)[0]) == len(TWICE)
 
 
 class ExtensionExpert(nn.Module):
