@@ -409,3 +409,59 @@ def int8_body(rank: int, world: int) -> int:
 @pytest.mark.parametrize("world", [1, 2])
 def test_inputs_of_several_dtypes(world: int) -> None:
     assert run_ranks(int8_body, world)[0] == 3 * 5 * 2
+
+
+class _Boom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("boom")
+
+
+class _Raises(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Boom.apply(x) if self.armed else x
+
+
+def failed_backward_body(rank: int, world: int) -> str:
+    """A micro-batch with sync off, then one (sync still off) whose backward raises between
+    units: what the first accumulated is dropped from the extension weights as from the plain parameters, so
+    after ``zero_grad`` the next step's gradients are those of a model that never saw either."""
+    import fullshard as fs
+
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        m = wrap_weights(nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 6), _Raises(), nn.Linear(6, 3)))
+        for i in (0, 2):
+            fs.fully_shard(m[i])
+        models.append(fs.fully_shard(m))
+    failing, fresh = models
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    failing.set_requires_gradient_sync(False)
+    failing(x).square().mean().backward()
+    failing[3].armed = True
+    try:
+        failing(x).square().mean().backward()
+    except RuntimeError as e:
+        assert "boom" in str(e), e
+    failing[3].armed = False
+    failing.set_requires_gradient_sync(True)
+    failing.zero_grad()
+    for m in models:
+        m(2 * x).square().mean().backward()
+    for (name, p), q in zip(failing.named_parameters(), fresh.parameters()):
+        assert _equal(_inner(p.grad._local_tensor), _inner(q.grad._local_tensor)), name
+    return "same"
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_backward_drops_the_extension_gradients_held_too() -> None:
+    assert run_ranks(failed_backward_body, 2, timeout=100) == ["same", "same"]

@@ -342,6 +342,17 @@ class _ExtensionGrads(GradReducer):
     def holds_unreduced(self) -> bool:
         return super().holds_unreduced or any(ep.grad is not None for ep in self.owner.ext)
 
+    def discard(self) -> None:
+        """Drop the extension gradients collected since the last reduction too (those held
+        while gradient sync was off) and an extension reduction in flight, as
+        :meth:`GradReducer.discard` drops the plain ones."""
+        super().discard()
+        for ep in self.owner.ext:
+            ep.grad = None
+        reduction, self.owner._reduction = self.owner._reduction, None
+        if reduction is not None and reduction[0] is not None:
+            reduction[0].wait()  # the other ranks' parts arrive until then; the result is dropped
+
     def fill_zeros(self) -> None:
         """Zeros for each part that holds no gradient: the plain one, each trainable extension
         parameter (in the dtype of its unsharded tensor, the dtype of its gradient)."""
