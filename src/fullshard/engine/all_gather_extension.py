@@ -270,7 +270,9 @@ class ExtensionUnit(Unit):
         return super().has_trainable or any(ep.sp.requires_grad for ep in self.ext)
 
     def _launch_ext(self) -> None:
-        """Reduce-scatter the collected extension gradients (rank-major, as the plain ones)."""
+        """Reduce-scatter the collected extension gradients (rank-major, as the plain ones),
+        first landing the extension reduction still in flight, if any."""
+        self._finish_ext()
         items = [ep for ep in self.ext if ep.grad is not None]
         if not items:
             return

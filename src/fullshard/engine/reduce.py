@@ -204,7 +204,11 @@ class GradReducer:
                 used[i] = used[i] or g is not None
 
     def launch(self) -> None:
-        """Launch the reduce-scatter (and replica all-reduce) of the accumulated full gradient."""
+        """Launch the reduce-scatter (and replica all-reduce) of the accumulated full gradient,
+        first landing this unit's reduction still in flight, if any (one launch replacing it would
+        drop it)."""
+        if self._pending is not None:
+            self.finish()
         unit = self.unit
         self.drop_if_zeroed()  # a unit this backward did not reach, reducing what it held
         used, self._used = self._used, None
