@@ -46,8 +46,24 @@ class Experts(nn.Module):
         return self.out(h)
 
 
-def body(rank: int, world: int) -> list[str]:
+def assert_averaged(ref: nn.Module, mod: nn.Module, world: int, tag: str, none_ok=lambda name: False) -> None:
+    """``mod``'s gradients (DTensors) are the unsharded ``ref``'s on each rank, all-reduced and
+    averaged (a parameter without a gradient counting zeros), to 1e-6; ``none_ok(name)``: the
+    parameters allowed to have none."""
     import torch.distributed as dist
+
+    got = {n: p.grad for n, p in mod.named_parameters()}
+    for n, p in ref.named_parameters():
+        want = p.grad if p.grad is not None else torch.zeros_like(p)
+        dist.all_reduce(want)
+        want /= world
+        if got[n] is None:
+            assert none_ok(n), (tag, n)
+            continue
+        torch.testing.assert_close(got[n].full_tensor(), want, rtol=0, atol=1e-6, msg=f"{tag} {n}")
+
+
+def body(rank: int, world: int) -> list[str]:
 
     import fullshard
     from fullshard.engine.hooks import fsdp_state
@@ -77,15 +93,7 @@ def body(rank: int, world: int) -> list[str]:
                     for model in (ref, mod):
                         model.route = ROUTES[world][m][rank]
                         (model(x) ** 2).mean().backward()
-                got = {n: p.grad for n, p in mod.named_parameters()}
-                for n, p in ref.named_parameters():
-                    want = p.grad if p.grad is not None else torch.zeros_like(p)
-                    dist.all_reduce(want)
-                    want /= world
-                    assert got[n] is not None, (sizes, flagged, accumulate, n)
-                    torch.testing.assert_close(
-                        got[n].full_tensor(), want, rtol=0, atol=1e-6, msg=f"{sizes} {flagged} {accumulate} {n}"
-                    )
+                assert_averaged(ref, mod, world, f"{sizes} {flagged} {accumulate}")
                 units = [s.unit for m in mod.modules() if (s := fsdp_state(m)) is not None]
                 assert all(u.training_state is TrainingState.IDLE for u in units)
                 results.append(f"{sizes} {flagged} {accumulate}")
@@ -146,7 +154,6 @@ def twice_body(rank: int, world: int) -> list[str]:
     end of backward, so backward gathers nothing in a rank-dependent order; at 4 ranks HSDP on a
     2x2 mesh), are the unsharded model's averaged; ``shared``'s post-backward runs twice; no
     extra collective without the flag, one MAX per group with it."""
-    import torch.distributed as dist
     from dist import patched
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -192,15 +199,11 @@ def twice_body(rank: int, world: int) -> list[str]:
         what = f"{flagged} {routed}"
         assert reached.count("shared") == 2, (what, reached)
         assert len(maxes) == (0 if flagged == "none" else 1 if mesh is None else 2), (what, maxes)
-        got = {n: p.grad for n, p in mod.named_parameters()}
-        for n, p in ref.named_parameters():
-            want = p.grad if p.grad is not None else torch.zeros_like(p)
-            dist.all_reduce(want)
-            want /= world
-            if got[n] is None:  # an unflagged unit no rank reached: its .grad stays None
-                assert flagged == "none" and routed == () and n.startswith("expert."), (what, n)
-                continue
-            torch.testing.assert_close(got[n].full_tensor(), want, rtol=0, atol=1e-6, msg=f"{what} {n}")
+
+        def unreached(name: str) -> bool:  # an unflagged unit no rank reached: its .grad stays None
+            return flagged == "none" and routed == () and name.startswith("expert.")
+
+        assert_averaged(ref, mod, world, what, none_ok=unreached)
         units = [s.unit for m in mod.modules() if (s := fsdp_state(m)) is not None]
         assert all(u.training_state is TrainingState.IDLE for u in units), what
         results.append(what)
@@ -237,7 +240,6 @@ def extension_body(rank: int, world: int) -> list[str]:
     (:class:`agext_tensors.Bf16CommWeight`, gathered in bfloat16: the values are made bfloat16's
     so the gather is exact) reduces on every rank, zeros where backward did not reach it: the
     gradients are the unsharded model's averaged."""
-    import torch.distributed as dist
     from agext_tensors import wrap_weights
 
     import fullshard
@@ -265,13 +267,7 @@ def extension_body(rank: int, world: int) -> list[str]:
         for model in (ref, mod):
             model.routed = rank in routed
             (model(x) ** 2).mean().backward()
-        got = {n: p.grad for n, p in mod.named_parameters()}
-        for n, p in ref.named_parameters():
-            want = p.grad if p.grad is not None else torch.zeros_like(p)
-            dist.all_reduce(want)
-            want /= world
-            assert got[n] is not None, (routed, n)
-            torch.testing.assert_close(got[n].full_tensor(), want, rtol=0, atol=1e-6, msg=f"{routed} {n}")
+        assert_averaged(ref, mod, world, str(routed))
         units = [s.unit for m in mod.modules() if (s := fsdp_state(m)) is not None]
         assert all(u.training_state is TrainingState.IDLE and not u.has_pending_reduce for u in units), routed
         results.append(str(routed))
