@@ -149,11 +149,14 @@ TWICE = [
 ]
 
 
-def twice_body(rank: int, world: int) -> list[str]:
+def twice_body(rank: int, world: int, configs: list = TWICE, graph: bool = False) -> list[str]:
     """The gradients of :class:`Twice`, sharded (``shared`` kept gathered from forward to the
     end of backward, so backward gathers nothing in a rank-dependent order; at 4 ranks HSDP on a
     2x2 mesh), are the unsharded model's averaged; ``shared``'s post-backward runs twice; no
-    extra collective without the flag, one MAX per group with it."""
+    extra collective without the flag, one MAX per group with it. A parameter of ``shared``
+    that forward never uses keeps ``.grad`` None on every rank (zeros where ``shared`` is
+    flagged), so torch's ``clip_grad_norm_`` issues the same collectives on every rank. With
+    ``graph``, backwards with ``create_graph=True``."""
     from dist import patched
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -165,9 +168,10 @@ def twice_body(rank: int, world: int) -> list[str]:
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if world == 4 else None
     results = []
-    for flagged, routed in TWICE:
+    for flagged, routed in configs:
         torch.manual_seed(0)
         ref = Twice()
+        ref.shared.spare = nn.Parameter(torch.randn(4))  # never used by forward
         mod = copy.deepcopy(ref)
         for m in (mod.shared, mod.expert):
             fullshard.fully_shard(m, reshard_after_forward=False, mesh=mesh)
@@ -195,15 +199,18 @@ def twice_body(rank: int, world: int) -> list[str]:
         with patched(hooks, post_backward=counted), patched(collectives, all_reduce_max=counted_max):
             for model in (ref, mod):
                 model.routed = routed is None or rank in routed
-                (model(x) ** 2).mean().backward()
-        what = f"{flagged} {routed}"
+                (model(x) ** 2).mean().backward(create_graph=graph)
+        what = f"{flagged} {routed} {graph}"
         assert reached.count("shared") == 2, (what, reached)
         assert len(maxes) == (0 if flagged == "none" else 1 if mesh is None else 2), (what, maxes)
 
         def unreached(name: str) -> bool:  # an unflagged unit no rank reached: its .grad stays None
-            return flagged == "none" and routed == () and name.startswith("expert.")
+            return flagged == "none" and routed == () and name.startswith("expert.") or name == "shared.spare"
 
         assert_averaged(ref, mod, world, what, none_ok=unreached)
+        spare = dict(mod.named_parameters())["shared.spare"].grad
+        assert (spare is None) == (flagged != "all"), (what, spare)
+        torch.nn.utils.clip_grad_norm_(list(mod.parameters()), 1e9)  # collectives on DTensor .grads
         units = [s.unit for m in mod.modules() if (s := fsdp_state(m)) is not None]
         assert all(u.training_state is TrainingState.IDLE for u in units), what
         results.append(what)
@@ -216,29 +223,51 @@ def test_a_unit_reached_twice_in_one_backward_reduces_both_gradients(world: int)
     assert len(run_ranks(twice_body, world, timeout=100)[0]) == len(TWICE)
 
 
+@pytest.mark.timeout(120)
+def test_a_unit_reached_twice_in_a_backward_that_creates_a_graph() -> None:
+    # The shards' .grad are views: adding the second reduction refused grad mode's in-place add.
+    configs = [("none", None), ("expert", (0,))]
+    assert len(run_ranks(twice_body, 2, configs, True, timeout=100)[0]) == 2
+
+
+class TwoWeights(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4, bias=False)
+        self.b = nn.Linear(4, 4, bias=False)
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.a(h), self.b(h)
+
+
 class ExtensionExpert(nn.Module):
-    """An expert whose only parameter is an all-gather extension weight (made by the test),
-    reaching the loss where ``routed``."""
+    """An expert whose only parameters are two all-gather extension weights (made by the
+    test): both reach the loss where ``routed``, or (``partial``) ``a`` on every rank and ``b``
+    where ``routed``."""
 
     def __init__(self) -> None:
         super().__init__()
         self.routed = True
+        self.partial = False
         self.inp = nn.Linear(4, 4)
-        self.expert = nn.Linear(4, 4, bias=False)
+        self.expert = TwoWeights()
         self.out = nn.Linear(4, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
-        e = self.expert(h)  # on every rank: its all-gather
+        a, b = self.expert(h)  # on every rank: its all-gather
+        if self.partial or self.routed:
+            h = h + torch.tanh(a)
         if self.routed:
-            h = h + torch.tanh(e)
+            h = h + torch.tanh(b)
         return self.out(h)
 
 
 def extension_body(rank: int, world: int) -> list[str]:
-    """A flagged unit whose only trainable parameter is an all-gather extension one
+    """A flagged unit whose only trainable parameters are all-gather extension ones
     (:class:`agext_tensors.Bf16CommWeight`, gathered in bfloat16: the values are made bfloat16's
-    so the gather is exact) reduces on every rank, zeros where backward did not reach it: the
+    so the gather is exact) reduces on every rank, zeros where backward did not reach it, or
+    did not reach one of its weights (``partial``: every rank packs the same parameters): the
     gradients are the unsharded model's averaged."""
     from agext_tensors import wrap_weights
 
@@ -248,9 +277,10 @@ def extension_body(rank: int, world: int) -> list[str]:
     from fullshard.engine.unit import TrainingState
 
     results = []
-    for routed in [(0,), (1,), (0, 1), ()]:
+    for partial, routed in [(p, r) for p in (False, True) for r in [(0,), (1,), (0, 1), ()]]:
         torch.manual_seed(0)
         ref = ExtensionExpert()
+        ref.partial = partial
         with torch.no_grad():
             for p in ref.parameters():
                 p.copy_(p.bfloat16().float())
@@ -267,13 +297,13 @@ def extension_body(rank: int, world: int) -> list[str]:
         for model in (ref, mod):
             model.routed = rank in routed
             (model(x) ** 2).mean().backward()
-        assert_averaged(ref, mod, world, str(routed))
+        assert_averaged(ref, mod, world, f"{partial} {routed}")
         units = [s.unit for m in mod.modules() if (s := fsdp_state(m)) is not None]
         assert all(u.training_state is TrainingState.IDLE and not u.has_pending_reduce for u in units), routed
-        results.append(str(routed))
+        results.append(f"{partial} {routed}")
     return results
 
 
 @pytest.mark.timeout(120)
 def test_an_extension_only_unit_reached_on_some_ranks_reduces_on_all() -> None:
-    assert len(run_ranks(extension_body, 2, timeout=100)[0]) == 4
+    assert len(run_ranks(extension_body, 2, timeout=100)[0]) == 8

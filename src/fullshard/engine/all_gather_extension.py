@@ -248,6 +248,8 @@ class ExtensionUnit(Unit):
             self.on_grad_ready(self)
 
     def reduce_grads(self) -> None:
+        if self.grads.reduce_unreached:  # an extension weight this rank's backward did not reach: zeros
+            self.zero_missing_ext()  # (every rank packs the same parameters, as torch's)
         super().reduce_grads()
         with flight_recorder.at(self.name, "post-backward reduce-scatter"):
             self._launch_ext()
@@ -264,6 +266,14 @@ class ExtensionUnit(Unit):
     @property
     def has_pending_reduce(self) -> bool:
         return self.grads.has_pending or self._reduction is not None
+
+    def zero_missing_ext(self) -> None:
+        """A zero gradient for each trainable extension parameter that holds none (in the dtype
+        of its unsharded tensor, the dtype of its gradient)."""
+        for ep in self.ext:
+            if ep.sp.requires_grad and ep.grad is None:
+                dtype = ep.param_dtype if ep.unsharded is None else ep.unsharded.dtype
+                ep.grad = torch.zeros(ep.sp.spec.orig_shape, dtype=dtype, device=self.device)
 
     @property
     def has_trainable(self) -> bool:
@@ -308,6 +318,7 @@ class ExtensionUnit(Unit):
             out.div_(post)
         self._reduction = (handle, out, items)
 
+    @torch.no_grad()  # also in a backward with create_graph=True
     def _finish_ext(self) -> None:
         """Wait for the extension reduction; each shard's ``.grad`` gets (or adds) its rows."""
         if self._reduction is None:
@@ -357,12 +368,9 @@ class _ExtensionGrads(GradReducer):
 
     def fill_zeros(self) -> None:
         """Zeros for each part that holds no gradient: the plain one, each trainable extension
-        parameter (in the dtype of its unsharded tensor, the dtype of its gradient)."""
+        parameter (:meth:`ExtensionUnit.zero_missing_ext`)."""
         super().fill_zeros()
-        for ep in self.owner.ext:
-            if ep.sp.requires_grad and ep.grad is None:
-                dtype = ep.param_dtype if ep.unsharded is None else ep.unsharded.dtype
-                ep.grad = torch.zeros(ep.sp.spec.orig_shape, dtype=dtype, device=self.owner.device)
+        self.owner.zero_missing_ext()
 
 
 def _pack(items: list[ExtensionParam], grads: list[Any], n: int, dtype: torch.dtype) -> torch.Tensor:

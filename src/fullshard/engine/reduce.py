@@ -378,6 +378,7 @@ class GradReducer:
         self._last_out = out if device.type == "cpu" else None
         return out
 
+    @torch.no_grad()  # also in a backward with create_graph=True (the shards' .grad are views)
     def finish(self) -> None:
         """Wait for the pending reduction and add the result to the shards' ``.grad``."""
         pending, self._pending = self._pending, None
@@ -431,10 +432,15 @@ class GradReducer:
 
     def fill_zeros(self) -> None:
         """Give a unit that backward did not reach a zero full gradient to reduce (see
-        :attr:`reduce_unreached`), unless it holds gradients already."""
+        :attr:`reduce_unreached`), unless it holds gradients already. No parameter got a
+        gradient here: under :attr:`unused_grads_none` a ``.grad`` stays None where the reduced
+        shard is zero, as on a rank that reached the unit without using the parameter (the late
+        round of :mod:`.reduce_order` fills a unit whose earlier reduction cleared that record)."""
         full = self.unit.full_flat
         if full.grad is None and self._unsynced is None and self.unit.grad_numel > 0:
             full.grad = torch.zeros(full.shape, dtype=full.dtype, device=full.device)
+            if self.unused_grads_none and self._used is None:
+                self._used = [False] * len(self.unit.trainable)
 
     def discard(self) -> None:
         """Drop every gradient not yet in the shards' ``.grad`` (an iteration an exception
