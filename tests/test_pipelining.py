@@ -121,7 +121,7 @@ def _train(
         opt.step()
         opt.zero_grad()
         out["losses"].append([loss.item() for loss in losses])
-        out["params"].append([q.full_tensor() for q in params])
+        out["params"].append([q.full_tensor().detach().clone() for q in params])  # dp 1: a view of the shard
         if engine == "fullshard":
             units = {id(s.unit): s.unit for m in mods for sub in m.modules() if (s := hooks.fsdp_state(sub))}
             out["states"] |= {(u.shard_state.name, u.training_state.name) for u in units.values()}
