@@ -160,9 +160,6 @@ def _in_backward() -> bool:
     return compat.in_backward()
 
 
-shards_version = shard_sync.shards_version  # FSDPModule.unshard records it (gathered_by_hand)
-
-
 def _left_behind(unit: Unit, by_hand: dict[int, int]) -> bool:
     """Whether the last iteration left ``unit`` gathered, busy or reducing. One gathered by
     ``FSDPModule.unshard`` for this forward (``by_hand``: its shards' version then) is not,
@@ -173,7 +170,7 @@ def _left_behind(unit: Unit, by_hand: dict[int, int]) -> bool:
     if unit.training_state is not TrainingState.IDLE or unit.has_pending_reduce:
         return True
     version = by_hand.get(id(unit))
-    if version is not None and version == shards_version(unit):
+    if version is not None and version == shard_sync.shards_version(unit):
         return False
     if unit.has_pending_gather:
         return True

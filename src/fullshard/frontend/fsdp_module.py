@@ -25,7 +25,7 @@ from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle as _TorchUnshardHandle
 
 from fullshard import compat
-from fullshard.engine import custom_comm, dynamo_guard, hooks, recovery
+from fullshard.engine import custom_comm, dynamo_guard, hooks, recovery, shard_sync
 from fullshard.engine.all_gather_extension import ExtensionUnit
 from fullshard.engine.inference_guard import outside_inference_mode
 from fullshard.engine.unit import ShardState, Unit
@@ -241,7 +241,7 @@ class FSDPModule(_TorchFSDPModule):
         unit = self._units(recurse=False)[0]
         unit.unshard(async_op=async_op)
         assert state.root is not None
-        state.root.gathered_by_hand[id(unit)] = hooks.shards_version(unit)  # the next forward keeps it
+        state.root.gathered_by_hand[id(unit)] = shard_sync.shards_version(unit)  # the next forward keeps it
         if async_op:
             return UnshardHandle(unit)
         _register_unsharded(unit)
