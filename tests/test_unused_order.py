@@ -152,8 +152,9 @@ TWICE = [
 def twice_body(rank: int, world: int, configs: list = TWICE, graph: bool = False) -> list[str]:
     """The gradients of :class:`Twice`, sharded (``shared`` kept gathered from forward to the
     end of backward, so backward gathers nothing in a rank-dependent order; at 4 ranks HSDP on a
-    2x2 mesh), are the unsharded model's averaged; ``shared``'s post-backward runs twice; no
-    extra collective without the flag, one MAX per group with it. A parameter of ``shared``
+    2x2 mesh), are the unsharded model's averaged; ``shared``'s post-backward runs twice; one
+    MAX all-reduce per group for the late round where some unit is flagged, one for
+    :func:`~fullshard.engine.reduce_order.settle_unused` where some unit is not. A parameter of ``shared``
     that forward never uses keeps ``.grad`` None on every rank (zeros where ``shared`` is
     flagged), so torch's ``clip_grad_norm_`` issues the same collectives on every rank. With
     ``graph``, backwards with ``create_graph=True``."""
@@ -202,7 +203,9 @@ def twice_body(rank: int, world: int, configs: list = TWICE, graph: bool = False
                 (model(x) ** 2).mean().backward(create_graph=graph)
         what = f"{flagged} {routed} {graph}"
         assert reached.count("shared") == 2, (what, reached)
-        assert len(maxes) == (0 if flagged == "none" else 1 if mesh is None else 2), (what, maxes)
+        # One per group for the late round (flagged units), one for settle_unused (unflagged ones).
+        rounds = (flagged != "none") + (flagged != "all")
+        assert len(maxes) == rounds * (1 if mesh is None else 2), (what, maxes)
 
         def unreached(name: str) -> bool:  # an unflagged unit no rank reached: its .grad stays None
             return flagged == "none" and routed == () and name.startswith("expert.") or name == "shared.spare"
@@ -307,3 +310,57 @@ def extension_body(rank: int, world: int) -> list[str]:
 @pytest.mark.timeout(120)
 def test_an_extension_only_unit_reached_on_some_ranks_reduces_on_all() -> None:
     assert len(run_ranks(extension_body, 2, timeout=100)[0]) == 8
+
+
+class Lookup(nn.Module):
+    """``emb`` runs on the last rank only, for tokens in the rows of the last rank's shard, so
+    the averaged gradient is zero in every other rank's rows; ``spare`` no forward uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(12, 4)
+        self.spare = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
+        if tokens is not None:
+            x = x + self.emb(tokens).sum(0)
+        return self.head(x)
+
+
+def lookup_body(rank: int, world: int) -> list[int]:
+    """Unflagged ``fully_shard`` (an unused parameter keeps ``.grad`` None): ``emb.weight``,
+    used on one rank only, gets a ``.grad`` on every rank (zeros where its reduced shard is
+    zero) and runs its post-accumulate-grad hooks once there; ``spare`` keeps None on every
+    rank; torch's ``clip_grad_norm_`` then matches the unsharded model's norm (it used to run
+    different collectives per rank: a hang). Returns the hooks' calls per step."""
+    import fullshard
+
+    torch.manual_seed(0)
+    ref = Lookup()
+    mod = copy.deepcopy(ref)
+    fullshard.fully_shard(mod.spare)  # a unit no rank's forward runs
+    fullshard.fully_shard(mod)  # emb is the root's: a unit run on some ranks only would hang in forward
+    calls: list[int] = []
+    mod.emb.weight.register_post_accumulate_grad_hook(lambda p: calls.append(rank))
+    tokens = torch.tensor([10, 11]) if rank == world - 1 else None
+    counts = []
+    for step in range(2):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank + 10 * step))
+        for model in (ref, mod):
+            model.zero_grad()
+            model(x, tokens).sum().backward()
+        assert_averaged(ref, mod, world, f"step {step}", none_ok=lambda name: name.startswith("spare."))
+        assert mod.emb.weight.grad is not None, (rank, step)
+        assert all(p.grad is None for p in mod.spare.parameters()), (rank, step)
+        want = torch.nn.utils.get_total_norm([p.grad.full_tensor() for p in mod.parameters() if p.grad is not None])
+        got = torch.nn.utils.clip_grad_norm_(list(mod.parameters()), 1e9)
+        torch.testing.assert_close(got.full_tensor(), want, rtol=1e-5, atol=1e-6)
+        counts.append(len(calls))
+    return counts
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_parameter_used_on_one_rank_gets_a_grad_on_every_rank(world: int) -> None:
+    assert run_ranks(lookup_body, world, timeout=100) == [[1, 2]] * world

@@ -435,23 +435,23 @@ def _backward_done(root: RootState) -> None:
     """The backward's final callback: reduce what units accumulated while sync was off and this
     backward did not reach (their sums would wait for their next backward), and zeros for the
     units it did not reach under ``reduce_unreached``, in the order of :mod:`.reduce_order`;
-    then finish. A backward that creates a graph (``create_graph=True``: grad mode is on in its
-    callback and post-backward hooks) leaves its units gathered, frozen ones too: the graph it
-    made (a gradient penalty's) saved their full parameters for the next backward, whose end, or
-    the next forward, reshards them. It leaves the sums held from micro-batches with sync off to
-    that backward too (reduced once, not twice), but for units with ``reduce_unreached``, which
-    every rank reduces in every backward."""
+    agree across ranks on which unused parameters keep ``.grad`` None
+    (:func:`.reduce_order.settle_unused`); then finish. A backward that creates a graph
+    (``create_graph=True``: grad mode is on in its callback and post-backward hooks) leaves its
+    units gathered, frozen ones too: the graph it made (a gradient penalty's) saved their full
+    parameters for the next backward, whose end, or the next forward, reshards them. It leaves
+    the sums held from micro-batches with sync off to that backward too (reduced once, not
+    twice), but for units with ``reduce_unreached``, which every rank reduces in every backward."""
     graph = torch.is_grad_enabled()
-    if reduce_order.launch_rest(root, graph):
-        finish_backward(root, reshard=not graph)
-        return
+    turns_taken = reduce_order.launch_rest(root, graph)
     for unit in root.units:
-        if graph or not unit.sync_grads or unit.has_pending_reduce:
+        if turns_taken or graph or not unit.sync_grads or unit.has_pending_reduce:
             continue
         if unit.grads.reduce_unreached and unit.training_state is not TrainingState.POST_BACKWARD:
             unit.grads.fill_zeros()
         if unit.grads.holds_unreduced:
             unit.reduce_grads()
+    reduce_order.settle_unused(root)
     finish_backward(root, reshard=not graph)
 
 

@@ -78,6 +78,10 @@ class GradReducer:
         # reduction keeps its ``.grad`` None (an optimizer then skips it), instead of a zero.
         self.unused_grads_none = False
         self._used: list[bool] | None = None  # per trainable parameter, since the last launch
+        # Trainable indices the last reduction left without a .grad (no gradient here, a zero
+        # shard), until reduce_order.settle_unused gives those another rank used zeros.
+        self.undecided: set[int] = set()
+        self.settle_due = False  # a reduction finished since (under unused_grads_none)
         # fully_shard's set_reduce_scatter_unused_params(True) (torch FSDP2's rule): a unit the
         # backward did not reach reduces zeros at its end, so its parameters get a .grad too.
         self.reduce_unreached = False
@@ -405,7 +409,8 @@ class GradReducer:
         viewed = False  # some shard's .grad is now a view of ``out``
         views = unit.trainable_local_views(out)
         unused = _unused_here(pending.used, views)
-        left_none: set[int] = set()  # unused parameters without a .grad: it stays None
+        left_none = self.undecided = set()  # unused parameters without a .grad, for now
+        self.settle_due = self.unused_grads_none
         for i, (sp, g) in enumerate(zip(unit.trainable, views)):
             assert sp.shard is not None
             current = sp.local_grad()
@@ -457,6 +462,7 @@ class GradReducer:
         self.unit.full_flat.grad = None
         self._unsynced = self._partial_sum = None
         self._used = None
+        self.undecided = set()
         marks, self._marks = self._marks, None
         for sp, grad, _, placeholder in marks or ():
             if placeholder and sp.shard is not None and sp.shard.grad is grad:
@@ -486,8 +492,8 @@ class GradReducer:
 
 def _unused_here(used: list[bool] | None, shards: Sequence[torch.Tensor]) -> set[int]:
     """Indices of the trainable parameters no gradient reached on this rank whose reduced shard
-    is all zeros (so none reached them on another rank either; where one did, the shard holds
-    its sum and becomes the ``.grad``): a ``.grad`` they lack stays None."""
+    is all zeros: a ``.grad`` they lack stays None for now. Another rank may have used one (an
+    embedding's rows this rank's shard does not hold): :func:`.reduce_order.settle_unused` asks."""
     if used is None:
         return set()
     return {i for i, (u, g) in enumerate(zip(used, shards)) if not u and not bool(g.any())}

@@ -31,7 +31,8 @@ the groups the units reduce over, then every unit flagged on any rank reduces on
 turn order, zeros where this rank holds no late gradient: the same sums as two reductions.
 
 In a tree without the flag nothing changes: each unit reduces in its post-backward, and there
-is no late round.
+is no late round. Its ``fully_shard`` units leave a parameter no gradient reached ``.grad`` None
+instead (``unused_grads_none``), and :func:`settle_unused` makes the ranks agree on which.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import torch
 
 from fullshard.comm import collectives
 from fullshard.engine.hook_state import ReduceTurns, RootState
+from fullshard.engine.sharded_param import assign_grad
 from fullshard.engine.unit import Unit
 
 
@@ -117,13 +119,8 @@ def _late_round(made: ReduceTurns, root: RootState) -> None:
     ranks agree on which by a MAX all-reduce of flags over the groups the units reduce over
     (the shard group, then the replicate group): one set of flags per distinct pair of groups,
     in the order the turns meet them, so each unit's flag is the same on all of its ranks."""
-    meshes: dict[tuple[int, ...], tuple[list[collectives.ProcessGroup], list[Unit]]] = {}
-    for u in made.units:
-        sizes = ((u.shard_group, u.shard_size), (u.replicate_group, u.replicate_size))
-        groups = [g for g, n in sizes if g is not None and n > 1]
-        meshes.setdefault(tuple(map(id, groups)), (groups, []))[1].append(u)
     late: set[int] = set()
-    for groups, units in meshes.values():
+    for groups, units in _by_groups(made.units):
         flags = torch.tensor([float(id(u) in made.late) for u in units])
         for group in groups:
             collectives.all_reduce_max(flags, group)
@@ -132,3 +129,57 @@ def _late_round(made: ReduceTurns, root: RootState) -> None:
         if id(unit) in late:
             unit.grads.fill_zeros()  # a no-op where this rank holds a late gradient
             launch(unit, root)
+
+
+def settle_unused(root: RootState) -> None:
+    """At the end of a backward that reduced, in a tree whose units leave an unused parameter's
+    ``.grad`` None (``fully_shard`` without ``set_reduce_scatter_unused_params``): make that
+    choice the same on every rank. A reduction leaves a parameter without a gradient on a rank
+    where backward did not use it and its reduced shard is zero (``GradReducer.undecided``); but
+    another rank may have used it, its gradient zero in this rank's rows only (an embedding's
+    rows of tokens that rank never saw), and set ``.grad`` there: ``clip_grad_norm_`` would
+    then issue different collectives per rank and hang. So one MAX all-reduce per backward, of
+    a flag per trainable parameter ("has a .grad here") over the groups the units reduce over,
+    and each parameter another rank holds a gradient of gets zeros here (its post-accumulate-grad
+    hooks run then). Waits for every reduction in flight first."""
+    units = [u for u in root.units if u.grads.unused_grads_none and u.has_trainable]
+    for u in units:
+        u.finish_reduce()
+    if not any(u.grads.settle_due for u in units):  # no reduction: every rank's gradients are as they were
+        return
+    for groups, members in _by_groups(units):
+        flags = torch.tensor([float(i not in u.grads.undecided) for u in members for i in range(len(u.trainable))])
+        for group in groups:
+            collectives.all_reduce_max(flags, group)
+        held = flags.tolist()
+        for u in members:
+            mine, held = held[: len(u.trainable)], held[len(u.trainable) :]
+            _give_zeros(u, [i for i in sorted(u.grads.undecided) if mine[i]])
+            u.grads.undecided, u.grads.settle_due = set(), False
+
+
+@torch.no_grad()
+def _give_zeros(unit: Unit, indices: list[int]) -> None:
+    """A zero ``.grad`` (the dtype the unit's reductions give) for ``unit``'s trainable
+    parameters at ``indices``, then their post-accumulate-grad hooks."""
+    dtype = unit.reduce_dtype if unit.config.keep_low_precision_grads else unit.dtype
+    for i in indices:
+        sp = unit.trainable[i]
+        assert sp.shard is not None
+        zeros = torch.zeros_like(sp.local, dtype=dtype)
+        if dtype == sp.shard.dtype:
+            sp.set_grad(zeros)
+        else:  # keep_low_precision_grads
+            assign_grad(sp.shard, zeros)
+        sp.run_grad_hooks()
+
+
+def _by_groups(units: list[Unit]) -> list[tuple[list[collectives.ProcessGroup], list[Unit]]]:
+    """``units`` by the groups they reduce over (their shard group, then their replicate group,
+    those of more than one rank), in the order ``units`` meet them."""
+    meshes: dict[tuple[int, ...], tuple[list[collectives.ProcessGroup], list[Unit]]] = {}
+    for u in units:
+        sizes = ((u.shard_group, u.shard_size), (u.replicate_group, u.replicate_size))
+        groups = [g for g, n in sizes if g is not None and n > 1]
+        meshes.setdefault(tuple(map(id, groups)), (groups, []))[1].append(u)
+    return list(meshes.values())

@@ -23,7 +23,7 @@ from typing import Any
 from torch import nn
 
 from fullshard import compat
-from fullshard.engine import hooks
+from fullshard.engine import hooks, reduce_order
 from fullshard.engine.unit import Unit
 
 # The module of torch's whose ``fully_shard`` name must be fullshard's for REDUCE_GRAD to work.
@@ -87,6 +87,7 @@ class PipelineState:
         for state in self._state_ctx.all_states:
             for group in state._fsdp_param_groups:
                 group.post_backward(fill_unreached=False)  # the stage's own calls filled them
+        reduce_order.settle_unused(self._root)
         hooks.finish_backward(self._root)
 
 
