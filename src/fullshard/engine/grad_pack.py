@@ -48,7 +48,7 @@ def pack_into(rows: torch.Tensor, grads: Sequence[torch.Tensor | None], specs: S
         g is not None
         and g.dtype == rows.dtype
         and not g.requires_grad
-        and spec.rows == n * spec.chunk_rows
+        and spec.padded_numel == spec.numel
         and spec.dim == 0
         for spec, g in zip(specs, grads)
     ):
@@ -81,6 +81,9 @@ def pack_rows_into(dest: torch.Tensor, grad: torch.Tensor | None, spec: ShardSpe
     if grad is None or chunk == 0:
         dest.zero_()
         return
+    if spec.padded_shard_numel > spec.chunk_numel:  # a one-rank unit's alignment (see ShardSpec.align)
+        dest[:, spec.chunk_numel :].zero_()
+        dest = dest[:, : spec.chunk_numel]
     if spec.dim != 0:  # rows along another dim: each rank's shard contiguous in its own shape
         spec.full_to_ranked(grad, dest)
         return

@@ -21,6 +21,11 @@ A unit keeps two flat buffers (see :mod:`fullshard.engine.sharded_param` for the
   and the packed gradient takes the same memory. With one rank, no casting and no offload it
   aliases the local buffer.
 
+With one rank each padded shard is rounded up to 64 bytes (``ShardSpec.align``), so that every
+parameter starts on a 64-byte line in both buffers (their offsets are equal at one rank), as
+torch's separately allocated parameters do: a one-row ``F.linear`` on CPU rounds differently for
+a weight that starts elsewhere. The alignment is padding like the rest.
+
 Gradients come back rank-major: the full flat buffer's ``.grad`` is laid out like N local flat
 buffers (trainable prefix) back to back, which is the reduce-scatter's input with no further copy.
 
@@ -54,7 +59,7 @@ from torch import nn
 
 from fullshard.comm import collectives
 from fullshard.engine.dynamo_guard import outside_dynamo
-from fullshard.engine.sharded_param import ParamSlot, ShardedParam, ShardSpec
+from fullshard.engine.sharded_param import ParamSlot, ShardedParam, ShardSpec, one_rank_align
 from fullshard.engine.unit_config import UnitConfig
 
 ParamEntry = tuple[str, nn.Parameter, list[ParamSlot]]
@@ -189,9 +194,10 @@ class UnitLayout:
 
     def _build(self, params: list[ParamEntry]) -> None:
         params = [e for e in params if e[1].requires_grad] + [e for e in params if not e[1].requires_grad]
+        align = one_rank_align(self.shard_size, self.dtype, self.compute_dtype)
         for fqn, p, slots in params:
             # fully_shard's shard_placement_fn may choose another dim (set on the parameter by it)
-            spec = ShardSpec(p.shape, self.shard_size, self.rank, getattr(p, "_fullshard_shard_dim", 0))
+            spec = ShardSpec(p.shape, self.shard_size, self.rank, getattr(p, "_fullshard_shard_dim", 0), align)
             sp = ShardedParam(spec, slots, fqn, p.requires_grad)
             sp.tp_spec = getattr(p, "_fullshard_tp_spec", None)  # set by fully_shard for a TP DTensor
             sp.shard_group = self.shard_group

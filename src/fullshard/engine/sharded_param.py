@@ -12,7 +12,9 @@ Vocabulary (used throughout fullshard):
   torch's FSDP2 stores it), and the unit rearranges the gathered parameter and the packed
   gradient at the boundary (:meth:`ShardSpec.ranked_to_full`, :meth:`ShardSpec.full_to_ranked`).
 - **padded shard size**: ``chunk * prod(rest)`` elements (rest: the other dims), the same on
-  every rank. Padding exists only inside communication buffers, never in the registered shard.
+  every rank; with one rank rounded up to 64 bytes (:func:`one_rank_align`), so that each
+  parameter of a one-rank unit starts on a 64-byte line. Padding exists only inside the flat and
+  communication buffers, never in the registered shard.
 - **flat buffer**: one 1-D tensor holding several parameters back to back. A unit keeps a local
   flat buffer of padded shards (its all-gather input) and, while unsharded, a full flat buffer
   of padded full parameters (its all-gather output after the copy-out).
@@ -40,6 +42,21 @@ from torch import nn
 
 from fullshard import compat
 
+ALIGN_BYTES = 64  # torch's CPU allocator's alignment
+
+
+def one_rank_align(shard_size: int, *dtypes: torch.dtype) -> int:
+    """The :attr:`ShardSpec.align` of a unit's parameters: with one rank (``shard_size`` 1) the
+    elements of :data:`ALIGN_BYTES` in the smallest of ``dtypes`` (the shards' and the compute
+    dtype: each parameter then starts on a 64-byte line in the local and in the full flat buffer,
+    whose offsets are equal at one rank), otherwise 1.
+
+    Why: forward then computes on weights aligned as torch's separately allocated ones are; a
+    one-row ``F.linear`` on CPU rounds differently for a weight that starts elsewhere, so a
+    one-rank unit packed back to back is not bitwise torch's.
+    """
+    return ALIGN_BYTES // min(d.itemsize for d in dtypes) if shard_size == 1 and dtypes else 1
+
 
 @dataclasses.dataclass(frozen=True)
 class ShardSpec:
@@ -51,6 +68,8 @@ class ShardSpec:
         rank: this process's rank in the shard group.
         dim: the shard dim (0 <= dim < len(orig_shape); 0 for a 0-dim parameter); "rows" below
             are the indices along it.
+        align: the padded shard size is a multiple of this many elements (see
+            :func:`one_rank_align`; 1 with several ranks).
 
     The derived sizes below are computed once per spec (the fields are frozen): the hooks read
     them for every parameter of every unit at each gather and reduction.
@@ -60,6 +79,7 @@ class ShardSpec:
     shard_size: int
     rank: int
     dim: int = 0
+    align: int = 1
 
     @functools.cached_property
     def rows(self) -> int:
@@ -85,9 +105,15 @@ class ShardSpec:
         return -(-self.rows // self.shard_size)
 
     @functools.cached_property
-    def padded_shard_numel(self) -> int:
-        """Elements of one rank's padded shard (identical on every rank)."""
+    def chunk_numel(self) -> int:
+        """Elements of ``chunk_rows`` rows: the padded shard before the alignment."""
         return self.chunk_rows * self.row_numel
+
+    @functools.cached_property
+    def padded_shard_numel(self) -> int:
+        """Elements of one rank's padded shard (identical on every rank): ``chunk_numel``
+        rounded up to a multiple of ``align``."""
+        return -(-self.chunk_numel // self.align) * self.align
 
     @functools.cached_property
     def padded_numel(self) -> int:
@@ -145,7 +171,7 @@ class ShardSpec:
             return
         if self.rows == self.shard_size * chunk:  # even: one strided copy
             full.unflatten(self.dim, (self.shard_size, chunk)).movedim(self.dim, 0)[first : first + m].copy_(
-                ranked.view(m, *self.shape_with_rows(chunk))
+                ranked[:, : self.chunk_numel].view(m, *self.shape_with_rows(chunk))
             )
             return
         for i in range(m):
@@ -164,9 +190,10 @@ class ShardSpec:
         """
         n, chunk = self.shard_size, self.chunk_rows
         if self.rows == n * chunk:
-            ranked.view(n, *self.shape_with_rows(chunk)).copy_(
+            ranked[:, : self.chunk_numel].view(n, *self.shape_with_rows(chunk)).copy_(
                 full.unflatten(self.dim, (n, chunk)).movedim(self.dim, 0)
             )
+            ranked[:, self.chunk_numel :].zero_()  # the alignment (one rank)
             return
         for r in range(n):
             rows = self.rows_of(r)

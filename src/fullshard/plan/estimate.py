@@ -25,7 +25,7 @@ from collections.abc import Callable, Collection, Sequence
 import torch
 from torch import nn
 
-from fullshard.engine.sharded_param import ShardSpec
+from fullshard.engine.sharded_param import ShardSpec, one_rank_align
 
 OPTIMIZER_BUFFERS = {"adamw": (2, True), "adam": (2, True), "adadelta": (2, True), "sgd": (0, False)}
 
@@ -104,14 +104,16 @@ def estimate_model_state(
         buffers = 1
     out = []
     for name, params in owned_params(model, is_unit).items():
-        specs = [(ShardSpec(p.shape, world, me), p) for p in params]
+        own = name in full_precision
+        cast = param_dtype if param_dtype is not None and not own else None
+        # One rank: each padded shard rounded up to 64 bytes, as the layout does (ShardSpec.align).
+        specs = [(ShardSpec(p.shape, world, me, 0, one_rank_align(world, p.dtype, cast or p.dtype)), p) for p in params]
         shard = sum(s.padded_shard_numel * p.element_size() for s, p in specs)
         grads = sum(s.padded_shard_numel * p.element_size() for s, p in specs if p.requires_grad)
         optim = sum(
             buffers * s.local_numel * p.element_size() + (4 if step else 0) for s, p in specs if p.requires_grad
         )
-        own = name in full_precision
-        compute = param_dtype.itemsize if param_dtype is not None and not own else None
+        compute = cast.itemsize if cast is not None else None
         same = compute is None or all(p.element_size() == compute for p in params)
         full = (
             0

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from fullshard.engine.layout import gather_pieces
-from fullshard.engine.sharded_param import ShardSpec
+from fullshard.engine.sharded_param import ShardSpec, one_rank_align
 from fullshard.plan.estimate import owned_params
 
 ROOT = "<root>"
@@ -59,8 +59,10 @@ def unit_buffers(
     out = []
     for name, params in grouped_params(owned_params(model, is_unit), groups).items():
         dtype = params[0].dtype if params else torch.float32
-        compute = (dtype if name in full_precision else param_dtype or dtype).itemsize
-        specs = [(ShardSpec(p.shape, world, 0), p) for p in params]
+        compute_dtype = dtype if name in full_precision else param_dtype or dtype
+        compute = compute_dtype.itemsize
+        align = one_rank_align(world, dtype, compute_dtype)  # as the layout pads (ShardSpec.align)
+        specs = [(ShardSpec(p.shape, world, 0, 0, align), p) for p in params]
         shard = sum(s.padded_shard_numel for s, _ in specs)
         trainable = sum(s.padded_shard_numel for s, p in specs if p.requires_grad)
         aliased = world == 1 and compute == dtype.itemsize and not offload
