@@ -251,3 +251,95 @@ def _by_hand_body(rank: int, world: int) -> list[str]:
 @pytest.mark.timeout(120)
 def test_unshard_by_hand_gathers_once_like_torch() -> None:
     assert run_ranks(_by_hand_body, 2, timeout=100)[0] == ["by hand"]
+
+
+class _NormFirst(torch.nn.Module):
+    """LayerNorm(7) then Linear(7, 7): packed back to back, the weight starts 56 bytes in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(7)
+        self.lin = torch.nn.Linear(7, 7)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin(self.norm(x)))
+
+
+class _NormFirstStack(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList([_NormFirst() for _ in range(2)])
+        self.head = torch.nn.Linear(7, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def _one_row_body(rank: int, world: int) -> list[str]:
+    """One rank: one-row forwards and training steps are bitwise torch's ``fully_shard``'s
+    (plain and bf16 compute), and the FSDP1 wrapper's bitwise an unsharded model's. Each
+    parameter must start on a 64-byte line, as torch's own allocations do: a one-row
+    ``F.linear`` on CPU rounds differently for a weight that starts elsewhere (packed back to
+    back, 4 of 16 one-row forwards of such a model matched torch's)."""
+    import torch.distributed.fsdp as tf
+    from torch import nn
+
+    import fullshard as fs
+    from fullshard.frontend.wrap import ModuleWrapPolicy
+
+    def run(model, make_opt, starts: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        def note(module, args):  # where forward reads each parameter
+            starts.extend(p.data_ptr() % 64 for p in module.parameters(recurse=False))
+
+        for m in model.modules():
+            if isinstance(m, (nn.Linear, nn.LayerNorm)):
+                m.register_forward_pre_hook(note)
+        opt, outs = make_opt(model.parameters()), []
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(4, 7, generator=g), torch.randn(4, 3, generator=g)
+            outs += [model(x[i : i + 1]).detach().clone() for i in range(4)]
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x[:1]).float(), y[:1]).backward()
+            opt.step()
+        full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
+        return outs, [p.detach().clone() for p in full]
+
+    done = []
+    opts = {
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+        "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+    }
+    for (opt_kind, make_opt), dtype in ((o, d) for o in opts.items() for d in (None, torch.bfloat16)):
+        got = {}
+        for mod in (tf, fs):
+            starts: list[int] = []
+            model = _NormFirstStack()
+            for block in model.blocks:
+                mod.fully_shard(block, mp_policy=tf.MixedPrecisionPolicy(param_dtype=dtype))
+            mod.fully_shard(model, mp_policy=tf.MixedPrecisionPolicy(param_dtype=dtype))
+            got[mod.__name__] = run(model, make_opt, starts)
+            if mod is fs:
+                assert set(starts) == {0}, (opt_kind, dtype, starts)
+                assert {p.to_local().data_ptr() % 64 for p in model.parameters()} == {0}, (opt_kind, dtype)
+        for a, b in zip(*got.values(), strict=True):
+            assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), (opt_kind, dtype)
+        done.append(f"fully_shard {opt_kind} {dtype}")
+        if dtype is None:
+            ref = _NormFirstStack()
+            model = fs.FSDP(_NormFirstStack(), auto_wrap_policy=ModuleWrapPolicy({_NormFirst}))
+            starts = []
+            want, (got_outs, got_params) = run(ref, make_opt, []), run(model, make_opt, starts)
+            assert set(starts) == {0}, (opt_kind, starts)
+            assert all(torch.equal(x, y) for x, y in zip(want[0], got_outs, strict=True)), opt_kind
+            assert all(torch.equal(x, y) for x, y in zip(want[1], got_params, strict=True)), opt_kind
+            done.append(f"FSDP1 {opt_kind}")
+    return done
+
+
+@pytest.mark.timeout(200)
+def test_one_rank_is_bitwise_torch_for_one_row_inputs() -> None:
+    assert len(run_ranks(_one_row_body, 1, timeout=180)[0]) == 6
