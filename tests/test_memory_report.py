@@ -18,11 +18,18 @@ def _local_rows(rows: int, world: int, rank: int) -> int:
     return max(0, min(per, rows - rank * per))
 
 
+def _padded(shape: tuple[int, ...], world: int) -> int:
+    """A rank's padded shard (elements): its share of the rows, at one rank rounded up to 64 bytes
+    (16 float32: each parameter of a one-rank unit starts on a 64-byte line)."""
+    n = math.ceil(shape[0] / world) * math.prod(shape[1:])
+    return -(-n // 16) * 16 if world == 1 else n
+
+
 def _expected(world: int, rank: int) -> dict[str, dict[str, int]]:
     out = {}
     for name, shapes in SHAPES.items():
         numel = sum(math.prod(s) for s in shapes)
-        padded = sum(math.ceil(s[0] / world) * math.prod(s[1:]) for s in shapes)  # each rank's shard
+        padded = sum(_padded(s, world) for s in shapes)  # each rank's shard
         local = sum(_local_rows(s[0], world, rank) * math.prod(s[1:]) for s in shapes)
         out[name] = {
             "numel": numel,
@@ -454,11 +461,12 @@ def test_cpu_offload_at_one_rank_still_gathers_a_full_copy() -> None:
     linear = lambda m: isinstance(m, nn.Linear)  # noqa: E731
     assert [u.full_bytes for u in estimate_model_state(model, linear, 1)] == [0, 0, 0]
     units = estimate_model_state(model, linear, 1, offload=True)
-    assert [u.full_bytes for u in units] == [0, 80, 80]  # the root owns no parameters
+    # 20 float32 per unit, the weight's 16 and the bias's 4 each padded to 64 bytes at one rank
+    assert [u.full_bytes for u in units] == [0, 128, 128]  # the root owns no parameters
     off = combine(units, Trace(500, 0.0, "backward"), 1, backend="nccl", offload=True)
-    assert off.gathered == 80 + 80 + 80 and off.gradient_buffer == 80 + 80
-    # per unit: shard 80, gradient 80, AdamW's two moments 2 x 80 and a 4-byte step per tensor
-    assert off.host == 2 * (80 + 80 + 2 * 80 + 2 * 4)
+    assert off.gathered == 128 + 128 + 128 and off.gradient_buffer == 128 + 128
+    # per unit: shard 128, gradient 128, AdamW's two moments 2 x 80 and a 4-byte step per tensor
+    assert off.host == 2 * (128 + 128 + 2 * 80 + 2 * 4)
 
 
 class _GroupedAttention(nn.Module):
