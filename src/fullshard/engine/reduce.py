@@ -401,6 +401,7 @@ class GradReducer:
         if self.all_reduce_hook is not None:  # after the replica all-reduce, before the cast, as torch's
             self.all_reduce_hook(out)
         unit = self.unit
+        unused = _unused_here(pending.used, unit, out)  # before a non-blocking copy to the host
         grad_dtype = out.dtype if unit.config.keep_low_precision_grads else unit.dtype
         if out.dtype != grad_dtype or out.device != unit.shard_device:
             host = self._grad_buffer(out.shape, grad_dtype)
@@ -408,7 +409,6 @@ class GradReducer:
             out = host
         viewed = False  # some shard's .grad is now a view of ``out``
         views = unit.trainable_local_views(out)
-        unused = _unused_here(pending.used, views)
         left_none = self.undecided = set()  # unused parameters without a .grad, for now
         self.settle_due = self.unused_grads_none
         for i, (sp, g) in enumerate(zip(unit.trainable, views)):
@@ -490,10 +490,11 @@ class GradReducer:
         return buffer
 
 
-def _unused_here(used: list[bool] | None, shards: Sequence[torch.Tensor]) -> set[int]:
+def _unused_here(used: list[bool] | None, unit: UnitLayout, out: torch.Tensor) -> set[int]:
     """Indices of the trainable parameters no gradient reached on this rank whose reduced shard
-    is all zeros: a ``.grad`` they lack stays None for now. Another rank may have used one (an
-    embedding's rows this rank's shard does not hold): :func:`.reduce_order.settle_unused` asks."""
+    (in ``out``, (S_t,)) is all zeros: a ``.grad`` they lack stays None for now (another rank may
+    have used one: :func:`.reduce_order.settle_unused` asks)."""
     if used is None:
         return set()
+    shards = unit.trainable_local_views(out)
     return {i for i, (u, g) in enumerate(zip(used, shards)) if not u and not bool(g.any())}
