@@ -399,6 +399,18 @@ def _copy_back(
     return epilogue
 
 
+def predivide_factor(ranks: float) -> int:
+    """A power of two near sqrt(ranks) to divide gradients by before a low-precision sum.
+
+    torch FSDP's rule (both front ends): double while it divides ``ranks`` and is below
+    ``ranks / factor``, so 2 ranks divide by 2 before the sum and 1 after, 3 by 2 and 1.5.
+    """
+    factor = 1
+    while ranks % factor == 0 and ranks / factor > factor:
+        factor *= 2
+    return factor
+
+
 @exposed_comm.blocking("all_reduce", _unit)
 @_explained
 def all_reduce(

@@ -37,12 +37,13 @@ from torch import nn
 
 from fullshard import compat
 from fullshard.comm import collectives, flight_recorder
+from fullshard.comm.collectives import predivide_factor
 from fullshard.engine import shard_sync
 from fullshard.engine.dynamo_guard import outside_dynamo
 from fullshard.engine.extension_param import ExtensionParam, has_extension, make_shard
 from fullshard.engine.grad_pack import pack_into
 from fullshard.engine.layout import ParamEntry
-from fullshard.engine.reduce import GradReducer, predivide_factor
+from fullshard.engine.reduce import GradReducer
 from fullshard.engine.sharded_param import ShardedParam, ShardSpec, local_tensor
 from fullshard.engine.unit import Unit
 from fullshard.engine.unit_config import ShardState, UnitConfig

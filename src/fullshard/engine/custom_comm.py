@@ -136,7 +136,7 @@ def reduce_plan(unit: UnitLayout, force_sum: bool, predivide: Callable[[float], 
         unit: the unit (its dtypes, group sizes and ``divide_factor``).
         force_sum: only ``sum`` for the comm.
         predivide: the power of two to divide float16 gradients by before the sum, given f
-            (:func:`fullshard.engine.reduce.predivide_factor`).
+            (:func:`fullshard.comm.collectives.predivide_factor`).
     """
     factor = unit.divide_factor
     safe_dtype = unit.reduce_dtype in (torch.float32, torch.bfloat16)  # no overflow to guard against

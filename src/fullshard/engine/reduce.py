@@ -24,21 +24,10 @@ import torch
 
 from fullshard import compat, probes
 from fullshard.comm import buffers, collectives, quantized
+from fullshard.comm.collectives import predivide_factor
 from fullshard.engine import custom_comm
 from fullshard.engine.layout import UnitLayout
 from fullshard.engine.sharded_param import ShardedParam, assign_grad
-
-
-def predivide_factor(ranks: float) -> int:
-    """A power of two near sqrt(ranks) to divide gradients by before a low-precision sum.
-
-    torch FSDP's rule (both front ends): double while it divides ``ranks`` and is below
-    ``ranks / factor``, so 2 ranks divide by 2 before the sum and 1 after, 3 by 2 and 1.5.
-    """
-    factor = 1
-    while ranks % factor == 0 and ranks / factor > factor:
-        factor *= 2
-    return factor
 
 
 @dataclasses.dataclass
@@ -81,7 +70,11 @@ class GradReducer:
         # Trainable indices the last reduction left without a .grad (no gradient here, a zero
         # shard), until reduce_order.settle_unused gives those another rank used zeros.
         self.undecided: set[int] = set()
-        self.settle_due = False  # a reduction finished since (under unused_grads_none)
+        # Under unused_grads_none, per trainable parameter: a gradient reached it on this rank in
+        # some reduction launched since the last settle_unused (None: none launched since), and
+        # whether one of those took the replica all-reduce too (a partial reduce does not).
+        self.used_here: list[bool] | None = None
+        self.settle_due = False
         # fully_shard's set_reduce_scatter_unused_params(True) (torch FSDP2's rule): a unit the
         # backward did not reach reduces zeros at its end, so its parameters get a .grad too.
         self.reduce_unreached = False
@@ -227,6 +220,10 @@ class GradReducer:
             grad = held
         if grad is None:
             return
+        if self.unused_grads_none:
+            n, seen = len(unit.trainable), self.used_here
+            self.used_here = [a or b for a, b in zip(seen or [False] * n, used or [True] * n)]
+            self.settle_due = self.settle_due or unit.replicate_size == 1 or unit.all_reduce_grads
         if probes.ACTIVE is not None:
             probes.record_event("reduce", unit.name)
         if self.custom_reduce_scatter is not None and unit.shard_size > 1:
@@ -410,7 +407,6 @@ class GradReducer:
         viewed = False  # some shard's .grad is now a view of ``out``
         views = unit.trainable_local_views(out)
         left_none = self.undecided = set()  # unused parameters without a .grad, for now
-        self.settle_due = self.unused_grads_none
         for i, (sp, g) in enumerate(zip(unit.trainable, views)):
             assert sp.shard is not None
             current = sp.local_grad()

@@ -37,6 +37,8 @@ instead (``unused_grads_none``), and :func:`settle_unused` makes the ranks agree
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from fullshard.comm import collectives
@@ -131,31 +133,58 @@ def _late_round(made: ReduceTurns, root: RootState) -> None:
             launch(unit, root)
 
 
-def settle_unused(root: RootState) -> None:
-    """At the end of a backward that reduced, in a tree whose units leave an unused parameter's
-    ``.grad`` None (``fully_shard`` without ``set_reduce_scatter_unused_params``): make that
-    choice the same on every rank. A reduction leaves a parameter without a gradient on a rank
-    where backward did not use it and its reduced shard is zero (``GradReducer.undecided``); but
-    another rank may have used it, its gradient zero in this rank's rows only (an embedding's
-    rows of tokens that rank never saw), and set ``.grad`` there: ``clip_grad_norm_`` would
-    then issue different collectives per rank and hang. So one MAX all-reduce per backward, of
-    a flag per trainable parameter ("has a .grad here") over the groups the units reduce over,
-    and each parameter another rank holds a gradient of gets zeros here (its post-accumulate-grad
-    hooks run then). Waits for every reduction in flight first."""
-    units = [u for u in root.units if u.grads.unused_grads_none and u.has_trainable]
-    for u in units:
-        u.finish_reduce()
-    if not any(u.grads.settle_due for u in units):  # no reduction: every rank's gradients are as they were
-        return
+@dataclasses.dataclass
+class Settle:
+    """The flags :func:`start_settle` sent: per group set, the units, the summed flags, the
+    all-reduce over the first group in flight, and the groups left."""
+
+    parts: list[tuple[list[Unit], torch.Tensor, collectives.Handle | None, list[collectives.ProcessGroup]]]
+    sizes: dict[int, int]  # flags per unit (by id): its trainable parameters when it launched
+
+
+def start_settle(root: RootState) -> Settle | None:
+    """At the end of a backward, once every reduction launched and before they are landed:
+    start summing, over the groups the units reduce over, a flag per trainable parameter of
+    each unit that left unused parameters' ``.grad`` None (``fully_shard`` without
+    ``set_reduce_scatter_unused_params``) and launched a reduction since the last settle, not
+    only partial ones (``set_requires_all_reduce(False)``: those wait for the all-reduce): "a
+    gradient reached it on this rank" (``GradReducer.used_here``). None where no such unit
+    launched one (on no rank, as reductions are launched on every rank). The sum runs behind
+    the reductions in flight: :func:`settle_unused` waits for it."""
+    units = [u for u in root.units if u.grads.unused_grads_none and u.grads.settle_due]
+    if not units:
+        return None
+    parts = []
     for groups, members in _by_groups(units):
-        flags = torch.tensor([float(i not in u.grads.undecided) for u in members for i in range(len(u.trainable))])
-        for group in groups:
-            collectives.all_reduce_max(flags, group)
-        held = flags.tolist()
+        flags = torch.tensor([float(f) for u in members for f in u.grads.used_here or ()])
+        handle = collectives.all_reduce(flags, groups[0], async_op=True) if groups else None
+        parts.append((members, flags, handle, groups[1:]))
+    return Settle(parts, {id(u): len(u.grads.used_here or ()) for u in units})
+
+
+def settle_unused(root: RootState, started: Settle | None) -> None:
+    """Land every reduction, then make the choice "``.grad`` stays None" the same on every rank.
+    A reduction leaves a parameter without a gradient on a rank where backward did not use it
+    and its reduced shard is zero (``GradReducer.undecided``); but another rank may have used it,
+    its gradient zero in this rank's rows only (an embedding's rows of tokens that rank never
+    saw), and set ``.grad`` there: ``clip_grad_norm_`` would then issue different collectives
+    per rank and hang. So each such parameter that some rank used (``started``'s flags) gets
+    zeros here, and its post-accumulate-grad hooks run; one no rank used keeps None everywhere."""
+    for u in root.units:
+        u.finish_reduce()
+    if started is None:
+        return
+    for members, flags, handle, rest in started.parts:
+        if handle is not None:
+            handle.wait()
+        for group in rest:
+            collectives.all_reduce(flags, group)
+        used = flags.tolist()
         for u in members:
-            mine, held = held[: len(u.trainable)], held[len(u.trainable) :]
-            _give_zeros(u, [i for i in sorted(u.grads.undecided) if mine[i]])
-            u.grads.undecided, u.grads.settle_due = set(), False
+            n = started.sizes[id(u)]
+            mine, used = used[:n], used[n:]
+            _give_zeros(u, [i for i in sorted(u.grads.undecided) if i < n and mine[i]])
+            u.grads.undecided, u.grads.used_here, u.grads.settle_due = set(), None, False
 
 
 @torch.no_grad()
