@@ -136,7 +136,7 @@ def test_float16_reduction_does_not_overflow(world: int) -> None:
 def test_predivide_factor_is_torchs() -> None:
     from torch.distributed.algorithms._comm_hooks.default_hooks import DefaultState
 
-    from fullshard.engine.reduce import predivide_factor
+    from fullshard.comm.collectives import predivide_factor
 
     for ranks in range(1, 130):
         assert predivide_factor(ranks) == DefaultState._get_gradient_predivide_factor(ranks), ranks

@@ -362,3 +362,91 @@ def lookup_body(rank: int, world: int) -> list[int]:
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_parameter_used_on_one_rank_gets_a_grad_on_every_rank(world: int) -> None:
     assert run_ranks(lookup_body, world, timeout=100) == [[1, 2]] * world
+
+
+class Raises(torch.autograd.Function):
+    """Identity whose backward raises while ``armed``: after the units behind it launched."""
+
+    armed = False
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        if Raises.armed:
+            raise RuntimeError("raised in backward")
+        return g
+
+
+class RaisesModule(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return Raises.apply(x)
+
+
+class Rows(nn.Module):
+    """``emb`` (row 0, the first rank's rows) where ``use_emb``; ``weight`` an all-gather
+    extension weight (made by the test) that forward never reads, so the unit's extension part
+    never reports and its finish launches the held plain gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.use_emb = False
+        self.emb = nn.Embedding(4, 4)
+        self.bias = nn.Parameter(torch.randn(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x + self.bias
+        return y + self.emb(torch.tensor([0])) if self.use_emb else y
+
+
+def settle_edges_body(rank: int, world: int) -> list[str]:
+    """What settle_unused agrees on is this backward's: (1) after a backward that raised once a
+    unit had launched (rank 0 used ``emb`` there), a step no rank uses ``emb`` in keeps its
+    ``.grad`` None on every rank; (2) a unit whose reduction launches while the reductions are
+    landed (an extension part that never reported, in a backward with ``create_graph=True``)
+    gives ``emb`` a ``.grad`` on every rank when rank 0 used it, and None the step after."""
+    from agext_tensors import Bf16CommWeight
+
+    import fullshard
+
+    torch.manual_seed(0)
+    done = []
+    seq = nn.Sequential(nn.Linear(4, 4), RaisesModule(), Rows())
+    fullshard.fully_shard(seq[2])
+    fullshard.fully_shard(seq)
+
+    def step(use: bool) -> None:
+        seq.zero_grad(set_to_none=True)
+        seq[2].use_emb = use
+        seq(torch.ones(2, 4)).square().sum().backward()
+
+    Raises.armed = True
+    with pytest.raises(RuntimeError, match="raised in backward"):
+        step(rank == 0)
+    Raises.armed = False
+    step(False)
+    assert seq[2].emb.weight.grad is None, "after a backward that raised"
+    done.append("raised")
+
+    torch.manual_seed(0)
+    rows = Rows()
+    rows.weight = nn.Parameter(Bf16CommWeight(torch.randn(4, 4)))  # never read by forward
+    fullshard.fully_shard(rows)
+    for i, use in enumerate((rank == 0, False)):
+        rows.zero_grad(set_to_none=True)
+        rows.use_emb = use
+        rows(torch.ones(2, 4)).square().sum().backward(create_graph=i == 0)
+        # (after create_graph=True the unit stays gathered: rows.emb.weight is the full tensor)
+        has = [dict(rows.named_parameters())["emb.weight"].grad is not None]
+        every = [None] * world
+        torch.distributed.all_gather_object(every, has)
+        assert every == [[i == 0]] * world, (i, every)
+    done.append("graph")
+    return done
+
+
+@pytest.mark.timeout(120)
+def test_settle_agrees_on_this_backward_only() -> None:
+    assert run_ranks(settle_edges_body, 2, timeout=100)[0] == ["raised", "graph"]

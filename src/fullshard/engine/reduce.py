@@ -222,7 +222,8 @@ class GradReducer:
             return
         if self.unused_grads_none:
             n, seen = len(unit.trainable), self.used_here
-            self.used_here = [a or b for a, b in zip(seen or [False] * n, used or [True] * n)]
+            seen = seen if seen is not None and len(seen) == n else [False] * n
+            self.used_here = [a or b for a, b in zip(seen, used or [True] * n)]
             self.settle_due = self.settle_due or unit.replicate_size == 1 or unit.all_reduce_grads
         if probes.ACTIVE is not None:
             probes.record_event("reduce", unit.name)
@@ -457,8 +458,8 @@ class GradReducer:
                 buffers.POOL.release(pending.packed, lent=True)
         self.unit.full_flat.grad = None
         self._unsynced = self._partial_sum = None
-        self._used = None
-        self.undecided = set()
+        self._used = self.used_here = None
+        self.undecided, self.settle_due = set(), False
         marks, self._marks = self._marks, None
         for sp, grad, _, placeholder in marks or ():
             if placeholder and sp.shard is not None and sp.shard.grad is grad:

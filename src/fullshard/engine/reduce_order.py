@@ -169,9 +169,17 @@ def settle_unused(root: RootState, started: Settle | None) -> None:
     its gradient zero in this rank's rows only (an embedding's rows of tokens that rank never
     saw), and set ``.grad`` there: ``clip_grad_norm_`` would then issue different collectives
     per rank and hang. So each such parameter that some rank used (``started``'s flags) gets
-    zeros here, and its post-accumulate-grad hooks run; one no rank used keeps None everywhere."""
+    zeros here, and its post-accumulate-grad hooks run; one no rank used keeps None everywhere.
+    A unit that launched while landing (an ``ExtensionUnit``'s part that never reported, in a
+    backward that creates a graph) takes a second round, blocking, on every rank alike."""
     for u in root.units:
         u.finish_reduce()
+    for settle in (started, start_settle(root)):
+        _agree(settle)
+
+
+def _agree(started: Settle | None) -> None:
+    """Wait for ``started``'s sums, and give zeros where another rank used a parameter."""
     if started is None:
         return
     for members, flags, handle, rest in started.parts:
