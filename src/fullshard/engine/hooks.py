@@ -451,7 +451,7 @@ def _backward_done(root: RootState) -> None:
             unit.grads.fill_zeros()
         if unit.grads.holds_unreduced:
             unit.reduce_grads()
-    reduce_order.settle_unused(root, reduce_order.start_settle(root))
+    reduce_order.settle_unused(root)
     finish_backward(root, reshard=not graph)
 
 

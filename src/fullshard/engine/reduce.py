@@ -27,7 +27,7 @@ from fullshard.comm import buffers, collectives, quantized
 from fullshard.comm.collectives import predivide_factor
 from fullshard.engine import custom_comm
 from fullshard.engine.layout import UnitLayout
-from fullshard.engine.sharded_param import ShardedParam, assign_grad
+from fullshard.engine.sharded_param import ShardedParam
 
 
 @dataclasses.dataclass
@@ -416,10 +416,7 @@ class GradReducer:
                 continue
             if current is None:
                 viewed = True
-                if g.dtype != sp.shard.dtype:  # keep_low_precision_grads
-                    assign_grad(sp.shard, g)
-                else:
-                    sp.set_grad(g)
+                sp.set_grad(g)
             else:
                 current.add_(g)
         if pending.in_place and pending.packed is not None:

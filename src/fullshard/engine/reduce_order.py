@@ -43,7 +43,6 @@ import torch
 
 from fullshard.comm import collectives
 from fullshard.engine.hook_state import ReduceTurns, RootState
-from fullshard.engine.sharded_param import assign_grad
 from fullshard.engine.unit import Unit
 
 
@@ -134,18 +133,18 @@ def _late_round(made: ReduceTurns, root: RootState) -> None:
 
 
 @dataclasses.dataclass
-class Settle:
-    """The flags :func:`start_settle` sent: per group set, the units, the summed flags, the
+class _Settle:
+    """The flags :func:`_start_settle` sent: per group set, the units, the summed flags, the
     all-reduce over the first group in flight, and the groups left."""
 
     parts: list[tuple[list[Unit], torch.Tensor, collectives.Handle | None, list[collectives.ProcessGroup]]]
     sizes: dict[int, int]  # flags per unit (by id): its trainable parameters when it launched
 
 
-def start_settle(root: RootState) -> Settle | None:
-    """At the end of a backward, once every reduction launched and before they are landed:
-    start summing, over the groups the units reduce over, a flag per trainable parameter of
-    each unit that left unused parameters' ``.grad`` None (``fully_shard`` without
+def _start_settle(root: RootState) -> _Settle | None:
+    """Once every reduction of a backward launched and before they are landed: start summing,
+    over the groups the units reduce over, a flag per trainable parameter of each unit that
+    leaves unused parameters' ``.grad`` None (``fully_shard`` without
     ``set_reduce_scatter_unused_params``) and launched a reduction since the last settle, not
     only partial ones (``set_requires_all_reduce(False)``: those wait for the all-reduce): "a
     gradient reached it on this rank" (``GradReducer.used_here``). None where no such unit
@@ -159,26 +158,29 @@ def start_settle(root: RootState) -> Settle | None:
         flags = torch.tensor([float(f) for u in members for f in u.grads.used_here or ()])
         handle = collectives.all_reduce(flags, groups[0], async_op=True) if groups else None
         parts.append((members, flags, handle, groups[1:]))
-    return Settle(parts, {id(u): len(u.grads.used_here or ()) for u in units})
+    return _Settle(parts, {id(u): len(u.grads.used_here or ()) for u in units})
 
 
-def settle_unused(root: RootState, started: Settle | None) -> None:
-    """Land every reduction, then make the choice "``.grad`` stays None" the same on every rank.
-    A reduction leaves a parameter without a gradient on a rank where backward did not use it
-    and its reduced shard is zero (``GradReducer.undecided``); but another rank may have used it,
-    its gradient zero in this rank's rows only (an embedding's rows of tokens that rank never
-    saw), and set ``.grad`` there: ``clip_grad_norm_`` would then issue different collectives
-    per rank and hang. So each such parameter that some rank used (``started``'s flags) gets
-    zeros here, and its post-accumulate-grad hooks run; one no rank used keeps None everywhere.
-    A unit that launched while landing (an ``ExtensionUnit``'s part that never reported, in a
-    backward that creates a graph) takes a second round, blocking, on every rank alike."""
+def settle_unused(root: RootState) -> None:
+    """At the end of a backward, once every reduction launched: land them, and make the choice
+    "``.grad`` stays None" the same on every rank. A reduction leaves a parameter without a
+    gradient on a rank where backward did not use it and its reduced shard is zero
+    (``GradReducer.undecided``); but another rank may have used it, its gradient zero in this
+    rank's rows only (an embedding's rows of tokens that rank never saw), and set ``.grad``
+    there: ``clip_grad_norm_`` would then issue different collectives per rank and hang. So
+    each such parameter that some rank used (flags summed behind the reductions in flight,
+    :func:`_start_settle`) gets zeros here, and its post-accumulate-grad hooks run; one no rank
+    used keeps None everywhere. A unit that launched while landing (an ``ExtensionUnit``'s part
+    that never reported, in a backward that creates a graph) takes a second round, blocking,
+    on every rank alike."""
+    started = _start_settle(root)
     for u in root.units:
         u.finish_reduce()
-    for settle in (started, start_settle(root)):
+    for settle in (started, _start_settle(root)):
         _agree(settle)
 
 
-def _agree(started: Settle | None) -> None:
+def _agree(started: _Settle | None) -> None:
     """Wait for ``started``'s sums, and give zeros where another rank used a parameter."""
     if started is None:
         return
@@ -203,11 +205,7 @@ def _give_zeros(unit: Unit, indices: list[int]) -> None:
     for i in indices:
         sp = unit.trainable[i]
         assert sp.shard is not None
-        zeros = torch.zeros_like(sp.local, dtype=dtype)
-        if dtype == sp.shard.dtype:
-            sp.set_grad(zeros)
-        else:  # keep_low_precision_grads
-            assign_grad(sp.shard, zeros)
+        sp.set_grad(torch.zeros_like(sp.local, dtype=dtype))
         sp.run_grad_hooks()
 
 

@@ -275,9 +275,13 @@ class ShardedParam:
         return compat.dtensor_from_spec(local, spec)
 
     def set_grad(self, grad: torch.Tensor) -> None:
-        """Make ``grad`` (a plain tensor of the shard's shape) the shard's ``.grad``."""
+        """Make ``grad`` (a plain tensor of the shard's shape) the shard's ``.grad``; one of
+        another floating dtype (``keep_low_precision_grads``) through :func:`assign_grad`."""
         assert self.shard is not None
-        self.shard.grad = self.as_registered(grad)
+        if grad.dtype != self.shard.dtype:
+            assign_grad(self.shard, grad)
+        else:
+            self.shard.grad = self.as_registered(grad)
 
     def run_grad_hooks(self) -> None:
         """Run the shard's ``register_post_accumulate_grad_hook`` hooks, once its ``.grad`` holds

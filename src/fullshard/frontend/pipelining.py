@@ -87,7 +87,7 @@ class PipelineState:
         for state in self._state_ctx.all_states:
             for group in state._fsdp_param_groups:
                 group.post_backward(fill_unreached=False)  # the stage's own calls filled them
-        reduce_order.settle_unused(self._root, reduce_order.start_settle(self._root))
+        reduce_order.settle_unused(self._root)
         hooks.finish_backward(self._root)
 
 
