@@ -18,9 +18,8 @@ one all-gather, one reduce-scatter) plus its extension parameters beside them:
   a part that never reports (unused parameters, recomputed forwards) is reduced at the end of
   backward instead. The unit's gradient state (``unit.grads``) covers the extension gradients
   too, so reduction turns (:mod:`.reduce_order`) hold and zero-fill both parts.
-- the extension gradients are reduce-scattered in the reduce dtype (the mixed-precision
-  ``reduce_dtype``, else the gradients' own) and land, cast to each parameter's dtype, in the
-  shards' ``.grad`` as DTensors with plain local tensors, as torch's FSDP2 leaves them.
+- the extension gradients are reduce-scattered beside the plain ones and land in the shards'
+  ``.grad``: :mod:`.extension_reduce`.
 
 Only ``fully_shard`` builds them (:func:`attach` registers the shards on the unit's mesh);
 ``reshard_after_forward=int`` is not supported, as in torch.
@@ -37,13 +36,11 @@ from torch import nn
 
 from fullshard import compat
 from fullshard.comm import collectives, flight_recorder
-from fullshard.comm.collectives import predivide_factor
 from fullshard.engine import shard_sync
 from fullshard.engine.dynamo_guard import outside_dynamo
 from fullshard.engine.extension_param import ExtensionParam, has_extension, make_shard
-from fullshard.engine.grad_pack import pack_into
+from fullshard.engine.extension_reduce import ExtensionGrads
 from fullshard.engine.layout import ParamEntry
-from fullshard.engine.reduce import GradReducer
 from fullshard.engine.sharded_param import ShardedParam, ShardSpec, local_tensor
 from fullshard.engine.unit import Unit
 from fullshard.engine.unit_config import ShardState, UnitConfig
@@ -113,13 +110,11 @@ class ExtensionUnit(Unit):
         super().__init__(name, plain, shard_group, replicate_group, config)
         self._entries = [e for e in params if has_extension(e[1])]
         self.ext: list[ExtensionParam] = []
-        self.grads = _ExtensionGrads(self)
+        self.grads: ExtensionGrads = ExtensionGrads(self, self.ext)
         self._mesh: Any = None
         self._mp_policy: Any = None
-        self._reduce_dtype: torch.dtype | None = None
         self._gather: collectives.Handle | None = None
         self._gathering = False
-        self._reduction: tuple[collectives.Handle | None, torch.Tensor, list[ExtensionParam]] | None = None
         self._anchor = torch.empty(0, requires_grad=True)  # gives _ExtensionFull's outputs a graph
         self._open: weakref.WeakSet[Any] = weakref.WeakSet()  # _ExtensionFull contexts not yet run
         self._waiting: set[str] = set()  # parts ("plain", "ext") whose gradients are still to come
@@ -250,137 +245,23 @@ class ExtensionUnit(Unit):
 
     def reduce_grads(self) -> None:
         if self.grads.reduce_unreached:  # an extension weight this rank's backward did not reach: zeros
-            self.zero_missing_ext()  # (every rank packs the same parameters, as torch's)
+            self.grads.zero_missing()  # (every rank packs the same parameters, as torch's)
         super().reduce_grads()
         with flight_recorder.at(self.name, "post-backward reduce-scatter"):
-            self._launch_ext()
+            self.grads.launch_ext()
 
     def finish_reduce(self) -> None:
         if self._waiting:  # a part never reported in backward: reduce what arrived now
             self._waiting.clear()
             if self.sync_grads:
                 self.grads.launch()
-                self._launch_ext()
+                self.grads.launch_ext()
         super().finish_reduce()
-        self._finish_ext()
-
-    @property
-    def has_pending_reduce(self) -> bool:
-        return self.grads.has_pending or self._reduction is not None
-
-    def zero_missing_ext(self) -> None:
-        """A zero gradient for each trainable extension parameter that holds none (in the dtype
-        of its unsharded tensor, the dtype of its gradient)."""
-        for ep in self.ext:
-            if ep.sp.requires_grad and ep.grad is None:
-                dtype = ep.param_dtype if ep.unsharded is None else ep.unsharded.dtype
-                ep.grad = torch.zeros(ep.sp.spec.orig_shape, dtype=dtype, device=self.device)
+        self.grads.finish_ext()
 
     @property
     def has_trainable(self) -> bool:
         return super().has_trainable or any(ep.sp.requires_grad for ep in self.ext)
-
-    def _launch_ext(self) -> None:
-        """Reduce-scatter the collected extension gradients (rank-major, as the plain ones),
-        first landing the extension reduction still in flight, if any."""
-        self._finish_ext()
-        items = [ep for ep in self.ext if ep.grad is not None]
-        if not items:
-            return
-        grads = [ep.grad for ep in items]
-        for ep in items:
-            ep.grad = None
-        dtypes = {g.dtype for g in grads if g is not None}
-        if len(dtypes) > 1:
-            raise RuntimeError(
-                f"FSDP unit {self.name!r}: the unsharded extension parameters' gradients have several dtypes "
-                f"({sorted(map(str, dtypes))}); FSDP reduces them together and needs one"
-            )
-        dtype = self._reduce_dtype or dtypes.pop()
-        packed = _pack(items, grads, self.shard_size, dtype)
-        ranks = self.shard_size * self.replicate_size
-        pre = predivide_factor(ranks) if dtype in (torch.float16, torch.bfloat16) and self.divide_factor is None else 1
-        if pre > 1:
-            packed.div_(pre)
-        post = (self.divide_factor or ranks) / pre
-        out, handle = packed, None
-        if self.shard_size > 1:
-            out = torch.empty(packed.numel() // self.shard_size, dtype=dtype, device=packed.device)
-            handle = collectives.reduce_scatter(
-                out, packed, self.shard_group, divide_by=1.0 if self.replicate_size > 1 else post, async_op=True
-            )
-        if self.replicate_size > 1:
-            if not self.all_reduce_grads:
-                raise NotImplementedError("set_requires_all_reduce(False) with all-gather extension parameters")
-            if handle is not None:
-                handle.wait()
-            handle = collectives.all_reduce(out, self.replicate_group, divide_by=post, async_op=True)
-        elif self.shard_size == 1 and post != 1:
-            out.div_(post)
-        self._reduction = (handle, out, items)
-
-    @torch.no_grad()  # also in a backward with create_graph=True
-    def _finish_ext(self) -> None:
-        """Wait for the extension reduction; each shard's ``.grad`` gets (or adds) its rows."""
-        if self._reduction is None:
-            return
-        handle, out, items = self._reduction
-        self._reduction = None
-        if handle is not None:
-            handle.wait()
-        offset = 0
-        for ep in items:
-            spec = ep.sp.spec
-            g = out[offset : offset + spec.local_numel].view(spec.local_shape)
-            g = g.to(device=ep.sp.local.device, dtype=ep.dtype)  # to the shard (in CPU memory under offload)
-            offset += spec.padded_shard_numel
-            current = ep.sp.local_grad()
-            if current is None:
-                ep.sp.set_grad(g)
-            else:
-                current.add_(g)
-        for ep in items:
-            ep.sp.run_grad_hooks()
-
-
-class _ExtensionGrads(GradReducer):
-    """An ExtensionUnit's gradient state: the plain parameters' (:class:`GradReducer`) and the
-    extension gradients collected in backward, which the unit reduces with them
-    (:meth:`ExtensionUnit.reduce_grads`). What the turns read (:mod:`.reduce_order`) covers both."""
-
-    def __init__(self, unit: ExtensionUnit) -> None:
-        super().__init__(unit)
-        self.owner = unit
-
-    @property
-    def holds_unreduced(self) -> bool:
-        return super().holds_unreduced or any(ep.grad is not None for ep in self.owner.ext)
-
-    def discard(self) -> None:
-        """Drop the extension gradients collected since the last reduction too (those held
-        while gradient sync was off) and an extension reduction in flight, as
-        :meth:`GradReducer.discard` drops the plain ones."""
-        super().discard()
-        for ep in self.owner.ext:
-            ep.grad = None
-        reduction, self.owner._reduction = self.owner._reduction, None
-        if reduction is not None and reduction[0] is not None:
-            reduction[0].wait()  # the other ranks' parts arrive until then; the result is dropped
-
-    def fill_zeros(self) -> None:
-        """Zeros for each part that holds no gradient: the plain one, each trainable extension
-        parameter (:meth:`ExtensionUnit.zero_missing_ext`)."""
-        super().fill_zeros()
-        self.owner.zero_missing_ext()
-
-
-def _pack(items: list[ExtensionParam], grads: list[Any], n: int, dtype: torch.dtype) -> torch.Tensor:
-    """Full gradients (shapes ``orig_shape``) packed rank-major in ``dtype``, (N * sum of padded shards,)."""
-    specs = [ep.sp.spec for ep in items]
-    device = next(g for g in grads if g is not None).device
-    out = torch.empty(n, sum(spec.padded_shard_numel for spec in specs), dtype=dtype, device=device)
-    pack_into(out, grads, specs)
-    return out.reshape(-1)
 
 
 class _ExtensionFull(torch.autograd.Function):
@@ -435,7 +316,7 @@ def attach(unit: Unit, mesh: Any, mp_policy: Any) -> None:
     unit._mesh = mesh if mesh.ndim == 1 else mesh[mesh.mesh_dim_names[-1]]
     unit._mp_policy = _torch_policy(mp_policy)
     param_dtype, reduce_dtype = unit._mp_policy.param_dtype, unit._mp_policy.reduce_dtype
-    unit._reduce_dtype = None if reduce_dtype == param_dtype else reduce_dtype
+    unit.grads.ext_reduce_dtype = None if reduce_dtype == param_dtype else reduce_dtype
     for fqn, p, slots in unit._entries:
         sp = ShardedParam(ShardSpec(p.shape, unit.shard_size, unit.rank), slots, fqn, p.requires_grad)
         sp.shard_group = unit.shard_group

@@ -26,6 +26,7 @@ from fullshard import compat, probes
 from fullshard.comm import buffers, collectives, quantized
 from fullshard.comm.collectives import predivide_factor
 from fullshard.engine import custom_comm
+from fullshard.engine.grad_use import GradUse, unused_here
 from fullshard.engine.layout import UnitLayout
 from fullshard.engine.sharded_param import ShardedParam
 
@@ -64,17 +65,10 @@ class GradReducer:
         # version, whether the grad is a zero placeholder of ours); None when nothing is held.
         self.zero_grad_drops_unsynced = True
         # fully_shard (torch FSDP2's rule): a parameter no backward reached since the last
-        # reduction keeps its ``.grad`` None (an optimizer then skips it), instead of a zero.
+        # reduction keeps its ``.grad`` None (an optimizer then skips it), instead of a zero;
+        # which got a gradient here (see grad_use).
         self.unused_grads_none = False
-        self._used: list[bool] | None = None  # per trainable parameter, since the last launch
-        # Trainable indices the last reduction left without a .grad (no gradient here, a zero
-        # shard), until reduce_order.settle_unused gives those another rank used zeros.
-        self.undecided: set[int] = set()
-        # Under unused_grads_none, per trainable parameter: a gradient reached it on this rank in
-        # some reduction launched since the last settle_unused (None: none launched since), and
-        # whether one of those took the replica all-reduce too (a partial reduce does not).
-        self.used_here: list[bool] | None = None
-        self.settle_due = False
+        self.use = GradUse(self._give_zero)
         # fully_shard's set_reduce_scatter_unused_params(True) (torch FSDP2's rule): a unit the
         # backward did not reach reduces zeros at its end, so its parameters get a .grad too.
         self.reduce_unreached = False
@@ -191,14 +185,12 @@ class GradReducer:
     def note_used(self, grads: Sequence[torch.Tensor | None]) -> None:
         """Record which trainable parameters got a gradient (``grads``: one per parameter, None
         where the forward did not use it) for :attr:`unused_grads_none`."""
-        if not self.unused_grads_none:
-            return
-        used = self._used
-        if used is None:
-            self._used = [g is not None for g in grads]
-        elif not all(used):
-            for i, g in enumerate(grads):
-                used[i] = used[i] or g is not None
+        if self.unused_grads_none:
+            self.use.note([g is not None for g in grads])
+
+    def uses(self) -> list[GradUse]:
+        """The use records of this unit's parts (:mod:`.grad_use`), which the settle sums."""
+        return [self.use]
 
     def launch(self) -> None:
         """Launch the reduce-scatter (and replica all-reduce) of the accumulated full gradient,
@@ -208,9 +200,7 @@ class GradReducer:
             self.finish()
         unit = self.unit
         self.drop_if_zeroed()  # a unit this backward did not reach, reducing what it held
-        used, self._used = self._used, None
-        if used is not None and all(used):
-            used = None  # every parameter got a gradient: none is left without one
+        used = self.use.take()
         grad = unit.full_flat.grad
         unit.full_flat.grad = None
         if self._unsynced is not None:  # sums kept in the reduce dtype while sync was off
@@ -221,10 +211,7 @@ class GradReducer:
         if grad is None:
             return
         if self.unused_grads_none:
-            n, seen = len(unit.trainable), self.used_here
-            seen = seen if seen is not None and len(seen) == n else [False] * n
-            self.used_here = [a or b for a, b in zip(seen, used or [True] * n)]
-            self.settle_due = self.settle_due or unit.replicate_size == 1 or unit.all_reduce_grads
+            self.use.launched(used, len(unit.trainable), unit.replicate_size == 1 or unit.all_reduce_grads)
         if probes.ACTIVE is not None:
             probes.record_event("reduce", unit.name)
         if self.custom_reduce_scatter is not None and unit.shard_size > 1:
@@ -399,7 +386,8 @@ class GradReducer:
         if self.all_reduce_hook is not None:  # after the replica all-reduce, before the cast, as torch's
             self.all_reduce_hook(out)
         unit = self.unit
-        unused = _unused_here(pending.used, unit, out)  # before a non-blocking copy to the host
+        # before a non-blocking copy to the host
+        unused = set() if pending.used is None else unused_here(pending.used, unit.trainable_local_views(out))
         grad_dtype = out.dtype if unit.config.keep_low_precision_grads else unit.dtype
         if out.dtype != grad_dtype or out.device != unit.shard_device:
             host = self._grad_buffer(out.shape, grad_dtype)
@@ -407,7 +395,7 @@ class GradReducer:
             out = host
         viewed = False  # some shard's .grad is now a view of ``out``
         views = unit.trainable_local_views(out)
-        left_none = self.undecided = set()  # unused parameters without a .grad, for now
+        left_none = self.use.undecided = set()  # unused parameters without a .grad, for now
         for i, (sp, g) in enumerate(zip(unit.trainable, views)):
             assert sp.shard is not None
             current = sp.local_grad()
@@ -438,8 +426,8 @@ class GradReducer:
         full = self.unit.full_flat
         if full.grad is None and self._unsynced is None and self.unit.grad_numel > 0:
             full.grad = torch.zeros(full.shape, dtype=full.dtype, device=full.device)
-            if self.unused_grads_none and self._used is None:
-                self._used = [False] * len(self.unit.trainable)
+            if self.unused_grads_none and self.use.noted is None:
+                self.use.noted = [False] * len(self.unit.trainable)
 
     def discard(self) -> None:
         """Drop every gradient not yet in the shards' ``.grad`` (an iteration an exception
@@ -455,12 +443,23 @@ class GradReducer:
                 buffers.POOL.release(pending.packed, lent=True)
         self.unit.full_flat.grad = None
         self._unsynced = self._partial_sum = None
-        self._used = self.used_here = None
-        self.undecided, self.settle_due = set(), False
+        for use in self.uses():
+            use.drop()
         marks, self._marks = self._marks, None
         for sp, grad, _, placeholder in marks or ():
             if placeholder and sp.shard is not None and sp.shard.grad is grad:
                 sp.shard.grad = None
+
+    @torch.no_grad()  # also in a backward with create_graph=True
+    def _give_zero(self, i: int) -> None:
+        """A zero ``.grad`` (the dtype the reductions give) for trainable parameter ``i``, then
+        its post-accumulate-grad hooks: the settle's (:mod:`.grad_use`)."""
+        unit = self.unit
+        dtype = unit.reduce_dtype if unit.config.keep_low_precision_grads else unit.dtype
+        sp = unit.trainable[i]
+        assert sp.shard is not None
+        sp.set_grad(torch.zeros_like(sp.local, dtype=dtype))
+        sp.run_grad_hooks()
 
     def _grad_buffer(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """Where cast or offloaded gradients land: reused while no shard still holds the last one.
@@ -482,13 +481,3 @@ class GradReducer:
         if unit.config.offload:
             self._host_grad = buffer
         return buffer
-
-
-def _unused_here(used: list[bool] | None, unit: UnitLayout, out: torch.Tensor) -> set[int]:
-    """Indices of the trainable parameters no gradient reached on this rank whose reduced shard
-    (in ``out``, (S_t,)) is all zeros: a ``.grad`` they lack stays None for now (another rank may
-    have used one: :func:`.reduce_order.settle_unused` asks)."""
-    if used is None:
-        return set()
-    shards = unit.trainable_local_views(out)
-    return {i for i, (u, g) in enumerate(zip(used, shards)) if not u and not bool(g.any())}

@@ -42,6 +42,7 @@ import dataclasses
 import torch
 
 from fullshard.comm import collectives
+from fullshard.engine.grad_use import GradUse
 from fullshard.engine.hook_state import ReduceTurns, RootState
 from fullshard.engine.unit import Unit
 
@@ -134,38 +135,41 @@ def _late_round(made: ReduceTurns, root: RootState) -> None:
 
 @dataclasses.dataclass
 class _Settle:
-    """The flags :func:`_start_settle` sent: per group set, the units, the summed flags, the
-    all-reduce over the first group in flight, and the groups left."""
+    """The flags :func:`_start_settle` sent: per group set, the use records with how many flags
+    each sent, the summed flags, the all-reduce over the first group in flight, and the groups left."""
 
-    parts: list[tuple[list[Unit], torch.Tensor, collectives.Handle | None, list[collectives.ProcessGroup]]]
-    sizes: dict[int, int]  # flags per unit (by id): its trainable parameters when it launched
+    parts: list[
+        tuple[list[tuple[GradUse, int]], torch.Tensor, collectives.Handle | None, list[collectives.ProcessGroup]]
+    ]
 
 
 def _start_settle(root: RootState) -> _Settle | None:
     """Once every reduction of a backward launched and before they are landed: start summing,
-    over the groups the units reduce over, a flag per trainable parameter of each unit that
-    leaves unused parameters' ``.grad`` None (``fully_shard`` without
+    over the groups the units reduce over, a flag per trainable parameter of each part of a unit
+    (:mod:`.grad_use`: its flat buffer's parameters, its all-gather extension ones) that leaves
+    unused parameters' ``.grad`` None (``fully_shard`` without
     ``set_reduce_scatter_unused_params``) and launched a reduction since the last settle, not
     only partial ones (``set_requires_all_reduce(False)``: those wait for the all-reduce): "a
-    gradient reached it on this rank" (``GradReducer.used_here``). None where no such unit
-    launched one (on no rank, as reductions are launched on every rank). The sum runs behind
-    the reductions in flight: :func:`settle_unused` waits for it."""
-    units = [u for u in root.units if u.grads.unused_grads_none and u.grads.settle_due]
+    gradient reached it on this rank" (``GradUse.here``). None where no such unit launched one
+    (on no rank, as reductions are launched on every rank). The sum runs behind the reductions
+    in flight: :func:`settle_unused` waits for it."""
+    units = [u for u in root.units if u.grads.unused_grads_none and any(r.settle_due for r in u.grads.uses())]
     if not units:
         return None
     parts = []
     for groups, members in _by_groups(units):
-        flags = torch.tensor([float(f) for u in members for f in u.grads.used_here or ()])
+        records = [(r, len(r.here or ())) for u in members for r in u.grads.uses() if r.settle_due]
+        flags = torch.tensor([float(f) for r, _ in records for f in r.here or ()])
         handle = collectives.all_reduce(flags, groups[0], async_op=True) if groups else None
-        parts.append((members, flags, handle, groups[1:]))
-    return _Settle(parts, {id(u): len(u.grads.used_here or ()) for u in units})
+        parts.append((records, flags, handle, groups[1:]))
+    return _Settle(parts)
 
 
 def settle_unused(root: RootState) -> None:
     """At the end of a backward, once every reduction launched: land them, and make the choice
     "``.grad`` stays None" the same on every rank. A reduction leaves a parameter without a
     gradient on a rank where backward did not use it and its reduced shard is zero
-    (``GradReducer.undecided``); but another rank may have used it, its gradient zero in this
+    (``GradUse.undecided``); but another rank may have used it, its gradient zero in this
     rank's rows only (an embedding's rows of tokens that rank never saw), and set ``.grad``
     there: ``clip_grad_norm_`` would then issue different collectives per rank and hang. So
     each such parameter that some rank used (flags summed behind the reductions in flight,
@@ -184,29 +188,15 @@ def _agree(started: _Settle | None) -> None:
     """Wait for ``started``'s sums, and give zeros where another rank used a parameter."""
     if started is None:
         return
-    for members, flags, handle, rest in started.parts:
+    for records, flags, handle, rest in started.parts:
         if handle is not None:
             handle.wait()
         for group in rest:
             collectives.all_reduce(flags, group)
         used = flags.tolist()
-        for u in members:
-            n = started.sizes[id(u)]
+        for record, n in records:
             mine, used = used[:n], used[n:]
-            _give_zeros(u, [i for i in sorted(u.grads.undecided) if i < n and mine[i]])
-            u.grads.undecided, u.grads.used_here, u.grads.settle_due = set(), None, False
-
-
-@torch.no_grad()
-def _give_zeros(unit: Unit, indices: list[int]) -> None:
-    """A zero ``.grad`` (the dtype the unit's reductions give) for ``unit``'s trainable
-    parameters at ``indices``, then their post-accumulate-grad hooks."""
-    dtype = unit.reduce_dtype if unit.config.keep_low_precision_grads else unit.dtype
-    for i in indices:
-        sp = unit.trainable[i]
-        assert sp.shard is not None
-        sp.set_grad(torch.zeros_like(sp.local, dtype=dtype))
-        sp.run_grad_hooks()
+            record.agree(mine)
 
 
 def _by_groups(units: list[Unit]) -> list[tuple[list[collectives.ProcessGroup], list[Unit]]]:
