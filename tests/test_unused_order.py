@@ -310,6 +310,68 @@ def test_an_extension_only_unit_reached_on_some_ranks_reduces_on_all() -> None:
     assert len(run_ranks(extension_body, 2, timeout=100)[0]) == 8
 
 
+# Per world size: the ranks whose backward reaches ``b``, per step (``a`` reaches it on every rank).
+UNFLAGGED_ROUTES = {2: [(0,), (), (1,), (0, 1)], 3: [(1,), (), (0, 2)]}
+
+
+def extension_unused_body(rank: int, world: int) -> list[str]:
+    """Unflagged (an unused parameter keeps ``.grad`` None), an extension-only unit reached on
+    every rank whose weight ``b`` reaches the loss on some ranks only: every rank packs both
+    weights (the reduce-scatter's sizes used to differ per rank: gloo failed), and ``b``'s
+    ``.grad`` is set on every rank where some rank used it (the averaged gradient), None on
+    every rank where none did, its post-accumulate-grad hooks run on every rank alike, and
+    torch's ``clip_grad_norm_`` gives the unsharded model's norm on every rank."""
+    from agext_tensors import wrap_weights
+
+    import fullshard
+    from fullshard.engine.hooks import fsdp_state
+    from fullshard.engine.unit import TrainingState
+
+    torch.manual_seed(0)
+    ref = ExtensionExpert()
+    ref.partial = True
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(p.bfloat16().float())
+    mod = copy.deepcopy(ref)
+    wrap_weights(mod.expert)
+    fullshard.fully_shard(mod.expert, reshard_after_forward=False)
+    fullshard.fully_shard(mod)
+    for unit in (mod, mod.expert):
+        unit.set_modules_to_backward_prefetch([])
+    calls: list[str] = []
+    for name in ("a", "b"):
+        getattr(mod.expert, name).weight.register_post_accumulate_grad_hook(lambda p, n=name: calls.append(n))
+    results = []
+    for step, routed in enumerate(UNFLAGGED_ROUTES[world]):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank + 10 * step))
+        for model in (ref, mod):
+            model.zero_grad(set_to_none=True)
+            model.routed = rank in routed
+            (model(x) ** 2).mean().backward()
+        assert_averaged(ref, mod, world, f"{routed}", none_ok=lambda n: n == "expert.b.weight" and not routed)
+        has = {n: p.grad is not None for n, p in mod.named_parameters()}
+        assert has["expert.b.weight"] == bool(routed) and all(v for n, v in has.items() if n != "expert.b.weight")
+        want = torch.nn.utils.get_total_norm([p.grad.full_tensor() for p in mod.parameters() if p.grad is not None])
+        got = torch.nn.utils.clip_grad_norm_(list(mod.parameters()), 1e9)
+        torch.testing.assert_close(got.full_tensor(), want, rtol=1e-5, atol=1e-6, msg=f"{routed}")
+        units = [s.unit for m in mod.modules() if (s := fsdp_state(m)) is not None]
+        assert all(u.training_state is TrainingState.IDLE and not u.has_pending_reduce for u in units), routed
+        every: list[Any] = [None] * world
+        torch.distributed.all_gather_object(every, (sorted(has.items()), list(calls)))
+        assert all(e == every[0] for e in every), (routed, every)
+        results.append(f"{routed} {''.join(calls)}")
+    return results
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3])
+def test_an_extension_weight_used_on_some_ranks_gets_a_grad_on_every_rank(world: int) -> None:
+    # a's hooks run at every step, b's where some rank used it, on every rank (the hooks seen so far).
+    want = {2: ["(0,) ab", "() aba", "(1,) abaab", "(0, 1) abaabab"], 3: ["(1,) ab", "() aba", "(0, 2) abaab"]}
+    assert run_ranks(extension_unused_body, world, timeout=100) == [want[world]] * world
+
+
 class Lookup(nn.Module):
     """``emb`` runs on the last rank only, for tokens in the rows of the last rank's shard, so
     the averaged gradient is zero in every other rank's rows; ``spare`` no forward uses."""

@@ -8,8 +8,11 @@ with them. What the reduction turns read (:mod:`.reduce_order`) covers both part
 The extension gradients are packed rank-major, as the plain ones, in the reduce dtype (the
 mixed-precision ``reduce_dtype``, else the gradients' own), reduce-scattered, and land, cast to
 each parameter's dtype, in the shards' ``.grad`` as DTensors with plain local tensors, as torch's
-FSDP2 leaves them. Under ``reduce_unreached`` the unit zero-fills every trainable one that
-holds no gradient, so every rank packs the same parameters.
+FSDP2 leaves them. Every rank packs the same parameters (the collectives' sizes must match):
+under ``reduce_unreached`` the unit zero-fills every trainable one that holds no gradient; under
+``unused_grads_none`` too, once any got one, and records which got one here
+(:mod:`.grad_use`): a parameter no rank used keeps ``.grad`` None, one another rank used gets
+zeros at the settle.
 """
 
 from __future__ import annotations
@@ -22,13 +25,15 @@ from fullshard.comm import collectives
 from fullshard.comm.collectives import predivide_factor
 from fullshard.engine.extension_param import ExtensionParam
 from fullshard.engine.grad_pack import pack_into
+from fullshard.engine.grad_use import GradUse, unused_here
 from fullshard.engine.layout import UnitLayout
 from fullshard.engine.reduce import GradReducer
 
 __all__ = ["ExtensionGrads"]
 
-# An extension reduction in flight: its handle, this rank's rows of the output, the parameters packed.
-_InFlight = tuple[collectives.Handle | None, torch.Tensor, list[ExtensionParam]]
+# An extension reduction in flight: its handle, this rank's rows of the output, the parameters
+# packed, and their use flags (:meth:`ExtensionGrads.launch_ext`'s).
+_InFlight = tuple[collectives.Handle | None, torch.Tensor, list[ExtensionParam], list[bool] | None]
 
 
 class ExtensionGrads(GradReducer):
@@ -43,6 +48,7 @@ class ExtensionGrads(GradReducer):
         super().__init__(unit)
         self.ext = ext
         self.ext_reduce_dtype: torch.dtype | None = None  # the policy's reduce_dtype, when not param_dtype
+        self.ext_use = GradUse(self._give_ext_zero)
         self._reduction: _InFlight | None = None
 
     @property
@@ -52,6 +58,9 @@ class ExtensionGrads(GradReducer):
     @property
     def holds_unreduced(self) -> bool:
         return super().holds_unreduced or any(ep.grad is not None for ep in self.ext)
+
+    def uses(self) -> list[GradUse]:
+        return [self.use, self.ext_use]
 
     def _trainable_ext(self) -> list[ExtensionParam]:
         return [ep for ep in self.ext if ep.sp.requires_grad]
@@ -77,6 +86,13 @@ class ExtensionGrads(GradReducer):
         items = [ep for ep in self.ext if ep.grad is not None]
         if not items:
             return
+        used: list[bool] | None = None
+        if self.unused_grads_none:  # every trainable one, zeros where no gradient reached it here
+            items = self._trainable_ext()
+            used = [ep.grad is not None for ep in items]
+            used = None if all(used) else used
+            self.zero_missing()
+            self.ext_use.launched(used, len(items), True)
         grads = [ep.grad for ep in items]
         for ep in items:
             ep.grad = None
@@ -108,30 +124,39 @@ class ExtensionGrads(GradReducer):
             handle = collectives.all_reduce(out, unit.replicate_group, divide_by=post, async_op=True)
         elif unit.shard_size == 1 and post != 1:
             out.div_(post)
-        self._reduction = (handle, out, items)
+        self._reduction = (handle, out, items, used)
 
     @torch.no_grad()  # also in a backward with create_graph=True
     def finish_ext(self) -> None:
-        """Wait for the extension reduction; each shard's ``.grad`` gets (or adds) its rows."""
+        """Wait for the extension reduction; each shard's ``.grad`` gets (or adds) its rows, but
+        for one no gradient reached here whose rows are zeros and that has none: it stays None
+        until the settle (:mod:`.grad_use`)."""
         if self._reduction is None:
             return
-        handle, out, items = self._reduction
+        handle, out, items, used = self._reduction
         self._reduction = None
         if handle is not None:
             handle.wait()
-        offset = 0
+        offset, rows = 0, []
         for ep in items:
             spec = ep.sp.spec
-            g = out[offset : offset + spec.local_numel].view(spec.local_shape)
-            g = g.to(device=ep.sp.local.device, dtype=ep.dtype)  # to the shard (in CPU memory under offload)
+            rows.append(out[offset : offset + spec.local_numel].view(spec.local_shape))
             offset += spec.padded_shard_numel
+        unused = unused_here(used, rows)  # (items are the trainable ones where ``used`` is given)
+        left_none = self.ext_use.undecided = set()
+        for i, (ep, g) in enumerate(zip(items, rows)):
             current = ep.sp.local_grad()
+            if current is None and i in unused:
+                left_none.add(i)
+                continue
+            g = g.to(device=ep.sp.local.device, dtype=ep.dtype)  # to the shard (in CPU memory under offload)
             if current is None:
                 ep.sp.set_grad(g)
             else:
                 current.add_(g)
-        for ep in items:
-            ep.sp.run_grad_hooks()
+        for i, ep in enumerate(items):
+            if i not in left_none:
+                ep.sp.run_grad_hooks()
 
     def discard(self) -> None:
         """Drop the extension gradients collected since the last reduction too (those held
@@ -143,6 +168,14 @@ class ExtensionGrads(GradReducer):
         reduction, self._reduction = self._reduction, None
         if reduction is not None and reduction[0] is not None:
             reduction[0].wait()  # the other ranks' parts arrive until then; the result is dropped
+
+    @torch.no_grad()  # also in a backward with create_graph=True
+    def _give_ext_zero(self, i: int) -> None:
+        """A zero ``.grad`` (the parameter's dtype) for trainable extension parameter ``i``, then
+        its post-accumulate-grad hooks: the settle's (:mod:`.grad_use`)."""
+        ep = self._trainable_ext()[i]
+        ep.sp.set_grad(torch.zeros(ep.sp.spec.local_shape, dtype=ep.dtype, device=ep.sp.local.device))
+        ep.sp.run_grad_hooks()
 
 
 def _pack(items: list[ExtensionParam], grads: list[Any], n: int, dtype: torch.dtype) -> torch.Tensor:

@@ -5,9 +5,9 @@ instead of a zero. The ranks must agree on which: a reduction still packs a zero
 parameter this rank did not use (the collectives' sizes are every rank's), and leaves its
 ``.grad`` None for now where the reduced shard is zero; :func:`.reduce_order.settle_unused`
 sums the flags "used here" over the ranks at the end of backward and gives zeros where another
-rank used it. One :class:`GradUse` per part of a unit that reduces on its own (the flat
-buffer's trainable parameters: :mod:`.reduce`). Indices are the part's trainable parameters, in
-its order.
+rank used it. One :class:`GradUse` per part of a unit that reduces on its own: the flat buffer's
+trainable parameters (:mod:`.reduce`), the all-gather extension parameters
+(:mod:`.extension_reduce`). Indices are the part's trainable parameters, in its order.
 """
 
 from __future__ import annotations
