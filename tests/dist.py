@@ -230,9 +230,26 @@ class _Ranks:
                     raise RuntimeError(f"ranks {dead} died with exit codes {codes}") from None
                 continue
             if status == "error":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
+                raise RuntimeError(f"rank {rank} failed:\n{value}{self._deaths(rank)}")
             results[rank] = torch.load(io.BytesIO(value), weights_only=False)
         return [results[r] for r in range(self.world)]
+
+    def _deaths(self, failed: int, wait: float = 1.0) -> str:
+        """The other ranks whose process ended within ``wait`` seconds (s) of ``failed``'s
+        error, with how: a peer that crashed (a signal such as SIGSEGV) makes the survivors
+        report only "Connection reset by peer", and a kept rank never exits on its own."""
+        import signal
+
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and all(p.exitcode is None for p in self.procs):
+            time.sleep(0.1)
+        ended = []
+        for r, p in enumerate(self.procs):
+            code = p.exitcode
+            if r != failed and code is not None:
+                how = signal.Signals(-code).name if code < 0 else f"exit code {code}"
+                ended.append(f"rank {r} ended ({how})")
+        return "\n(" + "; ".join(ended) + ")" if ended else ""
 
     def close(self, kill: bool) -> None:
         for box in self.inboxes:

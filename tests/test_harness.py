@@ -73,3 +73,23 @@ def test_patched_restores_also_when_the_block_raises() -> None:
         assert holder.value == 2 and holder.added == 3  # type: ignore[attr-defined]
         raise KeyError
     assert holder.value == 1 and not hasattr(holder, "added")
+
+
+def _crash_one(rank: int, world: int) -> int:
+    """Rank 1 dies of a signal (as a native crash in gloo's thread would end it); rank 0 then
+    fails in its all-reduce with only "connection closed by peer"."""
+    import signal
+
+    import torch.distributed as dist
+
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSEGV)
+    dist.all_reduce(torch.ones(4))
+    return rank
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_that_crashed_is_named_with_its_signal() -> None:
+    """The survivor's traceback alone does not say which rank died or how: the error names it."""
+    with pytest.raises(RuntimeError, match=r"rank 1 ended \(SIGSEGV\)"):
+        run_ranks(_crash_one, 2, timeout=100)
