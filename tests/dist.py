@@ -127,9 +127,11 @@ def _environment() -> dict[str, str]:
 
 def _setup(rank: int, world: int, store_path: str, backend: str) -> None:
     import datetime
+    import faulthandler
 
     import torch.distributed as dist
 
+    faulthandler.enable(all_threads=True)  # a native crash prints every thread's Python stack (captured stderr)
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world)
