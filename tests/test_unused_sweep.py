@@ -1,0 +1,88 @@
+"""Parameters used on some ranks only, on drawn cases (``fullshard.jobs.planning.unused``):
+rank-dependent routing, embeddings whose rows only some ranks see, branches some ranks take,
+parameters no rank uses, each unit flagged (``set_reduce_scatter_unused_params``) or not within
+the documented limits. Each case runs three steps against an unsharded model on every rank
+(``unused_check.check_rank``: averaged gradients, ``.grad`` None or set alike on every rank,
+hook counts, ``clip_grad_norm_``, SGD or AdamW steps). ``tools/unused_sweep.py`` runs more
+draws at 2-4 ranks; here a few at 2 and 3 ranks, chosen to cover bf16, micro-batches, no
+``zero_grad`` between steps, clipping that clips, experts wrapped one by one, and unflagged
+units with default prefetch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist import run_ranks
+from torch import nn
+
+from fullshard.jobs.planning import unused, unused_check
+
+SEED = 20261129
+CASES = {2: [0, 13], 3: [1, 7, 11]}  # by world size: indices of draw(SEED, 16)
+
+
+def _run(rank: int, world: int, indices: list[int]) -> list[unused_check.Result]:
+    return [unused_check.check_rank(unused.case_at(SEED, i), rank) for i in indices]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("world", sorted(CASES))
+def test_drawn_cases_match_the_unsharded_model(world: int) -> None:
+    assert all(unused.case_at(SEED, i).world == world for i in CASES[world])
+    results = run_ranks(_run, world, CASES[world], timeout=140)[0]
+    for i, r in zip(CASES[world], results):
+        assert r.passed and r.grad_error < 1e-5, (unused.case_at(SEED, i).describe(), r)
+
+
+def _scale_one_grad(model: nn.Module, rank: int) -> None:
+    """On rank 0, the head's bias gradient doubled once it lands."""
+    if rank == 0:
+        model.get_parameter("head.bias").register_post_accumulate_grad_hook(lambda p: p.grad.mul_(2))  # type: ignore[union-attr]
+
+
+def _drop_one_grad(model: nn.Module, rank: int) -> None:
+    """On rank 0, the head's weight left without a ``.grad``."""
+    if rank == 0:
+        model.get_parameter("head.weight").register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+
+
+def _tampered(rank: int, world: int, index: int, how: str) -> unused_check.Result:
+    tamper = {"scale": _scale_one_grad, "drop": _drop_one_grad}[how]
+    return unused_check.check_rank(unused.case_at(SEED, index), rank, tamper)
+
+
+@pytest.mark.timeout(100)
+@pytest.mark.parametrize("how, says", [("scale", "head.bias gradient off"), ("drop", "None on some ranks only")])
+def test_the_checks_fail_on_a_broken_gradient(how: str, says: str) -> None:
+    result = run_ranks(_tampered, 2, 13, how, timeout=90)[0]
+    assert not result.passed and says in result.failures[0], result
+
+
+def test_drawn_cases_keep_to_the_documented_limits() -> None:
+    """Every unit touched on some ranks only is flagged and kept gathered, and then every unit
+    is kept gathered and none prefetches in backward; only the root's blocks skip forward; the
+    draws are a prefix of longer draws; and the cases cover what they should."""
+    cases = unused.draw(SEED, 60)
+    assert [c.describe() for c in unused.draw(SEED, 7)] == [c.describe() for c in cases[:7]]
+    for c in cases:
+        needy = False
+        for b in c.blocks:
+            assert not b.drop_forward or b.wrap == "none", c.describe()
+            for u in range(len(b.unit_names(0))):
+                touched = [sum(b.touched(u, use) for use in ranks) for step in b.uses for ranks in step]
+                if any(0 < t < c.world for t in touched):
+                    needy = True
+                    assert b.flagged[u] and b.kept[u], c.describe()
+        if needy:
+            assert c.prefetch_off and all(all(b.kept) for b in c.blocks), c.describe()
+    assert {c.world for c in cases} == {2, 3, 4} and any(c.hsdp for c in cases) and any(c.mixed for c in cases)
+    unflagged = [b for c in cases for b in c.blocks if b.wrap != "none" and not all(b.flagged)]
+    assert any(b.habit in ("routed", "branch") for b in unflagged)  # partial use inside an unflagged unit
+
+
+def test_a_drawn_model_runs_unsharded() -> None:
+    c = unused.case_at(SEED, 3)
+    model = unused.Blocks(c)
+    unused.set_step(model, c, 0, 0, 1)
+    out = model(torch.randn(c.batch, c.hidden))
+    assert out.shape == (c.batch, 2)
