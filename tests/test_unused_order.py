@@ -512,3 +512,72 @@ def settle_edges_body(rank: int, world: int) -> list[str]:
 @pytest.mark.timeout(120)
 def test_settle_agrees_on_this_backward_only() -> None:
     assert run_ranks(settle_edges_body, 2, timeout=100)[0] == ["raised", "graph"]
+
+
+class GatheredInBackward(nn.Module):
+    """``e0`` reaches the loss on every rank and is resharded after forward (it all-gathers in
+    backward); the experts after it, flagged and kept gathered, on some ranks only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.e0 = nn.Linear(4, 4)
+        self.experts = nn.ModuleList([nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4)), nn.Linear(4, 4)])
+        self.head = nn.Linear(4, 2)
+        self.use_experts = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + torch.tanh(self.e0(x))
+        for e in self.experts:  # every expert runs forward on every rank
+            out = e(h)
+            if self.use_experts:
+                h = h + torch.tanh(out)
+        return self.head(h)
+
+
+def gathered_in_backward_body(rank: int, world: int, hybrid: bool) -> list[list[bool]]:
+    """Two steps; per step the ranks that use the experts change. A rank that uses them reaches
+    both experts' post-backward (their turns are first) before ``e0``'s backward all-gather;
+    one that does not all-gathers ``e0`` first and reduces the experts' zeros at the end. Over
+    the shard group the reductions and the all-gather would pair crosswise; over a twin, a
+    reduction waited on before ``e0``'s all-gather would hang. Returns, for the reduce-scatters
+    and the all-gathers of the backward, whether each went over a twin."""
+    import fullshard
+    from fullshard.comm import flight_recorder, process_groups
+
+    torch.manual_seed(0)
+    ref = GatheredInBackward()
+    mod = copy.deepcopy(ref)
+    mesh = None
+    if hybrid:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    fullshard.fully_shard(mod.e0, mesh=mesh)
+    for e in mod.experts:
+        fullshard.fully_shard(e, mesh=mesh, reshard_after_forward=False)
+        e.set_reduce_scatter_unused_params(True, recurse=False)
+    fullshard.fully_shard(mod, mesh=mesh)
+    for unit in (mod, mod.e0, *mod.experts):
+        unit.set_modules_to_backward_prefetch([])
+    twins, entries = [], []
+    for step, users in enumerate(([1], [0, world - 1])):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+        flight_recorder.RECORDER.entries.clear()
+        for model in (ref, mod):
+            model.use_experts = rank in users
+            model.zero_grad(set_to_none=True)
+            model(x).square().mean().backward()
+        assert_averaged(ref, mod, world, f"step {step}")
+        twins.append(dict(process_groups._TWINS))
+        entries += flight_recorder.RECORDER.entries
+    assert twins[0] == twins[1]  # made at the first forward only
+    ops = ("reduce_scatter", "all_gather")
+    return [sorted({e.group.endswith(" reductions") for e in entries if e.op == op}) for op in ops]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("world", "hybrid"), [(2, False), (3, False), (4, True)])
+def test_a_unit_gathered_in_backward_next_to_ones_reached_on_some_ranks(world: int, hybrid: bool) -> None:
+    """docs/api.md: units reached on some ranks only kept gathered; another, reached on every
+    rank, may all-gather in backward."""
+    assert run_ranks(gathered_in_backward_body, world, hybrid, timeout=100) == [[[True], [False]]] * world
