@@ -264,31 +264,41 @@ class ExtensionExpert(nn.Module):
         return self.out(h)
 
 
+def _extension_pair(partial: bool) -> tuple[ExtensionExpert, ExtensionExpert]:
+    """An unsharded :class:`ExtensionExpert` (values made bfloat16's, so the bfloat16 gather is
+    exact) and its copy with the expert's weights made all-gather extension ones, the expert
+    kept gathered after forward and the root wrapped."""
+    from agext_tensors import wrap_weights
+
+    import fullshard
+
+    torch.manual_seed(0)
+    ref = ExtensionExpert()
+    ref.partial = partial
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(p.bfloat16().float())
+    mod = copy.deepcopy(ref)
+    wrap_weights(mod.expert)
+    fullshard.fully_shard(mod.expert, reshard_after_forward=False)
+    fullshard.fully_shard(mod)
+    return ref, mod
+
+
 def extension_body(rank: int, world: int) -> list[str]:
     """A flagged unit whose only trainable parameters are all-gather extension ones
     (:class:`agext_tensors.Bf16CommWeight`, gathered in bfloat16: the values are made bfloat16's
     so the gather is exact) reduces on every rank, zeros where backward did not reach it, or
     did not reach one of its weights (``partial``: every rank packs the same parameters): the
     gradients are the unsharded model's averaged."""
-    from agext_tensors import wrap_weights
 
-    import fullshard
     from fullshard.engine.all_gather_extension import ExtensionUnit
     from fullshard.engine.hooks import fsdp_state
     from fullshard.engine.unit import TrainingState
 
     results = []
     for partial, routed in [(p, r) for p in (False, True) for r in [(0,), (1,), (0, 1), ()]]:
-        torch.manual_seed(0)
-        ref = ExtensionExpert()
-        ref.partial = partial
-        with torch.no_grad():
-            for p in ref.parameters():
-                p.copy_(p.bfloat16().float())
-        mod = copy.deepcopy(ref)
-        wrap_weights(mod.expert)
-        fullshard.fully_shard(mod.expert, reshard_after_forward=False)
-        fullshard.fully_shard(mod)
+        ref, mod = _extension_pair(partial)
         expert = fsdp_state(mod.expert)
         assert expert is not None and isinstance(expert.unit, ExtensionUnit) and not expert.unit.trainable
         for unit in (mod, mod.expert):
@@ -321,22 +331,11 @@ def extension_unused_body(rank: int, world: int) -> list[str]:
     ``.grad`` is set on every rank where some rank used it (the averaged gradient), None on
     every rank where none did, its post-accumulate-grad hooks run on every rank alike, and
     torch's ``clip_grad_norm_`` gives the unsharded model's norm on every rank."""
-    from agext_tensors import wrap_weights
 
-    import fullshard
     from fullshard.engine.hooks import fsdp_state
     from fullshard.engine.unit import TrainingState
 
-    torch.manual_seed(0)
-    ref = ExtensionExpert()
-    ref.partial = True
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.copy_(p.bfloat16().float())
-    mod = copy.deepcopy(ref)
-    wrap_weights(mod.expert)
-    fullshard.fully_shard(mod.expert, reshard_after_forward=False)
-    fullshard.fully_shard(mod)
+    ref, mod = _extension_pair(True)
     for unit in (mod, mod.expert):
         unit.set_modules_to_backward_prefetch([])
     calls: list[str] = []
