@@ -533,7 +533,7 @@ class GatheredInBackward(nn.Module):
         return self.head(h)
 
 
-def gathered_in_backward_body(rank: int, world: int) -> list[list[bool]]:
+def gathered_in_backward_body(rank: int, world: int, hybrid: bool) -> list[list[bool]]:
     """Two steps; per step the ranks that use the experts change. A rank that uses them reaches
     both experts' post-backward (their turns are first) before ``e0``'s backward all-gather;
     one that does not all-gathers ``e0`` first and reduces the experts' zeros at the end. Over
@@ -546,11 +546,16 @@ def gathered_in_backward_body(rank: int, world: int) -> list[list[bool]]:
     torch.manual_seed(0)
     ref = GatheredInBackward()
     mod = copy.deepcopy(ref)
-    fullshard.fully_shard(mod.e0)
+    mesh = None
+    if hybrid:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    fullshard.fully_shard(mod.e0, mesh=mesh)
     for e in mod.experts:
-        fullshard.fully_shard(e, reshard_after_forward=False)
+        fullshard.fully_shard(e, mesh=mesh, reshard_after_forward=False)
         e.set_reduce_scatter_unused_params(True, recurse=False)
-    fullshard.fully_shard(mod)
+    fullshard.fully_shard(mod, mesh=mesh)
     for unit in (mod, mod.e0, *mod.experts):
         unit.set_modules_to_backward_prefetch([])
     twins, entries = [], []
@@ -570,8 +575,8 @@ def gathered_in_backward_body(rank: int, world: int) -> list[list[bool]]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_a_unit_gathered_in_backward_next_to_ones_reached_on_some_ranks(world: int) -> None:
+@pytest.mark.parametrize(("world", "hybrid"), [(2, False), (3, False), (4, True)])
+def test_a_unit_gathered_in_backward_next_to_ones_reached_on_some_ranks(world: int, hybrid: bool) -> None:
     """docs/api.md: units reached on some ranks only kept gathered; another, reached on every
-    rank, may all-gather in backward (not under HSDP: there every unit stays gathered)."""
-    assert run_ranks(gathered_in_backward_body, world, timeout=100) == [[[True], [False]]] * world
+    rank, may all-gather in backward."""
+    assert run_ranks(gathered_in_backward_body, world, hybrid, timeout=100) == [[[True], [False]]] * world

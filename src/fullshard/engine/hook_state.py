@@ -20,7 +20,7 @@ class ReduceTurns:
     units that take turns, the turn of each (by id), the next turn to launch, the units (by id)
     whose gradients are ready but whose turn has not come, and those reached again after their
     reduction launched (their gradients wait for the late round). Over twin groups: the units
-    whose reductions are in flight, oldest first."""
+    whose reductions are in flight, oldest first, and whether every turn waits for backward's end."""
 
     units: list[Unit]
     turn: dict[int, int]
@@ -28,6 +28,7 @@ class ReduceTurns:
     ready: set[int] = dataclasses.field(default_factory=set)
     late: set[int] = dataclasses.field(default_factory=set)
     in_flight: list[Unit] = dataclasses.field(default_factory=list)
+    hold: bool = False
 
 
 @dataclasses.dataclass

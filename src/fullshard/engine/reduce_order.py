@@ -40,9 +40,8 @@ collectives then come in one order on every rank, the all-gathers in backward's 
 every rank for the units backward reaches everywhere; a unit reached on some ranks only must
 not gather in backward at all: kept gathered after forward, no backward prefetch), the
 reductions in turn order. The replicate group (HSDP) carries reductions only and needs none.
-Over twins no rank waits for a reduction during backward (:func:`launch`). Trees where every
-unit stays gathered after forward, and HSDP trees (the replicas' all-reduce waits for the
-reduce-scatter, which would hold every reduction until backward's end), keep one group.
+Over twins no rank waits for a reduction during backward (:func:`launch`), and under HSDP every
+turn waits for backward's end (the replicas' all-reduce waits for the reduce-scatter).
 
 In a tree without the flag nothing changes: each unit reduces in its post-backward, and there
 is no late round. Its ``fully_shard`` units leave a parameter no gradient reached ``.grad`` None
@@ -62,18 +61,11 @@ from fullshard.engine.unit import Unit
 
 
 def twin_groups(root: RootState) -> None:
-    """At a root forward, once some unit has ``reduce_unreached`` and some unit reshards after
-    forward (so it may all-gather in backward): reduce every unit of the tree over a twin of its
-    shard group from now on (made on the first tree that needs it, cached per group's ranks).
-    Not under HSDP: there the replicas' all-reduce waits for the reduce-scatter, which over a
-    twin could only wait for backward's end (every unit's full gradient held until then); such
-    trees keep one group, and their units reached on some ranks only need every unit kept
-    gathered. Every rank of a group calls it here alike (the settings are every rank's), and
-    every collective a rank may wait on at a root forward's start was issued by every rank."""
-    units = root.units
-    if root.twinned or not any(u.grads.reduce_unreached for u in units):
-        return
-    if not any(u.reshard_after_forward for u in units) or any(u.replicate_size > 1 for u in units):
+    """At a root forward, once some unit has ``reduce_unreached``: reduce every unit of the tree
+    over a twin of its shard group from now on (made on the first tree that needs it, cached per
+    group's ranks). Every rank of a group calls it here alike (the flag is set on every rank),
+    and every collective a rank may wait on at a root forward's start was issued by every rank."""
+    if root.twinned or not any(u.grads.reduce_unreached for u in root.units):
         return
     root.twinned = True
     units = [u for u in root.units if u.shard_group is not None and u.shard_size > 1]
@@ -106,13 +98,16 @@ def launch(unit: Unit, root: RootState) -> None:
 def turns(root: RootState) -> ReduceTurns:
     """This backward's turns (made at its first reduction): none in a tree without
     ``reduce_unreached``; else every unit with gradient sync on and a trainable parameter,
-    in reverse construction order."""
+    in reverse construction order. Over twin groups, a tree with a unit that all-reduces over
+    replicas after its reduce-scatter holds every turn for backward's end: launching waits for
+    the reduce-scatter before the all-reduce (see :func:`launch` for why not in backward)."""
     made = root.turns
     if made is None:
         units: list[Unit] = []
         if any(u.grads.reduce_unreached for u in root.units):
             units = [u for u in reversed(root.units) if u.sync_grads and u.has_trainable]
         made = root.turns = ReduceTurns(units, {id(u): i for i, u in enumerate(units)})
+        made.hold = root.twinned and any(u.shard_size > 1 and u.replicate_size > 1 for u in units)
     return made
 
 
@@ -134,7 +129,7 @@ def reached(unit: Unit, root: RootState) -> None:
 
 def _launch_ready(made: ReduceTurns, root: RootState) -> None:
     i = made.next
-    while i < len(made.units) and id(made.units[i]) in made.ready:
+    while not made.hold and i < len(made.units) and id(made.units[i]) in made.ready:
         launch(made.units[i], root)
         i += 1
     made.next = i
