@@ -1,5 +1,4 @@
-"""Process groups: creating and destroying the default group, the groups of hybrid sharding, and
-the twins of shard groups that gradient reductions take under reduction turns.
+"""Process groups: creating and destroying the default group, and the groups of hybrid sharding.
 
 With :mod:`fullshard.comm.collectives`, the only code that calls torch.distributed.
 """
@@ -7,13 +6,12 @@ With :mod:`fullshard.comm.collectives`, the only code that calls torch.distribut
 from __future__ import annotations
 
 import datetime
-import weakref
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from fullshard.comm import collectives, flight_recorder, peers, quantized, watchdog
+from fullshard.comm import collectives, peers, quantized, watchdog
 from fullshard.comm.buffers import POOL
 from fullshard.comm.collectives import ProcessGroup, default_group, group_size, is_initialized
 
@@ -55,52 +53,6 @@ def hybrid_groups(shard_size: int) -> tuple[ProcessGroup, ProcessGroup]:
     assert shard is not None and replicate is not None
     _HYBRID_CACHE[shard_size] = (shard, replicate)
     return shard, replicate
-
-
-# Per global ranks: the twin made for them, and the default group they were made under (weakly:
-# after torch's destroy_process_group, a new one starts over).
-_TWINS: dict[tuple[int, ...], ProcessGroup] = {}
-_TWINS_WORLD: list[weakref.ref[Any]] = []
-
-
-def reduction_twins(groups: list[ProcessGroup]) -> list[ProcessGroup]:
-    """A twin of each of ``groups``: a group of the same ranks (same rank order, backend and
-    timeout) that carries gradient reductions alone, so that their order no longer has to match
-    the all-gathers' (``fullshard.engine.reduce_order``). One twin serves every group of the
-    same ranks, made once for the default group's life (kept across ``reset_fullshard``, as the
-    hybrid groups are: a group per call would leak gloo's threads).
-
-    Collective over each group's ranks only (``use_local_synchronization``, as torch's
-    ``set_separate_reduce_scatter_group``; ranks of other groups, other pipeline stages, need
-    not call): every rank of a group calls it at the same point of its collectives on that
-    group; twins are made in ascending order of their ranks, one global order, so that groups
-    that overlap cannot wait for each other crosswise. A group whose rank order is not
-    ascending (``new_group`` sorts) keeps no twin: it is returned itself.
-
-    Raises:
-        ValueError: from torch, when a group of the same ranks was made with
-            ``use_local_synchronization`` by someone else (its name, a hash of the ranks, is taken).
-    """
-    world = default_group()
-    if not _TWINS_WORLD or _TWINS_WORLD[0]() is not world:
-        _TWINS.clear()
-        _TWINS_WORLD[:] = [weakref.ref(world)]
-    ranks_of = [tuple(dist.get_process_group_ranks(g)) for g in groups]
-    mine = dict(zip(ranks_of, groups))
-    for ranks in sorted(mine):
-        if ranks not in _TWINS and list(ranks) == sorted(ranks):
-            group = mine[ranks]
-            backend = collectives.backend(group)
-            _TWINS[ranks] = dist.new_group(
-                list(ranks),
-                timeout=datetime.timedelta(seconds=collectives.process_group_timeout(group)),
-                backend=backend,
-                use_local_synchronization=True,
-                group_desc=flight_recorder.REDUCTIONS,
-            )
-            if backend == "nccl":
-                collectives.barrier(_TWINS[ranks])  # NCCL connects at a group's first collective: now
-    return [_TWINS.get(r, g) for r, g in zip(ranks_of, groups)]
 
 
 def init_process_group(
@@ -157,7 +109,6 @@ def destroy_process_group() -> None:
     collectives.clear_caches()
     quantized.reset_generators()
     _HYBRID_CACHE.clear()
-    _TWINS.clear()
     POOL.clear()
     if is_initialized():
         dist.destroy_process_group()

@@ -145,7 +145,7 @@ def reduce_plan(unit: UnitLayout, force_sum: bool, predivide: Callable[[float], 
             return ReducePlan("avg", replica_divide=float(unit.replicate_size))
         if factor == unit.shard_size:
             return ReducePlan("avg")
-        if custom_collectives.supports_premul_sum(unit.reduce_group):
+        if custom_collectives.supports_premul_sum(unit.shard_group):
             return ReducePlan("premul_sum", scale=1.0 / factor)
         return ReducePlan("sum", post=factor)
     total = factor if factor is not None else float(unit.shard_size * unit.replicate_size)
@@ -176,5 +176,5 @@ def reduce_scatter(
         if post != 1.0:
             out.div_(post)
 
-    handle = custom_collectives.reduce_scatter(comm, out, source, unit.reduce_group, plan.op, plan.scale, epilogue)
+    handle = custom_collectives.reduce_scatter(comm, out, source, unit.shard_group, plan.op, plan.scale, epilogue)
     return out, handle

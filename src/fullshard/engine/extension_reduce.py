@@ -56,11 +56,6 @@ class ExtensionGrads(GradReducer):
         return super().has_pending or self._reduction is not None
 
     @property
-    def in_flight(self) -> bool:
-        handle = self._reduction[0] if self._reduction is not None else None
-        return super().in_flight or (handle is not None and not handle.is_completed())
-
-    @property
     def holds_unreduced(self) -> bool:
         return super().holds_unreduced or any(ep.grad is not None for ep in self.ext)
 
@@ -119,7 +114,7 @@ class ExtensionGrads(GradReducer):
         if unit.shard_size > 1:
             out = torch.empty(packed.numel() // unit.shard_size, dtype=dtype, device=packed.device)
             handle = collectives.reduce_scatter(
-                out, packed, unit.reduce_group, divide_by=1.0 if unit.replicate_size > 1 else post, async_op=True
+                out, packed, unit.shard_group, divide_by=1.0 if unit.replicate_size > 1 else post, async_op=True
             )
         if unit.replicate_size > 1:
             if not unit.all_reduce_grads:

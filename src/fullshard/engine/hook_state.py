@@ -19,16 +19,13 @@ class ReduceTurns:
     """This backward's fixed order of reductions (:mod:`fullshard.engine.reduce_order`): the
     units that take turns, the turn of each (by id), the next turn to launch, the units (by id)
     whose gradients are ready but whose turn has not come, and those reached again after their
-    reduction launched (their gradients wait for the late round). Over twin groups: the units
-    whose reductions are in flight, oldest first, and whether every turn waits for backward's end."""
+    reduction launched (their gradients wait for the late round)."""
 
     units: list[Unit]
     turn: dict[int, int]
     next: int = 0
     ready: set[int] = dataclasses.field(default_factory=set)
     late: set[int] = dataclasses.field(default_factory=set)
-    in_flight: list[Unit] = dataclasses.field(default_factory=list)
-    hold: bool = False
 
 
 @dataclasses.dataclass
@@ -45,7 +42,6 @@ class RootState:
     last_reduced: Unit | None = None
     # This backward's reduction turns (reduce_order), made at its first reduction; None between backwards.
     turns: ReduceTurns | None = None
-    twinned: bool = False  # whether the units reduce over twins of their shard groups (reduce_order.twin_groups)
     pre_backward_done: set[int] = dataclasses.field(default_factory=set)
     post_optim_event: Any = None  # a CUDA event the next forward's all-gathers wait for
     units_checked: bool = False  # whether every rank was found to wrap the same units

@@ -211,7 +211,6 @@ def root_pre_forward(state: FSDPState) -> None:
     if not root.units_checked:
         root.units_checked = True
         check_same_units(root.units)
-    reduce_order.twin_groups(root)  # under reduction turns: the reductions' own groups
     root.grad_pass = torch.is_grad_enabled()
     if root.grad_pass:
         flight_recorder.root_forward()

@@ -146,8 +146,6 @@ class UnitLayout:
         self.name = name
         self.config = config
         self.shard_group = shard_group
-        # Where the reduce-scatter runs: the shard group, or its twin under reduction turns (reduce_order).
-        self.reduce_group = shard_group
         self.replicate_group = replicate_group
         self.shard_size = collectives.group_size(shard_group) if shard_group is not None else 1
         self.rank = collectives.group_rank(shard_group) if shard_group is not None else 0

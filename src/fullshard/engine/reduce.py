@@ -94,11 +94,6 @@ class GradReducer:
         return self._pending is not None
 
     @property
-    def in_flight(self) -> bool:
-        """Whether a reduction was launched and is still running (``finish`` would wait)."""
-        return self._pending is not None and not self._pending.handle.is_completed()
-
-    @property
     def holds_unreduced(self) -> bool:
         """Whether gradients accumulated since the last reduction wait for one (the full flat
         gradient, or the reduce-dtype sum kept while sync was off)."""
@@ -239,7 +234,7 @@ class GradReducer:
         all_reduce = unit.replicate_size > 1 and unit.all_reduce_grads
         in_place = wire is None and self._reduces_in_place(grad)
         if in_place:
-            self._own = collectives.group_rank(unit.reduce_group)
+            self._own = collectives.group_rank(unit.shard_group)
             out = grad.view(unit.shard_size, -1)[self._own]
         else:
             out = grad if unit.shard_size == 1 else self._output(unit.reduce_dtype if wire else grad.dtype, grad.device)
@@ -328,7 +323,7 @@ class GradReducer:
             and grad.device == unit.shard_device
             and not unit.config.offload
             and buffers.whole(grad)
-            and collectives.reduces_in_place(unit.reduce_group)
+            and collectives.reduces_in_place(unit.shard_group)
         )
 
     def _reduce_scatter(
@@ -338,13 +333,13 @@ class GradReducer:
         quantized on the ``wire`` ("bf16", "int8": blocks per parameter, rounded stochastically)."""
         unit = self.unit
         if wire is None:
-            return collectives.reduce_scatter(out, grad, unit.reduce_group, divide_by=divide_by, async_op=True)
+            return collectives.reduce_scatter(out, grad, unit.shard_group, divide_by=divide_by, async_op=True)
         quant = unit.config.comm_quantization
         assert quant is not None
         return quantized.reduce_scatter_quantized(
             out,
             grad,
-            unit.reduce_group,
+            unit.shard_group,
             wire,
             quant.block_size,
             divide_by=divide_by,

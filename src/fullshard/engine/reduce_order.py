@@ -30,19 +30,6 @@ every rank takes one small MAX all-reduce of a flag per unit ("I hold a late gra
 the groups the units reduce over, then every unit flagged on any rank reduces once more, in
 turn order, zeros where this rank holds no late gradient: the same sums as two reductions.
 
-Turns order the reductions, not the all-gathers: a unit resharded after forward that backward
-reaches on every rank all-gathers in backward where each rank's backward reaches it, which the
-turns can put before a flagged unit's reduction on one rank and after it on another. Over one
-group the two would pair crosswise. So a tree with the flag reduces over *twins* of its units'
-shard groups (:func:`twin_groups`: the same ranks, a group of their own; one per group, made at
-a root forward, where every rank is at the same point of its collectives): over each group the
-collectives then come in one order on every rank, the all-gathers in backward's (the same on
-every rank for the units backward reaches everywhere; a unit reached on some ranks only must
-not gather in backward at all: kept gathered after forward, no backward prefetch), the
-reductions in turn order. The replicate group (HSDP) carries reductions only and needs none.
-Over twins no rank waits for a reduction during backward (:func:`launch`), and under HSDP every
-turn waits for backward's end (the replicas' all-reduce waits for the reduce-scatter).
-
 In a tree without the flag nothing changes: each unit reduces in its post-backward, and there
 is no late round. Its ``fully_shard`` units leave a parameter no gradient reached ``.grad`` None
 instead (``unused_grads_none``), and :func:`settle_unused` makes the ranks agree on which.
@@ -54,41 +41,16 @@ import dataclasses
 
 import torch
 
-from fullshard.comm import collectives, process_groups
+from fullshard.comm import collectives
 from fullshard.engine.grad_use import GradUse
 from fullshard.engine.hook_state import ReduceTurns, RootState
 from fullshard.engine.unit import Unit
 
 
-def twin_groups(root: RootState) -> None:
-    """At a root forward, once some unit has ``reduce_unreached``: reduce every unit of the tree
-    over a twin of its shard group from now on (made on the first tree that needs it, cached per
-    group's ranks). Every rank of a group calls it here alike (the flag is set on every rank),
-    and every collective a rank may wait on at a root forward's start was issued by every rank."""
-    if root.twinned or not any(u.grads.reduce_unreached for u in root.units):
-        return
-    root.twinned = True
-    units = [u for u in root.units if u.shard_group is not None and u.shard_size > 1]
-    for unit, twin in zip(units, process_groups.reduction_twins([u.shard_group for u in units])):
-        unit.reduce_group = twin
-
-
 def launch(unit: Unit, root: RootState) -> None:
     """Launch ``unit``'s reduction, first finishing the one launched before (keep one in flight,
     not all), also when that one is ``unit``'s own (reached twice in one backward: its second
-    launch would drop the first's reduction).
-
-    Over twin groups it waits for nothing: the reductions launched before land once done,
-    oldest first, and :func:`launch_rest` lands the rest. A wait here could hold back this
-    rank's next backward all-gather, which another rank may need before it reaches the turn of
-    the reduction waited on (both ranks would wait for ever)."""
-    made = root.turns
-    if root.twinned and made is not None:
-        while made.in_flight and not made.in_flight[0].grads.in_flight:
-            made.in_flight.pop(0).finish_reduce()
-        unit.reduce_grads()
-        made.in_flight.append(unit)
-        return
+    launch would drop the first's reduction)."""
     if root.last_reduced is not None:
         root.last_reduced.finish_reduce()
     unit.reduce_grads()
@@ -98,16 +60,13 @@ def launch(unit: Unit, root: RootState) -> None:
 def turns(root: RootState) -> ReduceTurns:
     """This backward's turns (made at its first reduction): none in a tree without
     ``reduce_unreached``; else every unit with gradient sync on and a trainable parameter,
-    in reverse construction order. Over twin groups, a tree with a unit that all-reduces over
-    replicas after its reduce-scatter holds every turn for backward's end: launching waits for
-    the reduce-scatter before the all-reduce (see :func:`launch` for why not in backward)."""
+    in reverse construction order."""
     made = root.turns
     if made is None:
         units: list[Unit] = []
         if any(u.grads.reduce_unreached for u in root.units):
             units = [u for u in reversed(root.units) if u.sync_grads and u.has_trainable]
         made = root.turns = ReduceTurns(units, {id(u): i for i, u in enumerate(units)})
-        made.hold = root.twinned and any(u.shard_size > 1 and u.replicate_size > 1 for u in units)
     return made
 
 
@@ -129,7 +88,7 @@ def reached(unit: Unit, root: RootState) -> None:
 
 def _launch_ready(made: ReduceTurns, root: RootState) -> None:
     i = made.next
-    while not made.hold and i < len(made.units) and id(made.units[i]) in made.ready:
+    while i < len(made.units) and id(made.units[i]) in made.ready:
         launch(made.units[i], root)
         i += 1
     made.next = i
@@ -152,9 +111,6 @@ def launch_rest(root: RootState, graph: bool) -> bool:
         if reached_now or unit.grads.reduce_unreached or not graph:
             launch(unit, root)
     made.next = len(made.units)
-    for unit in made.in_flight:  # over twin groups: every rank has issued its backward's all-gathers
-        unit.finish_reduce()
-    made.in_flight.clear()
     _late_round(made, root)
     return True
 
@@ -163,7 +119,7 @@ def _late_round(made: ReduceTurns, root: RootState) -> None:
     """After the turns: every rank launches one more reduction, in turn order, for each unit
     reached again after its reduction launched on any rank (zeros where not on this one). The
     ranks agree on which by a MAX all-reduce of flags over the groups the units reduce over
-    (the shard group's twin, then the replicate group): one set of flags per distinct pair of groups,
+    (the shard group, then the replicate group): one set of flags per distinct pair of groups,
     in the order the turns meet them, so each unit's flag is the same on all of its ranks."""
     late: set[int] = set()
     for groups, units in _by_groups(made.units):
@@ -244,11 +200,11 @@ def _agree(started: _Settle | None) -> None:
 
 
 def _by_groups(units: list[Unit]) -> list[tuple[list[collectives.ProcessGroup], list[Unit]]]:
-    """``units`` by the groups they reduce over (their shard group's or its twin, then their
-    replicate group, those of more than one rank), in the order ``units`` meet them."""
+    """``units`` by the groups they reduce over (their shard group, then their replicate group,
+    those of more than one rank), in the order ``units`` meet them."""
     meshes: dict[tuple[int, ...], tuple[list[collectives.ProcessGroup], list[Unit]]] = {}
     for u in units:
-        sizes = ((u.reduce_group, u.shard_size), (u.replicate_group, u.replicate_size))
+        sizes = ((u.shard_group, u.shard_size), (u.replicate_group, u.replicate_size))
         groups = [g for g, n in sizes if g is not None and n > 1]
         meshes.setdefault(tuple(map(id, groups)), (groups, []))[1].append(u)
     return list(meshes.values())
