@@ -183,12 +183,3 @@ def test_a_phase_that_names_its_op_is_not_followed_by_the_op_again() -> None:
     assert _what({**rs, "step": 2}) == "post-backward reduce-scatter of unit 'head' (36 bytes, step 2)"
     ag = {"identity": ["all_gather", "torch.float32", 9, "head", "forward"], "nbytes": 36, "step": 2}
     assert _what(ag) == "forward all-gather of unit 'head' (36 bytes, step 2)"
-
-
-def test_a_reduction_twin_has_a_key_of_its_own_that_names_its_ranks() -> None:
-    """A group fullshard made for reductions over a shard group's ranks (``reduce_order``) counts
-    its collectives apart from that group's; the watchdog still reads its ranks from the key."""
-    from fullshard.comm.flight_recorder import REDUCTIONS, group_key, group_ranks
-
-    assert group_key([0, 1], "default_pg") == "0,1" and group_ranks("0,1") == [0, 1]
-    assert group_key([2, 3], REDUCTIONS) == "2,3 reductions" and group_ranks("2,3 reductions") == [2, 3]

@@ -189,7 +189,7 @@ class _Facts:
         self.ref = weakref.ref(group)
         self.backend = str(dist.get_backend(group)).lower()
         self.ranks = [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
-        self.name = flight_recorder.group_key(self.ranks, getattr(group, "group_desc", None))
+        self.name = ",".join(map(str, self.ranks))  # the flight recorder's group key
 
 
 _FACTS: dict[int, _Facts] = {}

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from fullshard.comm import peers
-from fullshard.comm.flight_recorder import RECORDER, Entry, group_ranks
+from fullshard.comm.flight_recorder import RECORDER, Entry
 
 _RECENT = 64  # entries a heartbeat carries, to find where two ranks' collectives stopped matching
 
@@ -128,7 +128,7 @@ def timed_out(channel: peers.Channel, e: Entry, timeout: float, stale: float) ->
     matching this rank's (``stale``: seconds of silence after which a rank counts as exited)."""
     me = channel.rank
     head = f"rank {me} waited {time.time() - e.issued_at:.0f} s (timeout {timeout:g} s) in {e.describe()}"
-    others = [r for r in group_ranks(e.group) if r != me]
+    others = [r for r in (int(x) for x in e.group.split(",")) if r != me]
     missing = [m for r in others if (m := _not_joined(channel, r, e, stale))]
     diverged = [d for r in others if (d := _divergence(channel, r))]
     if missing:
@@ -176,7 +176,7 @@ def failed(channel: peers.Channel | None, rank: int, entry: Entry, error: BaseEx
     text = f"rank {rank}: {entry.describe()} failed ({str(error).splitlines()[0][:160]})"
     if channel is None:
         return text
-    others = [r for r in group_ranks(entry.group) if r != rank]
+    others = [int(x) for x in entry.group.split(",") if int(x) != rank]
     # A killed peer's sockets close before its process is a zombie: look again for up to 2 s.
     deadline = time.monotonic() + 2.0
     while not (gone := _gone(channel, others)) and time.monotonic() < deadline:

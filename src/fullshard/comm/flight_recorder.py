@@ -19,9 +19,7 @@ divergence check (:mod:`fullshard.comm.divergence`) to compare collectives acros
                   "numel": 1024, "nbytes": 4096, "unit": "layers.1", "phase": "forward",
                   "step": 3, "state": "completed", "issued_at": ..., "completed_at": ...}]}
 
-``group`` is the group's global ranks, comma-separated (``"0,1 reductions"`` for the group
-fullshard creates to reduce gradients over the same ranks as a shard group: see
-:data:`REDUCTIONS`); ``seq`` counts that group's
+``group`` is the group's global ranks, comma-separated; ``seq`` counts that group's
 collectives on this rank from 1, so equal (group, seq) on two ranks are the same collective;
 ``nbytes`` is the bytes this rank sends; ``state`` is "issued" (pending), "completed", "failed"
 (the backend raised) or "diverged" (another rank issued a different collective #``seq``: never
@@ -50,22 +48,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 # The phase of the all-gather that compares a unit's new requires_grad flags across ranks (issued
 # only by ranks whose flags changed; the divergence check's sentence names it).
 REQUIRES_GRAD_CHECK = "requires_grad check"
-
-# The description (``group_desc``) of a group fullshard creates to reduce gradients over the
-# ranks of a shard group (``fullshard.comm.process_groups.reduction_twins``), and the word its key adds.
-REDUCTIONS = "fullshard_reductions"
-
-
-def group_key(ranks: list[int], desc: str | None) -> str:
-    """A group's key in the records: its global ranks, comma-separated (``"0,1"``), and
-    ``" reductions"`` for a group described as :data:`REDUCTIONS` (``"0,1 reductions"``)."""
-    key = ",".join(map(str, ranks))
-    return f"{key} reductions" if desc == REDUCTIONS else key
-
-
-def group_ranks(key: str) -> list[int]:
-    """The global ranks of the group whose key is ``key`` (see :func:`group_key`)."""
-    return [int(x) for x in key.split(" ")[0].split(",")]
 
 
 @dataclasses.dataclass(slots=True)
