@@ -89,8 +89,8 @@ class ExtensionGrads(GradReducer):
         used: list[bool] | None = None
         if self.unused_grads_none:  # every trainable one, zeros where no gradient reached it here
             items = self._trainable_ext()
-            used = [ep.grad is not None for ep in items]
-            used = None if all(used) else used
+            self.ext_use.note([ep.grad is not None for ep in items])
+            used = self.ext_use.take()
             self.zero_missing()
             self.ext_use.launched(used, len(items), True)
         grads = [ep.grad for ep in items]
