@@ -156,3 +156,52 @@ def test_a_restart_after_a_worker_died_says_so(tmp_path: Path) -> None:
     want = "fullshard: worker rank 1 failed (killed by SIGKILL); restarting the workers (restart 1 of 1), "
     assert err.count(want) == 1, err[-3000:]
     assert "resumed from" in out, out[-3000:]
+
+
+def _peer_left_during_ctrl_c() -> None:
+    from fullshard.comm.peers import CollectiveFailed
+
+    try:
+        raise KeyboardInterrupt
+    except KeyboardInterrupt:  # e.g. waiting for a reduction while the peer, also Ctrl-C'd, left
+        raise CollectiveFailed("rank 1: reduce_scatter #90 of group [0,1] failed (Connection closed by peer)")
+
+
+def test_an_error_raised_while_a_ctrl_c_is_handled_ends_the_worker_quietly(tmp_path: Path, capfd) -> None:
+    """A Ctrl-C reaches every worker; one whose peer left first may fail in a collective while its
+    own KeyboardInterrupt unwinds (CI saw its line beside the launcher's). It exits 130, silent."""
+    from fullshard.jobs.failures import Guarded
+
+    with pytest.raises(SystemExit) as exit_:
+        Guarded(_peer_left_during_ctrl_c, tmp_path / "log")()
+    assert exit_.value.code == 130
+    assert capfd.readouterr().err == "" and not (tmp_path / "log").exists()
+
+
+def test_a_backward_stopped_by_ctrl_c_stays_a_keyboard_interrupt_when_its_tidy_up_fails() -> None:
+    """The tidy-up after a backward that raised (waiting for reductions in flight) may fail in turn
+    when a peer has left; the backward's own error is what propagates, with a note."""
+    import torch
+
+    from fullshard.engine import reshard_guard
+
+    class _Stop(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):  # type: ignore[override]
+            return x * 1
+
+        @staticmethod
+        def backward(ctx, grad):  # type: ignore[override]
+            raise KeyboardInterrupt
+
+    def tidy() -> None:
+        raise RuntimeError("Connection closed by peer")
+
+    reshard_guard.install()
+    loss = _Stop.apply(torch.ones(2, requires_grad=True)).sum()
+    reshard_guard.if_backward_fails(tidy)
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        loss.backward()
+    assert stopped.value.__notes__ == [
+        "fullshard: tidying up after this error failed too: RuntimeError: Connection closed by peer"
+    ]

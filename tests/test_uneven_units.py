@@ -168,9 +168,24 @@ class _Leaky(nn.Module):
         return x * 2
 
 
+class _Older(nn.Module):
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.old = nn.Sequential(_Leaky(mode), nn.Linear(4, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.old(x)
+
+
 def _use_after_reshard(rank: int, world: int, mode: str) -> str:
     from fullshard import fully_shard
 
+    # An older model whose forward graph stays alive (as one kept by a reference cycle from an
+    # earlier run would): its freed unit 'old.0' is not in the failing backward's graph.
+    older = _Older(mode)
+    fully_shard(older.old[0])
+    fully_shard(older)
+    older(torch.randn(3, 4, requires_grad=True))
     model = nn.Sequential(_Leaky(mode), _Leaky(mode), nn.Linear(4, 2))
     fully_shard(model[0])
     fully_shard(model[1])
@@ -185,12 +200,14 @@ def _use_after_reshard(rank: int, world: int, mode: str) -> str:
 
 @pytest.mark.parametrize(
     ("mode", "named"),
-    [("linear", "FSDP unit '0' or '1': "), ("mm", "FSDP unit '1': "), ("frozen", "FSDP unit '1': ")],
+    [("linear", "FSDP unit '1': "), ("mm", "FSDP unit '1': "), ("frozen", "FSDP unit '1': ")],
 )
 def test_backward_through_a_resharded_unit_raises_naming_the_unit(mode: str, named: str) -> None:
     # Autograd names the exact unit when the saved tensor is a full parameter itself, or a frozen
     # one (version error); for a view of it (the transposed weight of a Linear), every freed unit
-    # that autograd may still need, here both.
+    # whose full parameters the failing backward's graph still reads: '1' only, not '0' (its
+    # weight does not reach model[1].inner) nor the older model's 'old.0' (before, both were named,
+    # and any freed unit of an earlier test's model still alive in the process).
     for message in run_ranks(functools.partial(_use_after_reshard, mode=mode), 2):
         assert message.startswith(named + "backward needs a tensor saved from the unit's full"), message
         assert "Autograd's error: " in message, message

@@ -101,16 +101,43 @@ def stale_error(name: str, error: BaseException | None = None) -> RuntimeError:
     )
 
 
-def _stale_unit_in(message: str) -> str | None:
+def _stale_unit_in(message: str, graph: set[Any] | None = None) -> str | None:
     """The unit laid out again that autograd's error ``message`` is about: exact from the
-    versions; for a modified view of a multi-output function, a unit whose stale graph is alive."""
+    versions; for a modified view of a multi-output function, a unit whose stale graph is alive
+    (and among ``graph``'s nodes, the backward's, when given)."""
     found = _VERSIONS.search(message)
     if found is not None:
         raised = int(found.group(1)) - int(found.group(2))
         return next((u.name for u in list(_STALE) if raised == STRIDE + _raise_of(u)), None)
     if _VIEW.match(message) is None:
         return None
-    return next((u.name for u, splits in list(_STALE.items()) if splits), None)
+    return next((u.name for u, splits in list(_STALE.items()) if _in_graph(splits, graph)), None)
+
+
+def _in_graph(splits: Any, graph: set[Any] | None) -> bool:
+    """Whether any of ``splits`` (split nodes) is in ``graph`` (any, when ``graph`` is None)."""
+    return any(graph is None or ctx in graph for ctx in list(splits))
+
+
+def graph_nodes(roots: Any) -> set[Any] | None:
+    """Every autograd node a backward from ``roots`` (the tensors or gradient edges handed to
+    autograd's engine) may run, or None when ``roots`` is not such a sequence. Walked on the error
+    path only: it tells the units a backward still needs from those of other, older graphs still
+    alive (e.g. a model of an earlier run kept by a reference cycle)."""
+    try:
+        stack = [r.grad_fn if isinstance(r, torch.Tensor) else r.node for r in roots]
+    except (TypeError, AttributeError):
+        return None
+    if not stack:
+        return None
+    seen: set[Any] = set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        stack.extend(nxt for nxt, _ in node.next_functions)
+    return seen
 
 
 _VERSIONS = re.compile(r"is at version (\d+); expected version (\d+)")
@@ -119,13 +146,14 @@ _SPLIT_NAME = re.compile(r"^FullParametersOfFSDPUnit\[(.*)\]$")
 _MAX_LISTED = 4
 
 
-def freed_units_in(message: str) -> list[str]:
+def freed_units_in(message: str, graph: set[Any] | None = None) -> list[str]:
     """Names of the freed units that autograd's error ``message`` may be about, most likely first.
 
     The saved-tensor version error gives the versions: exact. The error about a modified view of a
     multi-output function (what a saved view of the full parameters raises) names the node that made
     the view: exact when it is the unit's split, else every freed unit that autograd may still need
-    (its full parameters were used under grad and their backward has not run).
+    (its full parameters were used under grad and their backward has not run), among the nodes of
+    ``graph`` (the failing backward's: :func:`graph_nodes`) when given.
     """
     found = _VERSIONS.search(message)
     if found is not None:
@@ -137,16 +165,17 @@ def freed_units_in(message: str) -> list[str]:
     own = _SPLIT_NAME.match(view.group(1))
     if own is not None:
         return [own.group(1)]
-    return sorted(u.name for u in list(_FREED) if getattr(u, "_open_splits", None))
+    return sorted(u.name for u in list(_FREED) if _in_graph(getattr(u, "_open_splits", ()), graph))
 
 
-def explain(error: RuntimeError) -> RuntimeError | None:
+def explain(error: RuntimeError, graph: set[Any] | None = None) -> RuntimeError | None:
     """A clearer error for ``error`` when it is a use of freed full parameters (or of a layout
-    since replaced: :func:`mark_stale`), else None."""
-    stale = _stale_unit_in(str(error))
+    since replaced: :func:`mark_stale`), else None. ``graph``: the nodes of the backward that
+    raised it (:func:`graph_nodes`); None considers every unit's live graphs."""
+    stale = _stale_unit_in(str(error), graph)
     if stale is not None:
         return stale_error(stale, error)
-    names = freed_units_in(str(error))
+    names = freed_units_in(str(error), graph)
     if not names:
         return None
     traced = dynamo_guard.compiled_autograd_error(names[0], error)
@@ -187,28 +216,42 @@ class _ExplainingEngine(compat.autograd_engine_type()):  # type: ignore[misc]
     def run_backward(self, *args: Any, **kwargs: Any) -> Any:
         global _depth
         _depth += 1
-        failed = True
         try:
             result = self._explained(*args, **kwargs)
-            failed = False
-            return result
-        finally:
+        except BaseException as error:
             _depth -= 1
             if _depth == 0:
-                handlers = list(_IF_FAILS)
-                _IF_FAILS.clear()
-                for handler in handlers if failed else ():
-                    handler()
+                _tidy_after(error)
+            raise
+        _depth -= 1
+        if _depth == 0:
+            _IF_FAILS.clear()
+        return result
 
     @dynamo_guard.never_traced
     def _explained(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return super().run_backward(*args, **kwargs)
         except RuntimeError as e:
-            clearer = explain(e)
+            # a view's error names no unit: those this backward's graph reads; failing that, any
+            graph = graph_nodes(args[0]) if args and _VIEW.match(str(e)) else None
+            clearer = explain(e, graph) or (explain(e) if graph is not None else None)
             if clearer is None:
                 raise
             raise clearer from e
+
+
+def _tidy_after(error: BaseException) -> None:
+    """Run the handlers of :func:`if_backward_fails` for the backward that raised ``error``. One
+    that raises in turn (e.g. waiting for a reduction a peer left: its error is a consequence)
+    leaves ``error`` the one raised, with a note; a Ctrl-C stays a KeyboardInterrupt."""
+    handlers = list(_IF_FAILS)
+    _IF_FAILS.clear()
+    for handler in handlers:
+        try:
+            handler()
+        except Exception as tidy:
+            error.add_note(f"fullshard: tidying up after this error failed too: {type(tidy).__name__}: {tidy}")
 
 
 def install() -> None:

@@ -142,12 +142,26 @@ class Guarded:
         except KeyboardInterrupt:
             raise SystemExit(130) from None  # the launcher prints the one line
         except Exception as e:
+            if _after_ctrl_c(e):  # e.g. a collective the peers left as the same Ctrl-C stopped them
+                raise SystemExit(130) from None
             report(e, self.log, int(os.environ.get("RANK", "0")))
             if isinstance(e, (CollectiveFailed, CollectiveTimeout)):
                 # A consequence of a peer's failure: leave after it, so that the launcher (which
                 # names the first exit it sees, polling every 0.1 s) names the peer.
                 time.sleep(_CONSEQUENCE_DELAY_S)
             raise
+
+
+def _after_ctrl_c(error: BaseException) -> bool:
+    """Whether ``error`` was raised while a KeyboardInterrupt was being handled (its context)."""
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, KeyboardInterrupt):
+            return True
+        seen.add(id(cause))
+        cause = cause.__context__
+    return False
 
 
 class _RestartLine(logging.Handler):
