@@ -511,3 +511,76 @@ def settle_edges_body(rank: int, world: int) -> list[str]:
 @pytest.mark.timeout(120)
 def test_settle_agrees_on_this_backward_only() -> None:
     assert run_ranks(settle_edges_body, 2, timeout=100)[0] == ["raised", "graph"]
+
+
+class GatheredInBackward(nn.Module):
+    """``e0`` reaches the loss on every rank and is resharded after forward (it all-gathers in
+    backward); the experts after it, flagged and kept gathered, on some ranks only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.e0 = nn.Linear(4, 4)
+        self.experts = nn.ModuleList([nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4)), nn.Linear(4, 4)])
+        self.head = nn.Linear(4, 2)
+        self.use_experts = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + torch.tanh(self.e0(x))
+        for e in self.experts:  # every expert runs forward on every rank
+            out = e(h)
+            if self.use_experts:
+                h = h + torch.tanh(out)
+        return self.head(h)
+
+
+def gathered_in_backward_body(rank: int, world: int, hybrid: bool, micro: int) -> list[bool]:
+    """Two steps of ``micro`` micro-batches (sync off for all but the last); per step the ranks
+    that use the experts change. A rank that uses them reaches both experts' post-backward (their
+    turns come first) before ``e0``'s backward all-gather; one that does not all-gathers ``e0``
+    first and reduces the experts' zeros at the end. Launched at those points the reductions and
+    the all-gather would pair crosswise over the shard group. Returns, per step, whether every
+    reduction of the last backward came after its last all-gather."""
+    import fullshard
+    from fullshard.comm import flight_recorder
+
+    torch.manual_seed(0)
+    ref = GatheredInBackward()
+    mod = copy.deepcopy(ref)
+    mesh = None
+    if hybrid:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    fullshard.fully_shard(mod.e0, mesh=mesh)
+    for e in mod.experts:
+        fullshard.fully_shard(e, mesh=mesh, reshard_after_forward=False)
+        e.set_reduce_scatter_unused_params(True, recurse=False)
+    fullshard.fully_shard(mod, mesh=mesh)
+    for unit in (mod, mod.e0, *mod.experts):
+        unit.set_modules_to_backward_prefetch([])
+    after = []
+    for step, users in enumerate(([1], [0, world - 1])):
+        for model in (ref, mod):
+            model.use_experts = rank in users
+            model.zero_grad(set_to_none=True)
+        for m in range(micro):
+            x = torch.randn(3, 4, generator=torch.Generator().manual_seed(100 * step + 10 * m + rank))
+            ref(x).square().mean().backward()
+            mod.set_requires_gradient_sync(m == micro - 1)
+            flight_recorder.RECORDER.entries.clear()
+            mod(x).square().mean().backward()
+        ops = [e.op for e in flight_recorder.RECORDER.entries]
+        gathers = [i for i, op in enumerate(ops) if op == "all_gather"]
+        reductions = [i for i, op in enumerate(ops) if op == "reduce_scatter"]
+        after.append(bool(gathers) and bool(reductions) and max(gathers) < min(reductions))
+        assert_averaged(ref, mod, world, f"step {step}")
+    return after
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("world", "hybrid", "micro"), [(2, False, 1), (3, False, 2), (4, True, 1)])
+def test_a_unit_gathered_in_backward_next_to_ones_reached_on_some_ranks(world: int, hybrid: bool, micro: int) -> None:
+    """docs/api.md: units reached on some ranks only kept gathered; another, reached on every
+    rank, may reshard after forward and all-gather in backward: the tree then reduces at
+    backward's end, after every all-gather, in turn order on every rank."""
+    assert run_ranks(gathered_in_backward_body, world, hybrid, micro, timeout=100) == [[True, True]] * world

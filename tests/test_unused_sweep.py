@@ -18,7 +18,10 @@ from torch import nn
 from fullshard.jobs.planning import unused, unused_check
 
 SEED = 20261129
-CASES = {2: [0, 13], 3: [1, 7, 11]}  # by world size: indices of draw(SEED, 16)
+CASES = {
+    2: [0, 13],
+    3: [1, 2, 7, 11],
+}  # by world size: indices of draw(SEED, 16); 2 and 7 reshard units beside flagged ones
 
 
 def _run(rank: int, world: int, indices: list[int]) -> list[unused_check.Result]:
@@ -59,13 +62,15 @@ def test_the_checks_fail_on_a_broken_gradient(how: str, says: str) -> None:
 
 
 def test_drawn_cases_keep_to_the_documented_limits() -> None:
-    """Every unit touched on some ranks only is flagged and kept gathered, and then every unit
-    is kept gathered and none prefetches in backward; only the root's blocks skip forward; the
-    draws are a prefix of longer draws; and the cases cover what they should."""
+    """Every unit touched on some ranks only is flagged and kept gathered, and then none
+    prefetches in backward; only units touched on every rank in every micro-batch reshard after
+    forward; only the root's blocks skip forward; the draws are a prefix of longer draws; and the
+    cases cover what they should, a unit resharded beside one touched on some ranks only too."""
     cases = unused.draw(SEED, 60)
     assert [c.describe() for c in unused.draw(SEED, 7)] == [c.describe() for c in cases[:7]]
+    beside = 0
     for c in cases:
-        needy = False
+        needy = resharded = False
         for b in c.blocks:
             assert not b.drop_forward or b.wrap == "none", c.describe()
             for u in range(len(b.unit_names(0))):
@@ -73,8 +78,13 @@ def test_drawn_cases_keep_to_the_documented_limits() -> None:
                 if any(0 < t < c.world for t in touched):
                     needy = True
                     assert b.flagged[u] and b.kept[u], c.describe()
+                if not b.kept[u]:
+                    resharded = True
+                    assert all(t == c.world for t in touched), c.describe()
         if needy:
-            assert c.prefetch_off and all(all(b.kept) for b in c.blocks), c.describe()
+            assert c.prefetch_off, c.describe()
+        beside += needy and resharded
+    assert beside >= 5, beside
     assert {c.world for c in cases} == {2, 3, 4} and any(c.hsdp for c in cases) and any(c.mixed for c in cases)
     unflagged = [b for c in cases for b in c.blocks if b.wrap != "none" and not all(b.flagged)]
     assert any(b.habit in ("routed", "branch") for b in unflagged)  # partial use inside an unflagged unit

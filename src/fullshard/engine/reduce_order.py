@@ -42,6 +42,7 @@ import dataclasses
 import torch
 
 from fullshard.comm import collectives
+from fullshard.engine.config import FrontEnd
 from fullshard.engine.grad_use import GradUse
 from fullshard.engine.hook_state import ReduceTurns, RootState
 from fullshard.engine.unit import Unit
@@ -60,14 +61,32 @@ def launch(unit: Unit, root: RootState) -> None:
 def turns(root: RootState) -> ReduceTurns:
     """This backward's turns (made at its first reduction): none in a tree without
     ``reduce_unreached``; else every unit with gradient sync on and a trainable parameter,
-    in reverse construction order."""
+    in reverse construction order, all taken at backward's end when some unit of the tree
+    all-gathers in backward (:func:`gathers_in_backward`)."""
     made = root.turns
     if made is None:
         units: list[Unit] = []
         if any(u.grads.reduce_unreached for u in root.units):
             units = [u for u in reversed(root.units) if u.sync_grads and u.has_trainable]
-        made = root.turns = ReduceTurns(units, {id(u): i for i, u in enumerate(units)})
+        at_end = bool(units) and gathers_in_backward(root)
+        made = root.turns = ReduceTurns(units, {id(u): i for i, u in enumerate(units)}, at_end)
     return made
+
+
+def gathers_in_backward(root: RootState) -> bool:
+    """Whether some unit of ``root``'s tree reshards after forward over more than one rank, so
+    that backward all-gathers it where each rank's backward reaches it (a root that keeps its
+    full parameters into backward does not). Its settings are every rank's, so the answer is too.
+
+    Under turns such a tree reduces at backward's end only: a rank whose backward reached a
+    flagged unit (its turn first) would launch that reduction before the all-gather, and a rank
+    that did not, after it (at the end, zeros): over one group the two would pair crosswise."""
+    for state in root.states:
+        unit = state.unit
+        kept_as_root = state.is_root and (state.front_end is FrontEnd.WRAPPER or unit.auto_reshard_after_forward)
+        if unit.shard_size > 1 and unit.reshard_after_forward and not kept_as_root:
+            return True
+    return False
 
 
 def reached(unit: Unit, root: RootState) -> None:
@@ -83,7 +102,8 @@ def reached(unit: Unit, root: RootState) -> None:
         made.late.add(id(unit))
     else:
         made.ready.add(id(unit))
-        _launch_ready(made, root)
+        if not made.at_end:
+            _launch_ready(made, root)
 
 
 def _launch_ready(made: ReduceTurns, root: RootState) -> None:
