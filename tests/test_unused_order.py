@@ -533,13 +533,14 @@ class GatheredInBackward(nn.Module):
         return self.head(h)
 
 
-def gathered_in_backward_body(rank: int, world: int, hybrid: bool, micro: int) -> list[bool]:
+def gathered_in_backward_body(rank: int, world: int, hybrid: bool, micro: int, kept: bool = True) -> list[bool]:
     """Two steps of ``micro`` micro-batches (sync off for all but the last); per step the ranks
     that use the experts change. A rank that uses them reaches both experts' post-backward (their
     turns come first) before ``e0``'s backward all-gather; one that does not all-gathers ``e0``
     first and reduces the experts' zeros at the end. Launched at those points the reductions and
     the all-gather would pair crosswise over the shard group. Returns, per step, whether every
-    reduction of the last backward came after its last all-gather."""
+    reduction of the last backward came after its last all-gather. ``kept=False``: the experts
+    reshard after forward and every rank uses them (what a unit resharded after forward needs)."""
     import fullshard
     from fullshard.comm import flight_recorder
 
@@ -553,13 +554,13 @@ def gathered_in_backward_body(rank: int, world: int, hybrid: bool, micro: int) -
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
     fullshard.fully_shard(mod.e0, mesh=mesh)
     for e in mod.experts:
-        fullshard.fully_shard(e, mesh=mesh, reshard_after_forward=False)
+        fullshard.fully_shard(e, mesh=mesh, reshard_after_forward=not kept)
         e.set_reduce_scatter_unused_params(True, recurse=False)
     fullshard.fully_shard(mod, mesh=mesh)
     for unit in (mod, mod.e0, *mod.experts):
         unit.set_modules_to_backward_prefetch([])
     after = []
-    for step, users in enumerate(([1], [0, world - 1])):
+    for step, users in enumerate(([1], [0, world - 1]) if kept else (range(world),) * 2):
         for model in (ref, mod):
             model.use_experts = rank in users
             model.zero_grad(set_to_none=True)
@@ -584,3 +585,10 @@ def test_a_unit_gathered_in_backward_next_to_ones_reached_on_some_ranks(world: i
     rank, may reshard after forward and all-gather in backward: the tree then reduces at
     backward's end, after every all-gather, in turn order on every rank."""
     assert run_ranks(gathered_in_backward_body, world, hybrid, micro, timeout=100) == [[True, True]] * world
+
+
+@pytest.mark.timeout(120)
+def test_flagged_units_that_reshard_keep_reducing_during_backward() -> None:
+    """Flagged units resharded after forward (reached on every rank, as they must be) keep
+    launching their reductions during backward, between the all-gathers."""
+    assert run_ranks(gathered_in_backward_body, 2, False, 1, False, timeout=100) == [[False, False]] * 2

@@ -74,19 +74,24 @@ def turns(root: RootState) -> ReduceTurns:
 
 
 def gathers_in_backward(root: RootState) -> bool:
-    """Whether some unit of ``root``'s tree reshards after forward over more than one rank, so
-    that backward all-gathers it where each rank's backward reaches it (a root that keeps its
-    full parameters into backward does not). Its settings are every rank's, so the answer is too.
+    """Whether backward may all-gather some unit of ``root``'s tree between the reductions of
+    flagged units that only some ranks' backward reaches, so that the turns wait for backward's
+    end: some unit reshards after forward over more than one rank (a root that keeps its full
+    parameters into backward does not), and some flagged unit but the root stays gathered after
+    forward (what docs/api.md asks of a unit reached on some ranks only). Its settings are
+    every rank's, so the answer is too.
 
-    Under turns such a tree reduces at backward's end only: a rank whose backward reached a
-    flagged unit (its turn first) would launch that reduction before the all-gather, and a rank
-    that did not, after it (at the end, zeros): over one group the two would pair crosswise."""
+    Launched during backward, a rank whose backward reached such a unit (its turn first) would
+    launch its reduction before the all-gather, and a rank that did not, after it (at the end,
+    zeros): over one group the two would pair crosswise. A tree whose flagged units all reshard
+    (so that every rank's backward reaches them) keeps reducing during backward."""
+    resharded = flagged_kept = False
     for state in root.states:
         unit = state.unit
         kept_as_root = state.is_root and (state.front_end is FrontEnd.WRAPPER or unit.auto_reshard_after_forward)
-        if unit.shard_size > 1 and unit.reshard_after_forward and not kept_as_root:
-            return True
-    return False
+        resharded |= bool(unit.shard_size > 1 and unit.reshard_after_forward and not kept_as_root)
+        flagged_kept |= bool(not state.is_root and unit.grads.reduce_unreached and not unit.reshard_after_forward)
+    return resharded and flagged_kept
 
 
 def reached(unit: Unit, root: RootState) -> None:

@@ -50,8 +50,9 @@ def line(error: BaseException, rank: int) -> str:
     return f"fullshard: rank {rank}: {one_line(error)}"
 
 
-def report(error: BaseException, log: Path, rank: int) -> None:
-    """Print the one line for ``error`` on stderr and append its traceback to ``log``."""
+def report(error: BaseException, log: Path, rank: int, print_line: bool = True) -> None:
+    """Print the one line for ``error`` on stderr (unless not ``print_line``) and append its
+    traceback to ``log``."""
     text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     try:
@@ -59,8 +60,9 @@ def report(error: BaseException, log: Path, rank: int) -> None:
             f.write(f"==== rank {rank} (pid {os.getpid()}, restart {restart}) ====\n{text}\n")
     except OSError:
         pass  # the line below still says what happened
-    sys.stderr.write(line(error, rank) + "\n")  # one write: the ranks' lines do not interleave
-    sys.stderr.flush()
+    if print_line:
+        sys.stderr.write(line(error, rank) + "\n")  # one write: the ranks' lines do not interleave
+        sys.stderr.flush()
 
 
 _ENV_AT_IMPORT = dict(os.environ)
@@ -142,9 +144,11 @@ class Guarded:
         except KeyboardInterrupt:
             raise SystemExit(130) from None  # the launcher prints the one line
         except Exception as e:
+            rank = int(os.environ.get("RANK", "0"))
             if _after_ctrl_c(e):  # e.g. a collective the peers left as the same Ctrl-C stopped them
+                report(e, self.log, rank, print_line=False)  # the traceback still goes to the log
                 raise SystemExit(130) from None
-            report(e, self.log, int(os.environ.get("RANK", "0")))
+            report(e, self.log, rank)
             if isinstance(e, (CollectiveFailed, CollectiveTimeout)):
                 # A consequence of a peer's failure: leave after it, so that the launcher (which
                 # names the first exit it sees, polling every 0.1 s) names the peer.
