@@ -592,6 +592,35 @@ def test_reshard_after_forward_to_a_smaller_group() -> None:
     assert run_ranks(reshard_to_smaller_group_body, 4, timeout=180)[0] == [2, 4]
 
 
+def _post_forward_groups_of_fresh_meshes(rank: int, world: int) -> tuple[list[list[int]], bool]:
+    """Meshes of the world in two rank orders, made one after another and dropped (as tests and
+    jobs do): each gets the group of its own ranks, though a freed mesh's address may be the
+    next one's (CPython reuses it often, not always). And whether every cache entry still holds
+    the mesh whose id is its key, so that no later mesh can have that id."""
+    import gc
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from fullshard.frontend import meshes
+
+    seen = []
+    for order in ([0, 1, 2, 3], [0, 2, 1, 3]) * 2:
+        mesh = DeviceMesh("cpu", torch.tensor(order))
+        seen.append(dist.get_process_group_ranks(meshes.post_forward_group(mesh, 2)))
+        del mesh
+        gc.collect()
+    return seen, all(id(v[1]) == k[0] for k, v in meshes._POST_FORWARD_MESHES.items())
+
+
+@pytest.mark.timeout(120)
+def test_the_post_forward_group_is_the_mesh_s_own_when_meshes_come_and_go() -> None:
+    # before, the cache was keyed by the mesh's id alone: a later mesh at a freed one's address
+    # (likely here) got the freed mesh's group, of other ranks
+    got = run_ranks(_post_forward_groups_of_fresh_meshes, 4, timeout=100)
+    assert got[0] == ([[0, 1], [0, 2]] * 2, True) and got[3] == ([[2, 3], [1, 3]] * 2, True), got
+
+
 class _TiedHead(torch.nn.Module):
     """An embedding whose weight the loss reuses as the output projection, outside forward."""
 

@@ -86,7 +86,9 @@ def as_reshard_after_forward(value: Union[bool, int, None], shard_size: int) -> 
     raise ValueError(f"fully_shard: reshard_after_forward must be a bool, None or a positive int, got {value!r}")
 
 
-_POST_FORWARD_MESHES: dict[tuple[int, int], Any] = {}
+# (id of the mesh, size) -> (the (-1, size) mesh, the mesh itself: kept alive, so that its id is
+# never another mesh's; else a later mesh at the same address, of other ranks, got this group)
+_POST_FORWARD_MESHES: dict[tuple[int, int], tuple[Any, Any]] = {}
 
 
 def post_forward_group(mesh: Any, size: int) -> Any:
@@ -96,8 +98,8 @@ def post_forward_group(mesh: Any, size: int) -> Any:
 
     key = (id(mesh), size)
     if key not in _POST_FORWARD_MESHES:
-        _POST_FORWARD_MESHES[key] = DeviceMesh(mesh.device_type, mesh.mesh.reshape(-1, size))
-    return _POST_FORWARD_MESHES[key].get_group(1)
+        _POST_FORWARD_MESHES[key] = (DeviceMesh(mesh.device_type, mesh.mesh.reshape(-1, size)), mesh)
+    return _POST_FORWARD_MESHES[key][0].get_group(1)
 
 
 @dataclasses.dataclass(frozen=True)
