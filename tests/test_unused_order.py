@@ -592,3 +592,55 @@ def test_flagged_units_that_reshard_keep_reducing_during_backward() -> None:
     """Flagged units resharded after forward (reached on every rank, as they must be) keep
     launching their reductions during backward, between the all-gathers."""
     assert run_ranks(gathered_in_backward_body, 2, False, 1, False, timeout=100) == [[False, False]] * 2
+
+
+class RootExtra(nn.Module):
+    """A frozen unit ``f`` resharded after forward (its input requires grad: backward all-gathers
+    it), ``t`` and ``head``; the root's own ``extra`` runs in a reentrant checkpoint on some
+    ranks only, so the root's post-backward comes early there (inside the nested backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f, self.t, self.extra, self.head = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+        self.f.requires_grad_(False)
+        self.use = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.utils.checkpoint
+
+        h = self.t(torch.tanh(self.f(x)))
+        if self.use:
+            h = h + torch.utils.checkpoint.checkpoint(self.extra, h, use_reentrant=True)
+        return self.head(h)
+
+
+def root_reached_early_body(rank: int, world: int) -> list[str]:
+    import fullshard
+    from fullshard.comm import flight_recorder
+
+    torch.manual_seed(0)
+    ref = RootExtra()
+    mod = copy.deepcopy(ref)
+    for m in (mod.f, mod.t, mod.head, mod):
+        fullshard.fully_shard(m)
+    mod.set_reduce_scatter_unused_params(True, recurse=False)
+    for unit in (mod, mod.f, mod.t, mod.head):
+        unit.set_modules_to_backward_prefetch([])
+    for model in (ref, mod):
+        model.use = rank == 0
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+    ref(x.clone().requires_grad_(True)).square().mean().backward()
+    flight_recorder.RECORDER.entries.clear()
+    mod(x.clone().requires_grad_(True)).square().mean().backward()
+    assert_averaged(ref, mod, world, "root reached early", none_ok=lambda n: n.startswith("f."))
+    return [e.op for e in flight_recorder.RECORDER.entries if e.op in ("all_gather", "reduce_scatter")]
+
+
+@pytest.mark.timeout(120)
+def test_a_flagged_root_reached_early_on_some_ranks_reduces_at_the_end() -> None:
+    """The root's turn is the last, but on a rank whose backward reaches it inside a reentrant
+    checkpoint it came before the frozen unit's all-gather (no turn), where the other rank
+    reduced the root's zeros after it: the two paired crosswise, equal in size, and the
+    gradients came out wrong with no error (found by review). The root's turn waits for the end."""
+    ops = run_ranks(root_reached_early_body, 2, timeout=100)
+    assert ops[0] == ops[1] and ops[0][-1] == "reduce_scatter", ops

@@ -69,7 +69,16 @@ def turns(root: RootState) -> ReduceTurns:
         if any(u.grads.reduce_unreached for u in root.units):
             units = [u for u in reversed(root.units) if u.sync_grads and u.has_trainable]
         at_end = bool(units) and gathers_in_backward(root)
-        made = root.turns = ReduceTurns(units, {id(u): i for i, u in enumerate(units)}, at_end)
+        # A flagged root's turn, the last, waits for the end too: backward may reach the root on
+        # some ranks only and early (its post-backward inside a reentrant checkpoint's backward),
+        # before a unit without a turn (frozen, or sync off) all-gathers where another rank, not
+        # reaching the root, all-gathers first and reduces the root's zeros at the end.
+        hold_last = (
+            bool(units)
+            and units[-1].grads.reduce_unreached
+            and any(s.is_root and s.unit is units[-1] for s in root.states)
+        )
+        made = root.turns = ReduceTurns(units, {id(u): i for i, u in enumerate(units)}, at_end, hold_last)
     return made
 
 
@@ -78,8 +87,8 @@ def gathers_in_backward(root: RootState) -> bool:
     flagged units that only some ranks' backward reaches, so that the turns wait for backward's
     end: some unit reshards after forward over more than one rank (a root that keeps its full
     parameters into backward does not), and some flagged unit but the root stays gathered after
-    forward (what docs/api.md asks of a unit reached on some ranks only). Its settings are
-    every rank's, so the answer is too.
+    forward (what docs/api.md asks of a unit reached on some ranks only; a flagged root's turn
+    always waits: ``ReduceTurns.hold_last``). Its settings are every rank's, so the answer is too.
 
     Launched during backward, a rank whose backward reached such a unit (its turn first) would
     launch its reduction before the all-gather, and a rank that did not, after it (at the end,
@@ -112,8 +121,8 @@ def reached(unit: Unit, root: RootState) -> None:
 
 
 def _launch_ready(made: ReduceTurns, root: RootState) -> None:
-    i = made.next
-    while i < len(made.units) and id(made.units[i]) in made.ready:
+    i, stop = made.next, len(made.units) - made.hold_last
+    while i < stop and id(made.units[i]) in made.ready:
         launch(made.units[i], root)
         i += 1
     made.next = i
