@@ -533,14 +533,13 @@ class GatheredInBackward(nn.Module):
         return self.head(h)
 
 
-def gathered_in_backward_body(rank: int, world: int, hybrid: bool, micro: int, kept: bool = True) -> list[bool]:
+def gathered_in_backward_body(rank: int, world: int, hybrid: bool, micro: int) -> list[bool]:
     """Two steps of ``micro`` micro-batches (sync off for all but the last); per step the ranks
     that use the experts change. A rank that uses them reaches both experts' post-backward (their
     turns come first) before ``e0``'s backward all-gather; one that does not all-gathers ``e0``
     first and reduces the experts' zeros at the end. Launched at those points the reductions and
     the all-gather would pair crosswise over the shard group. Returns, per step, whether every
-    reduction of the last backward came after its last all-gather. ``kept=False``: the experts
-    reshard after forward and every rank uses them (what a unit resharded after forward needs)."""
+    reduction of the last backward came after its last all-gather."""
     import fullshard
     from fullshard.comm import flight_recorder
 
@@ -554,13 +553,13 @@ def gathered_in_backward_body(rank: int, world: int, hybrid: bool, micro: int, k
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
     fullshard.fully_shard(mod.e0, mesh=mesh)
     for e in mod.experts:
-        fullshard.fully_shard(e, mesh=mesh, reshard_after_forward=not kept)
+        fullshard.fully_shard(e, mesh=mesh, reshard_after_forward=False)
         e.set_reduce_scatter_unused_params(True, recurse=False)
     fullshard.fully_shard(mod, mesh=mesh)
     for unit in (mod, mod.e0, *mod.experts):
         unit.set_modules_to_backward_prefetch([])
     after = []
-    for step, users in enumerate(([1], [0, world - 1]) if kept else (range(world),) * 2):
+    for step, users in enumerate(([1], [0, world - 1])):
         for model in (ref, mod):
             model.use_experts = rank in users
             model.zero_grad(set_to_none=True)
@@ -587,11 +586,82 @@ def test_a_unit_gathered_in_backward_next_to_ones_reached_on_some_ranks(world: i
     assert run_ranks(gathered_in_backward_body, world, hybrid, micro, timeout=100) == [[True, True]] * world
 
 
+class Gate(nn.Module):
+    """``h + tanh(lin(h))`` where ``use``, else ``h`` itself (a layer some ranks skip): its
+    output requires grad on every rank, its parameters get a gradient on some only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.use = True
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + torch.tanh(self.lin(h)) if self.use else h * 1.0
+
+
+class Gated(nn.Module):
+    """Units ``y``, ``x`` (a :class:`Gate`, flagged), ``head``, all resharded after forward, of
+    one size (crosswise pairs would not fail), then the root's ``out``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.y, self.x, self.head, self.out = nn.Linear(4, 4), Gate(), nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, inp: torch.Tensor) -> torch.Tensor:
+        return self.out(self.head(self.x(torch.tanh(self.y(inp)))))
+
+
+def gated_body(rank: int, world: int) -> list[str]:
+    import fullshard
+    from fullshard.comm import flight_recorder
+
+    mesh = None
+    if world == 4:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    ref = Gated()
+    mod = copy.deepcopy(ref)
+    for m in (mod.y, mod.x, mod.head):
+        fullshard.fully_shard(m, mesh=mesh)
+    fullshard.fully_shard(mod, mesh=mesh)
+    mod.x.set_reduce_scatter_unused_params(True, recurse=False)
+    for unit in (mod, mod.y, mod.x, mod.head):
+        unit.set_modules_to_backward_prefetch([])
+    for step, users in enumerate(([0], [world - 1])):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+        for model in (ref, mod):
+            model.x.use = rank in users
+            model.zero_grad(set_to_none=True)
+        ref(x).square().mean().backward()
+        flight_recorder.RECORDER.entries.clear()
+        mod(x).square().mean().backward()
+        assert_averaged(ref, mod, world, f"step {step}")
+    return [f"{e.op} {e.unit}" for e in flight_recorder.RECORDER.entries if e.op in ("all_gather", "reduce_scatter")]
+
+
 @pytest.mark.timeout(120)
-def test_flagged_units_that_reshard_keep_reducing_during_backward() -> None:
-    """Flagged units resharded after forward (reached on every rank, as they must be) keep
-    launching their reductions during backward, between the all-gathers."""
-    assert run_ranks(gathered_in_backward_body, 2, False, 1, False, timeout=100) == [[False, False]] * 2
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_flagged_unit_whose_parameters_some_ranks_skip_reduces_after_the_all_gathers(world: int) -> None:
+    """``x`` reshards and every rank's backward reaches it (all-gathers it), but its post-backward
+    fires only where its parameters got a gradient; the others reduce its zeros at the end. Its
+    turn, launched during backward before ``y``'s all-gather on one rank and after it on another,
+    paired crosswise (equal sizes: wrong gradients, no error; found by review). Now the turns from
+    the first flagged unit's on wait for the end; ``head``'s, before it, still launches during
+    backward. At 4 ranks, HSDP 2x2."""
+    ops = run_ranks(gated_body, world, timeout=100)
+    assert all(o == ops[0] for o in ops), ops
+    backward = ops[0][ops[0].index("all_gather head", ops[0].index("all_gather head") + 1) :]
+    assert backward == [
+        "all_gather head",
+        "reduce_scatter head",
+        "all_gather x",
+        "all_gather y",
+        "reduce_scatter x",
+        "reduce_scatter y",
+        "reduce_scatter <root>",
+    ], backward
 
 
 class RootExtra(nn.Module):

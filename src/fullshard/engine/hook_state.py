@@ -19,14 +19,12 @@ class ReduceTurns:
     """This backward's fixed order of reductions (:mod:`fullshard.engine.reduce_order`): the
     units that take turns, the turn of each (by id), the next turn to launch, the units (by id)
     whose gradients are ready but whose turn has not come, and those reached again after their
-    reduction launched (their gradients wait for the late round). ``at_end``: every turn waits
-    for backward's end (some unit of the tree all-gathers in backward); ``hold_last``: the last
-    turn (a flagged root's) does."""
+    reduction launched (their gradients wait for the late round). ``hold_from``: the first turn
+    that waits for backward's end, with every later one (``len(units)``: none waits)."""
 
     units: list[Unit]
     turn: dict[int, int]
-    at_end: bool = False
-    hold_last: bool = False
+    hold_from: int
     next: int = 0
     ready: set[int] = dataclasses.field(default_factory=set)
     late: set[int] = dataclasses.field(default_factory=set)

@@ -61,46 +61,39 @@ def launch(unit: Unit, root: RootState) -> None:
 def turns(root: RootState) -> ReduceTurns:
     """This backward's turns (made at its first reduction): none in a tree without
     ``reduce_unreached``; else every unit with gradient sync on and a trainable parameter,
-    in reverse construction order, all taken at backward's end when some unit of the tree
-    all-gathers in backward (:func:`gathers_in_backward`)."""
+    in reverse construction order; where some unit of the tree all-gathers in backward
+    (:func:`gathers_in_backward`), every turn from the first flagged unit's on waits for
+    backward's end (``ReduceTurns.hold_from``)."""
     made = root.turns
     if made is None:
         units: list[Unit] = []
         if any(u.grads.reduce_unreached for u in root.units):
             units = [u for u in reversed(root.units) if u.sync_grads and u.has_trainable]
-        at_end = bool(units) and gathers_in_backward(root)
-        # A flagged root's turn, the last, waits for the end too: backward may reach the root on
-        # some ranks only and early (its post-backward inside a reentrant checkpoint's backward),
-        # before a unit without a turn (frozen, or sync off) all-gathers where another rank, not
-        # reaching the root, all-gathers first and reduces the root's zeros at the end.
-        hold_last = (
-            bool(units)
-            and units[-1].grads.reduce_unreached
-            and any(s.is_root and s.unit is units[-1] for s in root.states)
-        )
-        made = root.turns = ReduceTurns(units, {id(u): i for i, u in enumerate(units)}, at_end, hold_last)
+        hold_from = len(units)
+        if units and gathers_in_backward(root):
+            hold_from = next((i for i, u in enumerate(units) if u.grads.reduce_unreached), len(units))
+        made = root.turns = ReduceTurns(units, {id(u): i for i, u in enumerate(units)}, hold_from)
     return made
 
 
 def gathers_in_backward(root: RootState) -> bool:
-    """Whether backward may all-gather some unit of ``root``'s tree between the reductions of
-    flagged units that only some ranks' backward reaches, so that the turns wait for backward's
-    end: some unit reshards after forward over more than one rank (a root that keeps its full
-    parameters into backward does not), and some flagged unit but the root stays gathered after
-    forward (what docs/api.md asks of a unit reached on some ranks only; a flagged root's turn
-    always waits: ``ReduceTurns.hold_last``). Its settings are every rank's, so the answer is too.
+    """Whether backward may all-gather some unit of ``root``'s tree: some unit (frozen, with
+    sync off, or any other) reshards after forward over more than one rank; a root that keeps
+    its full parameters into backward does not. Its settings are every rank's, so the answer is.
 
-    Launched during backward, a rank whose backward reached such a unit (its turn first) would
-    launch its reduction before the all-gather, and a rank that did not, after it (at the end,
-    zeros): over one group the two would pair crosswise. A tree whose flagged units all reshard
-    (so that every rank's backward reaches them) keeps reducing during backward."""
-    resharded = flagged_kept = False
+    Then a flagged unit's turn cannot be taken during backward. Its post-backward fires on a rank
+    where some parameter of it got a gradient, and not on another (not reached there, or reached
+    with no parameter used: a gate, a layer some ranks skip), which reduces zeros for it at
+    backward's end: the first would launch the reduction before a resharded unit's all-gather
+    and the second after it, and over one group the two would pair crosswise (of one size, with
+    no error: wrong gradients). So that turn and every later one wait for the end; the turns
+    before it are unflagged units, whose post-backward fires on every rank."""
     for state in root.states:
         unit = state.unit
         kept_as_root = state.is_root and (state.front_end is FrontEnd.WRAPPER or unit.auto_reshard_after_forward)
-        resharded |= bool(unit.shard_size > 1 and unit.reshard_after_forward and not kept_as_root)
-        flagged_kept |= bool(not state.is_root and unit.grads.reduce_unreached and not unit.reshard_after_forward)
-    return resharded and flagged_kept
+        if unit.shard_size > 1 and unit.reshard_after_forward and not kept_as_root:
+            return True
+    return False
 
 
 def reached(unit: Unit, root: RootState) -> None:
@@ -116,13 +109,12 @@ def reached(unit: Unit, root: RootState) -> None:
         made.late.add(id(unit))
     else:
         made.ready.add(id(unit))
-        if not made.at_end:
-            _launch_ready(made, root)
+        _launch_ready(made, root)
 
 
 def _launch_ready(made: ReduceTurns, root: RootState) -> None:
-    i, stop = made.next, len(made.units) - made.hold_last
-    while i < stop and id(made.units[i]) in made.ready:
+    i = made.next
+    while i < made.hold_from and id(made.units[i]) in made.ready:
         launch(made.units[i], root)
         i += 1
     made.next = i
