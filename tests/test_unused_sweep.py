@@ -18,10 +18,9 @@ from torch import nn
 from fullshard.jobs.planning import unused, unused_check
 
 SEED = 20261129
-CASES = {
-    2: [0, 13],
-    3: [1, 2, 7, 11],
-}  # by world size: indices of draw(SEED, 16); 2 and 7 reshard units beside flagged ones
+# By world size: indices of draw(SEED, 16); 2, 6 and 7 reshard units beside flagged ones, and
+# 6's is a gate (flagged, resharded, its parameters used on some ranks only)
+CASES = {2: [0, 13], 3: [1, 2, 6, 7, 11]}
 
 
 def _run(rank: int, world: int, indices: list[int]) -> list[unused_check.Result]:
@@ -62,10 +61,12 @@ def test_the_checks_fail_on_a_broken_gradient(how: str, says: str) -> None:
 
 
 def test_drawn_cases_keep_to_the_documented_limits() -> None:
-    """Every unit touched on some ranks only is flagged and kept gathered, and then none
-    prefetches in backward; only units touched on every rank in every micro-batch reshard after
-    forward; only the root's blocks skip forward; the draws are a prefix of longer draws; and the
-    cases cover what they should, a unit resharded beside one touched on some ranks only too."""
+    """Every unit touched on some ranks only is flagged, and then none prefetches in backward;
+    only units touched on every rank in every micro-batch reshard after forward, and flagged
+    whole-block units no rank skips where the input requires grad (gates); every other unit
+    touched on some ranks only is kept gathered; only the root's blocks skip forward; the draws
+    are a prefix of longer draws; and the cases cover what they should, a unit resharded beside
+    one touched on some ranks only too."""
     cases = unused.draw(SEED, 60)
     assert [c.describe() for c in unused.draw(SEED, 7)] == [c.describe() for c in cases[:7]]
     beside = 0
@@ -77,10 +78,11 @@ def test_drawn_cases_keep_to_the_documented_limits() -> None:
                 touched = [sum(b.touched(u, use) for use in ranks) for step in b.uses for ranks in step]
                 if any(0 < t < c.world for t in touched):
                     needy = True
-                    assert b.flagged[u] and b.kept[u], c.describe()
+                    assert b.flagged[u] and (b.kept[u] or (c.input_grad and unused._gate(b, u))), c.describe()
                 if not b.kept[u]:
                     resharded = True
-                    assert all(t == c.world for t in touched), c.describe()
+                    gate = c.input_grad and unused._gate(b, u)  # reached everywhere, flagged
+                    assert gate or all(t == c.world for t in touched), c.describe()
         if needy:
             assert c.prefetch_off, c.describe()
         beside += needy and resharded

@@ -27,6 +27,11 @@ the documented limits:
   unit then reduces at backward's end (until a fix on 2026-11-29 the reductions and that
   all-gather paired crosswise, found by this sweep, and every unit had to be kept gathered once
   some unit was touched on some ranks only);
+- half the cases give the model an input that requires grad: then every rank's backward reaches
+  a whole-block unit no rank skips (its output requires grad), and such a unit, flagged, may
+  reshard after forward (half the time) though its parameters get a gradient on some ranks only
+  (a gate: until a fix on 2026-11-29 its reduction paired crosswise with an all-gather); a
+  block whose parts no rank's use names returns a new tensor (``h * 1.0``), not its input;
 - other units are flagged or kept gathered at random; a unit touched on every rank or none may
   be unflagged, so its parameters used on some ranks only get a ``.grad`` on every rank, and
   those no rank used keep None.
@@ -126,6 +131,7 @@ class Case:
     zero_grad: bool
     optim: str
     clip: float
+    input_grad: bool = False
 
     def describe(self) -> str:
         """One line: the settings, then each block's :meth:`Block.describe`."""
@@ -135,7 +141,7 @@ class Case:
             f"clip{self.clip:g}",
             "root:" + ("F" if self.root_flagged else "-") + ("+spare" if self.root_spare else ""),
         ]
-        head += ["no-prefetch" if self.prefetch_off else ""]
+        head += ["no-prefetch" if self.prefetch_off else "", "xgrad" if self.input_grad else ""]
         return " ".join(x for x in head if x) + "; " + " ".join(b.describe() for b in self.blocks)
 
 
@@ -208,12 +214,28 @@ def _needy(b: Block, unit: int, world: int) -> bool:
     return any(0 < sum(b.touched(unit, use) for use in ranks) < world for step in b.uses for ranks in step)
 
 
-def _keep_unless_everywhere(b: Block) -> Block:
-    """``b`` with every unit kept gathered but those touched on every rank in every micro-batch."""
+def _keep_unless_everywhere(b: Block, gates: bool = False) -> Block:
+    """``b`` with every unit kept gathered but those touched on every rank in every micro-batch,
+    and with ``gates`` (the model's input requires grad), a flagged block unit that no rank
+    skips (every rank's backward reaches it) left as drawn."""
     everywhere = [
         all(b.touched(u, use) for step in b.uses for ranks in step for use in ranks) for u in range(len(b.kept))
     ]
-    return dataclasses.replace(b, kept=tuple(k or not e for k, e in zip(b.kept, everywhere)))
+    gate = [gates and _gate(b, u) for u in range(len(b.kept))]
+    return dataclasses.replace(b, kept=tuple(k or not (e or g) for k, e, g in zip(b.kept, everywhere, gate)))
+
+
+def _gate(b: Block, unit: int) -> bool:
+    """Whether unit ``unit`` of ``b`` is a flagged whole block that no rank skips in any
+    micro-batch: where the model's input requires grad, every rank's backward reaches it (its
+    output requires grad), though its parameters may get a gradient on some ranks only."""
+    return b.wrap == "block" and b.flagged[unit] and all(use is not None for step in b.uses for r in step for use in r)
+
+
+def _ungate(b: Block, aux: random.Random) -> Block:
+    """``b`` with each gate unit (:func:`_gate`) resharded after forward half the time."""
+    kept = tuple(k and not (_gate(b, u) and aux.random() < 0.5) for u, k in enumerate(b.kept))
+    return dataclasses.replace(b, kept=kept)
 
 
 def _case(rng: random.Random, seed: int, index: int) -> Case:
@@ -224,7 +246,13 @@ def _case(rng: random.Random, seed: int, index: int) -> Case:
     blocks = tuple(_block(rng, world, micro, batch) for _ in range(rng.randint(2, 4)))
     root_flagged, root_spare = rng.random() < 0.4, rng.random() < 0.3
     needy = any(_needy(b, u, world) for b in blocks for u in range(len(b.unit_names(0))))
-    blocks = tuple(_keep_unless_everywhere(b) for b in blocks)  # see the module's docstring
+    # Drawn apart from ``rng`` (whose stream the earlier draws of every seed keep): whether the
+    # input requires grad, and then which flagged gate units reshard after forward.
+    aux = random.Random(seed * 1_000_003 + index)
+    input_grad = aux.random() < 0.5
+    if input_grad:
+        blocks = tuple(_ungate(b, aux) for b in blocks)
+    blocks = tuple(_keep_unless_everywhere(b, input_grad) for b in blocks)  # see the module's docstring
     prefetch_off = needy or rng.random() < 0.3
     zero_grad, optim, clip = rng.random() < 0.75, rng.choice(OPTIMIZERS), rng.choice((1e9, 0.05))
     return Case(
@@ -243,6 +271,7 @@ def _case(rng: random.Random, seed: int, index: int) -> Case:
         zero_grad,
         optim,
         clip,
+        input_grad,
     )
 
 
@@ -286,9 +315,12 @@ class DrawnBlock(nn.Module):
             outs = {name: part(h) for name, part in self.parts.items()}
         else:
             outs = {name: self.parts[name](torch.tensor(tokens) if name == "emb" else h) for name in chosen}
+        out = h
         for name in chosen:
-            h = h + (outs[name] if name == "emb" else nn.functional.gelu(outs[name]))
-        return h
+            out = out + (outs[name] if name == "emb" else nn.functional.gelu(outs[name]))
+        # A new tensor also where no part is used: a unit returning its input itself would give
+        # its pre-backward hook and the previous unit's one tensor (see docs/api.md)
+        return out if out is not h else h * 1.0
 
 
 class Blocks(nn.Module):

@@ -132,7 +132,7 @@ def _build(case: Case, rank: int) -> _Run:
 def _inputs(case: Case, step: int, micro: int, rank: int) -> torch.Tensor:
     seed = ((case.seed * 1000 + case.index) * 10 + step) * 10 + micro
     x = torch.randn(case.batch, case.hidden, generator=torch.Generator().manual_seed(seed * 10 + rank))
-    return x.bfloat16().float() if case.mixed else x
+    return (x.bfloat16().float() if case.mixed else x).requires_grad_(case.input_grad)
 
 
 def _loss(out: torch.Tensor) -> torch.Tensor:
