@@ -32,6 +32,13 @@ the documented limits:
   reshard after forward (half the time) though its parameters get a gradient on some ranks only
   (a gate: until a fix on 2026-11-29 its reduction paired crosswise with an all-gather); a
   block whose parts no rank's use names returns a new tensor (``h * 1.0``), not its input;
+- with such an input, also a whole-block unit frozen 35% of the time (never flagged;
+  resharded after forward 70% of the time where no rank skips it: it all-gathers in backward
+  without a turn), and where the root is flagged, a block of the root's run in a reentrant
+  checkpoint 60% of the time (the root's post-backward may then come early, inside the nested
+  backward, on some ranks: with a frozen unit's all-gather, what a review found on 2026-11-29;
+  an unflagged root reached twice on some ranks only reduces a different number of times per
+  rank, outside docs/api.md's limits);
 - other units are flagged or kept gathered at random; a unit touched on every rank or none may
   be unflagged, so its parameters used on some ranks only get a ``.grad`` on every rank, and
   those no rank used keep None.
@@ -48,6 +55,7 @@ import dataclasses
 import random
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 KINDS = ("dense", "branch", "experts", "embed")
@@ -72,6 +80,8 @@ class Block:
             (``batch`` of them in ``[0, vocab)``), empty tuples elsewhere.
         flagged, kept: per unit of the block (one, or one per part; none where ``wrap ==
             "none"``), ``set_reduce_scatter_unused_params(True)`` and ``reshard_after_forward=False``.
+        frozen: a ``block`` unit whose parameters do not require grad (never flagged).
+        ckpt: a block of the root's that runs in a reentrant activation checkpoint when used.
     """
 
     kind: str
@@ -86,6 +96,8 @@ class Block:
     tokens: tuple[tuple[tuple[tuple[int, ...], ...], ...], ...]
     flagged: tuple[bool, ...] = ()
     kept: tuple[bool, ...] = ()
+    frozen: bool = False
+    ckpt: bool = False
 
     def unit_names(self, index: int) -> tuple[str, ...]:
         """The module paths of its units inside the model (``index``: its place in the model)."""
@@ -97,7 +109,7 @@ class Block:
 
     def touched(self, unit: int, use: Use) -> bool:
         """Whether unit ``unit`` of the block gets a gradient on a rank whose use is ``use``."""
-        if use is None:
+        if use is None or self.frozen:
             return False
         return bool(use) if self.wrap == "block" else self.parts[unit] in use
 
@@ -106,6 +118,7 @@ class Block:
         marks = ",".join(("F" if f else "") + ("K" if k else "") or "-" for f, k in zip(self.flagged, self.kept))
         name = f"{self.kind}{len(self.parts) if self.kind == 'experts' else ''}/{self.wrap}:{self.habit}"
         extra = ("+spare" if self.spare else "") + ("+noforward" if self.drop_forward else "")
+        extra += ("+frozen" if self.frozen else "") + ("+ckpt" if self.ckpt else "")
         return name + (f"({marks})" if marks else "") + extra
 
 
@@ -221,15 +234,34 @@ def _keep_unless_everywhere(b: Block, gates: bool = False) -> Block:
     everywhere = [
         all(b.touched(u, use) for step in b.uses for ranks in step for use in ranks) for u in range(len(b.kept))
     ]
-    gate = [gates and _gate(b, u) for u in range(len(b.kept))]
+    gate = [gates and (_gate(b, u) or (b.frozen and _unskipped(b))) for u in range(len(b.kept))]
     return dataclasses.replace(b, kept=tuple(k or not (e or g) for k, e, g in zip(b.kept, everywhere, gate)))
+
+
+def _unskipped(b: Block) -> bool:
+    """Whether no rank skips ``b`` in any micro-batch (its output reaches every rank's loss)."""
+    return all(use is not None for step in b.uses for r in step for use in r)
 
 
 def _gate(b: Block, unit: int) -> bool:
     """Whether unit ``unit`` of ``b`` is a flagged whole block that no rank skips in any
     micro-batch: where the model's input requires grad, every rank's backward reaches it (its
     output requires grad), though its parameters may get a gradient on some ranks only."""
-    return b.wrap == "block" and b.flagged[unit] and all(use is not None for step in b.uses for r in step for use in r)
+    return b.wrap == "block" and b.flagged[unit] and _unskipped(b)
+
+
+def _freeze_or_checkpoint(b: Block, aux: random.Random, root_flagged: bool) -> Block:
+    """With an input that requires grad: a ``block`` unit frozen 35% of the time (unflagged;
+    where no rank skips it, resharded after forward 70% of the time: backward all-gathers it on
+    every rank without a turn), and where the root is flagged, a block of the root's checkpointed
+    (reentrant) 60% of the time: the root's post-backward then comes twice on the ranks that use
+    the block, once on the others, which only a flagged tree's late round evens out."""
+    if b.wrap == "block" and aux.random() < 0.35:
+        kept = not (_unskipped(b) and aux.random() < 0.7)
+        return dataclasses.replace(b, frozen=True, flagged=(False,), kept=(kept,))
+    if b.wrap == "none" and root_flagged and aux.random() < 0.6:
+        return dataclasses.replace(b, ckpt=True)
+    return b
 
 
 def _ungate(b: Block, aux: random.Random) -> Block:
@@ -251,7 +283,7 @@ def _case(rng: random.Random, seed: int, index: int) -> Case:
     aux = random.Random(seed * 1_000_003 + index)
     input_grad = aux.random() < 0.5
     if input_grad:
-        blocks = tuple(_ungate(b, aux) for b in blocks)
+        blocks = tuple(_freeze_or_checkpoint(_ungate(b, aux), aux, root_flagged) for b in blocks)
     blocks = tuple(_keep_unless_everywhere(b, input_grad) for b in blocks)  # see the module's docstring
     prefetch_off = needy or rng.random() < 0.3
     zero_grad, optim, clip = rng.random() < 0.75, rng.choice(OPTIMIZERS), rng.choice((1e9, 0.05))
@@ -331,16 +363,22 @@ class Blocks(nn.Module):
     def __init__(self, case: Case) -> None:
         super().__init__()
         self.blocks = nn.ModuleList([DrawnBlock(b, case.hidden) for b in case.blocks])
+        for block, b in zip(self.blocks, case.blocks):
+            if b.frozen:
+                block.requires_grad_(False)
         self.drop_forward = [b.drop_forward for b in case.blocks]
+        self.ckpt = [b.ckpt for b in case.blocks]
         self.head = nn.Linear(case.hidden, 2)
         if case.root_spare:
             self.spare = nn.Parameter(torch.randn(2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x
-        for block, drop in zip(self.blocks, self.drop_forward):
+        for block, drop, ckpt in zip(self.blocks, self.drop_forward, self.ckpt):
             use: Use = block.now[0]  # type: ignore[index, assignment]
-            if use is not None:
+            if use is not None and ckpt:
+                h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=True)
+            elif use is not None:
                 h = block(h)
             elif not drop:
                 block(h)

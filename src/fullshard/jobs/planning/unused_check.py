@@ -122,7 +122,8 @@ def _build(case: Case, rank: int) -> _Run:
         def count(_: torch.Tensor, n: str = n) -> None:
             hooks[n] += 1
 
-        p.register_post_accumulate_grad_hook(count)
+        if p.requires_grad:  # a frozen block's do not
+            p.register_post_accumulate_grad_hook(count)
     return _Run(
         case, rank, ref, mod, units, flagged, _optimizer(case, ref.parameters()), _optimizer(case, mod.parameters()),
         hooks, {n: None for n in hooks}, Result([]),
