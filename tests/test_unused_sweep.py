@@ -63,7 +63,7 @@ def test_the_checks_fail_on_a_broken_gradient(how: str, says: str) -> None:
 def test_drawn_cases_keep_to_the_documented_limits() -> None:
     """Every unit touched on some ranks only is flagged, and then none prefetches in backward;
     only units touched on every rank in every micro-batch reshard after forward, and flagged
-    whole-block units no rank skips where the input requires grad (gates); every other unit
+    or frozen whole-block units no rank skips where the input requires grad; every other unit
     touched on some ranks only is kept gathered; only the root's blocks skip forward; the draws
     are a prefix of longer draws; and the cases cover what they should, a unit resharded beside
     one touched on some ranks only too."""
