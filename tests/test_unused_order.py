@@ -63,6 +63,15 @@ def assert_averaged(ref: nn.Module, mod: nn.Module, world: int, tag: str, none_o
         torch.testing.assert_close(got[n].full_tensor(), want, rtol=0, atol=1e-6, msg=f"{tag} {n}")
 
 
+def hsdp_mesh(on: bool) -> Any:
+    """A 2x2 (replicate, shard) device mesh over 4 ranks when ``on``, else None."""
+    if not on:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+
+
 def body(rank: int, world: int) -> list[str]:
 
     import fullshard
@@ -158,7 +167,6 @@ def twice_body(rank: int, world: int, configs: list = TWICE, graph: bool = False
     flagged), so torch's ``clip_grad_norm_`` issues the same collectives on every rank. With
     ``graph``, backwards with ``create_graph=True``."""
     from dist import patched
-    from torch.distributed.device_mesh import init_device_mesh
 
     import fullshard
     from fullshard.comm import collectives
@@ -166,7 +174,7 @@ def twice_body(rank: int, world: int, configs: list = TWICE, graph: bool = False
     from fullshard.engine.hooks import fsdp_state
     from fullshard.engine.unit import TrainingState
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if world == 4 else None
+    mesh = hsdp_mesh(world == 4)
     results = []
     for flagged, routed in configs:
         torch.manual_seed(0)
@@ -546,11 +554,7 @@ def gathered_in_backward_body(rank: int, world: int, hybrid: bool, micro: int) -
     torch.manual_seed(0)
     ref = GatheredInBackward()
     mod = copy.deepcopy(ref)
-    mesh = None
-    if hybrid:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    mesh = hsdp_mesh(hybrid)
     fullshard.fully_shard(mod.e0, mesh=mesh)
     for e in mod.experts:
         fullshard.fully_shard(e, mesh=mesh, reshard_after_forward=False)
@@ -615,11 +619,7 @@ def gated_body(rank: int, world: int) -> list[str]:
     import fullshard
     from fullshard.comm import flight_recorder
 
-    mesh = None
-    if world == 4:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    mesh = hsdp_mesh(world == 4)
     torch.manual_seed(0)
     ref = Gated()
     mod = copy.deepcopy(ref)
