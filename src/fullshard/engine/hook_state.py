@@ -6,6 +6,7 @@ them and re-exports the classes."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 from torch import nn
@@ -30,6 +31,11 @@ class ReduceTurns:
     late: set[int] = dataclasses.field(default_factory=set)
 
 
+# Each RootState's serial, in the order the roots are made (the same on every rank running one
+# program): :mod:`fullshard.engine.reduce_order` keys the roots with a backward to come by it.
+_SERIALS = itertools.count()
+
+
 @dataclasses.dataclass
 class RootState:
     """What the units of one FSDP tree share; owned by the root unit."""
@@ -44,6 +50,10 @@ class RootState:
     last_reduced: Unit | None = None
     # This backward's reduction turns (reduce_order), made at its first reduction; None between backwards.
     turns: ReduceTurns | None = None
+    serial: int = dataclasses.field(default_factory=lambda: next(_SERIALS))
+    # Whether, as this tree's backward began, another root's forward with grad had no backward
+    # end yet (reduce_order.others_open): read once by the turns of that backward.
+    others_open: bool | None = None
     pre_backward_done: set[int] = dataclasses.field(default_factory=set)
     post_optim_event: Any = None  # a CUDA event the next forward's all-gathers wait for
     units_checked: bool = False  # whether every rank was found to wrap the same units

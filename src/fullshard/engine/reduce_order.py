@@ -30,6 +30,15 @@ every rank takes one small MAX all-reduce of a flag per unit ("I hold a late gra
 the groups the units reduce over, then every unit flagged on any rank reduces once more, in
 turn order, zeros where this rank holds no late gradient: the same sums as two reductions.
 
+Several roots can meet in one backward (``loss = dec(enc(x))``, each its own root): the other
+tree's all-gathers and reductions come during this tree's backward like a resharded unit's
+all-gather, so a flagged turn launched then would pair with them crosswise on ranks that did
+not reach it. So where another root's forward with grad had no backward end yet as this tree's
+backward began (:func:`others_open`), the turns hold as where a unit reshards
+(:func:`gathers_in_backward`), and launch at this tree's end callback, in the order the trees'
+backwards began on every rank. Roots are counted by serial, not by a live reference or ``id``:
+when a dropped root is collected differs per rank, the count must not.
+
 In a tree without the flag nothing changes: each unit reduces in its post-backward, and there
 is no late round. Its ``fully_shard`` units leave a parameter no gradient reached ``.grad`` None
 instead (``unused_grads_none``), and :func:`settle_unused` makes the ranks agree on which.
@@ -62,18 +71,53 @@ def turns(root: RootState) -> ReduceTurns:
     """This backward's turns (made at its first reduction): none in a tree without
     ``reduce_unreached``; else every unit with gradient sync on and a trainable parameter,
     in reverse construction order; where some unit of the tree all-gathers in backward
-    (:func:`gathers_in_backward`), every turn from the first flagged unit's on waits for
-    backward's end (``ReduceTurns.hold_from``)."""
+    (:func:`gathers_in_backward`) or another root's backward may come in this one
+    (``root.others_open``), every turn from the first flagged unit's on waits for backward's
+    end (``ReduceTurns.hold_from``)."""
     made = root.turns
     if made is None:
+        others = others_open(root) if root.others_open is None else root.others_open
+        root.others_open = None
         units: list[Unit] = []
         if any(u.grads.reduce_unreached for u in root.units):
             units = [u for u in reversed(root.units) if u.sync_grads and u.has_trainable]
         hold_from = len(units)
-        if units and gathers_in_backward(root):
+        if units and (others or gathers_in_backward(root)):
             hold_from = next((i for i, u in enumerate(units) if u.grads.reduce_unreached), len(units))
         made = root.turns = ReduceTurns(units, {id(u): i for i, u in enumerate(units)}, hold_from)
     return made
+
+
+# The roots whose forward with grad (an output that requires grad) has had no backward end
+# since, by serial, with how many such forwards (micro-batches run forward before backward).
+# A root dropped before its backward stays: collection time is per rank, so removing it then
+# could make one rank's turns hold and another's not; it costs later flagged trees memory only.
+_OPEN: dict[int, int] = {}
+
+
+def forward_opened(root: RootState) -> None:
+    """``root``'s forward with grad has returned an output that requires grad: a backward of it may
+    come, and in the same backward as another tree's (:func:`others_open`)."""
+    _OPEN[root.serial] = _OPEN.get(root.serial, 0) + 1
+
+
+def backward_closed(root: RootState) -> None:
+    """``root``'s backward has ended (its end callback ran, or it raised): one forward fewer open."""
+    left = _OPEN.pop(root.serial, 0) - 1
+    if left > 0:
+        _OPEN[root.serial] = left
+
+
+def others_open(root: RootState) -> bool:
+    """Whether some other root's forward with grad has had no backward end since: its backward may
+    come in the same one as ``root``'s (``dec(enc(x))``). Read as ``root``'s backward begins,
+    before any tree's end callback of that backward: the same answer on every rank."""
+    return any(serial != root.serial for serial in _OPEN)
+
+
+def forget_open_roots() -> None:
+    """Forget every root's open forwards (between tests, on every rank at once)."""
+    _OPEN.clear()
 
 
 def gathers_in_backward(root: RootState) -> bool:
