@@ -65,6 +65,7 @@ class _Run:
     ref: nn.Module
     mod: nn.Module
     units: list[nn.Module]
+    kept_root: bool  # the root owns a block in a reentrant checkpoint (see _shard)
     flagged: dict[str, bool]  # per parameter name: its unit is flagged
     ref_optim: torch.optim.Optimizer
     optim: torch.optim.Optimizer
@@ -81,7 +82,9 @@ def _optimizer(case: Case, params: Any) -> torch.optim.Optimizer:
 
 def _shard(case: Case, mod: nn.Module) -> tuple[list[nn.Module], dict[str, bool]]:
     """Wrap ``mod``'s units as the case says; returns them (the root last) and, per parameter,
-    whether its unit is flagged."""
+    whether its unit is flagged. A root that owns a block in a reentrant checkpoint is reached
+    twice in backward, so it keeps its full parameters through backward, as docs/api.md asks
+    (``set_reshard_after_backward(False)``; :func:`_step_both` reshards it after the step)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if case.hsdp else None
@@ -94,6 +97,8 @@ def _shard(case: Case, mod: nn.Module) -> tuple[list[nn.Module], dict[str, bool]
             fullshard.fully_shard(module, reshard_after_forward=not kept, **kw)
             named.append((name, module, flagged))
     fullshard.fully_shard(mod, **kw)
+    if any(b.ckpt for b in case.blocks):
+        mod.set_reshard_after_backward(False, recurse=False)  # type: ignore[operator]
     named.append(("", mod, case.root_flagged))
     for _, module, flagged in named:
         if flagged:
@@ -125,8 +130,8 @@ def _build(case: Case, rank: int) -> _Run:
         if p.requires_grad:  # a frozen block's do not
             p.register_post_accumulate_grad_hook(count)
     return _Run(
-        case, rank, ref, mod, units, flagged, _optimizer(case, ref.parameters()), _optimizer(case, mod.parameters()),
-        hooks, {n: None for n in hooks}, Result([]),
+        case, rank, ref, mod, units, any(b.ckpt for b in case.blocks), flagged, _optimizer(case, ref.parameters()),
+        _optimizer(case, mod.parameters()), hooks, {n: None for n in hooks}, Result([]),
     )  # fmt: skip
 
 
@@ -221,6 +226,8 @@ def _step_both(run: _Run, step: int, want: Grads) -> None:
         _note(run, f"step {step}: clip_grad_norm_ differs between ranks")
     run.optim.step()
     run.ref_optim.step()
+    if run.kept_root:  # gathered afresh in the next forward, with the stepped values
+        run.mod.reshard()  # type: ignore[operator]
     scale = max(float(p.abs().max()) for p in run.ref.parameters())
     tol = 1e-2 if run.case.mixed else PARAM_TOL[run.case.optim]
     params = dict(run.ref.named_parameters())
