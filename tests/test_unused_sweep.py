@@ -5,22 +5,29 @@ the documented limits. Each case runs three steps against an unsharded model on 
 (``unused_check.check_rank``: averaged gradients, ``.grad`` None or set alike on every rank,
 hook counts, ``clip_grad_norm_``, SGD or AdamW steps). ``tools/unused_sweep.py`` runs more
 draws at 2-4 ranks; here a few at 2 and 3 ranks, chosen to cover bf16, micro-batches, no
-``zero_grad`` between steps, clipping that clips, experts wrapped one by one, and unflagged
-units with default prefetch."""
+``zero_grad`` between steps, clipping that clips, experts wrapped one by one, unflagged
+units with default prefetch, and models split in two roots (``dec(enc(x))``)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 from dist import run_ranks
 from torch import nn
 
-from fullshard.jobs.planning import unused, unused_check
+from fullshard.jobs.planning import unused, unused_check, unused_model
 
 SEED = 20261129
-# By world size: indices of draw(SEED, 16); 2, 6 and 7 reshard units beside flagged ones, and
-# 6 has a frozen unit resharded beside a root block in a reentrant checkpoint (root flagged)
-CASES = {2: [0, 13], 3: [1, 2, 6, 7, 11]}
+# By world size: indices of draw(SEED, 34); 2, 6 and 7 reshard units beside flagged ones; 0, 6,
+# 21 and 33 are split in two roots, and 6 has a frozen unit resharded in one tree beside a root
+# block in a reentrant checkpoint in the other (both roots flagged). In 21 the first tree's
+# experts, flagged, are reached on some ranks only, a flagged unit of it reshards, and the second
+# tree (root flagged) runs its backward first: on 93f43d8 (before several roots held the turns),
+# an all-gather failed. In 33 the second tree's flagged gate reshards and the first root, flagged,
+# is reached twice (its block in a reentrant checkpoint): on 93f43d8 gloo aborted
+CASES = {2: [0, 13], 3: [1, 2, 6, 7, 11, 21, 33]}
 
 
 def _run(rank: int, world: int, indices: list[int]) -> list[unused_check.Result]:
@@ -71,6 +78,7 @@ def test_drawn_cases_keep_to_the_documented_limits() -> None:
     assert [c.describe() for c in unused.draw(SEED, 7)] == [c.describe() for c in cases[:7]]
     beside = 0
     for c in cases:
+        _assert_trees_keep_to_the_limits(c)
         needy = resharded = False
         for b in c.blocks:
             assert not b.drop_forward or b.wrap == "none", c.describe()
@@ -88,14 +96,53 @@ def test_drawn_cases_keep_to_the_documented_limits() -> None:
             assert c.prefetch_off, c.describe()
         beside += needy and resharded
     assert beside >= 5, beside
+    assert 10 <= sum(bool(c.split) for c in cases) <= 35 and any(c.root2_flagged for c in cases)
     assert {c.world for c in cases} == {2, 3, 4} and any(c.hsdp for c in cases) and any(c.mixed for c in cases)
     unflagged = [b for c in cases for b in c.blocks if b.wrap != "none" and not all(b.flagged)]
     assert any(b.habit in ("routed", "branch") for b in unflagged)  # partial use inside an unflagged unit
 
 
+def _assert_trees_keep_to_the_limits(c: unused.Case) -> None:
+    """A split case: the first tree's output requires grad on every rank in every micro-batch,
+    its root's blocks are touched on every rank or none where its root is not flagged, and a
+    root owning a block in a reentrant checkpoint is flagged (either tree)."""
+    flags = {"": c.root_flagged, "enc": c.root_flagged, "dec": c.root2_flagged}
+    assert all(flags[c.tree(i)] for i, b in enumerate(c.blocks) if b.ckpt), c.describe()
+    if not c.split:
+        return
+    assert 0 < c.split < len(c.blocks), c.describe()
+    first = c.blocks[: c.split]
+    for step in range(unused.STEPS):
+        for micro in range(c.micro):
+            uses = [[b.uses[step][micro][r] for b in first] for r in range(c.world)]
+            fed = [[u is not None and bool(u) and not b.frozen for b, u in zip(first, us)] for us in uses]
+            assert c.input_grad or all(any(f) for f in fed), c.describe()
+            own = {any(f and b.wrap == "none" for b, f in zip(first, fs)) for fs in fed}
+            assert c.root_flagged or len(own) == 1, c.describe()
+
+
+def test_a_split_case_is_the_unsplit_one_with_two_roots() -> None:
+    """The same parameters, drawn alike (``enc.``/``dec.`` in front of their names), and the
+    same output: splitting changes only where the roots are."""
+    c = unused.case_at(SEED, 6)
+    assert c.split == 1
+    torch.manual_seed(0)
+    split = unused_model.build(c)
+    torch.manual_seed(0)
+    whole = unused_model.build(dataclasses.replace(c, split=0, root2_flagged=False))
+    names = [n.split(".", 1)[1] for n, _ in split.named_parameters()]
+    assert sorted(names) == sorted(n for n, _ in whole.named_parameters())
+    params = dict(whole.named_parameters())
+    assert all(torch.equal(p, params[n.split(".", 1)[1]]) for n, p in split.named_parameters())
+    for model in (split, whole):
+        unused_model.set_step(model, c, 0, 0, 1)
+    x = torch.randn(c.batch, c.hidden, requires_grad=c.input_grad)
+    assert torch.equal(split(x), whole(x))
+
+
 def test_a_drawn_model_runs_unsharded() -> None:
     c = unused.case_at(SEED, 3)
-    model = unused.Blocks(c)
-    unused.set_step(model, c, 0, 0, 1)
+    model = unused_model.build(c)
+    unused_model.set_step(model, c, 0, 0, 1)
     out = model(torch.randn(c.batch, c.hidden))
     assert out.shape == (c.batch, 2)

@@ -4,14 +4,16 @@ Rank-dependent control flow (MoE routing, an embedding whose tokens only some ra
 branch one rank takes) leaves some parameters without a gradient on some ranks. docs/api.md
 ("used on some ranks only", ``set_reduce_scatter_unused_params``) states what fullshard promises
 there; :func:`draw` ``(seed, n)`` draws ``n`` cases inside that contract with
-``random.Random(seed)`` alone (``draw(seed, m)`` is the first ``m`` of ``draw(seed, n)``), and
+``random.Random(seed)`` and two generators per case (``draw(seed, m)`` is the first ``m`` of
+``draw(seed, n)``), :mod:`fullshard.jobs.planning.unused_model` builds its model, and
 :mod:`fullshard.jobs.planning.unused_check` runs one on every rank against an unsharded model.
 
 Vocabulary. A *block* is one residual layer of the drawn model (:class:`Blocks`) made of named
 *parts* (submodules); per step, micro-batch and rank its *use* is the tuple of parts whose output
 reaches the loss, or None: the block is *skipped* there (its forward runs, or for a block the
 root owns may not run at all, and its output is dropped). A *unit* is a module wrapped with
-``fully_shard``: a whole block, each expert of an ``experts`` block, and always the root. A unit
+``fully_shard``: a whole block, each expert of an ``experts`` block, and always the root (each
+of the two roots of a split case: below, "the root" is the root of the block's tree). A unit
 is *touched* on a rank when some parameter of it reaches that rank's loss. Each case keeps to
 the documented limits:
 
@@ -44,22 +46,30 @@ the documented limits:
   checkpointed block's recomputation ran with its shards (seed 20261129, case 36);
 - other units are flagged or kept gathered at random; a unit touched on every rank or none may
   be unflagged, so its parameters used on some ranks only get a ``.grad`` on every rank, and
-  those no rank used keep None.
+  those no rank used keep None;
+- 40% of the cases (from a third generator per case, drawn after every other draw, so a case
+  not split is exactly as before) are split in two roots, as ``dec(enc(x))``: the first ``k``
+  blocks under one root (``enc``, flagged as the single root would be, holding its spare), the
+  other blocks and the head under a second (``dec``, flagged 40% of the time); the top-level
+  module is not wrapped. Each tree keeps the limits above on its own: ``k`` is drawn among the
+  splits where ``enc``'s output requires grad on every rank in every micro-batch (a tree whose
+  forward has grad, and whose backward comes, on some ranks only is outside docs/api.md's
+  limits: the other root's turns would wait on some ranks only) and, where ``enc``'s root is
+  not flagged, the blocks it owns are touched on every rank or on none in each micro-batch;
+  ``dec`` is flagged wherever it owns a block in a reentrant checkpoint (``enc`` does only where
+  its root is flagged, as drawn). Where no ``k`` fits, the case keeps one root.
 
 Drawn per case: world size 2, 3 or 4 (HSDP on a 2x2 mesh at 4, half the time), hidden width 5,
 7 or 13, 2-4 blocks, bf16 mixed precision (values made bfloat16's), 1 or 2 micro-batches per
 step (gradient sync off for the first), ``zero_grad(set_to_none=True)`` between steps or not,
-SGD with momentum or AdamW, ``clip_grad_norm_`` with a max norm that clips or one that does not.
+SGD with momentum or AdamW, ``clip_grad_norm_`` with a max norm that clips or one that does not,
+and one root or two.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import random
-
-import torch
-import torch.utils.checkpoint
-from torch import nn
 
 KINDS = ("dense", "branch", "experts", "embed")
 HABITS = ("always", "routed", "branch", "skippy")
@@ -130,7 +140,10 @@ class Case:
     """One drawn case: where it came from (``seed``, ``index``), the model (``hidden`` width,
     ``blocks``, ``root_spare``: the root holds a parameter no forward uses), one rank's batch,
     and the settings (see the module's docstring). ``clip``: the max norm given to
-    ``clip_grad_norm_``; ``prefetch_off``: every unit gets ``set_modules_to_backward_prefetch([])``."""
+    ``clip_grad_norm_``; ``prefetch_off``: every unit gets ``set_modules_to_backward_prefetch([])``.
+    ``split``: 0 (one root, the whole model) or ``k``: the first ``k`` blocks under one root
+    (``enc``, flagged where ``root_flagged``, holding the spare), the other blocks and the head
+    under a second (``dec``, flagged where ``root2_flagged``), run as ``dec(enc(x))``."""
 
     seed: int
     index: int
@@ -148,9 +161,21 @@ class Case:
     optim: str
     clip: float
     input_grad: bool = False
+    split: int = 0
+    root2_flagged: bool = False
+
+    def tree(self, index: int) -> str:
+        """The module path of block ``index``'s root: ``""`` (the model), ``enc`` or ``dec``."""
+        return "" if not self.split else "enc" if index < self.split else "dec"
+
+    def unit_names(self, index: int) -> tuple[str, ...]:
+        """Block ``index``'s units' module paths in the model (``enc.``/``dec.`` in front where split)."""
+        tower = self.tree(index) + "." if self.split else ""
+        return tuple(tower + name for name in self.blocks[index].unit_names(index))
 
     def describe(self) -> str:
-        """One line: the settings, then each block's :meth:`Block.describe`."""
+        """One line: the settings (``root:`` the first root's flag and spare; ``roots:2@k:F``: split
+        after ``k`` blocks, the second root flagged), then each block's :meth:`Block.describe`."""
         head = [f"#{self.index}", f"h{self.hidden}", "hsdp" if self.hsdp else "", "bf16" if self.mixed else ""]
         head += [f"acc{self.micro}" if self.micro > 1 else "", "" if self.zero_grad else "no-zero", self.optim]
         head += [
@@ -158,6 +183,7 @@ class Case:
             "root:" + ("F" if self.root_flagged else "-") + ("+spare" if self.root_spare else ""),
         ]
         head += ["no-prefetch" if self.prefetch_off else "", "xgrad" if self.input_grad else ""]
+        head += [f"roots:2@{self.split}:" + ("F" if self.root2_flagged else "-") if self.split else ""]
         return " ".join(x for x in head if x) + "; " + " ".join(b.describe() for b in self.blocks)
 
 
@@ -273,6 +299,42 @@ def _ungate(b: Block, aux: random.Random) -> Block:
     return dataclasses.replace(b, kept=kept)
 
 
+def _feeds(b: Block, use: Use) -> bool:
+    """Whether ``b``'s output requires grad on a rank whose use is ``use`` though its input does
+    not: some used part has a trainable parameter."""
+    return use is not None and bool(use) and not b.frozen
+
+
+def splits_at(blocks: tuple[Block, ...], k: int, input_grad: bool, root_flagged: bool) -> bool:
+    """Whether the first ``k`` blocks may be a root of their own (``enc`` of ``dec(enc(x))``):
+    its output requires grad on every rank in every micro-batch (every rank's backward reaches
+    that tree, and every rank counts its forward as one with grad), and where its root is not
+    flagged, the blocks it owns are touched on every rank or on none in each micro-batch."""
+    first = blocks[:k]
+    for step in range(STEPS):
+        for micro, ranks in enumerate(first[0].uses[step]):
+            uses = [[b.uses[step][micro][r] for b in first] for r in range(len(ranks))]
+            if not all(input_grad or any(_feeds(b, u) for b, u in zip(first, us)) for us in uses):
+                return False
+            touched = {any(b.wrap == "none" and _feeds(b, u) for b, u in zip(first, us)) for us in uses}
+            if len(touched) > 1 and not root_flagged:
+                return False
+    return True
+
+
+def _split(rnd: random.Random, blocks: tuple[Block, ...], input_grad: bool, root_flagged: bool) -> tuple[int, bool]:
+    """``(k, flagged)``: 40% of the time, a ``k`` where :func:`splits_at` holds (0: one root, also
+    where none does); the second root flagged 40% of the time, and always where it owns a block
+    in a reentrant checkpoint (drawn only under a flagged root: see :func:`_freeze_or_checkpoint`).
+    Its blocks' units are drawn as before: a unit's limits do not depend on its tree."""
+    wanted, flagged = rnd.random() < 0.4, rnd.random() < 0.4
+    fits = [k for k in range(1, len(blocks)) if splits_at(blocks, k, input_grad, root_flagged)]
+    if not (wanted and fits):
+        return 0, False
+    k = rnd.choice(fits)
+    return k, flagged or any(b.ckpt for b in blocks[k:])
+
+
 def _case(rng: random.Random, seed: int, index: int) -> Case:
     world = rng.choice((2, 3, 4))
     hsdp = world == 4 and rng.random() < 0.5
@@ -290,6 +352,8 @@ def _case(rng: random.Random, seed: int, index: int) -> Case:
     blocks = tuple(_keep_unless_everywhere(b, input_grad) for b in blocks)  # see the module's docstring
     prefetch_off = needy or rng.random() < 0.3
     zero_grad, optim, clip = rng.random() < 0.75, rng.choice(OPTIMIZERS), rng.choice((1e9, 0.05))
+    # From a third generator, after every other draw (so a case not split is as it was): two roots
+    split, root2_flagged = _split(random.Random(seed * 1_000_033 + index), blocks, input_grad, root_flagged)
     return Case(
         seed,
         index,
@@ -307,6 +371,8 @@ def _case(rng: random.Random, seed: int, index: int) -> Case:
         optim,
         clip,
         input_grad,
+        split,
+        root2_flagged,
     )
 
 
@@ -319,77 +385,3 @@ def draw(seed: int, n: int) -> list[Case]:
 def case_at(seed: int, index: int) -> Case:
     """Case ``index`` of :func:`draw` ``(seed, index + 1)``."""
     return draw(seed, index + 1)[index]
-
-
-class DrawnBlock(nn.Module):
-    """A :class:`Block` as a module: ``now`` (a :data:`Use` and token ids) says what the next
-    forward adds to its input ``h`` ``(batch, hidden)``: each used part's output, through GELU
-    (an embedding's rows as they are). An ``experts`` block runs every expert (so every expert
-    unit runs forward on every rank) and adds the used ones'."""
-
-    def __init__(self, b: Block, hidden: int) -> None:
-        super().__init__()
-        self.kind = b.kind
-        self.parts = nn.ModuleDict({p: self._part(p, b, hidden) for p in b.parts})
-        if b.spare:
-            self.spare = nn.Parameter(torch.randn(hidden))
-        self.now: tuple[Use, tuple[int, ...]] = (b.parts, ())
-
-    @staticmethod
-    def _part(name: str, b: Block, hidden: int) -> nn.Module:
-        if name == "emb":
-            return nn.Embedding(b.vocab, hidden)
-        if name in ("main", "proj") or (b.kind == "experts" and name == "e0"):
-            return nn.Linear(hidden, hidden)
-        return nn.Sequential(nn.Linear(hidden, b.width), nn.GELU(), nn.Linear(b.width, hidden))
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        use, tokens = self.now
-        chosen = self.parts.keys() if use is None else use  # skipped: runs, output dropped
-        if self.kind == "experts":
-            outs = {name: part(h) for name, part in self.parts.items()}
-        else:
-            outs = {name: self.parts[name](torch.tensor(tokens) if name == "emb" else h) for name in chosen}
-        out = h
-        for name in chosen:
-            out = out + (outs[name] if name == "emb" else nn.functional.gelu(outs[name]))
-        # A new tensor also where no part is used: a unit returning its input itself would give
-        # its pre-backward hook and the previous unit's one tensor (see docs/api.md)
-        return out if out is not h else h * 1.0
-
-
-class Blocks(nn.Module):
-    """The drawn model: ``x`` ``(batch, hidden)`` through the blocks in turn (a block whose use
-    is None leaves ``h`` as it was), then a ``hidden -> 2`` head; the root may hold a parameter
-    no forward uses."""
-
-    def __init__(self, case: Case) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList([DrawnBlock(b, case.hidden) for b in case.blocks])
-        for block, b in zip(self.blocks, case.blocks):
-            if b.frozen:
-                block.requires_grad_(False)
-        self.drop_forward = [b.drop_forward for b in case.blocks]
-        self.ckpt = [b.ckpt for b in case.blocks]
-        self.head = nn.Linear(case.hidden, 2)
-        if case.root_spare:
-            self.spare = nn.Parameter(torch.randn(2))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x
-        for block, drop, ckpt in zip(self.blocks, self.drop_forward, self.ckpt):
-            use: Use = block.now[0]  # type: ignore[index, assignment]
-            if use is not None and ckpt:
-                h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=True)
-            elif use is not None:
-                h = block(h)
-            elif not drop:
-                block(h)
-        return self.head(h)
-
-
-def set_step(model: nn.Module, case: Case, step: int, micro: int, rank: int) -> None:
-    """Give each block of ``model`` (a :class:`Blocks`, sharded or not) its use and tokens for
-    ``step``, ``micro`` on ``rank``."""
-    for block, b in zip(model.blocks, case.blocks):  # type: ignore[arg-type]
-        block.now = (b.uses[step][micro][rank], b.tokens[step][micro][rank] if b.tokens else ())

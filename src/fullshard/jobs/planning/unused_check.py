@@ -1,9 +1,10 @@
 """Run one drawn case of :mod:`fullshard.jobs.planning.unused` on every rank and check it.
 
 :func:`check_rank` builds the case's model twice from one seed: sharded with ``fully_shard`` as
-the case says, and unsharded (the reference, which every rank runs on its own inputs; in bf16
-mixed precision, on a bfloat16 copy whose gradients are taken in float32). After each step's
-backward (the last micro-batch's) it checks, on every rank:
+the case says (a split case's two towers each its own root: ``dec(enc(x))``), and unsharded
+(the reference, which every rank runs on its own inputs; in bf16 mixed precision, on a
+bfloat16 copy whose gradients are taken in float32). After each step's backward (the last
+micro-batch's) it checks, on every rank:
 
 - every parameter's ``.grad`` is None or set alike on every rank, and set exactly where the
   unit is flagged, or some rank's reference got a gradient this step, or the ``.grad`` was set
@@ -34,7 +35,8 @@ from fullshard.comm import collectives
 from fullshard.engine.hooks import fsdp_state
 from fullshard.engine.unit_config import TrainingState
 from fullshard.jobs import launch
-from fullshard.jobs.planning.unused import STEPS, Blocks, Case, set_step
+from fullshard.jobs.planning.unused import STEPS, Case
+from fullshard.jobs.planning.unused_model import build, set_step
 
 GRAD_TOL = {False: 1e-5, True: 2e-2}  # relative, by mixed precision: fp32 sums in another order; bf16 rounds
 PARAM_TOL = {"sgd": 1e-5, "adamw": 1e-4}  # relative to the largest parameter; bf16: 1e-2
@@ -65,7 +67,8 @@ class _Run:
     ref: nn.Module
     mod: nn.Module
     units: list[nn.Module]
-    kept_root: bool  # the root owns a block in a reentrant checkpoint (see _shard)
+    roots: list[nn.Module]  # one, or a split case's two
+    kept_roots: list[nn.Module]  # roots with a block in a reentrant checkpoint (see _shard)
     flagged: dict[str, bool]  # per parameter name: its unit is flagged
     ref_optim: torch.optim.Optimizer
     optim: torch.optim.Optimizer
@@ -80,8 +83,9 @@ def _optimizer(case: Case, params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
 
 
-def _shard(case: Case, mod: nn.Module) -> tuple[list[nn.Module], dict[str, bool]]:
-    """Wrap ``mod``'s units as the case says; returns them (the root last) and, per parameter,
+def _shard(case: Case, mod: nn.Module) -> tuple[list[nn.Module], list[nn.Module], dict[str, bool]]:
+    """Wrap ``mod``'s units as the case says (a split case's two towers each its own root, the
+    top-level module not wrapped); returns them (the roots last), the roots and, per parameter,
     whether its unit is flagged. A root that owns a block in a reentrant checkpoint is reached
     twice in backward, so it keeps its full parameters through backward, as docs/api.md asks
     (``set_reshard_after_backward(False)``; :func:`_step_both` reshards it after the step)."""
@@ -92,14 +96,17 @@ def _shard(case: Case, mod: nn.Module) -> tuple[list[nn.Module], dict[str, bool]
     kw: dict[str, Any] = {"mesh": mesh, "mp_policy": policy if case.mixed else fullshard.MixedPrecisionPolicy()}
     named: list[tuple[str, nn.Module, bool]] = []
     for i, b in enumerate(case.blocks):
-        for name, flagged, kept in zip(b.unit_names(i), b.flagged, b.kept):
+        for name, flagged, kept in zip(case.unit_names(i), b.flagged, b.kept):
             module = mod.get_submodule(name)
             fullshard.fully_shard(module, reshard_after_forward=not kept, **kw)
             named.append((name, module, flagged))
-    fullshard.fully_shard(mod, **kw)
-    if any(b.ckpt for b in case.blocks):
-        mod.set_reshard_after_backward(False, recurse=False)  # type: ignore[operator]
-    named.append(("", mod, case.root_flagged))
+    roots = [("enc", case.root_flagged), ("dec", case.root2_flagged)] if case.split else [("", case.root_flagged)]
+    for name, flagged in roots:
+        module = mod.get_submodule(name)
+        fullshard.fully_shard(module, **kw)
+        if any(b.ckpt and case.tree(i) == name for i, b in enumerate(case.blocks)):
+            module.set_reshard_after_backward(False, recurse=False)  # type: ignore[operator]
+        named.append((name, module, flagged))
     for _, module, flagged in named:
         if flagged:
             module.set_reduce_scatter_unused_params(True, recurse=False)  # type: ignore[operator]
@@ -109,18 +116,19 @@ def _shard(case: Case, mod: nn.Module) -> tuple[list[nn.Module], dict[str, bool]
     for pname, _ in mod.named_parameters():
         best = max((n for n, _, _ in named if n == "" or pname.startswith(n + ".")), key=len)
         owner[pname] = next(f for n, _, f in named if n == best)
-    return [m for _, m, _ in named], owner
+    return [m for _, m, _ in named], [m for _, m, _ in named[-len(roots) :]], owner
 
 
 def _build(case: Case, rank: int) -> _Run:
     torch.manual_seed(case.seed * 1000 + case.index)
-    ref = Blocks(case)
+    ref = build(case)
     if case.mixed:  # bfloat16's values: the sharded model's cast to bf16 is exact
         with torch.no_grad():
             for p in ref.parameters():
                 p.copy_(p.bfloat16().float())
     mod = copy.deepcopy(ref)
-    units, flagged = _shard(case, mod)
+    units, roots, flagged = _shard(case, mod)
+    kept = [r for r in roots if not fsdp_state(r).unit.reshard_after_backward]  # type: ignore[union-attr]
     hooks = {n: 0 for n, _ in mod.named_parameters()}
     for n, p in mod.named_parameters():
 
@@ -130,7 +138,7 @@ def _build(case: Case, rank: int) -> _Run:
         if p.requires_grad:  # a frozen block's do not
             p.register_post_accumulate_grad_hook(count)
     return _Run(
-        case, rank, ref, mod, units, any(b.ckpt for b in case.blocks), flagged, _optimizer(case, ref.parameters()),
+        case, rank, ref, mod, units, roots, kept, flagged, _optimizer(case, ref.parameters()),
         _optimizer(case, mod.parameters()), hooks, {n: None for n in hooks}, Result([]),
     )  # fmt: skip
 
@@ -226,8 +234,8 @@ def _step_both(run: _Run, step: int, want: Grads) -> None:
         _note(run, f"step {step}: clip_grad_norm_ differs between ranks")
     run.optim.step()
     run.ref_optim.step()
-    if run.kept_root:  # gathered afresh in the next forward, with the stepped values
-        run.mod.reshard()  # type: ignore[operator]
+    for root in run.kept_roots:  # gathered afresh in the next forward, with the stepped values
+        root.reshard()  # type: ignore[operator]
     scale = max(float(p.abs().max()) for p in run.ref.parameters())
     tol = 1e-2 if run.case.mixed else PARAM_TOL[run.case.optim]
     params = dict(run.ref.named_parameters())
@@ -247,7 +255,8 @@ def _one_step(run: _Run, step: int) -> bool:
         run.accumulated = {n: None for n in run.accumulated}
     local: Grads = {n: None for n in run.accumulated}
     for micro in range(case.micro):
-        run.mod.set_requires_gradient_sync(micro == case.micro - 1)  # type: ignore[operator]
+        for root in run.roots:
+            root.set_requires_gradient_sync(micro == case.micro - 1)  # type: ignore[operator]
         x = _inputs(case, step, micro, run.rank)
         set_step(run.ref, case, step, micro, run.rank)
         set_step(run.mod, case, step, micro, run.rank)
