@@ -16,6 +16,7 @@ import copy
 
 import pytest
 import torch
+import torch.utils.checkpoint
 from dist import run_ranks
 from test_unused_order import Gate, assert_averaged, hsdp_mesh
 from torch import nn
@@ -44,10 +45,32 @@ class EncDec(nn.Module):
         return self.dec(torch.tanh(self.enc(x)))
 
 
-def two_roots_body(rank: int, world: int, gated: str, micro: int) -> list[str]:
-    """Two steps, the gate used on rank 0 in the first and on the last rank in the second;
-    ``micro`` micro-batches a step, each one's forward before any backward. Returns the order
-    of all-gathers and reduce-scatters of the last step."""
+def _step(model: EncDec, xs: list[torch.Tensor], mode: str) -> None:
+    """One step's forwards and backwards, as ``mode`` says (the same for both models)."""
+    if mode == "micro":  # both micro-batches' forwards before either backward
+        losses = [model(x).square().mean() for x in xs]
+        for loss in losses:
+            loss.backward()
+    elif mode == "retain":  # a second backward through the kept graph, after the first one's end
+        y = model(xs[0])
+        y.square().mean().backward(retain_graph=True)
+        y.sum().backward()
+    elif mode == "shared":  # two losses over one encoder, backward one by one
+        h = torch.tanh(model.enc(xs[0]))
+        first, second = h.sum(), model.dec(h).square().mean()
+        first.backward(retain_graph=True)
+        second.backward()
+    elif mode == "reentrant":  # the whole encoder root in a reentrant checkpoint
+        h = torch.utils.checkpoint.checkpoint(model.enc, xs[0].requires_grad_(), use_reentrant=True)
+        model.dec(torch.tanh(h)).square().mean().backward()
+    else:
+        model(xs[0]).square().mean().backward()
+
+
+def two_roots_body(rank: int, world: int, gated: str, mode: str) -> list[str]:
+    """Two steps, the gate used on rank 0 in the first and on the last rank in the second, each
+    step as :func:`_step` runs ``mode``. Returns the order of all-gathers and reduce-scatters of
+    the last step."""
     import fullshard
     from fullshard.comm import flight_recorder
 
@@ -66,33 +89,73 @@ def two_roots_body(rank: int, world: int, gated: str, micro: int) -> list[str]:
             if isinstance(unit, fullshard.FSDPModule):
                 unit.set_modules_to_backward_prefetch([])
     for step, users in enumerate(([0], [world - 1])):
-        xs = [
-            torch.randn(3, 4, generator=torch.Generator().manual_seed(100 * step + 10 * i + rank)) for i in range(micro)
-        ]
+        xs = [torch.randn(3, 4, generator=torch.Generator().manual_seed(100 * step + 10 * i + rank)) for i in range(2)]
         for model in (ref, mod):
             getattr(model, gated).g.use = rank in users
             model.zero_grad(set_to_none=True)
-        for x in xs:
-            ref(x).square().mean().backward()
+        _step(ref, [x.clone() for x in xs], mode)
         flight_recorder.RECORDER.entries.clear()
-        losses = [mod(x).square().mean() for x in xs]
-        for loss in losses:
-            loss.backward()
-        assert_averaged(ref, mod, world, f"{gated} step {step}")
+        _step(mod, [x.clone() for x in xs], mode)
+        assert_averaged(ref, mod, world, f"{gated} {mode} step {step}")
     return [f"{e.op} {e.unit}" for e in flight_recorder.RECORDER.entries if e.op in ("all_gather", "reduce_scatter")]
 
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize(
-    ("gated", "world", "micro"), [("dec", 2, 1), ("dec", 4, 1), ("enc", 2, 1), ("enc", 3, 1), ("dec", 2, 2)]
+    ("gated", "world", "mode"),
+    [
+        ("dec", 2, "plain"),
+        ("dec", 4, "plain"),
+        ("enc", 2, "plain"),
+        ("enc", 3, "plain"),
+        ("dec", 2, "micro"),
+        ("dec", 2, "retain"),
+        ("dec", 2, "shared"),
+        ("dec", 2, "reentrant"),
+    ],
 )
 def test_a_flagged_tree_in_a_backward_through_another_root_reduces_at_its_end(
-    gated: str, world: int, micro: int
+    gated: str, world: int, mode: str
 ) -> None:
     """The flagged tree's turns from the gate's on wait for its end callback, where they launch
     after everything the other tree did during backward, on every rank: the decoder's (its
     backward first, before the encoder's all-gathers) and the encoder's (its backward last, its
-    end callback after the decoder's). At 4 ranks, HSDP 2x2; with 2 micro-batches, both
-    forwards before the first backward (the encoder still open for the second)."""
-    ops = run_ranks(two_roots_body, world, gated, micro, timeout=130)
+    end callback after the decoder's). At 4 ranks, HSDP 2x2. Also where the other root's
+    backward comes again after its end callback (``retain``: a second backward through the kept
+    graph; ``shared``: a loss of the encoder alone first), with both micro-batches' forwards
+    before either backward (``micro``), and with the encoder's forward run without grad in a
+    reentrant checkpoint (``reentrant``: its forward with grad comes inside the backward)."""
+    ops = run_ranks(two_roots_body, world, gated, mode, timeout=130)
     assert all(o == ops[0] for o in ops), ops
+
+
+def seen_body(rank: int, world: int) -> list[bool]:
+    """Whether the student's tree holds its turns (another root seen) after each teacher pass."""
+    import fullshard
+    from fullshard.engine import reduce_order
+    from fullshard.engine.hooks import fsdp_state
+
+    torch.manual_seed(0)
+    teacher, student = Tower(False), Tower(True)
+    for tower in (teacher, student):
+        fullshard.fully_shard(tower)
+    x = torch.randn(3, 4)
+    student(x).sum().backward()
+    root = fsdp_state(student).root  # type: ignore[union-attr]
+    answers = []
+    with torch.no_grad():
+        teacher(x)  # a teacher's pass: its backward never comes
+    answers.append(reduce_order.others_open(root))
+    with torch.no_grad():
+        teacher(x.clone().requires_grad_())  # reentrant checkpointing's first pass over a root
+    answers.append(reduce_order.others_open(root))
+    return answers
+
+
+@pytest.mark.timeout(60)
+def test_a_root_run_without_grad_counts_only_where_its_backward_may_come() -> None:
+    """A root run under ``torch.no_grad()`` on inputs that need no gradient (a teacher, a reward
+    model) leaves the other trees' turns as they were; one whose input requires grad (reentrant
+    checkpointing's first pass, its forward with grad coming inside the next backward) makes
+    them hold."""
+    assert run_ranks(seen_body, 1, timeout=50) == [[False, True]]

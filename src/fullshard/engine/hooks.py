@@ -366,7 +366,7 @@ def register_pre_backward(state: FSDPState, output: Any) -> Any:
     if needs and state.root is not None:
         state.root.backward_units.add(id(state.unit))
         if state.is_root:
-            reduce_order.forward_opened(state.root)
+            reduce_order.forward_seen(state.root)
     return output
 
 
@@ -487,10 +487,9 @@ def finish_backward(root: RootState, reshard: bool = True) -> None:
         unit.backward_range = None
         unit.training_state = TrainingState.IDLE
     buffers.POOL.clear(keep_cpu=True)  # CPU memory is kept for the next step; CUDA's allocator caches its own
-    if root.callback_queued:  # a backward began: it ended, or raised
-        reduce_order.backward_closed(root)
     root.last_reduced = None
     root.turns = None
+    root.others_open = None
     root.kept = None
     root.callback_queued = False
     if root.pre_backward_done:

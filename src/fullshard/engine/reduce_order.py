@@ -33,11 +33,11 @@ turn order, zeros where this rank holds no late gradient: the same sums as two r
 Several roots can meet in one backward (``loss = dec(enc(x))``, each its own root): the other
 tree's all-gathers and reductions come during this tree's backward like a resharded unit's
 all-gather, so a flagged turn launched then would pair with them crosswise on ranks that did
-not reach it. So where another root's forward with grad had no backward end yet as this tree's
-backward began (:func:`others_open`), the turns hold as where a unit reshards
-(:func:`gathers_in_backward`), and launch at this tree's end callback, in the order the trees'
-backwards began on every rank. Roots are counted by serial, not by a live reference or ``id``:
-when a dropped root is collected differs per rank, the count must not.
+not reach it. So where another root has run a forward whose backward may come
+(:func:`others_open`), the turns hold as where a unit reshards (:func:`gathers_in_backward`),
+and launch at this tree's end callback, in the order the trees' backwards began on every rank.
+Roots are recorded by serial, not by a live reference or ``id``, and never forgotten: when a
+dropped root is collected differs per rank, the answer must not.
 
 In a tree without the flag nothing changes: each unit reduces in its post-backward, and there
 is no late round. Its ``fully_shard`` units leave a parameter no gradient reached ``.grad`` None
@@ -47,9 +47,11 @@ instead (``unused_grads_none``), and :func:`settle_unused` makes the ranks agree
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
+from fullshard import compat
 from fullshard.comm import collectives
 from fullshard.engine.config import FrontEnd
 from fullshard.engine.grad_use import GradUse
@@ -88,36 +90,44 @@ def turns(root: RootState) -> ReduceTurns:
     return made
 
 
-# The roots whose forward with grad (an output that requires grad) has had no backward end
-# since, by serial, with how many such forwards (micro-batches run forward before backward).
-# A root dropped before its backward stays: collection time is per rank, so removing it then
-# could make one rank's turns hold and another's not; it costs later flagged trees memory only.
-_OPEN: dict[int, int] = {}
+# The roots (by serial) that have run a forward whose backward may come: with grad and an output
+# that requires grad, or without grad with an input that requires grad (reentrant activation
+# checkpointing's first pass over a whole root, whose recomputation and backward come inside the
+# next backward). Never cleared by a backward's end: a retained graph (``retain_graph=True``, a
+# ``create_graph`` gradient penalty, two losses over one encoder) runs that root's backward again
+# after its end callback, with no forward in between. Nor when a root is dropped: when Python
+# collects it differs per rank, and the answer must not. Only which roots the program ran counts,
+# so the answer is every rank's; a root run under ``torch.no_grad()`` alone (a teacher, a reward
+# model) does not count.
+_SEEN: set[int] = set()
 
 
-def forward_opened(root: RootState) -> None:
-    """``root``'s forward with grad has returned an output that requires grad: a backward of it may
-    come, and in the same backward as another tree's (:func:`others_open`)."""
-    _OPEN[root.serial] = _OPEN.get(root.serial, 0) + 1
+def forward_seen(root: RootState) -> None:
+    """``root`` ran a forward with grad whose output requires grad: its backward may come in the
+    same one as another tree's (:func:`others_open`)."""
+    _SEEN.add(root.serial)
 
 
-def backward_closed(root: RootState) -> None:
-    """``root``'s backward has ended (its end callback ran, or it raised): one forward fewer open."""
-    left = _OPEN.pop(root.serial, 0) - 1
-    if left > 0:
-        _OPEN[root.serial] = left
+def note_root_inputs(root: RootState | None, is_root: bool, inputs: Any) -> None:
+    """At a unit's pre-forward: where it is ``root``'s root unit, the forward runs without grad
+    outside backward and some input tensor requires grad (reentrant checkpointing of the whole
+    root), count the root as seen (:func:`forward_seen`)."""
+    if not is_root or root is None or torch.is_grad_enabled() or compat.in_backward():
+        return
+    if any(isinstance(t, torch.Tensor) and t.requires_grad for t in compat.tree_flatten(inputs)[0]):
+        _SEEN.add(root.serial)
 
 
 def others_open(root: RootState) -> bool:
-    """Whether some other root's forward with grad has had no backward end since: its backward may
-    come in the same one as ``root``'s (``dec(enc(x))``). Read as ``root``'s backward begins,
-    before any tree's end callback of that backward: the same answer on every rank."""
-    return any(serial != root.serial for serial in _OPEN)
+    """Whether some other root has run a forward whose backward may come (:data:`_SEEN`): in the
+    same backward as ``root``'s (``dec(enc(x))``), also after its own end callback, through a
+    retained graph. Read as ``root``'s backward begins, before any tree's end callback of it."""
+    return any(serial != root.serial for serial in _SEEN)
 
 
 def forget_open_roots() -> None:
-    """Forget every root's open forwards (between tests, on every rank at once)."""
-    _OPEN.clear()
+    """Forget the roots seen (between tests, on every rank at once)."""
+    _SEEN.clear()
 
 
 def gathers_in_backward(root: RootState) -> bool:
