@@ -13,6 +13,7 @@ not fail: wrong gradients, no error (found by review on 2026-11-29).
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -22,18 +23,32 @@ from test_unused_order import Gate, assert_averaged, hsdp_mesh
 from torch import nn
 
 
+@dataclasses.dataclass
+class Boxed:
+    """A root's output that is no pytree node: no hook of the root's own finds its tensor."""
+
+    h: torch.Tensor
+
+
 class Tower(nn.Module):
-    """``b(tanh(a(h)))`` and, with ``gated``, a :class:`Gate` ``g`` before them."""
+    """``b(tanh(a(h)))`` and, with ``gated``, a :class:`Gate` ``g`` before them; with ``boxed``,
+    the result in a :class:`Boxed`."""
 
     def __init__(self, gated: bool) -> None:
         super().__init__()
         self.g = Gate() if gated else None
         self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.boxed = False
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor) -> torch.Tensor | Boxed:
         if self.g is not None:
             h = self.g(h)
-        return self.b(torch.tanh(self.a(h)))
+        out = self.b(torch.tanh(self.a(h)))
+        return Boxed(out) if self.boxed else out
+
+
+def unbox(out: torch.Tensor | Boxed) -> torch.Tensor:
+    return out.h if isinstance(out, Boxed) else out
 
 
 class EncDec(nn.Module):
@@ -42,7 +57,7 @@ class EncDec(nn.Module):
         self.enc, self.dec = Tower(gated == "enc"), Tower(gated == "dec")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dec(torch.tanh(self.enc(x)))
+        return unbox(self.dec(torch.tanh(unbox(self.enc(x)))))
 
 
 def _step(model: EncDec, xs: list[torch.Tensor], mode: str) -> None:
@@ -56,12 +71,15 @@ def _step(model: EncDec, xs: list[torch.Tensor], mode: str) -> None:
         y.square().mean().backward(retain_graph=True)
         y.sum().backward()
     elif mode == "shared":  # two losses over one encoder, backward one by one
-        h = torch.tanh(model.enc(xs[0]))
+        h = torch.tanh(unbox(model.enc(xs[0])))
         first, second = h.sum(), model.dec(h).square().mean()
         first.backward(retain_graph=True)
         second.backward()
     elif mode == "reentrant":  # the whole encoder root in a reentrant checkpoint
         h = torch.utils.checkpoint.checkpoint(model.enc, xs[0].requires_grad_(), use_reentrant=True)
+        model.dec(torch.tanh(h)).square().mean().backward()
+    elif mode == "reentrant_input":  # the same, the encoder's own input made inside (needs no grad)
+        h = torch.utils.checkpoint.checkpoint(lambda t: model.enc(t * 2.0), xs[0].requires_grad_(), use_reentrant=True)
         model.dec(torch.tanh(h)).square().mean().backward()
     else:
         model(xs[0]).square().mean().backward()
@@ -88,6 +106,8 @@ def two_roots_body(rank: int, world: int, gated: str, mode: str) -> list[str]:
         for unit in tower.modules():
             if isinstance(unit, fullshard.FSDPModule):
                 unit.set_modules_to_backward_prefetch([])
+    for model in (ref, mod):
+        model.enc.boxed = mode == "boxed"
     for step, users in enumerate(([0], [world - 1])):
         xs = [torch.randn(3, 4, generator=torch.Generator().manual_seed(100 * step + 10 * i + rank)) for i in range(2)]
         for model in (ref, mod):
@@ -112,6 +132,8 @@ def two_roots_body(rank: int, world: int, gated: str, mode: str) -> list[str]:
         ("dec", 2, "retain"),
         ("dec", 2, "shared"),
         ("dec", 2, "reentrant"),
+        ("dec", 2, "reentrant_input"),
+        ("dec", 2, "boxed"),
     ],
 )
 def test_a_flagged_tree_in_a_backward_through_another_root_reduces_at_its_end(
@@ -123,8 +145,11 @@ def test_a_flagged_tree_in_a_backward_through_another_root_reduces_at_its_end(
     end callback after the decoder's). At 4 ranks, HSDP 2x2. Also where the other root's
     backward comes again after its end callback (``retain``: a second backward through the kept
     graph; ``shared``: a loss of the encoder alone first), with both micro-batches' forwards
-    before either backward (``micro``), and with the encoder's forward run without grad in a
-    reentrant checkpoint (``reentrant``: its forward with grad comes inside the backward)."""
+    before either backward (``micro``), with the encoder's forward run without grad in a
+    reentrant checkpoint (``reentrant``: its forward with grad comes inside the backward; in
+    ``reentrant_input`` its input is made inside the checkpoint and needs no gradient), and with
+    the encoder's output in a plain dataclass (``boxed``: no hook of the root's own sees it;
+    found by review)."""
     ops = run_ranks(two_roots_body, world, gated, mode, timeout=130)
     assert all(o == ops[0] for o in ops), ops
 
@@ -136,26 +161,26 @@ def seen_body(rank: int, world: int) -> list[bool]:
     from fullshard.engine.hooks import fsdp_state
 
     torch.manual_seed(0)
-    teacher, student = Tower(False), Tower(True)
-    for tower in (teacher, student):
+    frozen, teacher, student = Tower(False).requires_grad_(False), Tower(False), Tower(True)
+    for tower in (frozen, teacher, student):
         fullshard.fully_shard(tower)
     x = torch.randn(3, 4)
     student(x).sum().backward()
     root = fsdp_state(student).root  # type: ignore[union-attr]
     answers = []
     with torch.no_grad():
-        teacher(x)  # a teacher's pass: its backward never comes
+        frozen(x)  # a frozen teacher's pass: its backward never comes
     answers.append(reduce_order.others_open(root))
     with torch.no_grad():
-        teacher(x.clone().requires_grad_())  # reentrant checkpointing's first pass over a root
+        teacher(x)  # trainable: as a reentrant checkpoint's first pass, its backward to come
     answers.append(reduce_order.others_open(root))
     return answers
 
 
 @pytest.mark.timeout(60)
 def test_a_root_run_without_grad_counts_only_where_its_backward_may_come() -> None:
-    """A root run under ``torch.no_grad()`` on inputs that need no gradient (a teacher, a reward
-    model) leaves the other trees' turns as they were; one whose input requires grad (reentrant
-    checkpointing's first pass, its forward with grad coming inside the next backward) makes
-    them hold."""
+    """A root run under ``torch.no_grad()`` with no trainable parameter (a frozen teacher, a
+    reference model) leaves the other trees' turns as they were; a root with trainable
+    parameters run without grad (reentrant checkpointing's first pass, its forward with grad
+    coming inside the next backward) makes them hold."""
     assert run_ranks(seen_body, 1, timeout=50) == [[False, True]]

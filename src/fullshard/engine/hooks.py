@@ -193,6 +193,7 @@ def root_pre_forward(state: FSDPState) -> None:
     assert root is not None
     if _in_backward():
         return  # a recomputation (activation checkpointing of the root)
+    reduce_order.root_forward(root)
     by_hand, root.gathered_by_hand = root.gathered_by_hand, {}
     left = [_left_behind(u, by_hand) for u in root.units]  # each unit's: it may start recording versions
     if root.callback_queued or any(left):
@@ -365,8 +366,6 @@ def register_pre_backward(state: FSDPState, output: Any) -> Any:
         t.register_hook(functools.partial(_pre_backward, state))
     if needs and state.root is not None:
         state.root.backward_units.add(id(state.unit))
-        if state.is_root:
-            reduce_order.forward_seen(state.root)
     return output
 
 

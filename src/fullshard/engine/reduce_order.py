@@ -34,7 +34,8 @@ Several roots can meet in one backward (``loss = dec(enc(x))``, each its own roo
 tree's all-gathers and reductions come during this tree's backward like a resharded unit's
 all-gather, so a flagged turn launched then would pair with them crosswise on ranks that did
 not reach it. So where another root has run a forward whose backward may come
-(:func:`others_open`), the turns hold as where a unit reshards (:func:`gathers_in_backward`),
+(:func:`others_open`; a root only ever run without grad and with no trainable parameter does
+not count), the turns hold as where a unit reshards (:func:`gathers_in_backward`),
 and launch at this tree's end callback, in the order the trees' backwards began on every rank.
 Roots are recorded by serial, not by a live reference or ``id``, and never forgotten: when a
 dropped root is collected differs per rank, the answer must not.
@@ -47,11 +48,9 @@ instead (``unused_grads_none``), and :func:`settle_unused` makes the ranks agree
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import torch
 
-from fullshard import compat
 from fullshard.comm import collectives
 from fullshard.engine.config import FrontEnd
 from fullshard.engine.grad_use import GradUse
@@ -90,31 +89,23 @@ def turns(root: RootState) -> ReduceTurns:
     return made
 
 
-# The roots (by serial) that have run a forward whose backward may come: with grad and an output
-# that requires grad, or without grad with an input that requires grad (reentrant activation
-# checkpointing's first pass over a whole root, whose recomputation and backward come inside the
-# next backward). Never cleared by a backward's end: a retained graph (``retain_graph=True``, a
-# ``create_graph`` gradient penalty, two losses over one encoder) runs that root's backward again
-# after its end callback, with no forward in between. Nor when a root is dropped: when Python
-# collects it differs per rank, and the answer must not. Only which roots the program ran counts,
-# so the answer is every rank's; a root run under ``torch.no_grad()`` alone (a teacher, a reward
-# model) does not count.
+# The roots (by serial) that have run a forward whose backward may come: any forward outside
+# backward with grad, or without grad where the tree has a trainable parameter (reentrant
+# activation checkpointing's first pass over a whole root, or over a function whose output is a
+# root's input: their recomputation and backward come inside the next backward). Never cleared
+# by a backward's end: a retained graph (``retain_graph=True``, a ``create_graph`` gradient
+# penalty, two losses over one encoder) runs that root's backward again after its end callback,
+# with no forward in between. Nor when a root is dropped: when Python collects it differs per
+# rank, and the answer must not. Only which roots the program ran counts, so the answer is every
+# rank's. Read at the root's pre-forward, not from its output, which may hold no tensor a hook
+# can find (a plain dataclass) while its units' outputs do.
 _SEEN: set[int] = set()
 
 
-def forward_seen(root: RootState) -> None:
-    """``root`` ran a forward with grad whose output requires grad: its backward may come in the
-    same one as another tree's (:func:`others_open`)."""
-    _SEEN.add(root.serial)
-
-
-def note_root_inputs(root: RootState | None, is_root: bool, inputs: Any) -> None:
-    """At a unit's pre-forward: where it is ``root``'s root unit, the forward runs without grad
-    outside backward and some input tensor requires grad (reentrant checkpointing of the whole
-    root), count the root as seen (:func:`forward_seen`)."""
-    if not is_root or root is None or torch.is_grad_enabled() or compat.in_backward():
-        return
-    if any(isinstance(t, torch.Tensor) and t.requires_grad for t in compat.tree_flatten(inputs)[0]):
+def root_forward(root: RootState) -> None:
+    """A forward of ``root``'s tree begins at its root, outside backward: record it where its
+    backward may come (see :data:`_SEEN`) for :func:`others_open`."""
+    if torch.is_grad_enabled() or any(u.has_trainable for u in root.units):
         _SEEN.add(root.serial)
 
 

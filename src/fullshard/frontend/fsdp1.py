@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from fullshard.comm import collectives
-from fullshard.engine import build, dynamo_guard, frozen_backward, hooks, reduce_order
+from fullshard.engine import build, dynamo_guard, frozen_backward, hooks
 from fullshard.engine.config import (
     BackwardPrefetch,
     CommQuantization,
@@ -417,7 +417,6 @@ def _pre_forward(wrapper: FullyShardedDataParallel, args: tuple, kwargs: dict) -
     """Become the root at the first forward, prepare the inputs, gather the unit."""
     wrapper._lazy_init()
     args, kwargs = hooks.prepare_inputs(wrapper._unit_state, (args, kwargs))
-    reduce_order.note_root_inputs(wrapper._unit_state.root, wrapper._unit_state.is_root, (args, kwargs))
     hooks.pre_forward(wrapper._unit_state)
     return frozen_backward.hook_frozen_inputs(wrapper._unit_state, (args, kwargs))
 

@@ -41,7 +41,6 @@ from fullshard.compat import tree_map
 from fullshard.engine import all_gather_extension, build, dynamo_guard, frozen_backward, hooks, inference_guard
 from fullshard.engine.config import BackwardPrefetch, CommQuantization, FrontEnd, MixedPrecision, ShardingStrategy
 from fullshard.engine.groups import resolve_groups
-from fullshard.engine.reduce_order import note_root_inputs
 from fullshard.engine.shard_sync import register_dtensors
 from fullshard.engine.sharded_param import is_sharded, unshifted
 from fullshard.engine.unit import ShardState, TrainingState, Unit
@@ -382,7 +381,6 @@ def _register_forward_hooks(
     def pre(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         hooks.lazy_init(module)
         args, kwargs = hooks.prepare_inputs(state, (args, kwargs))
-        note_root_inputs(state.root, state.is_root, (args, kwargs))  # reentrant checkpointing of a root
         if recomputing():
             hooks.pre_forward(state)
             return args, kwargs
