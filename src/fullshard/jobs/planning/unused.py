@@ -40,11 +40,13 @@ the documented limits:
   checkpoint 60% of the time (the root's post-backward may then come early, inside the nested
   backward, on some ranks: with a frozen unit's all-gather, what a review found on 2026-11-29;
   an unflagged root reached twice on some ranks only reduces a different number of times per
-  rank, outside docs/api.md's limits); a root with two such blocks keeps its full parameters
-  through backward (``set_reshard_after_backward(False)``, as docs/api.md asks of a unit reached
-  twice; the check reshards it after each optimizer step): resharded in its post-backward inside
-  the first block's nested backward, it ran the second block's recomputation with its shards
-  (seed 20261129, case 36: torch's "mixed torch.Tensor and DTensor");
+  rank, outside docs/api.md's limits); such a root keeps its full parameters through backward
+  (``set_reshard_after_backward(False)``, as docs/api.md asks of a unit reached twice; the check
+  reshards it after each optimizer step): resharded in its post-backward inside the block's
+  nested backward, it ran a second checkpointed block's recomputation on its shards (seed
+  20261129, case 36: torch's "mixed torch.Tensor and DTensor") or failed where a block it owns
+  ran before the checkpointed one (seed 730001, case 6: "backward needs a tensor saved from the
+  unit's full parameters");
 - other units are flagged or kept gathered at random; a unit touched on every rank or none may
   be unflagged, so its parameters used on some ranks only get a ``.grad`` on every rank, and
   those no rank used keep None;

@@ -68,7 +68,7 @@ class _Run:
     mod: nn.Module
     units: list[nn.Module]
     roots: list[nn.Module]  # one, or a split case's two
-    kept_roots: list[nn.Module]  # roots with two blocks in reentrant checkpoints (see _shard)
+    kept_roots: list[nn.Module]  # roots with a block in a reentrant checkpoint (see _shard)
     flagged: dict[str, bool]  # per parameter name: its unit is flagged
     ref_optim: torch.optim.Optimizer
     optim: torch.optim.Optimizer
@@ -86,11 +86,13 @@ def _optimizer(case: Case, params: Any) -> torch.optim.Optimizer:
 def _shard(case: Case, mod: nn.Module) -> tuple[list[nn.Module], list[nn.Module], dict[str, bool]]:
     """Wrap ``mod``'s units as the case says (a split case's two towers each its own root, the
     top-level module not wrapped); returns them (the roots last), the roots and, per parameter,
-    whether its unit is flagged. A root that owns two blocks in reentrant checkpoints runs the
-    second one's recomputation after its post-backward in the first one's nested backward, so it
-    keeps its full parameters through backward, as docs/api.md asks of a unit reached twice
-    (``set_reshard_after_backward(False)``; :func:`_step_both` reshards it after the step). A root
-    with one such block reshards after backward as usual (what the recorded sweeps ran)."""
+    whether its unit is flagged. A root that owns a block in a reentrant checkpoint is reached
+    twice in backward (inside the block's nested backward, and outside it), so it keeps its full
+    parameters through backward, as docs/api.md asks of a unit reached twice
+    (``set_reshard_after_backward(False)``; :func:`_step_both` reshards it after the step):
+    resharded in the nested backward, it failed where a block it owns ran before the checkpointed
+    one (seed 730001 case 6) or a second checkpointed block recomputed on its shards (seed
+    20261129 case 36)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if case.hsdp else None
@@ -106,7 +108,7 @@ def _shard(case: Case, mod: nn.Module) -> tuple[list[nn.Module], list[nn.Module]
     for name, flagged in roots:
         module = mod.get_submodule(name)
         fullshard.fully_shard(module, **kw)
-        if sum(b.ckpt and case.tree(i) == name for i, b in enumerate(case.blocks)) > 1:
+        if any(b.ckpt and case.tree(i) == name for i, b in enumerate(case.blocks)):
             module.set_reshard_after_backward(False, recurse=False)  # type: ignore[operator]
         named.append((name, module, flagged))
     for _, module, flagged in named:
