@@ -102,7 +102,7 @@ _RESETS = (
     ("fullshard.comm.quantized", "reset_generators"),
     ("fullshard.frontend.torch_names", "reset"),
     ("fullshard.engine.build", "reset_warnings"),
-    ("fullshard.engine.reduce_order", "forget_open_roots"),
+    ("fullshard.engine.reduce_order", "forget_seen_roots"),
 )
 
 

@@ -51,9 +51,6 @@ class RootState:
     # This backward's reduction turns (reduce_order), made at its first reduction; None between backwards.
     turns: ReduceTurns | None = None
     serial: int = dataclasses.field(default_factory=lambda: next(_SERIALS))
-    # Whether, as this tree's backward began, another root had run a forward whose backward may
-    # come (reduce_order.others_open): read once by the turns of that backward.
-    others_open: bool | None = None
     pre_backward_done: set[int] = dataclasses.field(default_factory=set)
     post_optim_event: Any = None  # a CUDA event the next forward's all-gathers wait for
     units_checked: bool = False  # whether every rank was found to wrap the same units

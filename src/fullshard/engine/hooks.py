@@ -361,11 +361,11 @@ def register_pre_backward(state: FSDPState, output: Any) -> Any:
     """Hook every tensor of ``output`` that requires grad, so that the unit is gathered (and
     its prefetches start) when backward reaches it. Returns ``output``."""
     tensors, _ = compat.tree_flatten(output)
-    needs = [t for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad]
-    for t in needs:
-        t.register_hook(functools.partial(_pre_backward, state))
-    if needs and state.root is not None:
-        state.root.backward_units.add(id(state.unit))
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            t.register_hook(functools.partial(_pre_backward, state))
+            if state.root is not None:
+                state.root.backward_units.add(id(state.unit))
     return output
 
 
@@ -379,7 +379,6 @@ def _pre_backward(state: FSDPState, grad: torch.Tensor) -> torch.Tensor:
     if not root.callback_queued:
         root.callback_queued = True
         compat.queue_backward_callback(functools.partial(_backward_done, root))
-        root.others_open = reduce_order.others_open(root)
         reshard_guard.if_backward_fails(functools.partial(_backward_failed, root))
     if id(unit) in root.pre_backward_done:
         return grad
@@ -488,7 +487,6 @@ def finish_backward(root: RootState, reshard: bool = True) -> None:
     buffers.POOL.clear(keep_cpu=True)  # CPU memory is kept for the next step; CUDA's allocator caches its own
     root.last_reduced = None
     root.turns = None
-    root.others_open = None
     root.kept = None
     root.callback_queued = False
     if root.pre_backward_done:

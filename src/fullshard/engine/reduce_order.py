@@ -73,17 +73,15 @@ def turns(root: RootState) -> ReduceTurns:
     ``reduce_unreached``; else every unit with gradient sync on and a trainable parameter,
     in reverse construction order; where some unit of the tree all-gathers in backward
     (:func:`gathers_in_backward`) or another root's backward may come in this one
-    (``root.others_open``), every turn from the first flagged unit's on waits for backward's
+    (:func:`others_open`), every turn from the first flagged unit's on waits for backward's
     end (``ReduceTurns.hold_from``)."""
     made = root.turns
     if made is None:
-        others = others_open(root) if root.others_open is None else root.others_open
-        root.others_open = None
         units: list[Unit] = []
         if any(u.grads.reduce_unreached for u in root.units):
             units = [u for u in reversed(root.units) if u.sync_grads and u.has_trainable]
         hold_from = len(units)
-        if units and (others or gathers_in_backward(root)):
+        if units and (gathers_in_backward(root) or others_open(root)):
             hold_from = next((i for i, u in enumerate(units) if u.grads.reduce_unreached), len(units))
         made = root.turns = ReduceTurns(units, {id(u): i for i, u in enumerate(units)}, hold_from)
     return made
@@ -112,11 +110,12 @@ def root_forward(root: RootState) -> None:
 def others_open(root: RootState) -> bool:
     """Whether some other root has run a forward whose backward may come (:data:`_SEEN`): in the
     same backward as ``root``'s (``dec(enc(x))``), also after its own end callback, through a
-    retained graph. Read as ``root``'s backward begins, before any tree's end callback of it."""
+    retained graph. Only a forward outside backward changes the answer, so it is the same
+    wherever in a backward the turns are made (a unit's post-backward or the end callback)."""
     return any(serial != root.serial for serial in _SEEN)
 
 
-def forget_open_roots() -> None:
+def forget_seen_roots() -> None:
     """Forget the roots seen (between tests, on every rank at once)."""
     _SEEN.clear()
 
