@@ -158,21 +158,23 @@ TWICE = [
 ]
 
 
-def twice_body(rank: int, world: int, configs: list = TWICE, graph: bool = False) -> list[str]:
+def twice_body(rank: int, world: int, configs: list = TWICE, graph: bool = False, keep: bool = True) -> list[str]:
     """The gradients of :class:`Twice`, sharded (``shared`` kept gathered from forward to the
     end of backward, so backward gathers nothing in a rank-dependent order; at 4 ranks HSDP on a
     2x2 mesh), are the unsharded model's averaged; ``shared``'s post-backward runs twice; one
     MAX all-reduce per group for the late round where some unit is flagged, none without. A parameter of ``shared``
     that forward never uses keeps ``.grad`` None on every rank (zeros where ``shared`` is
     flagged), so torch's ``clip_grad_norm_`` issues the same collectives on every rank. With
-    ``graph``, backwards with ``create_graph=True``."""
+    ``graph``, backwards with ``create_graph=True``. Without ``keep``, ``shared`` reshards after
+    backward as by default (flagged, at backward's end; the second call's full parameters are
+    still there)."""
     from dist import patched
 
     import fullshard
     from fullshard.comm import collectives
     from fullshard.engine import hooks
     from fullshard.engine.hooks import fsdp_state
-    from fullshard.engine.unit import TrainingState
+    from fullshard.engine.unit import ShardState, TrainingState
 
     mesh = hsdp_mesh(world == 4)
     results = []
@@ -186,7 +188,7 @@ def twice_body(rank: int, world: int, configs: list = TWICE, graph: bool = False
         fullshard.fully_shard(mod, mesh=mesh)
         for unit in (mod, mod.shared, mod.expert):
             unit.set_modules_to_backward_prefetch([])
-        mod.shared.set_reshard_after_backward(False, recurse=False)
+        mod.shared.set_reshard_after_backward(not keep, recurse=False)
         if flagged == "all":
             mod.set_reduce_scatter_unused_params(True)
         elif flagged == "expert":
@@ -222,6 +224,7 @@ def twice_body(rank: int, world: int, configs: list = TWICE, graph: bool = False
         torch.nn.utils.clip_grad_norm_(list(mod.parameters()), 1e9)  # collectives on DTensor .grads
         units = [s.unit for m in mod.modules() if (s := fsdp_state(m)) is not None]
         assert all(u.training_state is TrainingState.IDLE for u in units), what
+        assert (fsdp_state(mod.shared).unit.shard_state is ShardState.SHARDED) != keep, what  # type: ignore[union-attr]
         results.append(what)
     return results
 
@@ -230,6 +233,16 @@ def twice_body(rank: int, world: int, configs: list = TWICE, graph: bool = False
 @pytest.mark.parametrize("world", [2, 4])
 def test_a_unit_reached_twice_in_one_backward_reduces_both_gradients(world: int) -> None:
     assert len(run_ranks(twice_body, world, timeout=100)[0]) == len(TWICE)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_flagged_unit_reached_twice_reshards_at_backwards_end(world: int) -> None:
+    # Its post-backward after the segment's backward fires where its parameters got a gradient
+    # and resharded it there: the second call's backward then failed ("backward needs a tensor
+    # saved from the unit's full parameters"). It now reshards at backward's end, on every rank.
+    configs = [("all", (0,)), ("all", (1,)), ("all", (0, 1))]
+    assert len(run_ranks(twice_body, world, configs, False, False, timeout=100)[0]) == 3
 
 
 @pytest.mark.timeout(120)

@@ -17,11 +17,17 @@ Reading the versions is a pass over the parameters at every all-gather, which an
 (each forward followed by its backward) never needs: a unit records them
 (``Unit.records_gathered_version``) only once a forward has found it still gathered by an earlier
 forward awaiting its backward (:func:`note_kept_gathered`); that first time it is gathered again.
+
+Never a unit under ``set_reduce_scatter_unused_params(True)``: whether a graph of its forward
+awaits backward depends on the rank (where backward does not reach it, none does), so reusing it
+on some ranks and gathering it again on the others would pair the ranks' all-gathers crosswise
+(found by review on 2026-11-29: a root called twice in one step, ``enc(tanh(enc(x)))``). It is
+gathered again at each such forward, on every rank.
 """
 
 from __future__ import annotations
 
-from fullshard.engine import shard_sync
+from fullshard.engine import shard_sync, unreached_reshard
 from fullshard.engine.unit import ShardState, Unit
 
 
@@ -40,6 +46,7 @@ def reusable_gathered(unit: Unit) -> bool:
         return shard_sync.shards_in_place(unit)
     return (
         unit.gathered_version is not None
+        and not unreached_reshard.defers_reshard(unit)
         and awaits_backward(unit)
         and shard_sync.shards_in_place(unit)
         and shard_sync.shards_version(unit) == unit.gathered_version

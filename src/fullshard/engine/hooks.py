@@ -34,6 +34,7 @@ from fullshard.engine.hook_state import FSDPState, RootState, backward_neighbour
 from fullshard.engine.module_wrapper import clean_name
 from fullshard.engine.unit import ShardState, TrainingState, Unit
 from fullshard.engine.unit_check import check_same_units
+from fullshard.engine.unreached_reshard import defers_reshard, regather_for_backward
 
 _STATE_ATTR = "_fsdp_state"
 
@@ -380,6 +381,7 @@ def _pre_backward(state: FSDPState, grad: torch.Tensor) -> torch.Tensor:
         root.callback_queued = True
         compat.queue_backward_callback(functools.partial(_backward_done, root))
         reshard_guard.if_backward_fails(functools.partial(_backward_failed, root))
+        regather_for_backward(root)
     if id(unit) in root.pre_backward_done:
         return grad
     root.pre_backward_done.add(id(unit))
@@ -421,8 +423,9 @@ def post_backward(unit: Unit, root: RootState) -> None:
 def end_backward(unit: Unit, root: RootState) -> None:
     """The end of ``unit``'s post-backward (also a frozen unit's, :mod:`.frozen_backward`):
     reshard, free buffers done with, close its range, ``BACKWARD_POST``'s prefetch. Not the
-    reshard in a backward that creates a graph (grad mode on): see :func:`_backward_done`."""
-    if unit.reshard_after_backward and not torch.is_grad_enabled():
+    reshard in a backward that creates a graph (grad mode on): see :func:`_backward_done`; nor a
+    flagged unit's (:mod:`.unreached_reshard`): backward's end reshards it on every rank."""
+    if unit.reshard_after_backward and not torch.is_grad_enabled() and not defers_reshard(unit):
         unit.reshard()
         backward_buffers.drop_done_with(unit, root.forward_order, root.expected_backward())
     exposed_comm.close_range(unit.backward_range)
