@@ -22,23 +22,37 @@ from torch import nn
 class GateTwice(nn.Module):
     """``out(g(h))`` with ``twice``, else ``out(h)``, where ``h = tanh(y(g(x)))``: ``g`` a
     :class:`Gate` some ranks skip. Its first call's input needs no gradient, so where it is
-    skipped its output needs none either: backward does not reach that call there."""
+    skipped its output needs none either: backward does not reach that call there. With
+    ``nograd_first``, ``g`` runs once under ``torch.no_grad()`` before (a target added to ``h``)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.g, self.y, self.out = Gate(), nn.Linear(4, 4), nn.Linear(4, 4)
-        self.twice = False
+        self.twice = self.nograd_first = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        target = None
+        if self.nograd_first:
+            with torch.no_grad():
+                target = self.g(x * 0.5)
         h = torch.tanh(self.y(self.g(x)))
+        h = h if target is None else h + target
         return self.out(self.g(h) if self.twice else h)
 
 
 def _step(model: nn.Module, x: torch.Tensor, mode: str) -> None:
     if mode.startswith("retain"):  # a second backward through the kept graph, after the first one's end
-        out = model(x)
+        out = model(x.requires_grad_() if mode == "retain_twice" else x)  # both calls' backwards read g's weight
         out.square().mean().backward(retain_graph=True)
         out.sum().backward()
+    elif mode == "create_graph":  # a first backward that creates a graph (its end reshards nothing)
+        out = model(x)
+        out.square().mean().backward(create_graph=True, retain_graph=True)
+        out.sum().backward()
+    elif mode.startswith("pipe"):  # two forwards, then their backwards, the last first
+        first, second = model(x), model(x * 2.0)
+        second.square().mean().backward()
+        first.square().mean().backward()
     elif mode == "root_twice":  # the root called twice in one step: its second forward's tidy-up
         model(torch.tanh(model(x))).square().mean().backward()
     else:
@@ -58,7 +72,8 @@ def regather_body(rank: int, world: int, mode: str) -> list[list[str]]:
     mesh = hsdp_mesh(world == 4)
     torch.manual_seed(0)
     ref = GateTwice()
-    ref.twice = mode.startswith("twice")
+    ref.twice = mode in ("twice", "twice_resharded", "retain_twice")
+    ref.nograd_first = mode.endswith("nograd_first")
     mod = copy.deepcopy(ref)
     fullshard.fully_shard(mod.g, mesh=mesh, reshard_after_forward=mode.endswith("resharded"))
     fullshard.fully_shard(mod.y, mesh=mesh)
@@ -101,14 +116,22 @@ def regather_body(rank: int, world: int, mode: str) -> list[list[str]]:
         ("retain", 4),
         ("root_twice", 2),
         ("root_twice", 3),
+        ("retain_twice", 2),
+        ("retain_nograd_first", 2),
+        ("pipe_nograd_first", 3),
+        ("create_graph", 2),
     ],
 )
 def test_a_flagged_unit_reached_again_in_backward_stays_gathered_to_the_end(mode: str, world: int) -> None:
     """The gradients are the unsharded model's averaged, in one collective order on every rank
     (at 4 ranks HSDP 2x2), and ``g`` is sharded after each step. Kept gathered after forward, ``g``
     is all-gathered once per forward, and ``retain``'s second backward gathers it once more,
-    first. On the code before this rule: a hang (``twice``: ``rank 0 issued post-backward
-    reduce-scatter of unit 'b', rank 1 issued forward all-gather of unit 'g'``)."""
+    first. Before 2026-11-29, ``retain`` and ``root_twice`` hung (``twice`` passed: autograd runs
+    a parameter's accumulation once, after both calls' backward). Found by review then:
+    ``retain_twice`` (the second backward's first split node resharded ``g`` before the other
+    call's node read it), ``*_nograd_first`` (``g`` run first without grad was left out of the
+    gather at a backward's start), ``create_graph`` (resharded where reached, and that backward's
+    end reshards nothing: the next backward gathered it on those ranks alone)."""
     orders = run_ranks(regather_body, world, mode, timeout=130)
     assert all(o == orders[0] for o in orders), orders
     gathers = [o.count("all_gather g") for o in orders[0]]

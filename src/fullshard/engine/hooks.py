@@ -243,6 +243,8 @@ def pre_forward(state: FSDPState) -> None:
         root.forward_order.append(unit)
         if not torch.is_grad_enabled():  # reentrant activation checkpointing's forward
             root.forward_without_grad.add(id(unit))
+    elif not in_backward and torch.is_grad_enabled():  # run again, with grad this time
+        root.forward_without_grad.discard(id(unit))
     if unit.training_state is TrainingState.FORWARD and not in_backward:  # not in a recomputation
         if state.prefetch_in_forward is not None:
             for other in state.prefetch_in_forward:
@@ -421,10 +423,9 @@ def post_backward(unit: Unit, root: RootState) -> None:
 
 
 def end_backward(unit: Unit, root: RootState) -> None:
-    """The end of ``unit``'s post-backward (also a frozen unit's, :mod:`.frozen_backward`):
-    reshard, free buffers done with, close its range, ``BACKWARD_POST``'s prefetch. Not the
-    reshard in a backward that creates a graph (grad mode on): see :func:`_backward_done`; nor a
-    flagged unit's (:mod:`.unreached_reshard`): backward's end reshards it on every rank."""
+    """The end of ``unit``'s post-backward (also a frozen unit's, :mod:`.frozen_backward`): reshard (not
+    in a backward that creates a graph, :func:`_backward_done`, nor a flagged unit, :mod:`.unreached_reshard`),
+    free buffers done with, close its range, ``BACKWARD_POST``'s prefetch."""
     if unit.reshard_after_backward and not torch.is_grad_enabled() and not defers_reshard(unit):
         unit.reshard()
         backward_buffers.drop_done_with(unit, root.forward_order, root.expected_backward())

@@ -14,7 +14,9 @@ So a flagged unit reshards at backward's end, on every rank (:func:`defers_resha
 callback reshards every unit), as the ranks its post-backward does not reach already did (where
 the backward of the last node of its forward's graph runs first, ``Unit.reshard_for_packing``
 may still reshard it on the ranks that reach it: no later part of that backward reads its full
-parameters then, so none gathers them again); and a
+parameters then, so none gathers them again; not in a backward that creates a graph, whose end
+reshards nothing, nor in a retained graph's later backward, whose other nodes may read them yet:
+``SplitFull.backward``); and a
 backward that begins while a flagged unit kept gathered after forward is sharded (an earlier
 backward of the same forward resharded it at its end) gathers it first, on every rank
 (:func:`regather_for_backward`), before anything of this backward's is issued. The cost: the
@@ -37,7 +39,8 @@ def defers_reshard(unit: Unit) -> bool:
 def regather_for_backward(root: RootState) -> None:
     """At the first pre-backward of a backward of ``root``'s tree: all-gather each flagged unit
     that stays gathered after forward (``reshard_after_forward=False``), ran in the last forward
-    with grad (not only in a reentrant checkpoint's first pass, whose recomputation gathers it),
+    with grad (not only without grad: in a reentrant checkpoint's first pass, whose recomputation
+    gathers it; :func:`~.hooks.pre_forward` takes a unit run again with grad off that list),
     and is sharded now, so that the ranks this backward reaches it on gather nothing of their
     own. Its next reshard is at this backward's end."""
     for unit in root.forward_order:
