@@ -66,14 +66,15 @@ class SplitFull(torch.autograd.Function):
         unit: _SplitUnit = ctx.unit
         if getattr(ctx, "stale", False):
             raise reshard_guard.stale_error(unit.name)
-        was_open = ctx in unit._open_splits  # not in a retained graph's later backward (its views may be read yet)
+        again = getattr(ctx, "ran", False)  # a retained graph's later backward: other nodes may read the views yet
+        ctx.ran = True
         unit._open_splits.discard(ctx)
         if all(g is None for g in grads):
             return None, None, None
         unit.grads.note_used(grads)
         # No later backward reads the full parameters. Not a flagged unit (some ranks only get
         # here) in a backward that creates a graph: its end reshards nothing (unreached_reshard).
-        if was_open and not unit._open_splits and not (unit.grads.reduce_unreached and torch.is_grad_enabled()):
+        if not again and not unit._open_splits and not (unit.grads.reduce_unreached and torch.is_grad_enabled()):
             unit.reshard_for_packing()
         return unit.pack_grads(grads), None, None
 
