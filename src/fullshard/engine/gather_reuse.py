@@ -55,6 +55,7 @@ def reusable_gathered(unit: Unit) -> bool:
 
 def note_kept_gathered(unit: Unit) -> None:
     """``unit`` was found gathered by an earlier forward and cannot be reused: if that forward's
-    graph awaits its backward, record the shards' version at its all-gathers from now on."""
-    if awaits_backward(unit):
+    graph awaits its backward, record the shards' version at its all-gathers from now on. Not
+    for a flagged unit, which is never reused: reading the versions would be wasted work."""
+    if awaits_backward(unit) and not unreached_reshard.defers_reshard(unit):
         unit.records_gathered_version = True
