@@ -4,25 +4,31 @@ Such a unit (``unit.grads.reduce_unreached``, *flagged*) is one that backward ma
 ranks only, or reach with its parameters unused there: its post-backward fires only on the
 ranks whose backward gave one of its parameters a gradient. A reshard in that post-backward
 therefore leaves it sharded on some ranks and gathered on the others, and wherever backward
-reaches it again before the next forward, the ranks that resharded it all-gather it and the
+needs it again before the next forward, the ranks that resharded it all-gather it and the
 others do not: a hang, or with units of one size crosswise pairs and wrong gradients. Backward
-reaches a unit again when forward called it twice (the second call's backward comes first), in a
-second backward through a retained graph (``retain_graph=True``, two losses over one output), and
-inside a reentrant checkpoint segment and outside it.
+needs it again after its post-backward in a reentrant checkpoint segment's nested backward
+(its own graph task) followed by the outer one, and in a second backward through a retained
+graph (``retain_graph=True``, two losses over one output). A unit called twice in one forward
+is not such a case: autograd accumulates each parameter's gradient once, after both calls'
+backward, so its post-backward comes once, at the end.
 
-So a flagged unit reshards at backward's end, on every rank (:func:`defers_reshard`; the end
-callback reshards every unit), as the ranks its post-backward does not reach already did (where
-the backward of the last node of its forward's graph runs first, ``Unit.reshard_for_packing``
+So:
+
+- a flagged unit reshards at backward's end, on every rank (:func:`defers_reshard`; the end
+  callback reshards every unit), as the ranks its post-backward does not reach already did;
+- a backward that begins while a flagged unit kept gathered after forward is sharded (an
+  earlier backward of the same forward resharded it at its end) all-gathers it first, on every
+  rank, before anything of this backward's is issued (:func:`regather_for_backward`).
+
+Where the last node of a unit's forward graph runs its backward, ``Unit.reshard_for_packing``
 may still reshard it on the ranks that reach it: no later part of that backward reads its full
-parameters then, so none gathers them again; not in a backward that creates a graph, whose end
-reshards nothing, nor in a retained graph's later backward, whose other nodes may read them yet:
-``SplitFull.backward``); and a
-backward that begins while a flagged unit kept gathered after forward is sharded (an earlier
-backward of the same forward resharded it at its end) gathers it first, on every rank
-(:func:`regather_for_backward`), before anything of this backward's is issued. The cost: the
-flagged unit's full parameters stay from its post-backward to backward's end on the ranks that
-reach it, as they already did on the others; a retained graph's later backward gathers such a
-unit even where no rank reaches it.
+parameters, so none gathers them again. ``SplitFull.backward`` skips that for a flagged unit in
+a backward that creates a graph (whose end reshards nothing) and, for every unit, in a retained
+graph's later backward (whose other nodes may read them yet).
+
+The cost: the flagged unit's full parameters stay from its post-backward to backward's end on
+the ranks that reach it, as they already did on the others; a retained graph's later backward
+gathers such a unit even where no rank reaches it.
 """
 
 from __future__ import annotations
