@@ -1,11 +1,12 @@
-"""A unit under ``set_reduce_scatter_unused_params(True)`` that backward reaches more than once
-per forward: called twice in one forward, or reached by a second backward through a retained
-graph. Its post-backward fires only on the ranks whose backward gave its parameters a
-gradient, so a reshard there left it sharded on those ranks alone, and the next time backward
-reached it those ranks all-gathered it while the others did not: a hang, or with units of one
-size crosswise pairs and wrong gradients (found by review on 2026-11-29). Such a unit now
-reshards at backward's end on every rank, and a backward that begins with it resharded by an
-earlier one gathers it again first, on every rank.
+"""A unit under ``set_reduce_scatter_unused_params(True)`` that backward needs more than once
+per forward: reached by a second backward through a retained graph, or kept gathered across a
+root called twice per step. Its post-backward fires only on the ranks whose backward gave its
+parameters a gradient, so a reshard there left it sharded on those ranks alone, and the next
+time backward needed it those ranks all-gathered it while the others did not: a hang, or with
+units of one size crosswise pairs and wrong gradients (found by review on 2026-11-29). Such a
+unit now reshards at backward's end on every rank, and a backward that begins with it resharded
+by an earlier one gathers it again first, on every rank. A unit called twice in one forward
+(``twice``) worked before and is kept as a guard: its post-backward comes once, after both calls.
 """
 
 from __future__ import annotations
