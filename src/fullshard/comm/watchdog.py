@@ -143,6 +143,7 @@ class Watchdog(threading.Thread):
         self.signalled = False
         self.reported: flight_recorder.Entry | None = None  # the last completed one, as last published
         self.cpu_s = 0.0  # this thread's CPU time so far (seconds; for fullshard bench recorder)
+        self.watch_failed = False  # whether a look at the pending collectives raised (said once)
 
     def run(self) -> None:
         last_beat = -1e9  # the first heartbeat at once: a rank may die before the first interval ends
@@ -160,7 +161,13 @@ class Watchdog(threading.Thread):
                 self.answer()
             except Exception:  # the store is gone (its host exited): judge alone
                 pass
-            self.watch()
+            try:
+                self.watch()
+            except Exception as e:  # never end this thread: other ranks' collective checks wait for its answers
+                if not self.watch_failed:
+                    self.watch_failed = True
+                    print(f"fullshard watchdog: rank {self.rank}: a look failed ({type(e).__name__}: {e}); watching on",
+                          file=sys.stderr, flush=True)  # fmt: skip
             self.cpu_s = time.thread_time()
             self.stopped.wait(self.tick())
         self.beat(final=True)
