@@ -116,14 +116,17 @@ def test_units_reached_on_some_ranks_reduce_in_one_order(world: int) -> None:
 
 
 class Twice(nn.Module):
-    """``shared`` runs twice: with grad, then inside a reentrant checkpoint segment, whose
+    """``shared`` runs twice: with grad, and inside a reentrant checkpoint segment, whose
     recomputation runs its own backward (its own autograd graph task). So the unit's
-    gradient-ready hook fires twice in one backward: for the segment, then for the first call.
+    gradient-ready hook fires twice in one backward. ``late``: the segment first, so backward
+    reaches the call outside it first and the segment's gradient comes after the unit's
+    post-backward (it runs twice). Else the segment last: its backward comes first, while the
+    other call's backward has yet to run, and the unit waits for it (one post-backward).
     ``expert`` runs between them, and reaches the loss where ``routed``."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.routed = True
+        self.routed, self.late = True, False
         self.inp = nn.Linear(4, 4)
         self.shared = nn.Linear(4, 4)
         self.expert = nn.Linear(4, 4)
@@ -135,11 +138,12 @@ class Twice(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from torch.utils.checkpoint import checkpoint
 
-        h = self._shared(self.inp(x))
+        h = self.inp(x)
+        h = checkpoint(self._shared, h, use_reentrant=True) if self.late else self._shared(h)
         e = self.expert(h)  # on every rank: its all-gather
         if self.routed:
             h = h + torch.tanh(e)
-        return self.out(checkpoint(self._shared, h, use_reentrant=True))
+        return self.out(self._shared(h) if self.late else checkpoint(self._shared, h, use_reentrant=True))
 
 
 # (units flagged, ranks whose backward reaches the expert, None for every rank): unflagged, a
@@ -158,16 +162,24 @@ TWICE = [
 ]
 
 
-def twice_body(rank: int, world: int, configs: list = TWICE, graph: bool = False, keep: bool = True) -> list[str]:
-    """The gradients of :class:`Twice`, sharded (``shared`` kept gathered from forward to the
-    end of backward, so backward gathers nothing in a rank-dependent order; at 4 ranks HSDP on a
-    2x2 mesh), are the unsharded model's averaged; ``shared``'s post-backward runs twice; one
-    MAX all-reduce per group for the late round where some unit is flagged, none without. A parameter of ``shared``
-    that forward never uses keeps ``.grad`` None on every rank (zeros where ``shared`` is
-    flagged), so torch's ``clip_grad_norm_`` issues the same collectives on every rank. With
-    ``graph``, backwards with ``create_graph=True``. Without ``keep``, ``shared`` reshards after
-    backward as by default (flagged, at backward's end; the second call's full parameters are
-    still there)."""
+def twice_body(
+    rank: int,
+    world: int,
+    configs: list = TWICE,
+    graph: bool = False,
+    keep: bool = True,
+    late: bool = False,
+    resharded: bool = False,
+) -> list[str]:
+    """The gradients of :class:`Twice`, sharded (``shared`` and ``expert`` kept gathered from
+    forward to the end of backward, so backward gathers nothing in a rank-dependent order; at 4
+    ranks HSDP on a 2x2 mesh), are the unsharded model's averaged; ``shared``'s post-backward
+    runs once (twice with ``late``: see :class:`Twice`); one MAX all-reduce per group for the
+    late round where some unit is flagged, none without. A parameter of ``shared`` that forward
+    never uses keeps ``.grad`` None on every rank (zeros where ``shared`` is flagged), so torch's
+    ``clip_grad_norm_`` issues the same collectives on every rank. With ``graph``, backwards
+    with ``create_graph=True``. Without ``keep``, ``shared`` reshards after backward as by
+    default (flagged, at backward's end); with ``resharded``, after forward too."""
     from dist import patched
 
     import fullshard
@@ -181,10 +193,11 @@ def twice_body(rank: int, world: int, configs: list = TWICE, graph: bool = False
     for flagged, routed in configs:
         torch.manual_seed(0)
         ref = Twice()
+        ref.late = late
         ref.shared.spare = nn.Parameter(torch.randn(4))  # never used by forward
         mod = copy.deepcopy(ref)
-        for m in (mod.shared, mod.expert):
-            fullshard.fully_shard(m, reshard_after_forward=False, mesh=mesh)
+        fullshard.fully_shard(mod.shared, reshard_after_forward=resharded, mesh=mesh)
+        fullshard.fully_shard(mod.expert, reshard_after_forward=False, mesh=mesh)
         fullshard.fully_shard(mod, mesh=mesh)
         for unit in (mod, mod.shared, mod.expert):
             unit.set_modules_to_backward_prefetch([])
@@ -211,7 +224,7 @@ def twice_body(rank: int, world: int, configs: list = TWICE, graph: bool = False
                 model.routed = routed is None or rank in routed
                 (model(x) ** 2).mean().backward(create_graph=graph)
         what = f"{flagged} {routed} {graph}"
-        assert reached.count("shared") == 2, (what, reached)
+        assert reached.count("shared") == (2 if late else 1), (what, reached)
         # One per group for the late round (flagged units); settle_unused sums its flags instead.
         assert len(maxes) == (0 if flagged == "none" else 1 if mesh is None else 2), (what, maxes)
 
@@ -243,6 +256,17 @@ def test_a_flagged_unit_reached_twice_reshards_at_backwards_end(world: int) -> N
     # saved from the unit's full parameters"). It now reshards at backward's end, on every rank.
     configs = [("all", (0,)), ("all", (1,)), ("all", (0, 1))]
     assert len(run_ranks(twice_body, world, configs, False, False, timeout=100)[0]) == 3
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_unit_reached_in_a_segment_first_waits_for_its_other_call(world: int) -> None:
+    # The segment's backward (its own graph task) comes while the call outside it has yet to run
+    # its backward: the unit's post-backward waits for that one, so it reshards after forward and
+    # after backward as by default. It used to run there and reshard, and the other call's
+    # backward failed ("backward needs a tensor saved from the unit's full parameters") unless
+    # reshard_after_forward=False and set_reshard_after_backward(False) kept it gathered.
+    assert len(run_ranks(twice_body, world, TWICE, False, False, False, True, timeout=100)[0]) == len(TWICE)
 
 
 @pytest.mark.timeout(120)

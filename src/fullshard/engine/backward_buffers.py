@@ -1,4 +1,5 @@
-"""Pooled buffers that backward is done with, freed before the step ends.
+"""Pooled buffers in backward: those backward is done with, freed before the step ends; the
+packed gradients that keep their pool memory between steps (:func:`mark_sole_sizes`).
 
 After a unit reshards in backward, the buffers of sizes that only units already done use (their
 full parameters, packed gradients, scratch) would sit idle in the pool through the rest of
@@ -7,6 +8,8 @@ buffers; issue 33). The planner's replay does the same (:mod:`fullshard.plan.sch
 """
 
 from __future__ import annotations
+
+import torch
 
 from fullshard.comm import buffers
 from fullshard.engine.unit import ShardState, Unit
@@ -34,3 +37,18 @@ def drop_done_with(unit: Unit, order: list[Unit], backward_units: set[int]) -> N
         return  # a gather is still to come
     needed = {size for u in rest for size in u.pooled_sizes()}
     buffers.POOL.drop({size for u in done for size in u.pooled_sizes() if size in held} - needed)
+
+
+def mark_sole_sizes(units: list[Unit]) -> None:
+    """Let the gradient shards of each unit whose full buffer no other pooled buffer of the tree
+    matches in size (numel and dtype: :meth:`~fullshard.engine.layout.UnitLayout.pooled_sizes`;
+    all of its parameters trainable, so its packed gradient is that size too) stay in its packed
+    gradient: the pool keeps that memory for it alone between steps
+    (:meth:`~fullshard.engine.reduce.GradReducer._reduces_in_place`)."""
+    sizes: dict[tuple[int, torch.dtype], int] = {}
+    for u in units:
+        for key in set(u.pooled_sizes()):
+            sizes[key] = sizes.get(key, 0) + 1
+    for u in units:
+        own = u.pooled_sizes()  # full, packed, scratch...: the packed gradient the full size, no scratch of it
+        u.grads.in_place = u.grad_numel == u.shard_numel > 0 and sizes[own[0]] == 1 and own.count(own[0]) == 2

@@ -76,6 +76,9 @@ class RootState:
     # version of their local shards then: the next root forward keeps those still gathered (as
     # torch's) unless an optimizer step changed the shards since.
     gathered_by_hand: dict[int, int] = dataclasses.field(default_factory=dict)
+    # Units whose gradient arrived in a nested backward before the rest of their own backward
+    # (engine.nested_grad): their post-backward waits for it, or for this backward's end.
+    deferred_grads: list[Unit] = dataclasses.field(default_factory=list)
 
     def expected_backward(self) -> set[int]:
         """The units (by id) backward is expected to reach this step (not to be changed)."""

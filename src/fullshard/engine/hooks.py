@@ -9,8 +9,9 @@
   not the pass's end: the method's is.
 - pre-backward (a hook on the unit's outputs): all-gather again if freed; with BACKWARD_PRE
   start the all-gather of the unit that runs next in backward (the previous one in forward).
-- post-backward (the unit's post-accumulate-grad hook): launch the gradient reduce-scatter,
-  free the full parameters; with BACKWARD_POST start the next all-gather here instead.
+- post-backward (the unit's post-accumulate-grad hook; in a nested backward it may wait:
+  :mod:`.nested_grad`): launch the gradient reduce-scatter, free the full parameters; with
+  BACKWARD_POST start the next all-gather here instead.
 - a callback queued on the autograd engine at the first pre-backward: wait for the reductions,
   free what is left, and bring every unit back to IDLE.
 
@@ -32,6 +33,7 @@ from fullshard.engine.config import BackwardPrefetch, FrontEnd
 from fullshard.engine.dynamo_guard import outside_dynamo
 from fullshard.engine.hook_state import FSDPState, RootState, backward_neighbour, neighbour
 from fullshard.engine.module_wrapper import clean_name
+from fullshard.engine.nested_grad import flush_deferred, grad_ready
 from fullshard.engine.unit import ShardState, TrainingState, Unit
 from fullshard.engine.unit_check import check_same_units
 from fullshard.engine.unreached_reshard import defers_reshard, regather_for_backward
@@ -101,25 +103,10 @@ def lazy_init(module: nn.Module) -> FSDPState:
         h.unit.name = name
         h.is_root = h is state
         h.root = root
-        h.unit.on_grad_ready = lambda u, r=root: post_backward(u, r)
-        h.unit.on_relayout = lambda r=root: _mark_sole_sizes(r.units)
-    _mark_sole_sizes(root.units)
+        h.unit.on_grad_ready = lambda u, r=root: grad_ready(u, r, post_backward)
+        h.unit.on_relayout = lambda r=root: backward_buffers.mark_sole_sizes(r.units)
+    backward_buffers.mark_sole_sizes(root.units)
     return state
-
-
-def _mark_sole_sizes(units: list[Unit]) -> None:
-    """Let the gradient shards of each unit whose full buffer no other pooled buffer of the tree
-    matches in size (numel and dtype: :meth:`~fullshard.engine.layout.UnitLayout.pooled_sizes`;
-    all of its parameters trainable, so its packed gradient is that size too) stay in its packed
-    gradient: the pool keeps that memory for it alone between steps
-    (:meth:`~fullshard.engine.reduce.GradReducer._reduces_in_place`)."""
-    sizes: dict[tuple[int, torch.dtype], int] = {}
-    for u in units:
-        for key in set(u.pooled_sizes()):
-            sizes[key] = sizes.get(key, 0) + 1
-    for u in units:
-        own = u.pooled_sizes()  # full, packed, scratch...: the packed gradient the full size, no scratch of it
-        u.grads.in_place = u.grad_numel == u.shard_numel > 0 and sizes[own[0]] == 1 and own.count(own[0]) == 2
 
 
 def prefetch(unit: Unit | None) -> None:
@@ -448,6 +435,7 @@ def _backward_done(root: RootState) -> None:
     the sums held from micro-batches with sync off to that backward too (reduced once, not
     twice), but for units with ``reduce_unreached``, which every rank reduces in every backward."""
     graph = torch.is_grad_enabled()
+    flush_deferred(root, post_backward)
     turns_taken = reduce_order.launch_rest(root, graph)
     for unit in root.units:
         if turns_taken or graph or not unit.sync_grads or unit.has_pending_reduce:
@@ -498,3 +486,4 @@ def finish_backward(root: RootState, reshard: bool = True) -> None:
     root.pre_backward_done.clear()
     root.frozen_pending.clear()
     root.backward_units.clear()
+    root.deferred_grads.clear()

@@ -200,6 +200,12 @@ _IF_FAILS: list[Callable[[], None]] = []  # see if_backward_fails
 _depth = 0  # backward calls running (activation checkpointing's reentrant backward nests one)
 
 
+def nested_backward() -> bool:
+    """Whether a backward call runs inside another one now (a reentrant checkpoint's, in the
+    outer backward), counted by :class:`_ExplainingEngine`."""
+    return _depth > 1
+
+
 def if_backward_fails(handler: Callable[[], None]) -> None:
     """Call ``handler`` if the backward running now raises, as the exception leaves the outermost
     backward call (``Tensor.backward``, ``torch.autograd.backward`` or ``grad``); forgotten when
