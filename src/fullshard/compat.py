@@ -31,16 +31,8 @@ from torch import nn
 from torch.autograd import profiler as _autograd_profiler
 from torch.autograd.variable import Variable
 
-__all__ = [
-    "PRIVATE_NAMES",
-    "BatchNormBase",
-    "IncompatibleKeys",
-    "MissingTorchName",
-    "TorchDispatchMode",
-    "resolve",
-    "tree_flatten",
-    "tree_map",
-]
+__all__ = ["PRIVATE_NAMES", "BatchNormBase", "IncompatibleKeys", "MissingTorchName", "TorchDispatchMode"]
+__all__ += ["resolve", "tree_flatten", "tree_map"]
 
 
 class MissingTorchName(ImportError, RuntimeError):
@@ -77,6 +69,7 @@ PRIVATE_NAMES: dict[str, str] = {
     "torch:_C._storage_Use_Count": "import",
     "torch:_C._autograd._unsafe_set_version_counter": "import",
     "torch:_C._current_graph_task_id": "import",
+    "torch:_C._will_engine_execute_node": "import",
     "torch.autograd.variable:Variable._execution_engine": "import",
     "torch.autograd.profiler:_is_profiler_enabled": "import",
     "torch:_foreach_norm": "import",
@@ -157,6 +150,7 @@ def storage_use_count(t: torch.Tensor) -> int:
 # refuses tensors saved from them. No public setter (Tensor._version is read-only).
 _set_version_counter = resolve("torch:_C._autograd._unsafe_set_version_counter")
 _current_graph_task_id = resolve("torch:_C._current_graph_task_id")
+_will_execute = resolve("torch:_C._will_engine_execute_node")
 
 
 def set_version_counters(tensors: tuple[torch.Tensor, ...], versions: tuple[int, ...]) -> None:
@@ -191,6 +185,12 @@ def in_backward() -> bool:
     """Whether the autograd engine runs a backward pass on this thread now. Public replacement:
     none (FSDP2 reads the same task id)."""
     return bool(_current_graph_task_id() != -1)
+
+
+def will_backward_run(node: Any) -> bool:
+    """Whether the backward running now on this thread will run autograd node ``node``. Public
+    replacement: none (``torch.autograd.graph.register_multi_grad_hook`` reads the same)."""
+    return bool(_will_execute(node))
 
 
 def queue_backward_callback(fn: Callable[[], None]) -> None:

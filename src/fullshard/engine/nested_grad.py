@@ -5,38 +5,65 @@ A reentrant activation checkpoint (``torch.utils.checkpoint(..., use_reentrant=T
 of the outer backward and runs that segment's backward at once, as a backward of its own (its
 own autograd graph task). Where the segment is a child module inside a unit, that nested
 backward accumulates the child's gradients into the unit's full flat gradient, and the unit's
-gradient-ready hook fires before the outer backward has reached the rest of the unit (the
-nodes its own forward made). The post-backward there reduce-scattered a partial gradient and
-resharded the unit, and the outer backward then found the unit's full parameters freed.
+gradient-ready hook fires before the outer backward has reached the rest of the unit. The
+post-backward there reduce-scattered a partial gradient and resharded the unit, and the outer
+backward then found the unit's full parameters freed (or a second segment of the unit
+recomputed on its shards).
 
-So a gradient that arrives in a nested backward while one of the unit's split nodes from its
-forward with grad has yet to run its backward (``Unit._open_splits``) leaves the post-backward
-to the hook's next firing, when the outer backward's nodes have added theirs: one
-reduce-scatter of the whole gradient, as torch's ``fully_shard`` does, with the unit gathered
-until then. A unit called both inside such a segment and outside it (the segment's backward
-first) is the same case. Where the open node is of a graph this backward never reaches (a
-forward with grad whose output was dropped), the backward's end runs the post-backward
-(:func:`flush_deferred`), before the reductions of the units it did not reach.
+So in a nested backward, a unit's post-backward waits (:func:`grad_ready`) when
+
+- the gradient came from a child's recomputation: the full parameters the pre-backward hook
+  installed (untracked split nodes, :meth:`~.unit.Unit.install_full_params`; marked in
+  :data:`~.split_full.CHILD_GRAD`), not a forward of the unit's own (the segment is not the
+  whole unit), so more of the unit's gradient may come;
+- or one of the unit's split nodes from its forward with grad that the outer backward will run
+  (noted at the backward's first pre-backward, :func:`note_awaited`) has not run yet: a unit
+  called in a segment and outside it, the segment last in forward.
+
+It runs at the hook's next firing that meets neither, when the outer backward's nodes have
+added theirs: one reduce-scatter of the whole gradient, as torch's ``fully_shard`` does, with
+the unit gathered until then; or, where none comes (the unit's parameters used in segments
+only), at the backward's end (:func:`flush_deferred`), before the reductions of the units it
+did not reach. Both tests depend only on the program's graph, so every rank that runs the same
+graph waits alike. A split node of a graph this backward does not run (a forward with grad
+whose output was kept, never backwarded) is not waited for.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
+from fullshard import compat
 from fullshard.engine import reshard_guard
-from fullshard.engine.hook_state import RootState
-from fullshard.engine.unit import Unit
+from fullshard.engine.split_full import CHILD_GRAD
 
-__all__ = ["flush_deferred", "grad_ready"]
+if TYPE_CHECKING:
+    from fullshard.engine.hook_state import RootState
+    from fullshard.engine.unit import Unit
 
-PostBackward = Callable[[Unit, RootState], None]
+__all__ = ["flush_deferred", "grad_ready", "note_awaited"]
+
+PostBackward = Callable[["Unit", "RootState"], None]
+
+
+def note_awaited(units: Iterable[Unit]) -> None:
+    """At a backward's first pre-backward of a tree: mark each open split node of ``units`` that
+    this backward will run (``ctx.awaited``); its own backward clears the mark."""
+    for unit in units:
+        for ctx in list(unit._open_splits):
+            try:
+                ctx.awaited = compat.will_backward_run(ctx)
+            except RuntimeError:  # not a node of an engine's graph task (e.g. compiled autograd's)
+                ctx.awaited = False
 
 
 def grad_ready(unit: Unit, root: RootState, post_backward: PostBackward) -> None:
-    """``unit``'s full flat gradient has been accumulated: run ``post_backward`` unless a nested
-    backward is running and a split node of ``unit``'s forward has yet to run its backward (then
-    the unit waits in ``root.deferred_grads``)."""
-    if reshard_guard.nested_backward() and unit._open_splits:
+    """``unit``'s full flat gradient has been accumulated: run ``post_backward`` unless the
+    module docstring's rule makes it wait (then ``unit`` waits in ``root.deferred_grads``)."""
+    child = unit in CHILD_GRAD
+    CHILD_GRAD.discard(unit)
+    if reshard_guard.nested_backward() and (child or any(getattr(c, "awaited", False) for c in unit._open_splits)):
         if unit not in root.deferred_grads:
             root.deferred_grads.append(unit)
         return

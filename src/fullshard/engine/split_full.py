@@ -18,7 +18,12 @@ from fullshard.engine import reshard_guard
 from fullshard.engine.dynamo_guard import outside_dynamo
 from fullshard.engine.layout import real_views
 
-__all__ = ["SplitFull", "named_split"]
+__all__ = ["CHILD_GRAD", "SplitFull", "named_split"]
+
+# The units whose gradient, in the nested backward running now (a reentrant checkpoint's), came
+# from the full parameters their pre-backward hook installed for a recomputation (untracked
+# nodes): a child segment's recomputation, not the unit's own forward (see :mod:`.nested_grad`).
+CHILD_GRAD: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 class _SplitUnit(Protocol):
@@ -54,7 +59,7 @@ class SplitFull(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, flat: torch.Tensor, unit: _SplitUnit, tracked: bool) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        ctx.unit = unit
+        ctx.unit, ctx.tracked = unit, tracked
         ctx.set_materialize_grads(False)
         if tracked:
             unit._open_splits.add(ctx)
@@ -67,14 +72,17 @@ class SplitFull(torch.autograd.Function):
         if getattr(ctx, "stale", False):
             raise reshard_guard.stale_error(unit.name)
         again = getattr(ctx, "ran", False)  # a retained graph's later backward: other nodes may read the views yet
-        ctx.ran = True
+        ctx.ran, ctx.awaited = True, False
         unit._open_splits.discard(ctx)
         if all(g is None for g in grads):
             return None, None, None
+        child = not ctx.tracked and reshard_guard.nested_backward()  # another segment may recompute yet
+        if child:
+            CHILD_GRAD.add(unit)
         unit.grads.note_used(grads)
         # No later backward reads the full parameters. Not a flagged unit (some ranks only get
         # here) in a backward that creates a graph: its end reshards nothing (unreached_reshard).
-        if not again and not unit._open_splits and not (unit.grads.reduce_unreached and torch.is_grad_enabled()):
+        if not (again or child or unit._open_splits or (unit.grads.reduce_unreached and torch.is_grad_enabled())):
             unit.reshard_for_packing()
         return unit.pack_grads(grads), None, None
 

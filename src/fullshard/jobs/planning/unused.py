@@ -40,13 +40,13 @@ the documented limits:
   checkpoint 60% of the time (the root's post-backward may then come early, inside the nested
   backward, on some ranks: with a frozen unit's all-gather, what a review found on 2026-11-29;
   an unflagged root reached twice on some ranks only reduces a different number of times per
-  rank, outside docs/api.md's limits); such a root keeps its full parameters through backward
-  (``set_reshard_after_backward(False)``, as docs/api.md asks of a unit reached twice; the check
-  reshards it after each optimizer step): resharded in its post-backward inside the block's
-  nested backward, it ran a second checkpointed block's recomputation on its shards (seed
-  20261129, case 36: torch's "mixed torch.Tensor and DTensor") or failed where a block it owns
-  ran before the checkpointed one (seed 730001, case 6: "backward needs a tensor saved from the
-  unit's full parameters");
+  rank, outside docs/api.md's limits); such a root reshards after backward as by default (until
+  2026-11-29 the check kept it gathered through backward: resharded in its post-backward inside
+  the block's nested backward, it ran a second checkpointed block's recomputation on its shards,
+  seed 20261129 case 36, or failed where a block it owns ran before the checkpointed one, seed
+  730001 case 6; its gradient from the nested backward now waits for the rest of its own); and
+  where the root is not flagged, from a fourth generator (a case it leaves alone is as it was),
+  a block of the root's in a reentrant checkpoint 40% of the time, since 2026-11-29;
 - other units are flagged or kept gathered at random; a unit touched on every rank or none may
   be unflagged, so its parameters used on some ranks only get a ``.grad`` on every rank, and
   those no rank used keep None;
@@ -352,6 +352,11 @@ def _case(rng: random.Random, seed: int, index: int) -> Case:
     input_grad = aux.random() < 0.5
     if input_grad:
         blocks = tuple(_freeze_or_checkpoint(_ungate(b, aux), aux, root_flagged) for b in blocks)
+    if input_grad and not root_flagged:  # from a fourth generator: a case it leaves alone is as it was
+        ck = random.Random(seed * 1_000_037 + index)
+        blocks = tuple(
+            dataclasses.replace(b, ckpt=True) if b.wrap == "none" and ck.random() < 0.4 else b for b in blocks
+        )
     blocks = tuple(_keep_unless_everywhere(b, input_grad) for b in blocks)  # see the module's docstring
     prefetch_off = needy or rng.random() < 0.3
     zero_grad, optim, clip = rng.random() < 0.75, rng.choice(OPTIMIZERS), rng.choice((1e9, 0.05))

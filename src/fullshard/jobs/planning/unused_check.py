@@ -68,7 +68,6 @@ class _Run:
     mod: nn.Module
     units: list[nn.Module]
     roots: list[nn.Module]  # one, or a split case's two
-    kept_roots: list[nn.Module]  # roots with a block in a reentrant checkpoint (see _shard)
     flagged: dict[str, bool]  # per parameter name: its unit is flagged
     ref_optim: torch.optim.Optimizer
     optim: torch.optim.Optimizer
@@ -86,13 +85,12 @@ def _optimizer(case: Case, params: Any) -> torch.optim.Optimizer:
 def _shard(case: Case, mod: nn.Module) -> tuple[list[nn.Module], list[nn.Module], dict[str, bool]]:
     """Wrap ``mod``'s units as the case says (a split case's two towers each its own root, the
     top-level module not wrapped); returns them (the roots last), the roots and, per parameter,
-    whether its unit is flagged. A root that owns a block in a reentrant checkpoint is reached
-    twice in backward (inside the block's nested backward, and outside it), so it keeps its full
-    parameters through backward, as docs/api.md asks of a unit reached twice
-    (``set_reshard_after_backward(False)``; :func:`_step_both` reshards it after the step):
-    resharded in the nested backward, it failed where a block it owns ran before the checkpointed
-    one (seed 730001 case 6) or a second checkpointed block recomputed on its shards (seed
-    20261129 case 36)."""
+    whether its unit is flagged. A root that owns a block in a reentrant checkpoint reshards after
+    backward as by default: its gradient from the block's nested backward waits for the rest of
+    its own (engine.nested_grad). Until 2026-11-29 it had to keep its full parameters through
+    backward (``set_reshard_after_backward(False)``): resharded in the nested backward, it failed
+    where a block it owns ran before the checkpointed one (seed 730001 case 6) or a second
+    checkpointed block recomputed on its shards (seed 20261129 case 36)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if case.hsdp else None
@@ -108,8 +106,6 @@ def _shard(case: Case, mod: nn.Module) -> tuple[list[nn.Module], list[nn.Module]
     for name, flagged in roots:
         module = mod.get_submodule(name)
         fullshard.fully_shard(module, **kw)
-        if any(b.ckpt and case.tree(i) == name for i, b in enumerate(case.blocks)):
-            module.set_reshard_after_backward(False, recurse=False)  # type: ignore[operator]
         named.append((name, module, flagged))
     for _, module, flagged in named:
         if flagged:
@@ -132,7 +128,6 @@ def _build(case: Case, rank: int) -> _Run:
                 p.copy_(p.bfloat16().float())
     mod = copy.deepcopy(ref)
     units, roots, flagged = _shard(case, mod)
-    kept = [r for r in roots if not fsdp_state(r).unit.reshard_after_backward]  # type: ignore[union-attr]
     hooks = {n: 0 for n, _ in mod.named_parameters()}
     for n, p in mod.named_parameters():
 
@@ -142,7 +137,7 @@ def _build(case: Case, rank: int) -> _Run:
         if p.requires_grad:  # a frozen block's do not
             p.register_post_accumulate_grad_hook(count)
     return _Run(
-        case, rank, ref, mod, units, roots, kept, flagged, _optimizer(case, ref.parameters()),
+        case, rank, ref, mod, units, roots, flagged, _optimizer(case, ref.parameters()),
         _optimizer(case, mod.parameters()), hooks, {n: None for n in hooks}, Result([]),
     )  # fmt: skip
 
@@ -238,8 +233,6 @@ def _step_both(run: _Run, step: int, want: Grads) -> None:
         _note(run, f"step {step}: clip_grad_norm_ differs between ranks")
     run.optim.step()
     run.ref_optim.step()
-    for root in run.kept_roots:  # gathered afresh in the next forward, with the stepped values
-        root.reshard()  # type: ignore[operator]
     scale = max(float(p.abs().max()) for p in run.ref.parameters())
     tol = 1e-2 if run.case.mixed else PARAM_TOL[run.case.optim]
     params = dict(run.ref.named_parameters())
