@@ -4,19 +4,21 @@ A unit kept gathered after forward (``reshard_after_forward=False``, a root that
 parameters) whose forward is followed by another before its backward (the micro-batches a
 pipeline schedule runs forward first, or a forward whose output is kept for later) would be
 gathered again by the root's tidy-up (:func:`~fullshard.engine.hooks.root_pre_forward`), lest it
-serve parameters an optimizer step has changed since. It is reused instead while both hold:
-
-- a graph of that earlier forward still awaits its backward (:func:`awaits_backward`);
-- the gathered values are still the shards': their version counters
-  (:func:`~fullshard.engine.shard_sync.shards_version`: an optimizer step, ``load_state_dict``,
-  any in-place change bumps them) read the same as when the all-gather read them, and nothing
-  that :func:`~fullshard.engine.shard_sync.sync_shards` would take back or lay out again (a
-  replaced shard or parameter, a ``requires_grad`` or dtype change).
+serve parameters an optimizer step has changed since. It is reused instead while the gathered
+values are still the shards': their version counters
+(:func:`~fullshard.engine.shard_sync.shards_version`: an optimizer step, ``load_state_dict``, any
+in-place change bumps them) read the same as when the all-gather read them, and nothing that
+:func:`~fullshard.engine.shard_sync.sync_shards` would take back or lay out again (a replaced
+shard or parameter, a ``requires_grad`` or dtype change).
 
 Reading the versions is a pass over the parameters at every all-gather, which an ordinary step
 (each forward followed by its backward) never needs: a unit records them
 (``Unit.records_gathered_version``) only once a forward has found it still gathered by an earlier
-forward awaiting its backward (:func:`note_kept_gathered`); that first time it is gathered again.
+one (:func:`note_kept_gathered`); that first time it is gathered again. Neither test asks whether
+a graph of the earlier forward awaits backward (until 2026-11-29 both did): that depends on the
+rank where one rank keeps an output (an evaluation's, with grad, for logging) and the others drop
+it, and the ranks then paired the root's all-gather with another unit's (FSDP1's root stays
+gathered after forward: tests/test_checkpoint_in_unit.py, "kept").
 
 Never a unit under ``set_reduce_scatter_unused_params(True)``: whether a graph of its forward
 awaits backward depends on the rank (where backward does not reach it, none does), so reusing it
@@ -31,11 +33,6 @@ from fullshard.engine import shard_sync, unreached_reshard
 from fullshard.engine.unit import ShardState, Unit
 
 
-def awaits_backward(unit: Unit) -> bool:
-    """Whether a graph made by a forward of ``unit`` may still run its backward (its output kept)."""
-    return bool(unit._open_splits)
-
-
 def reusable_gathered(unit: Unit) -> bool:
     """Whether a forward may use the full parameters ``unit`` holds, gathered by an earlier
     forward, without gathering again (see the module's note). A unit whose full parameters are its
@@ -47,15 +44,14 @@ def reusable_gathered(unit: Unit) -> bool:
     return (
         unit.gathered_version is not None
         and not unreached_reshard.defers_reshard(unit)
-        and awaits_backward(unit)
         and shard_sync.shards_in_place(unit)
         and shard_sync.shards_version(unit) == unit.gathered_version
     )
 
 
 def note_kept_gathered(unit: Unit) -> None:
-    """``unit`` was found gathered by an earlier forward and cannot be reused: if that forward's
-    graph awaits its backward, record the shards' version at its all-gathers from now on. Not
-    for a flagged unit, which is never reused: reading the versions would be wasted work."""
-    if awaits_backward(unit) and not unreached_reshard.defers_reshard(unit):
+    """``unit`` was found gathered by an earlier forward and cannot be reused: record the shards'
+    version at its all-gathers from now on. Not for a flagged unit, which is never reused:
+    reading the versions would be wasted work."""
+    if not unreached_reshard.defers_reshard(unit):
         unit.records_gathered_version = True
