@@ -34,12 +34,17 @@ class Block(nn.Module):
         self.a, self.c = (nn.Identity(), nn.Identity()) if only else (nn.Linear(6, 6), nn.Linear(6, 6))
         self.b = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6))
         self.d = nn.Linear(6, 6) if two or only else None
-        self.call = call
+        self.call, self.whole_body = call, False
 
     def _run(self, m: nn.Module, h: torch.Tensor) -> torch.Tensor:
         return cp.checkpoint(m, h, use_reentrant=True) if self.call else m(h)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.whole_body:  # one segment, torch's checkpoint_wrapper(block, REENTRANT) inside the unit
+            return cp.checkpoint(self._body, x, use_reentrant=True)
+        return self._body(x)
+
+    def _body(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self._run(self.b, torch.tanh(self.a(x))))
         if self.d is not None:
             h = torch.tanh(self._run(self.d, h))
@@ -78,6 +83,8 @@ def _build(front: str, how: str, two: bool) -> tuple[nn.Module, nn.Module]:
             block.b = checkpoint_wrapper(block.b, checkpoint_impl=CheckpointImpl.REENTRANT)
             if two:
                 block.d = checkpoint_wrapper(block.d, checkpoint_impl=CheckpointImpl.REENTRANT)
+    for block in ref.blocks:
+        block.whole_body = how == "body"
     model = copy.deepcopy(ref)
     if front == "fsdp1":
         return ref, FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
@@ -103,8 +110,9 @@ def _backward(model: nn.Module, x: torch.Tensor, mode: str) -> torch.Tensor:
 
 def body(rank: int, world: int, how: str, two: bool, mode: str = "plain") -> dict[str, list]:
     """Per front end: three SGD steps; each step's loss, and for fullshard's fronts the
-    reduce-scatters per unit and whether every parameter's gradient is the unsharded model's
-    averaged (checked before the step), and every unit sharded and idle after backward. With
+    reduce-scatters and the peak number of units gathered per step, and whether every
+    parameter's gradient is the unsharded model's averaged (checked before the step), and every
+    unit sharded and idle after backward. With
     ``mode`` "kept", a forward with grad before each step whose output rank 0 keeps and never
     runs backward on (an evaluation logged later): its graph is not one a backward waits for."""
     from fullshard import probes
@@ -114,8 +122,12 @@ def body(rank: int, world: int, how: str, two: bool, mode: str = "plain") -> dic
     out: dict[str, list] = {}
     for front in ("fully_shard", "fsdp1", "torch"):
         ref, model = _build(front, how, two)
+        if how == "rank0":  # only rank 0 checkpoints (e.g. where its sequences are longer)
+            for m in (*ref.modules(), *model.modules()):
+                if isinstance(m, Block):
+                    m.whole_body = rank == 0
         opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
-        losses, reduces, kept = [], [], []
+        losses, reduces, peaks, kept = [], [], [], []
         for step in range(3):
             x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank))
             if mode == "kept":  # run on every rank (its all-gathers), kept on rank 0 alone
@@ -129,6 +141,7 @@ def body(rank: int, world: int, how: str, two: bool, mode: str = "plain") -> dic
             losses.append(round(loss.item(), 6))
             if front != "torch":
                 reduces.append(sum(e == "reduce" for e, _ in p.events or []))
+                peaks.append(p.gathered.peak)
                 units = [s.unit for m in model.modules() if (s := fsdp_state(m)) is not None]
                 assert all(u.shard_state is ShardState.SHARDED for u in units), (front, step)
                 assert all(u.training_state is TrainingState.IDLE for u in units), (front, step)
@@ -137,7 +150,7 @@ def body(rank: int, world: int, how: str, two: bool, mode: str = "plain") -> dic
             for opt in opts:
                 opt.step()
                 opt.zero_grad()
-        out[front] = [losses, reduces]
+        out[front] = [losses, reduces, peaks]
     return out
 
 
@@ -169,6 +182,10 @@ CASES = [
     # so did FSDP1's root reusing its gather where a graph awaited backward (both, engine.gather_reuse)
     ("call", False, 2, "kept"),
     ("whole", False, 2, "kept"),
+    # A unit's whole body one segment: its gradient from the nested backward alone; it reshards at
+    # the next unit's pre-backward (the first version kept every unit gathered to backward's end).
+    ("body", False, 2, "plain"),
+    ("rank0", False, 2, "plain"),  # rank 0 alone checkpoints each body: one collective order still
 ]
 
 
@@ -183,3 +200,5 @@ def test_a_reentrant_checkpoint_inside_a_unit_matches_torch(how: str, two: bool,
         per_step = 8 if mode == "retain" else 4
         assert rank_got["fully_shard"][1] == [per_step] * 3
         assert rank_got["fsdp1"][1] == [per_step] * 3
+        # At most the root and two blocks gathered at once (one in backward, the next prefetched).
+        assert max(rank_got["fully_shard"][2] + rank_got["fsdp1"][2]) <= 3, rank_got

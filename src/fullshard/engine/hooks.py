@@ -33,7 +33,7 @@ from fullshard.engine.config import BackwardPrefetch, FrontEnd
 from fullshard.engine.dynamo_guard import outside_dynamo
 from fullshard.engine.hook_state import FSDPState, RootState, backward_neighbour, neighbour
 from fullshard.engine.module_wrapper import clean_name
-from fullshard.engine.nested_grad import flush_deferred, grad_ready, note_awaited
+from fullshard.engine.nested_grad import flush_deferred, grad_ready, note_awaited, release_waiting
 from fullshard.engine.unit import ShardState, TrainingState, Unit
 from fullshard.engine.unit_check import check_same_units
 from fullshard.engine.unreached_reshard import defers_reshard, regather_for_backward
@@ -372,6 +372,7 @@ def _pre_backward(state: FSDPState, grad: torch.Tensor) -> torch.Tensor:
         reshard_guard.if_backward_fails(functools.partial(_backward_failed, root))
         regather_for_backward(root)
         note_awaited(root.units)
+    release_waiting(root, post_backward, unit)
     if id(unit) in root.pre_backward_done:
         return grad
     root.pre_backward_done.add(id(unit))

@@ -22,11 +22,19 @@ So in a nested backward, a unit's post-backward waits (:func:`grad_ready`) when
 
 It runs at the hook's next firing that meets neither, when the outer backward's nodes have
 added theirs: one reduce-scatter of the whole gradient, as torch's ``fully_shard`` does, with
-the unit gathered until then; or, where none comes (the unit's parameters used in segments
-only), at the backward's end (:func:`flush_deferred`), before the reductions of the units it
-did not reach. Both tests depend only on the program's graph, so every rank that runs the same
-graph waits alike. A split node of a graph this backward does not run (a forward with grad
-whose output was kept, never backwarded) is not waited for.
+the unit gathered until then. Where no split node of its own is to come (the unit's parameters
+used in segments alone, e.g. ``checkpoint_wrapper(..., CheckpointImpl.REENTRANT)`` around a
+unit's whole body), it runs at the outer backward's next pre-backward or post-backward of
+another unit of the tree (:func:`release_waiting`: typically the unit before it in forward,
+whose output's gradient the segments computed last, or the root's), so that units reshard one
+after another as before, or at the backward's end (:func:`flush_deferred`), before the
+reductions of the units it did not reach. A split node of a graph this backward does not run (a
+forward with grad whose output was kept, never backwarded) is not waited for.
+
+Limits: a unit whose segments' backwards come with another unit's pre-backward between them (a
+branch) reshards at that pre-backward, and its next segment's recomputation then fails as it did
+before 2026-11-29. Where ranks differ in which of a unit's children they checkpoint, the unit's
+reduce-scatter comes at the same point of the outer backward either way in a chain of units.
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ if TYPE_CHECKING:
     from fullshard.engine.hook_state import RootState
     from fullshard.engine.unit import Unit
 
-__all__ = ["flush_deferred", "grad_ready", "note_awaited"]
+__all__ = ["flush_deferred", "grad_ready", "note_awaited", "release_waiting"]
 
 PostBackward = Callable[["Unit", "RootState"], None]
 
@@ -58,18 +66,36 @@ def note_awaited(units: Iterable[Unit]) -> None:
                 ctx.awaited = False
 
 
+def _awaits_split(unit: Unit) -> bool:
+    """Whether a split node of ``unit`` that this backward will run has yet to run."""
+    return any(getattr(c, "awaited", False) for c in unit._open_splits)
+
+
 def grad_ready(unit: Unit, root: RootState, post_backward: PostBackward) -> None:
     """``unit``'s full flat gradient has been accumulated: run ``post_backward`` unless the
     module docstring's rule makes it wait (then ``unit`` waits in ``root.deferred_grads``)."""
     child = unit in CHILD_GRAD
     CHILD_GRAD.discard(unit)
-    if reshard_guard.nested_backward() and (child or any(getattr(c, "awaited", False) for c in unit._open_splits)):
+    if reshard_guard.nested_backward() and (child or _awaits_split(unit)):
         if unit not in root.deferred_grads:
             root.deferred_grads.append(unit)
         return
     if unit in root.deferred_grads:
         root.deferred_grads.remove(unit)
+    release_waiting(root, post_backward, unit)
     post_backward(unit, root)
+
+
+def release_waiting(root: RootState, post_backward: PostBackward, current: Unit) -> None:
+    """At a pre-backward or post-backward of ``current`` in the outer backward: the
+    post-backward of each unit waiting for a child segment's recomputation alone (no split node
+    of its own to come), but ``current``'s (whose other outputs' segments may still come)."""
+    if not root.deferred_grads or reshard_guard.nested_backward():
+        return
+    for unit in list(root.deferred_grads):
+        if unit is not current and not _awaits_split(unit):
+            root.deferred_grads.remove(unit)
+            post_backward(unit, root)
 
 
 def flush_deferred(root: RootState, post_backward: PostBackward) -> None:
