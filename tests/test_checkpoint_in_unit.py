@@ -58,11 +58,14 @@ class Net(nn.Module):
         self.blocks = nn.ModuleList([Block(call, two, only) for _ in range(3)])
         self.head = nn.Linear(6, 2)
         self.whole = whole  # each block (a whole unit) under a reentrant checkpoint, in training
+        self.mids: nn.ModuleList | None = None  # the root's own, each after a block in a segment
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.inp(x)
-        for block in self.blocks:
+        for i, block in enumerate(self.blocks):
             x = cp.checkpoint(block, x, use_reentrant=True) if self.whole and self.training else block(x)
+            if self.mids is not None:
+                x = torch.tanh(cp.checkpoint(self.mids[i], x, use_reentrant=True))
         return self.head(x)
 
 
@@ -85,12 +88,19 @@ def _build(front: str, how: str, two: bool) -> tuple[nn.Module, nn.Module]:
                 block.d = checkpoint_wrapper(block.d, checkpoint_impl=CheckpointImpl.REENTRANT)
     for block in ref.blocks:
         block.whole_body = how == "body"
+    if how == "root":
+        ref.mids = nn.ModuleList([nn.Linear(6, 6) for _ in ref.blocks])
     model = copy.deepcopy(ref)
+    if front == "fsdp1" and how == "root":
+        model.inp, model.head = FSDP(model.inp), FSDP(model.head)
     if front == "fsdp1":
         return ref, FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
     shard = fullshard.fully_shard if front == "fully_shard" else torch_fsdp.fully_shard
     for block in model.blocks:
         shard(block)
+    if how == "root":  # the root's parameters: its mids alone, each run in a segment of its own
+        shard(model.inp)
+        shard(model.head)
     shard(model)
     return ref, model
 
@@ -185,7 +195,10 @@ CASES = [
     # A unit's whole body one segment: its gradient from the nested backward alone; it reshards at
     # the next unit's pre-backward (the first version kept every unit gathered to backward's end).
     ("body", False, 2, "plain"),
-    ("rank0", False, 2, "plain"),  # rank 0 alone checkpoints each body: one collective order still
+    ("rank0", False, 2, "plain"),
+    # The root's own blocks, each in a segment, between its units: the root waits to backward's
+    # end (a unit's hooks between its segments released it early: seed 770001 case 23).
+    ("root", False, 2, "plain"),  # rank 0 alone checkpoints each body: one collective order still
 ]
 
 
@@ -197,7 +210,7 @@ def test_a_reentrant_checkpoint_inside_a_unit_matches_torch(how: str, two: bool,
         assert rank_got["fully_shard"][0] == pytest.approx(rank_got["torch"][0], rel=1e-5)
         assert rank_got["fsdp1"][0] == pytest.approx(rank_got["torch"][0], rel=1e-5)
         # One reduce-scatter per unit per backward (3 blocks and the root), as without the checkpoint.
-        per_step = 8 if mode == "retain" else 4
+        per_step = (6 if how == "root" else 4) * (2 if mode == "retain" else 1)  # "root": inp and head too
         assert rank_got["fully_shard"][1] == [per_step] * 3
         assert rank_got["fsdp1"][1] == [per_step] * 3
         # At most the root and two blocks gathered at once (one in backward, the next prefetched).

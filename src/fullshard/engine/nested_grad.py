@@ -25,9 +25,9 @@ added theirs: one reduce-scatter of the whole gradient, as torch's ``fully_shard
 the unit gathered until then. Where no split node of its own is to come (the unit's parameters
 used in segments alone, e.g. ``checkpoint_wrapper(..., CheckpointImpl.REENTRANT)`` around a
 unit's whole body), it runs at the outer backward's next pre-backward or post-backward of
-another unit of the tree (:func:`release_waiting`: typically the unit before it in forward,
-whose output's gradient the segments computed last, or the root's), so that units reshard one
-after another as before, or at the backward's end (:func:`flush_deferred`), before the
+another unit of the tree that does not run inside it (:func:`release_waiting`: typically the
+unit before it in forward, whose output's gradient the segments computed last; never for the
+root), so that units reshard one after another as before, or at the backward's end (:func:`flush_deferred`), before the
 reductions of the units it did not reach. A split node of a graph this backward does not run (a
 forward with grad whose output was kept, never backwarded) is not waited for.
 
@@ -89,13 +89,20 @@ def grad_ready(unit: Unit, root: RootState, post_backward: PostBackward) -> None
 def release_waiting(root: RootState, post_backward: PostBackward, current: Unit) -> None:
     """At a pre-backward or post-backward of ``current`` in the outer backward: the
     post-backward of each unit waiting for a child segment's recomputation alone (no split node
-    of its own to come), but ``current``'s (whose other outputs' segments may still come)."""
+    of its own to come), but ``current``'s (whose other outputs' segments may still come) and
+    those ``current`` runs inside (the root's blocks between its units: seed 770001 case 23)."""
     if not root.deferred_grads or reshard_guard.nested_backward():
         return
     for unit in list(root.deferred_grads):
-        if unit is not current and not _awaits_split(unit):
+        if unit is not current and not _awaits_split(unit) and not _inside(current, unit, root):
             root.deferred_grads.remove(unit)
             post_backward(unit, root)
+
+
+def _inside(current: Unit, unit: Unit, root: RootState) -> bool:
+    """Whether ``current`` runs inside ``unit``'s forward (``unit`` is the root, or an ancestor
+    module of ``current``'s), so that ``unit``'s segments may come after ``current``'s hooks."""
+    return unit is root.units[0] or current.name.startswith(unit.name + ".")
 
 
 def flush_deferred(root: RootState, post_backward: PostBackward) -> None:
