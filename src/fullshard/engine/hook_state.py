@@ -79,6 +79,8 @@ class RootState:
     # Units whose gradient arrived in a nested backward before the rest of their own backward
     # (engine.nested_grad): their post-backward waits for it, or for this backward's end.
     deferred_grads: list[Unit] = dataclasses.field(default_factory=list)
+    # Units a child segment's gradient reached, gathered until a hook of a unit outside them.
+    held_gathered: list[Unit] = dataclasses.field(default_factory=list)
 
     def expected_backward(self) -> set[int]:
         """The units (by id) backward is expected to reach this step (not to be changed)."""

@@ -33,7 +33,7 @@ from fullshard.engine.config import BackwardPrefetch, FrontEnd
 from fullshard.engine.dynamo_guard import outside_dynamo
 from fullshard.engine.hook_state import FSDPState, RootState, backward_neighbour, neighbour
 from fullshard.engine.module_wrapper import clean_name
-from fullshard.engine.nested_grad import flush_deferred, grad_ready, note_awaited, release_waiting
+from fullshard.engine.nested_grad import flush_deferred, grad_ready, holds, note_awaited, release_held
 from fullshard.engine.unit import ShardState, TrainingState, Unit
 from fullshard.engine.unit_check import check_same_units
 from fullshard.engine.unreached_reshard import defers_reshard, regather_for_backward
@@ -221,6 +221,8 @@ def pre_forward(state: FSDPState) -> None:
         unit.training_state = TrainingState.FORWARD
     exposed_comm.close_range(state.forward_range)  # a member of a several-module unit run again
     state.forward_range = exposed_comm.open_range(f"fullshard::unit forward {unit.name}")
+    if root.held_gathered and _in_backward():  # a recomputation: the units held before it are done
+        release_held(root, unit)
     unit.unshard()
     unit.install_full_params()
     if probes.ACTIVE is not None:
@@ -372,7 +374,7 @@ def _pre_backward(state: FSDPState, grad: torch.Tensor) -> torch.Tensor:
         reshard_guard.if_backward_fails(functools.partial(_backward_failed, root))
         regather_for_backward(root)
         note_awaited(root.units)
-    release_waiting(root, post_backward, unit)
+    release_held(root, unit)
     if id(unit) in root.pre_backward_done:
         return grad
     root.pre_backward_done.add(id(unit))
@@ -415,7 +417,7 @@ def end_backward(unit: Unit, root: RootState) -> None:
     """The end of ``unit``'s post-backward (also a frozen unit's, :mod:`.frozen_backward`): reshard (not
     in a backward that creates a graph, :func:`_backward_done`, nor a flagged unit, :mod:`.unreached_reshard`),
     free buffers done with, close its range, ``BACKWARD_POST``'s prefetch."""
-    if unit.reshard_after_backward and not torch.is_grad_enabled() and not defers_reshard(unit):
+    if unit.reshard_after_backward and not torch.is_grad_enabled() and not (defers_reshard(unit) or holds(unit, root)):
         unit.reshard()
         backward_buffers.drop_done_with(unit, root.forward_order, root.expected_backward())
     exposed_comm.close_range(unit.backward_range)
@@ -489,3 +491,4 @@ def finish_backward(root: RootState, reshard: bool = True) -> None:
     root.frozen_pending.clear()
     root.backward_units.clear()
     root.deferred_grads.clear()
+    root.held_gathered.clear()

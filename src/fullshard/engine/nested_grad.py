@@ -10,31 +10,33 @@ post-backward there reduce-scattered a partial gradient and resharded the unit, 
 backward then found the unit's full parameters freed (or a second segment of the unit
 recomputed on its shards).
 
-So in a nested backward, a unit's post-backward waits (:func:`grad_ready`) when
+So, in a nested backward:
 
-- the gradient came from a child's recomputation: the full parameters the pre-backward hook
-  installed (untracked split nodes, :meth:`~.unit.Unit.install_full_params`; marked in
-  :data:`~.split_full.CHILD_GRAD`), not a forward of the unit's own (the segment is not the
-  whole unit), so more of the unit's gradient may come;
-- or one of the unit's split nodes from its forward with grad that the outer backward will run
-  (noted at the backward's first pre-backward, :func:`note_awaited`) has not run yet: a unit
-  called in a segment and outside it, the segment last in forward.
+- where one of the unit's split nodes from its forward with grad that the outer backward will
+  run (noted at the backward's first pre-backward, :func:`note_awaited`) has not run yet, the
+  unit's post-backward waits (:func:`grad_ready`) for the hook's next firing, when that node
+  has added its part: one reduce-scatter of the whole gradient, as torch's ``fully_shard``
+  does, with the unit gathered until then (or at the backward's end, :func:`flush_deferred`,
+  should none come). A ``torch.checkpoint`` of a child between other layers of the unit, or a
+  unit called in a segment and outside it, the segment last in forward;
+- where the gradient came from a child's recomputation alone (the full parameters the
+  pre-backward hook installed: untracked split nodes, marked in
+  :data:`~.split_full.CHILD_GRAD`; the unit's parameters used inside segments alone, e.g. a
+  checkpoint around its whole body), the post-backward runs at once, as before 2026-11-29, but
+  the unit stays gathered (a second segment of it may still recompute) until a hook of a unit
+  that does not run inside it (:func:`release_held`: its forward in a recomputation, its
+  pre-backward or post-backward, before that hook's collectives; typically the unit before it
+  in forward; never for the root, whose blocks may come between its units) or backward's end.
+  Its reduce-scatters come where they came before, so ranks that checkpoint a unit and ranks
+  that do not issue the same collectives (a reshard is no collective); a unit with two such
+  segments reduce-scatters twice (the second gradient as a unit reached twice).
 
-It runs at the hook's next firing that meets neither, when the outer backward's nodes have
-added theirs: one reduce-scatter of the whole gradient, as torch's ``fully_shard`` does, with
-the unit gathered until then. Where no split node of its own is to come (the unit's parameters
-used in segments alone, e.g. ``checkpoint_wrapper(..., CheckpointImpl.REENTRANT)`` around a
-unit's whole body), it runs at the outer backward's next pre-backward or post-backward of
-another unit of the tree that does not run inside it (:func:`release_waiting`: typically the
-unit before it in forward, whose output's gradient the segments computed last; never for the
-root), so that units reshard one after another as before, or at the backward's end (:func:`flush_deferred`), before the
-reductions of the units it did not reach. A split node of a graph this backward does not run (a
-forward with grad whose output was kept, never backwarded) is not waited for.
-
-Limits: a unit whose segments' backwards come with another unit's pre-backward between them (a
-branch) reshards at that pre-backward, and its next segment's recomputation then fails as it did
-before 2026-11-29. Where ranks differ in which of a unit's children they checkpoint, the unit's
-reduce-scatter comes at the same point of the outer backward either way in a chain of units.
+A split node of a graph this backward does not run (a forward with grad whose output was kept,
+never backwarded) is not waited for. Limits: a unit whose two segments' backwards come with the
+hook of a unit outside it between them (a branch) reshards there, and its next segment's
+recomputation fails as it did before; ranks that differ in how many of a unit's segments they
+run (a checkpointed block some ranks skip, under an unflagged unit) reduce-scatter it a
+different number of times, as a unit reached twice on some ranks only (gloo aborts).
 """
 
 from __future__ import annotations
@@ -45,12 +47,13 @@ from typing import TYPE_CHECKING
 from fullshard import compat
 from fullshard.engine import reshard_guard
 from fullshard.engine.split_full import CHILD_GRAD
+from fullshard.engine.unit import ShardState
 
 if TYPE_CHECKING:
     from fullshard.engine.hook_state import RootState
     from fullshard.engine.unit import Unit
 
-__all__ = ["flush_deferred", "grad_ready", "note_awaited", "release_waiting"]
+__all__ = ["flush_deferred", "grad_ready", "holds", "note_awaited", "release_held"]
 
 PostBackward = Callable[["Unit", "RootState"], None]
 
@@ -73,40 +76,44 @@ def _awaits_split(unit: Unit) -> bool:
 
 def grad_ready(unit: Unit, root: RootState, post_backward: PostBackward) -> None:
     """``unit``'s full flat gradient has been accumulated: run ``post_backward`` unless the
-    module docstring's rule makes it wait (then ``unit`` waits in ``root.deferred_grads``)."""
+    module docstring's rule makes it wait (then ``unit`` waits in ``root.deferred_grads``); a
+    child segment's gradient keeps the unit gathered (``root.held_gathered``)."""
     child = unit in CHILD_GRAD
     CHILD_GRAD.discard(unit)
-    if reshard_guard.nested_backward() and (child or _awaits_split(unit)):
+    nested = reshard_guard.nested_backward()
+    if nested and _awaits_split(unit):
         if unit not in root.deferred_grads:
             root.deferred_grads.append(unit)
         return
     if unit in root.deferred_grads:
         root.deferred_grads.remove(unit)
-    release_waiting(root, post_backward, unit)
+    release_held(root, unit)
+    if nested and child and unit not in root.held_gathered:
+        root.held_gathered.append(unit)
     post_backward(unit, root)
 
 
-def release_waiting(root: RootState, post_backward: PostBackward, current: Unit) -> None:
-    """At a pre-backward or post-backward of ``current`` in the outer backward: the
-    post-backward of each unit waiting for a child segment's recomputation alone (no split node
-    of its own to come), but ``current``'s (whose other outputs' segments may still come) and
-    those ``current`` runs inside (the root's blocks between its units: seed 770001 case 23)."""
-    if not root.deferred_grads or reshard_guard.nested_backward():
-        return
-    for unit in list(root.deferred_grads):
-        if unit is not current and not _awaits_split(unit) and not _inside(current, unit, root):
-            root.deferred_grads.remove(unit)
-            post_backward(unit, root)
+def holds(unit: Unit, root: RootState) -> bool:
+    """Whether ``unit``'s post-backward leaves it gathered (a child segment's gradient)."""
+    return unit in root.held_gathered
 
 
-def _inside(current: Unit, unit: Unit, root: RootState) -> bool:
-    """Whether ``current`` runs inside ``unit``'s forward (``unit`` is the root, or an ancestor
-    module of ``current``'s), so that ``unit``'s segments may come after ``current``'s hooks."""
-    return unit is root.units[0] or current.name.startswith(unit.name + ".")
+def release_held(root: RootState, current: Unit) -> None:
+    """At a hook of ``current`` in backward (its forward in a recomputation, its pre-backward or
+    post-backward), before the hook's collectives: reshard each unit held gathered after a child
+    segment's gradient, but ``current`` and those ``current`` runs inside (the root, or an
+    ancestor module by name: their other segments may come after ``current``'s hooks)."""
+    for unit in list(root.held_gathered):
+        if unit is current or unit is root.units[0] or current.name.startswith(unit.name + "."):
+            continue
+        root.held_gathered.remove(unit)
+        if unit.shard_state is ShardState.UNSHARDED and unit.reshard_after_backward:
+            unit.reshard()
 
 
 def flush_deferred(root: RootState, post_backward: PostBackward) -> None:
     """At backward's end: the post-backward of each unit still waiting, in the order they waited."""
     waiting, root.deferred_grads = root.deferred_grads, []
+    root.held_gathered.clear()  # the end reshards every unit
     for unit in waiting:
         post_backward(unit, root)
