@@ -134,7 +134,12 @@ class FlightRecorder:
         return None
 
     def oldest_pending(self) -> Entry | None:
-        return next(iter(self.pending.values()), None) if self.pending else None
+        """The oldest collective issued and not completed, or None. Called from the watchdog's
+        thread: one C-level copy of the values, where an iterator over the live dict raised
+        "dictionary changed size during iteration" if the main thread issued or completed a
+        collective between its creation and its first step."""
+        pending = list(self.pending.values())
+        return pending[0] if pending else None
 
     def last_issued(self) -> Entry | None:
         return self.entries[-1] if self.entries else None
