@@ -227,3 +227,44 @@ def test_a_reentrant_checkpoint_inside_a_unit_matches_torch(
         assert rank_got["fsdp1"][1] == [per_step] * 3
         # At most the root and two blocks gathered at once (one in backward, the next prefetched).
         assert max(rank_got["fully_shard"][2] + rank_got["fsdp1"][2]) <= 3, rank_got
+
+
+def two_roots_body(rank: int, world: int) -> int:
+    """``dec(enc(x))``, each root a Sequential of two blocks (units), the top module unwrapped;
+    rank 0 alone runs ``enc``'s second and ``dec``'s first block body in a reentrant checkpoint.
+    Two SGD steps; each sharded gradient is the unsharded model's averaged. Returns the steps."""
+    import torch.distributed as dist
+
+    import fullshard
+
+    torch.manual_seed(0)
+    ref = nn.ModuleDict({"enc": nn.Sequential(Block(False, False), Block(False, False))})
+    ref["dec"] = nn.Sequential(Block(False, False), Block(False, False))
+    ref["enc"][1].whole_body = ref["dec"][0].whole_body = rank == 0
+    model = copy.deepcopy(ref)
+    for root in (model["enc"], model["dec"]):
+        for block in root:
+            fullshard.fully_shard(block)
+        fullshard.fully_shard(root)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
+    for step in range(2):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank)).requires_grad_()
+        for m in (model, ref):
+            m["dec"](m["enc"](x)).square().mean().backward()
+        got = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        for name, p in ref.named_parameters():
+            want = p.grad.clone()
+            dist.all_reduce(want)
+            torch.testing.assert_close(got[name], want / world, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    return 2
+
+
+@pytest.mark.timeout(120)
+def test_two_roots_with_a_unit_checkpointed_on_one_rank_only() -> None:
+    # A child segment's gradient reduces at once, as without the checkpoint, on every rank. When
+    # it waited for the next unit's hook (1f2c1f2), dec's unit waited past enc's collectives on
+    # rank 0 alone: the ranks' collectives paired crosswise, wrong gradients (review, 2026-11-29).
+    assert run_ranks(two_roots_body, 2, timeout=100) == [2, 2]
