@@ -35,6 +35,7 @@ class Block(nn.Module):
         self.b = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6))
         self.d = nn.Linear(6, 6) if two or only else None
         self.call, self.whole_body = call, False
+        self.hf = False  # the Net checkpoints this whole unit from outside, HF's way
 
     def _run(self, m: nn.Module, h: torch.Tensor) -> torch.Tensor:
         return cp.checkpoint(m, h, use_reentrant=True) if self.call else m(h)
@@ -63,7 +64,7 @@ class Net(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.inp(x)
         for i, block in enumerate(self.blocks):
-            hf = self.whole or getattr(block, "hf", False)  # the whole unit in a segment, HF's way
+            hf = self.whole or block.hf  # the whole unit in a segment, HF's way
             x = cp.checkpoint(block, x, use_reentrant=True) if hf and self.training else block(x)
             if self.mids is not None:
                 x = torch.tanh(cp.checkpoint(self.mids[i], x, use_reentrant=True))
@@ -137,7 +138,7 @@ def body(rank: int, world: int, how: str, two: bool, mode: str = "plain") -> dic
         ref, model = _build(front, how, two)
         if how in ("rank0", "mix"):  # only rank 0 checkpoints (e.g. where its sequences are longer)
             for m in (*ref.modules(), *model.modules()):
-                if isinstance(m, Block) and not getattr(m, "hf", False):
+                if isinstance(m, Block) and not m.hf:
                     m.whole_body = rank == 0
         opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
         losses, reduces, peaks, kept = [], [], [], []

@@ -114,6 +114,5 @@ def release_held(root: RootState, current: Unit) -> None:
 def flush_deferred(root: RootState, post_backward: PostBackward) -> None:
     """At backward's end: the post-backward of each unit still waiting, in the order they waited."""
     waiting, root.deferred_grads = root.deferred_grads, []
-    root.held_gathered.clear()  # the end reshards every unit
     for unit in waiting:
         post_backward(unit, root)
