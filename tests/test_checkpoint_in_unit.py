@@ -269,3 +269,53 @@ def test_two_roots_with_a_unit_checkpointed_on_one_rank_only() -> None:
     # it waited for the next unit's hook (1f2c1f2), dec's unit waited past enc's collectives on
     # rank 0 alone: the ranks' collectives paired crosswise, wrong gradients (review, 2026-11-29).
     assert run_ranks(two_roots_body, 2, timeout=100) == [2, 2]
+
+
+def hf_rank0_body(rank: int, world: int, front: str, reshard: bool | int) -> list[str]:
+    """Every block checkpointed whole from outside (HF's ``gradient_checkpointing``, reentrant)
+    on rank 0 alone; three SGD steps of ``front`` (fullshard's ``fully_shard`` with
+    ``reshard_after_forward=reshard``, or its FSDP1 wrapper), each gradient checked against the
+    unsharded model's averaged. Returns this rank's collectives, in order (step, kind, elements)."""
+    from fullshard import FSDP, fully_shard, probes
+    from fullshard.frontend.wrap import ModuleWrapPolicy
+
+    torch.manual_seed(0)
+    ref = Net(False, False)
+    for block in ref.blocks:
+        block.hf = rank == 0
+    model = copy.deepcopy(ref)
+    if front == "fsdp1":
+        model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
+    else:
+        for block in model.blocks:
+            fully_shard(block, reshard_after_forward=reshard)
+        fully_shard(model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
+    order = []
+    for step in range(3):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank))
+        with probes.enabled(collective_log=True) as p:
+            model(x).square().mean().backward()
+        order += [f"{step} {c[0]} {c[2]}" for c in p.collectives.log]
+        ref(x).square().mean().backward()
+        _assert_averaged(ref, model, world, f"{front} step {step}", front == "fsdp1")
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    return order
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    ("front", "reshard"), [("fully_shard", True), ("fully_shard", False), ("fully_shard", 2), ("fsdp1", True)]
+)
+def test_whole_units_checkpointed_on_one_rank_only_keep_one_collective_order(front: str, reshard: bool | int) -> None:
+    # A unit run without grad inside a forward with grad (reentrant checkpointing's first pass)
+    # reshards as with grad, and backward prefetches it from the first step on, so the rank that
+    # checkpoints and the rank that does not issue the same collectives. Before: from step 0 the
+    # checkpointing rank prefetched nothing in backward (same-size all-gathers and reduce-scatters
+    # paired crosswise: wrong gradients, no error), and with units kept after forward (the
+    # wrapper's last unit, reshard_after_forward=False) it gathered them again in backward where
+    # the other rank did not (review, 2026-11-29).
+    orders = run_ranks(hf_rank0_body, 2, front, reshard, timeout=180)
+    assert orders[0] == orders[1]

@@ -68,10 +68,11 @@ class RootState:
     # Whether the root's forward with grad is running, and the units (by id) that ran forward
     # without grad inside it (reentrant activation checkpointing: their backward comes with
     # their recomputation, so backward prefetches them when they ran backward the last step,
-    # ``last_backward``: the units whose pre-backward ran then).
+    # ``last_backward``: the units whose pre-backward ran then; before the tree's first backward,
+    # every such unit, so that ranks that checkpoint a unit and ranks that do not prefetch alike).
     grad_pass: bool = False
     forward_without_grad: set[int] = dataclasses.field(default_factory=set)
-    last_backward: set[int] = dataclasses.field(default_factory=set)
+    last_backward: set[int] | None = None
     # The units (by id) FSDPModule.unshard gathered since the last root forward began, with the
     # version of their local shards then: the next root forward keeps those still gathered (as
     # torch's) unless an optimizer step changed the shards since.
@@ -86,6 +87,8 @@ class RootState:
         """The units (by id) backward is expected to reach this step (not to be changed)."""
         if not self.forward_without_grad:
             return self.backward_units
+        if self.last_backward is None:
+            return self.backward_units | self.forward_without_grad
         return self.backward_units | (self.forward_without_grad & self.last_backward)
 
 

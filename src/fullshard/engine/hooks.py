@@ -262,12 +262,16 @@ def post_forward(state: FSDPState, output: Any) -> Any:
         unit.uninstall_full_params()
     if not in_recompute:
         unit.training_state = TrainingState.IDLE
-        if grad and unit.reshard_after_forward and not keeps and unit.post_forward_shard is not None:
+        # Without grad inside a root forward with grad (reentrant checkpointing's first pass, its
+        # backward to come with the recomputation): reshard as with grad, so that ranks that
+        # checkpoint the unit and ranks that do not issue the same all-gathers in backward.
+        passes = grad or root.grad_pass
+        if passes and unit.reshard_after_forward and not keeps and unit.post_forward_shard is not None:
             unit.reshard_post_forward()  # reshard_after_forward=M: 1/M kept for backward's smaller gather
-        elif not grad and not unit.reshard_after_forward and not keeps and root.held_without_grad is not None:
+        elif not passes and not unit.reshard_after_forward and not keeps and root.held_without_grad is not None:
             if unit not in root.held_without_grad:
                 root.held_without_grad.append(unit)
-        elif not grad or (unit.reshard_after_forward and not keeps and not keeps_last_gathered(state)):
+        elif not passes or (unit.reshard_after_forward and not keeps and not keeps_last_gathered(state)):
             unit.reshard()
         elif unit.reshard_after_forward and not keeps:
             root.kept = unit
