@@ -319,3 +319,48 @@ def test_whole_units_checkpointed_on_one_rank_only_keep_one_collective_order(fro
     # the other rank did not (review, 2026-11-29).
     orders = run_ranks(hf_rank0_body, 2, front, reshard, timeout=180)
     assert orders[0] == orders[1]
+
+
+def nested_rank0_body(rank: int, world: int) -> list[str]:
+    """Each block's child ``b`` a unit of its own inside the block's unit, run in a reentrant
+    checkpoint on rank 0 alone, with the watchdog's divergence check on; three SGD steps, each
+    gradient checked against the unsharded model's averaged. Returns this rank's collectives (op,
+    elements)."""
+    from fullshard import fully_shard, probes
+    from fullshard.comm import watchdog
+
+    torch.manual_seed(0)
+    ref = Net(rank == 0, False)
+    model = copy.deepcopy(ref)
+    for block in model.blocks:
+        fully_shard(block.b)
+        fully_shard(block)
+    fully_shard(model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
+    order = []
+    watchdog.enable_watchdog(timeout=60)
+    try:
+        for step in range(3):
+            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank))
+            with probes.enabled(collective_log=True) as p:
+                model(x).square().mean().backward()
+            order += [f"{step} {c[0]} {c[2]}" for c in p.collectives.log]
+            ref(x).square().mean().backward()
+            _assert_averaged(ref, model, world, f"step {step}", False)
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+    finally:
+        watchdog.disable_watchdog()
+    return order
+
+
+@pytest.mark.timeout(200)
+def test_a_nested_unit_checkpointed_on_one_rank_only_is_not_called_diverged() -> None:
+    # Rank 0 all-gathers the nested unit in its recomputation's forward where rank 1 does so in
+    # backward: the same unit's shards, the same collective. The divergence check compared the
+    # phase too and stopped both ranks (CollectiveDiverged); it no longer does for a unit's
+    # collectives (comm.divergence.same_exchange). Without the watchdog this ran on d805a51, and
+    # aborted gloo on c148560 (review helper-105).
+    orders = run_ranks(nested_rank0_body, 2, timeout=180)
+    assert orders[0] == orders[1]

@@ -2,9 +2,10 @@
 
 Every collective has an identity: op, dtype, element count, and the FSDP unit and phase that
 issued it (:meth:`~fullshard.comm.flight_recorder.Entry.identity`; the step and the bytes are
-reported, not compared). An SPMD program issues the same collectives in the same order on every
-rank. When it does not (a rank that steps and calls ``state_dict()`` alone, clips alone, skips a
-unit, runs an extra forward), the backend pairs one rank's collective #N with another's different
+reported, not compared, and so is the phase of a unit's collective: :func:`same_exchange`). An
+SPMD program issues the same collectives in the same order on every rank. When it does not (a
+rank that steps and calls ``state_dict()`` alone, clips alone, skips a unit, runs an extra
+forward), the backend pairs one rank's collective #N with another's different
 #N: of another size, gloo aborts the process in C++; of the same size, they exchange the wrong
 data and hang later.
 
@@ -91,7 +92,7 @@ class Guard:
             return
         for r, ticket in asked.items():
             theirs = self.await_reply(r, ticket, e)
-            if theirs is not None and tuple(theirs["identity"]) != e.identity():
+            if theirs is not None and not same_exchange(tuple(theirs["identity"]), e.identity()):
                 message = self.message(e, r, theirs, usual)
                 RECORDER.complete(e, "diverged")
                 error = peers.raising(peers.CollectiveDiverged(message))
@@ -157,6 +158,17 @@ class Guard:
             usually = f"rank {on_course[0]}'s collective is the one that usually comes next"
             return f"rank {off} left the usual order ({usually}): {hint}"
         return hint
+
+
+def same_exchange(a: Identity, b: Identity) -> bool:
+    """Whether two ranks' collectives #N, by identity, exchange the same data: equal, or one FSDP
+    unit's (op, dtype and element count equal) from different phases. A unit all-gathered in a
+    recomputation's forward on one rank and in backward on another (a reentrant checkpoint on
+    some ranks only), or reduce-scattered in post-backward and at backward's end, moves the same
+    shards either way. Not the requires_grad check, which only looks like an all-gather."""
+    if a == b:
+        return True
+    return a[3] is not None and a[:4] == b[:4] and REQUIRES_GRAD_CHECK not in (a[4], b[4])
 
 
 def _what(d: dict[str, Any]) -> str:
