@@ -270,6 +270,35 @@ def test_a_unit_reached_in_a_segment_first_waits_for_its_other_call(world: int) 
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_unit_in_a_segment_recomputed_after_its_post_backward_runs_again(world: int) -> None:
+    # The segment first in forward (``late``), the unit resharded after forward and backward: its
+    # post-backward for the call outside the segment comes first, then the segment recomputes it
+    # ("cannot run forward in training state POST_BACKWARD" before 2026-11-29); it is gathered
+    # again and reduces the segment's gradient as a second one (engine.nested_grad.reopen).
+    configs = [c for c in TWICE if c[0] == "none"]
+    assert len(run_ranks(twice_body, world, configs, False, False, True, True, timeout=100)[0]) == len(configs)
+
+
+def late_flagged_body(rank: int, world: int) -> str:
+    """:func:`twice_body` with ``late`` in a tree with a flagged unit: the error each rank raises."""
+    try:
+        twice_body(rank, world, [("expert", (0,))], False, False, True, True)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_a_flagged_tree_refuses_a_recomputation_after_the_units_post_backward() -> None:
+    # Its turns and late round assume one post-backward per graph task: letting the segment run
+    # again paired collectives crosswise beside an expert reached on one rank (a gloo abort). The
+    # state check's error stands, on every rank.
+    for error in run_ranks(late_flagged_body, 2, timeout=100):
+        assert "'shared': cannot run forward in training state POST_BACKWARD" in error, error
+
+
+@pytest.mark.timeout(120)
 def test_a_unit_reached_twice_in_a_backward_that_creates_a_graph() -> None:
     # The shards' .grad are views: adding the second reduction refused grad mode's in-place add.
     configs = [("none", None), ("expert", (0,))]

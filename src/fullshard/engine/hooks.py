@@ -33,7 +33,7 @@ from fullshard.engine.config import BackwardPrefetch, FrontEnd
 from fullshard.engine.dynamo_guard import outside_dynamo
 from fullshard.engine.hook_state import FSDPState, RootState, backward_neighbour, neighbour
 from fullshard.engine.module_wrapper import clean_name
-from fullshard.engine.nested_grad import flush_deferred, grad_ready, holds, note_awaited, release_held
+from fullshard.engine.nested_grad import flush_deferred, grad_ready, holds, note_awaited, release_held, reopen
 from fullshard.engine.unit import ShardState, TrainingState, Unit
 from fullshard.engine.unit_check import check_same_units
 from fullshard.engine.unreached_reshard import defers_reshard, regather_for_backward
@@ -214,6 +214,7 @@ def pre_forward(state: FSDPState) -> None:
     assert root is not None
     if state.is_root:
         root_pre_forward(state)
+    reopen(unit, root)
     unit._check_state((TrainingState.IDLE, TrainingState.PRE_BACKWARD), "run forward")
     if root.kept is not None and not state.is_root:
         _release_kept(root, unit)
@@ -379,6 +380,7 @@ def _pre_backward(state: FSDPState, grad: torch.Tensor) -> torch.Tensor:
         regather_for_backward(root)
         note_awaited(root.units)
     release_held(root, unit)
+    reopen(unit, root)
     if id(unit) in root.pre_backward_done:
         return grad
     root.pre_backward_done.add(id(unit))

@@ -31,6 +31,10 @@ So, in a nested backward:
   that do not issue the same collectives (a reshard is no collective); a unit with two such
   segments reduce-scatters twice (the second gradient as a unit reached twice).
 
+A unit's recomputation or pre-backward after its post-backward in the same backward (two
+forwards before one backward, each with the unit in a segment) gathers it again and reduces
+once more (:func:`reopen`), except in a tree with a flagged unit.
+
 A split node of a graph this backward does not run (a forward with grad whose output was kept,
 never backwarded) is not waited for. Limits: a unit whose two segments' backwards come with the
 hook of a unit outside it between them (a branch) reshards there, and its next segment's
@@ -47,13 +51,13 @@ from typing import TYPE_CHECKING
 from fullshard import compat
 from fullshard.engine import reshard_guard
 from fullshard.engine.split_full import CHILD_GRAD
-from fullshard.engine.unit import ShardState
+from fullshard.engine.unit import ShardState, TrainingState
 
 if TYPE_CHECKING:
     from fullshard.engine.hook_state import RootState
     from fullshard.engine.unit import Unit
 
-__all__ = ["flush_deferred", "grad_ready", "holds", "note_awaited", "release_held"]
+__all__ = ["flush_deferred", "grad_ready", "holds", "note_awaited", "release_held", "reopen"]
 
 PostBackward = Callable[["Unit", "RootState"], None]
 
@@ -116,3 +120,20 @@ def flush_deferred(root: RootState, post_backward: PostBackward) -> None:
     waiting, root.deferred_grads = root.deferred_grads, []
     for unit in waiting:
         post_backward(unit, root)
+
+
+def reopen(unit: Unit, root: RootState) -> None:
+    """``unit``'s forward or pre-backward in backward after its post-backward in that backward:
+    a second reentrant checkpoint's recomputation of it, or of a child inside it (two forwards
+    before one backward, each with the unit in a segment: HF's reentrant gradient checkpointing
+    under a contrastive loss; or the unit in a segment and called again after it). It runs as
+    the first did, gathered again where it was resharded, its post-backward coming again with
+    that segment's gradient (a second reduce-scatter, added to the first, as for a unit reached
+    twice). Not in a tree with a unit that reduces where it is not reached
+    (``reduce_unreached``): its turns and late round assume one post-backward per graph task and
+    unit (a flagged unit reached on one rank paired collectives crosswise); there, and outside
+    backward, the state check's error stands."""
+    if unit.training_state is TrainingState.POST_BACKWARD and compat.in_backward():
+        if not any(u.grads.reduce_unreached for u in root.units):
+            unit.training_state = TrainingState.IDLE
+            root.pre_backward_done.discard(id(unit))
