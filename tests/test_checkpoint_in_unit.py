@@ -293,7 +293,7 @@ def hf_rank0_body(rank: int, world: int, front: str, reshard: bool | int) -> lis
     on rank 0 alone; three SGD steps of ``front`` (fullshard's ``fully_shard`` with
     ``reshard_after_forward=reshard``, or its FSDP1 wrapper), each gradient checked against the
     unsharded model's averaged. Returns this rank's collectives, in order (step, kind, elements)."""
-    from fullshard import FSDP, fully_shard, probes
+    from fullshard import FSDP, fully_shard
     from fullshard.frontend.wrap import ModuleWrapPolicy
 
     torch.manual_seed(0)
@@ -307,6 +307,14 @@ def hf_rank0_body(rank: int, world: int, front: str, reshard: bool | int) -> lis
         for block in model.blocks:
             fully_shard(block, reshard_after_forward=reshard)
         fully_shard(model)
+    return _three_steps(ref, model, rank, world, front == "fsdp1")
+
+
+def _three_steps(ref: nn.Module, model: nn.Module, rank: int, world: int, plain: bool) -> list[str]:
+    """Three SGD steps of ``model`` and the unsharded ``ref``, each sharded gradient checked
+    against ``ref``'s averaged; this rank's collectives in order (step, kind, elements)."""
+    from fullshard import probes
+
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
     order = []
     for step in range(3):
@@ -315,7 +323,7 @@ def hf_rank0_body(rank: int, world: int, front: str, reshard: bool | int) -> lis
             model(x).square().mean().backward()
         order += [f"{step} {c[0]} {c[2]}" for c in p.collectives.log]
         ref(x).square().mean().backward()
-        _assert_averaged(ref, model, world, f"{front} step {step}", front == "fsdp1")
+        _assert_averaged(ref, model, world, f"step {step}", plain)
         for opt in opts:
             opt.step()
             opt.zero_grad()
@@ -343,7 +351,7 @@ def nested_rank0_body(rank: int, world: int) -> list[str]:
     checkpoint on rank 0 alone, with the watchdog's divergence check on; three SGD steps, each
     gradient checked against the unsharded model's averaged. Returns this rank's collectives (op,
     elements)."""
-    from fullshard import fully_shard, probes
+    from fullshard import fully_shard
     from fullshard.comm import watchdog
 
     torch.manual_seed(0)
@@ -353,23 +361,11 @@ def nested_rank0_body(rank: int, world: int) -> list[str]:
         fully_shard(block.b)
         fully_shard(block)
     fully_shard(model)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
-    order = []
     watchdog.enable_watchdog(timeout=60)
     try:
-        for step in range(3):
-            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank))
-            with probes.enabled(collective_log=True) as p:
-                model(x).square().mean().backward()
-            order += [f"{step} {c[0]} {c[2]}" for c in p.collectives.log]
-            ref(x).square().mean().backward()
-            _assert_averaged(ref, model, world, f"step {step}", False)
-            for opt in opts:
-                opt.step()
-                opt.zero_grad()
+        return _three_steps(ref, model, rank, world, False)
     finally:
         watchdog.disable_watchdog()
-    return order
 
 
 @pytest.mark.timeout(200)
