@@ -172,7 +172,8 @@ def body(rank: int, world: int, how: str, two: bool, mode: str = "plain") -> dic
 
 
 def _assert_averaged(ref: nn.Module, model: nn.Module, world: int, what: str, plain: bool) -> None:
-    """Each sharded gradient is the unsharded model's averaged over ranks (``ref``'s ``.grad``)."""
+    """Each sharded gradient is the unsharded model's averaged over ranks (``ref``'s ``.grad``,
+    which becomes that average: both models take the same step)."""
     import torch.distributed as dist
 
     from fullshard import FSDP
@@ -187,6 +188,7 @@ def _assert_averaged(ref: nn.Module, model: nn.Module, world: int, what: str, pl
         want = p.grad.clone()
         dist.all_reduce(want)
         torch.testing.assert_close(got[name], want / world, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what} {name}: {m}")
+        p.grad = want / world
 
 
 # (how, two, world, mode, reduce-scatters per step): one per unit (3 blocks and the root) where
@@ -274,6 +276,7 @@ def two_roots_body(rank: int, world: int) -> int:
             want = p.grad.clone()
             dist.all_reduce(want)
             torch.testing.assert_close(got[name], want / world, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+            p.grad = want / world  # both models take the same step
         for opt in opts:
             opt.step()
             opt.zero_grad()
@@ -310,9 +313,12 @@ def hf_rank0_body(rank: int, world: int, front: str, reshard: bool | int) -> lis
     return _three_steps(ref, model, rank, world, front == "fsdp1")
 
 
-def _three_steps(ref: nn.Module, model: nn.Module, rank: int, world: int, plain: bool) -> list[str]:
+def _three_steps(
+    ref: nn.Module, model: nn.Module, rank: int, world: int, plain: bool, peaks: list[int] | None = None
+) -> list[str]:
     """Three SGD steps of ``model`` and the unsharded ``ref``, each sharded gradient checked
-    against ``ref``'s averaged; this rank's collectives in order (step, kind, elements)."""
+    against ``ref``'s averaged; this rank's collectives in order (step, kind, elements). Each
+    step's peak of units gathered at once goes to ``peaks``."""
     from fullshard import probes
 
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
@@ -322,6 +328,8 @@ def _three_steps(ref: nn.Module, model: nn.Module, rank: int, world: int, plain:
         with probes.enabled(collective_log=True) as p:
             model(x).square().mean().backward()
         order += [f"{step} {c[0]} {c[2]}" for c in p.collectives.log]
+        if peaks is not None:
+            peaks.append(p.gathered.peak)
         ref(x).square().mean().backward()
         _assert_averaged(ref, model, world, f"step {step}", plain)
         for opt in opts:
@@ -377,3 +385,68 @@ def test_a_nested_unit_checkpointed_on_one_rank_only_is_not_called_diverged() ->
     # aborted gloo on c148560 (review helper-105).
     orders = run_ranks(nested_rank0_body, 2, timeout=180)
     assert orders[0] == orders[1]
+
+
+class PosBlock(nn.Module):
+    """Takes ``(x, pos)``; returns ``(x', pos)``, ``pos`` itself (T5's blocks so return their
+    ``position_bias``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+
+    def forward(self, xp: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        x, pos = xp
+        return x + torch.tanh(self.a(x + pos)), pos
+
+
+class PosNet(nn.Module):
+    def __init__(self, through: bool) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 6)
+        self.pos = nn.Parameter(torch.randn(6))
+        self.blocks = nn.ModuleList([PosBlock() for _ in range(3)])
+        self.through = through  # each block's pos the one the block before returned
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x, pos = self.inp(x), self.pos * 1.0
+        for block in self.blocks:
+            x, out = block((x, pos))
+            pos = out if self.through else pos
+        return x
+
+
+def pos_body(rank: int, world: int, front: str) -> list[list[str]]:
+    """Per way of passing ``pos`` on (returned by each block, or the root's own): three SGD steps
+    of ``front``, gradients checked; this rank's collectives and the peak of units gathered."""
+    from fullshard import FSDP, fully_shard
+    from fullshard.frontend.wrap import ModuleWrapPolicy
+
+    out = []
+    for through in (False, True):
+        torch.manual_seed(0)
+        ref = PosNet(through)
+        model = copy.deepcopy(ref)
+        if front == "fsdp1":
+            model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({PosBlock}))
+        else:
+            for block in model.blocks:
+                fully_shard(block)
+            fully_shard(model)
+        peaks: list[int] = []
+        order = _three_steps(ref, model, rank, world, front == "fsdp1", peaks)
+        out.append([*order, f"peak {max(peaks)}"])
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("front", ["fully_shard", "fsdp1"])
+def test_a_unit_returning_its_input_is_not_gathered_again_by_its_late_hook(front: str) -> None:
+    # The pre-backward hook on a block's output ``pos`` (its input) runs when backward reaches
+    # the node that made ``pos``, after every block's post-backward. 93178ca's reopen took it for
+    # a second gradient to come: every block all-gathered again and stayed gathered to backward's
+    # end (T5 per T5Block: 26 all-gathers a step where 20 do, 8 blocks gathered at once; review
+    # helper-106). The same collectives and peak as where the root passes pos on itself.
+    for own, through in run_ranks(pos_body, 2, front, timeout=100):
+        assert through == own
+        assert own[-1] in ("peak 2", "peak 3"), own[-1]

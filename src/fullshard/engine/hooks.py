@@ -33,7 +33,7 @@ from fullshard.engine.config import BackwardPrefetch, FrontEnd
 from fullshard.engine.dynamo_guard import outside_dynamo
 from fullshard.engine.hook_state import FSDPState, RootState, backward_neighbour, neighbour
 from fullshard.engine.module_wrapper import clean_name
-from fullshard.engine.nested_grad import flush_deferred, grad_ready, holds, note_awaited, release_held, reopen
+from fullshard.engine.nested_grad import enter_backward, enter_forward, flush_deferred, grad_ready, holds, note_awaited
 from fullshard.engine.unit import ShardState, TrainingState, Unit
 from fullshard.engine.unit_check import check_same_units
 from fullshard.engine.unreached_reshard import defers_reshard, regather_for_backward
@@ -214,7 +214,7 @@ def pre_forward(state: FSDPState) -> None:
     assert root is not None
     if state.is_root:
         root_pre_forward(state)
-    reopen(unit, root)
+    enter_forward(unit, root)
     unit._check_state((TrainingState.IDLE, TrainingState.PRE_BACKWARD), "run forward")
     if root.kept is not None and not state.is_root:
         _release_kept(root, unit)
@@ -222,8 +222,6 @@ def pre_forward(state: FSDPState) -> None:
         unit.training_state = TrainingState.FORWARD
     exposed_comm.close_range(state.forward_range)  # a member of a several-module unit run again
     state.forward_range = exposed_comm.open_range(f"fullshard::unit forward {unit.name}")
-    if root.held_gathered and _in_backward():  # a recomputation: the units held before it are done
-        release_held(root, unit)
     unit.unshard()
     unit.install_full_params()
     if probes.ACTIVE is not None:
@@ -358,16 +356,17 @@ def register_pre_backward(state: FSDPState, output: Any) -> Any:
     """Hook every tensor of ``output`` that requires grad, so that the unit is gathered (and
     its prefetches start) when backward reaches it. Returns ``output``."""
     tensors, _ = compat.tree_flatten(output)
+    call: list[bool] = []  # this call's hooks share it: whether one of them has run
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.requires_grad:
-            t.register_hook(functools.partial(_pre_backward, state))
+            t.register_hook(functools.partial(_pre_backward, state, call))
             if state.root is not None:
                 state.root.backward_units.add(id(state.unit))
     return output
 
 
 @outside_dynamo
-def _pre_backward(state: FSDPState, grad: torch.Tensor) -> torch.Tensor:
+def _pre_backward(state: FSDPState, call: list[bool], grad: torch.Tensor) -> torch.Tensor:
     unit, root = state.unit, state.root
     assert root is not None
     traced = dynamo_guard.compiled_autograd_error(unit.name)
@@ -379,8 +378,7 @@ def _pre_backward(state: FSDPState, grad: torch.Tensor) -> torch.Tensor:
         reshard_guard.if_backward_fails(functools.partial(_backward_failed, root))
         regather_for_backward(root)
         note_awaited(root.units)
-    release_held(root, unit)
-    reopen(unit, root)
+    enter_backward(unit, root, call)
     if id(unit) in root.pre_backward_done:
         return grad
     root.pre_backward_done.add(id(unit))

@@ -57,7 +57,16 @@ if TYPE_CHECKING:
     from fullshard.engine.hook_state import RootState
     from fullshard.engine.unit import Unit
 
-__all__ = ["flush_deferred", "grad_ready", "holds", "note_awaited", "release_held", "reopen"]
+__all__ = [
+    "enter_forward",
+    "enter_backward",
+    "flush_deferred",
+    "grad_ready",
+    "holds",
+    "note_awaited",
+    "release_held",
+    "reopen",
+]
 
 PostBackward = Callable[["Unit", "RootState"], None]
 
@@ -122,7 +131,7 @@ def flush_deferred(root: RootState, post_backward: PostBackward) -> None:
         post_backward(unit, root)
 
 
-def reopen(unit: Unit, root: RootState) -> None:
+def reopen(unit: Unit, root: RootState, first_of_call: bool = True) -> None:
     """``unit``'s forward or pre-backward in backward after its post-backward in that backward:
     a second reentrant checkpoint's recomputation of it, or of a child inside it (two forwards
     before one backward, each with the unit in a segment: HF's reentrant gradient checkpointing
@@ -132,8 +141,29 @@ def reopen(unit: Unit, root: RootState) -> None:
     twice). Not in a tree with a unit that reduces where it is not reached
     (``reduce_unreached``): its turns and late round assume one post-backward per graph task and
     unit (a flagged unit reached on one rank paired collectives crosswise); there, and outside
-    backward, the state check's error stands."""
-    if unit.training_state is TrainingState.POST_BACKWARD and compat.in_backward():
+    backward, the state check's error stands. At a pre-backward, only the first of that forward
+    call's output hooks (``first_of_call``): another forward's. Not a later hook of a call whose
+    backward has begun, on an output that is one of the unit's inputs (T5's ``position_bias``,
+    which every block returns), reached after the unit's post-backward with nothing more to
+    accumulate: gathered again there, it stayed so to backward's end (review, 2026-11-29)."""
+    if unit.training_state is TrainingState.POST_BACKWARD and compat.in_backward() and first_of_call:
         if not any(u.grads.reduce_unreached for u in root.units):
             unit.training_state = TrainingState.IDLE
             root.pre_backward_done.discard(id(unit))
+
+
+def enter_backward(unit: Unit, root: RootState, call: list[bool]) -> None:
+    """At a pre-backward hook of ``unit`` on an output of one forward call (``call``: shared by
+    that call's hooks, non-empty once one of them ran): release the units held for a child
+    segment (:func:`release_held`), and :func:`reopen` ``unit`` at the call's first hook."""
+    release_held(root, unit)
+    reopen(unit, root, first_of_call=not call)
+    call.append(True)
+
+
+def enter_forward(unit: Unit, root: RootState) -> None:
+    """At ``unit``'s pre-forward, before its state check: :func:`reopen` it, and in a
+    recomputation (a forward in backward) release the units held before it (done with)."""
+    reopen(unit, root)
+    if root.held_gathered and compat.in_backward():
+        release_held(root, unit)
