@@ -450,3 +450,47 @@ def test_a_unit_returning_its_input_is_not_gathered_again_by_its_late_hook(front
     for own, through in run_ranks(pos_body, 2, front, timeout=100):
         assert through == own
         assert own[-1] in ("peak 2", "peak 3"), own[-1]
+
+
+class HeadNet(nn.Module):
+    """Linear blocks, then ``pre`` (an ``nn.Identity``, which returns its input itself, or
+    nothing) and ``head``; ``pre`` and ``head`` one unit."""
+
+    def __init__(self, identity: bool) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(3)])
+        self.pre = nn.Identity() if identity else None
+        self.head = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.blocks(x.requires_grad_())
+        return self.head(self.pre(h) if self.pre is not None else h)
+
+
+def member_body(rank: int, world: int) -> list[list[str]]:
+    """With and without the identity member: three SGD steps, gradients checked; this rank's
+    collectives and the peak of units gathered."""
+    from fullshard import fully_shard
+
+    out = []
+    for identity in (False, True):
+        torch.manual_seed(0)
+        ref = HeadNet(identity)
+        model = copy.deepcopy(ref)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard([model.pre, model.head] if identity else model.head)
+        fully_shard(model)
+        peaks: list[int] = []
+        out.append([*_three_steps(ref, model, rank, world, False, peaks), f"peak {max(peaks)}"])
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_an_identity_member_of_a_unit_does_not_reopen_it() -> None:
+    # The hook on the Identity's output (its input) is the first of its call and runs after the
+    # unit's post-backward; e3ef2cc reopened the unit there: gathered again after its
+    # reduce-scatter and held to backward's end (peak 3 -> 4; review helper-107). Only a unit
+    # whose post-backward ran in a nested backward (a reentrant checkpoint's) reopens.
+    for plain, member in run_ranks(member_body, 2, timeout=100):
+        assert member == plain

@@ -82,6 +82,9 @@ class RootState:
     deferred_grads: list[Unit] = dataclasses.field(default_factory=list)
     # Units a child segment's gradient reached, gathered until a hook of a unit outside them.
     held_gathered: list[Unit] = dataclasses.field(default_factory=list)
+    # Units (by id) whose post-backward ran in a nested backward (a reentrant checkpoint's) in this
+    # backward: their next forward call's pre-backward may reopen them (nested_grad.reopen).
+    nested_posts: set[int] = dataclasses.field(default_factory=set)
 
     def expected_backward(self) -> set[int]:
         """The units (by id) backward is expected to reach this step (not to be changed)."""

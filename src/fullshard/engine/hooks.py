@@ -496,3 +496,4 @@ def finish_backward(root: RootState, reshard: bool = True) -> None:
     root.backward_units.clear()
     root.deferred_grads.clear()
     root.held_gathered.clear()
+    root.nested_posts.clear()

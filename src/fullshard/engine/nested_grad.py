@@ -103,6 +103,8 @@ def grad_ready(unit: Unit, root: RootState, post_backward: PostBackward) -> None
     release_held(root, unit)
     if nested and child and unit not in root.held_gathered:
         root.held_gathered.append(unit)
+    if nested:
+        root.nested_posts.add(id(unit))
     post_backward(unit, root)
 
 
@@ -131,7 +133,7 @@ def flush_deferred(root: RootState, post_backward: PostBackward) -> None:
         post_backward(unit, root)
 
 
-def reopen(unit: Unit, root: RootState, first_of_call: bool = True) -> None:
+def reopen(unit: Unit, root: RootState, allowed: bool = True) -> None:
     """``unit``'s forward or pre-backward in backward after its post-backward in that backward:
     a second reentrant checkpoint's recomputation of it, or of a child inside it (two forwards
     before one backward, each with the unit in a segment: HF's reentrant gradient checkpointing
@@ -141,12 +143,13 @@ def reopen(unit: Unit, root: RootState, first_of_call: bool = True) -> None:
     twice). Not in a tree with a unit that reduces where it is not reached
     (``reduce_unreached``): its turns and late round assume one post-backward per graph task and
     unit (a flagged unit reached on one rank paired collectives crosswise); there, and outside
-    backward, the state check's error stands. At a pre-backward, only the first of that forward
-    call's output hooks (``first_of_call``): another forward's. Not a later hook of a call whose
-    backward has begun, on an output that is one of the unit's inputs (T5's ``position_bias``,
-    which every block returns), reached after the unit's post-backward with nothing more to
-    accumulate: gathered again there, it stayed so to backward's end (review, 2026-11-29)."""
-    if unit.training_state is TrainingState.POST_BACKWARD and compat.in_backward() and first_of_call:
+    backward, the state check's error stands. At a pre-backward (:func:`enter_backward`), only
+    the first of another forward call's output hooks, after a post-backward in a nested backward
+    (``allowed``). Not a hook on an output that is one of the unit's inputs (T5's
+    ``position_bias``, which every block returns; an ``nn.Identity`` member of a unit), reached
+    after an ordinary post-backward with nothing more to accumulate: gathered again there, the
+    unit stayed so to backward's end (reviews, 2026-11-29)."""
+    if unit.training_state is TrainingState.POST_BACKWARD and compat.in_backward() and allowed:
         if not any(u.grads.reduce_unreached for u in root.units):
             unit.training_state = TrainingState.IDLE
             root.pre_backward_done.discard(id(unit))
@@ -155,9 +158,10 @@ def reopen(unit: Unit, root: RootState, first_of_call: bool = True) -> None:
 def enter_backward(unit: Unit, root: RootState, call: list[bool]) -> None:
     """At a pre-backward hook of ``unit`` on an output of one forward call (``call``: shared by
     that call's hooks, non-empty once one of them ran): release the units held for a child
-    segment (:func:`release_held`), and :func:`reopen` ``unit`` at the call's first hook."""
+    segment (:func:`release_held`), and :func:`reopen` ``unit`` at the call's first hook where its
+    post-backward in this backward ran in a nested one."""
     release_held(root, unit)
-    reopen(unit, root, first_of_call=not call)
+    reopen(unit, root, allowed=not call and id(unit) in root.nested_posts)
     call.append(True)
 
 
