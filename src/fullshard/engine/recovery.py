@@ -54,3 +54,6 @@ def reset_iteration(root: RootState) -> None:
     root.pre_backward_done.clear()
     root.frozen_pending.clear()
     root.backward_units.clear()
+    root.deferred_grads.clear()  # engine.nested_grad's lists, as finish_backward clears them
+    root.held_gathered.clear()
+    root.nested_posts.clear()
