@@ -86,6 +86,15 @@ class RootState:
     # backward: their next forward call's pre-backward may reopen them (nested_grad.reopen).
     nested_posts: set[int] = dataclasses.field(default_factory=set)
 
+    def forget_backward(self) -> None:
+        """Drop what one backward recorded (its end, or an abandoned iteration's reset)."""
+        self.pre_backward_done.clear()
+        self.frozen_pending.clear()
+        self.backward_units.clear()
+        self.deferred_grads.clear()  # engine.nested_grad's
+        self.held_gathered.clear()
+        self.nested_posts.clear()
+
     def expected_backward(self) -> set[int]:
         """The units (by id) backward is expected to reach this step (not to be changed)."""
         if not self.forward_without_grad:

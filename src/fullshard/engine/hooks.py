@@ -491,9 +491,4 @@ def finish_backward(root: RootState, reshard: bool = True) -> None:
     root.callback_queued = False
     if root.pre_backward_done:
         root.last_backward = set(root.pre_backward_done)
-    root.pre_backward_done.clear()
-    root.frozen_pending.clear()
-    root.backward_units.clear()
-    root.deferred_grads.clear()
-    root.held_gathered.clear()
-    root.nested_posts.clear()
+    root.forget_backward()

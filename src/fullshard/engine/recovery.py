@@ -51,9 +51,4 @@ def reset_iteration(root: RootState) -> None:
     root.kept = root.last_reduced = None
     root.turns = None  # the reduction turns of the backward it abandoned (reduce_order)
     root.callback_queued = False
-    root.pre_backward_done.clear()
-    root.frozen_pending.clear()
-    root.backward_units.clear()
-    root.deferred_grads.clear()  # engine.nested_grad's lists, as finish_backward clears them
-    root.held_gathered.clear()
-    root.nested_posts.clear()
+    root.forget_backward()
